@@ -1,0 +1,181 @@
+"""Shared machinery of the comera layers: cores, rank gates, masks, truncation and checkpoint resizing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..tt.rank import (
+    DEFAULT_THRESHOLD,
+    CoreSelection,
+    apply_gates,
+    refresh_mask,
+    select_rank_slices,
+    train_parameter_count,
+    truncate_train,
+)
+
+__all__ = ["TTLayer", "TruncationRecord"]
+
+
+class TruncationRecord(list):
+    """``[(parameter, CoreSelection), ...]`` for every parameter a truncation resized.
+
+    The parameters keep their identity (only ``.data`` changes), so optimiser param groups stay valid;
+    slice their optimiser state with :func:`comera_lightning.tt.select_rank_slices` and the selection.
+    """
+
+
+class TTLayer(nn.Module):
+    """Base of :class:`TTLinear` and :class:`TTEmbedding`: a gated tensor train with a rank mask.
+
+    Subclasses call :meth:`_init_train` with their core shapes and implement ``dense_parameters`` and
+    ``mode_sizes`` (the flattened non-rank size of every core).
+    """
+
+    cores: nn.ParameterList
+    gates: nn.ParameterList
+    max_ranks: list[int]
+    rank_threshold: float
+
+    def _init_train(self, cores: Sequence[torch.Tensor], threshold: float, max_ranks: Sequence[int]) -> None:
+        if not 0.0 <= threshold < 1.0:
+            raise ValueError(f"rank_threshold must be in [0, 1) (gates start at 1), got {threshold}")
+        self.rank_threshold = float(threshold)
+        self.max_ranks = list(max_ranks)
+        self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
+        bond_ranks = [c.shape[-1] for c in cores[:-1]]
+        device = cores[0].device
+        self.gates = nn.ParameterList(
+            [nn.Parameter(torch.ones(r, dtype=torch.float32, device=device)) for r in bond_ranks]
+        )
+        for k, r in enumerate(bond_ranks):
+            self.register_buffer(f"rank_mask_{k}", torch.ones(r, dtype=torch.bool, device=device))
+
+    # --- views ---------------------------------------------------------------------------------------
+    @property
+    def num_bonds(self) -> int:
+        return len(self.gates)
+
+    @property
+    def rank_masks(self) -> list[torch.Tensor]:
+        """Boolean active mask of every internal bond."""
+        return [getattr(self, f"rank_mask_{k}") for k in range(self.num_bonds)]
+
+    @property
+    def mode_sizes(self) -> list[int]:
+        """Non-rank size of each core (``s_k``, or ``v_k * e_k`` for TTM cores)."""
+        return [math.prod(c.shape[1:-1]) for c in self.cores]
+
+    @property
+    def ranks(self) -> list[int]:
+        """Current (allocated) ranks ``[1, r_1, ..., 1]``; shrink only through :meth:`truncate_`."""
+        return [1] + [int(c.shape[-1]) for c in self.cores]
+
+    @property
+    def active_ranks(self) -> list[int]:
+        """Ranks counting only active (unmasked) slices."""
+        return [1] + [int(m.sum()) for m in self.rank_masks] + [1]
+
+    def active_parameters(self) -> int:
+        """Parameters of the train restricted to active slices (what truncation would leave)."""
+        return train_parameter_count(self.mode_sizes, self.active_ranks)
+
+    def allocated_parameters(self) -> int:
+        """Core parameters currently stored (before truncation this includes masked slices)."""
+        return train_parameter_count(self.mode_sizes, self.ranks)
+
+    @property
+    def dense_parameters(self) -> int:  # pragma: no cover - abstract
+        """Parameters of the dense layer this train replaces (excluding bias)."""
+        raise NotImplementedError
+
+    def gated_cores(self) -> list[torch.Tensor]:
+        """Cores with the masked gates folded into their trailing rank index (differentiable)."""
+        return apply_gates(list(self.cores), list(self.gates), self.rank_masks)
+
+    # --- rank adaptation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def refresh_masks_(self, threshold: float | None = None) -> list[int]:
+        """Switch off every slice whose gate magnitude is <= threshold; returns the active ranks.
+
+        Dead slices stay dead. Decisions depend only on the gate values, so processes holding identical
+        parameters (DDP) reach identical masks.
+        """
+        threshold = self.rank_threshold if threshold is None else threshold
+        for k, (gate, mask) in enumerate(zip(self.gates, self.rank_masks)):
+            mask.copy_(refresh_mask(gate, mask, threshold))
+        return self.active_ranks
+
+    @torch.no_grad()
+    def truncate_(self) -> TruncationRecord:
+        """Physically remove masked slices from cores, gates and masks; the function is unchanged.
+
+        Parameters are resized in place (same objects), their ``.grad`` sliced alike. Returns what was
+        selected so callers can slice optimiser state the same way.
+        """
+        record = TruncationRecord()
+        if all(bool(m.all()) for m in self.rank_masks):
+            return record
+        core_sel, gate_sel = truncate_train(self.rank_masks, len(self.cores))
+        for param, selection in [*zip(self.cores, core_sel), *zip(self.gates, gate_sel)]:
+            _resize_parameter(param, selection)
+            record.append((param, selection))
+        for k, mask in enumerate(self.rank_masks):
+            setattr(self, f"rank_mask_{k}", torch.ones(int(mask.sum()), dtype=torch.bool, device=mask.device))
+        return record
+
+    def comera_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(kind, parameter) for every core (``"core"``) and gate (``"gate"``); used for optimiser groups."""
+        for core in self.cores:
+            yield "core", core
+        for gate in self.gates:
+            yield "gate", gate
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """Adopt the ranks of the incoming cores (e.g. a checkpoint taken after truncation)."""
+        incoming = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(self.cores))]
+        if all(t is not None for t in incoming):
+            self._adopt_core_shapes([tuple(t.shape) for t in incoming], prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @torch.no_grad()
+    def _adopt_core_shapes(self, shapes: list[tuple[int, ...]], prefix: str) -> None:
+        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
+            if tuple(shape[1:-1]) != tuple(core.shape[1:-1]):
+                raise ValueError(
+                    f"checkpoint core {prefix}cores.{k} has mode sizes {tuple(shape[1:-1])} but this layer "
+                    f"has {tuple(core.shape[1:-1])}: the checkpoint is from a different architecture; build "
+                    f"the model with the modes the checkpoint was trained with"
+                )
+        ranks = [1] + [s[-1] for s in shapes]
+        if any(shapes[k][0] != ranks[k] for k in range(len(shapes))) or ranks[-1] != 1:
+            raise ValueError(f"checkpoint cores under {prefix}cores have inconsistent ranks: {shapes}")
+        too_big = [k for k, (r, m) in enumerate(zip(ranks, self.max_ranks)) if r > m]
+        if too_big:
+            raise ValueError(
+                f"checkpoint ranks {ranks} under {prefix}cores exceed this layer's maximum {self.max_ranks} "
+                f"at bonds {too_big}; build the layer with at least those ranks"
+            )
+        if ranks == self.ranks:
+            return
+        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
+            core.data = core.data.new_zeros(shape)
+            core.grad = None
+        for k, gate in enumerate(self.gates):
+            gate.data = gate.data.new_ones(ranks[k + 1])
+            gate.grad = None
+            setattr(self, f"rank_mask_{k}", torch.ones(ranks[k + 1], dtype=torch.bool, device=gate.device))
+
+    def extra_repr(self) -> str:
+        return f"ranks={self.ranks}, active_ranks={self.active_ranks}, threshold={self.rank_threshold}"
+
+
+def _resize_parameter(param: nn.Parameter, selection: CoreSelection) -> None:
+    param.data = select_rank_slices(param.data, selection)
+    if param.grad is not None:
+        param.grad = select_rank_slices(param.grad, selection)

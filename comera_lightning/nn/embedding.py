@@ -1,0 +1,142 @@
+"""TTEmbedding: an ``nn.Embedding`` whose table is a rank-gated TT-matrix, looked up by half-merge."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorly as tl
+import torch
+from torch import nn
+
+from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm_to_dense
+from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
+from ..tt.rank import DEFAULT_THRESHOLD
+from ..tt.ttm import ttm_lookup
+from .base import TTLayer
+
+__all__ = ["TTEmbedding"]
+
+
+class TTEmbedding(TTLayer):
+    """Embedding table ``E (V x D)`` as TT-matrix cores ``(r_{k-1}, v_k, e_k, r_k)``.
+
+    Each call merges the first and the last half of the cores once (batch-free), then every token
+    costs one gather per half and one small product. Vocabularies that do not factor are padded
+    (30522 -> 30576 rows); padded rows are never looked up.
+
+    Args:
+        num_embeddings: vocabulary size ``V``.
+        embedding_dim: ``D``.
+        rank: one rank for every internal bond (clamped) or a list of the internal ranks (strict).
+        vocab_modes, dim_modes: explicit factorisations with the same number of modes; None picks them.
+        padding_idx: this row always returns zeros and receives no gradient, as in ``nn.Embedding``.
+        deduplicate: compute each distinct id once per call (pays off when batches repeat tokens).
+        rank_threshold: gate magnitude at or below which a rank slice is switched off.
+        init_std: std of the reconstructed table (default 1, as ``nn.Embedding``).
+        dtype, device: of the cores (gates are always fp32).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        rank: int | Sequence[int] = 32,
+        vocab_modes: Sequence[int] | None = None,
+        dim_modes: Sequence[int] | None = None,
+        padding_idx: int | None = None,
+        deduplicate: bool = False,
+        rank_threshold: float = DEFAULT_THRESHOLD,
+        init_std: float = 1.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(f"num_embeddings and embedding_dim must be >= 1, got {num_embeddings}, {embedding_dim}")
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+        self.deduplicate = bool(deduplicate)
+        num_modes = len(vocab_modes) if vocab_modes is not None else (
+            len(dim_modes) if dim_modes is not None else default_num_modes(num_embeddings)
+        )
+        self.vocab_modes = (
+            padded_modes(num_embeddings, num_modes)
+            if vocab_modes is None
+            else validate_modes(vocab_modes, num_embeddings, "vocab_modes")
+        )
+        self.dim_modes = (
+            factorize(embedding_dim, num_modes)
+            if dim_modes is None
+            else validate_modes(dim_modes, embedding_dim, "dim_modes", allow_padding=False)
+        )
+        if len(self.vocab_modes) != len(self.dim_modes):
+            raise ValueError(
+                f"vocab_modes {self.vocab_modes} and dim_modes {self.dim_modes} must have the same number "
+                f"of modes (one TT-matrix core per pair)"
+            )
+        sizes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        ranks = resolve_ranks(sizes, rank)
+        dtype = dtype or torch.get_default_dtype()
+        shapes = [(ranks[k], v, e, ranks[k + 1]) for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes))]
+        self._init_train(init_cores(shapes, init_std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
+
+    @classmethod
+    def from_embedding(
+        cls, embedding: nn.Embedding, rank: int | Sequence[int] = 32, **kwargs
+    ) -> tuple["TTEmbedding", float]:
+        """A TTEmbedding initialised by TT-matrix SVD of ``embedding.weight``; returns it and the relative error."""
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, rank, padding_idx=embedding.padding_idx,
+            dtype=embedding.weight.dtype, device=embedding.weight.device, **kwargs,
+        )
+        factors = ttm_from_dense(embedding.weight.detach(), layer.vocab_modes, layer.dim_modes, layer.ranks)
+        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        with torch.no_grad():
+            for core, factor in zip(layer.cores, factors):
+                core.copy_(factor)
+            reference = embedding.weight
+            error = (layer.weight_dense() - reference).norm() / reference.norm().clamp_min(1e-30)
+        return layer, float(error)
+
+    @property
+    def dense_parameters(self) -> int:
+        return self.num_embeddings * self.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"TTEmbedding expects integer token ids, got dtype {ids.dtype}")
+        flat = ids.reshape(-1).long()
+        if flat.numel():
+            low, high = int(flat.min()), int(flat.max())
+            if low < 0 or high >= self.num_embeddings:
+                bad = low if low < 0 else high
+                raise IndexError(
+                    f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); check the tokenizer's "
+                    f"vocabulary size against num_embeddings={self.num_embeddings}"
+                )
+        rows = ttm_lookup(self.gated_cores(), flat, deduplicate=self.deduplicate)
+        if self.padding_idx is not None:
+            rows = rows * (flat != self.padding_idx).unsqueeze(1).to(rows.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def weight_dense(self) -> torch.Tensor:
+        """The ``(num_embeddings, embedding_dim)`` table ``nn.Embedding`` would hold (differentiable)."""
+        table = ttm_to_dense(self.gated_cores())[: self.num_embeddings]
+        if self.padding_idx is not None:
+            table = table.index_fill(0, torch.tensor([self.padding_idx], device=table.device), 0.0)
+        return table
+
+    def to_tensorly(self) -> tl.tt_matrix.TTMatrix:
+        """The gated factors as a tensorly ``TTMatrix`` (rows ``vocab_modes``, columns ``dim_modes``)."""
+        with tl.backend_context("pytorch"):
+            return tl.tt_matrix.TTMatrix(self.gated_cores())
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, vocab_modes="
+            f"{self.vocab_modes}, dim_modes={self.dim_modes}, padding_idx={self.padding_idx}, "
+            f"deduplicate={self.deduplicate}, {super().extra_repr()}"
+        )

@@ -1,0 +1,132 @@
+"""TTLinear: a drop-in ``nn.Linear`` whose weight is a rank-gated CoMERA tensor train."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorly as tl
+import torch
+from torch import nn
+
+from ..tt.contract import PLANS, tt_linear
+from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
+from ..tt.modes import padded_modes, validate_modes
+from ..tt.rank import DEFAULT_THRESHOLD
+from .base import TTLayer
+
+__all__ = ["TTLinear"]
+
+
+class TTLinear(TTLayer):
+    """``y = x W^T + b`` with ``W`` stored as a TT over (input modes, output modes).
+
+    The bond between the input and the output cores is a rank-``r`` bottleneck, so at training batch
+    sizes ``y = (x L) R`` costs ``2 B r (M + N)`` instead of ``2 B M N``. The contraction order is chosen
+    per call by :func:`comera_lightning.tt.plan_tt_linear` unless ``contraction_plan`` is set.
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each output sample.
+        rank: one rank for every internal bond (clamped to what the modes allow) or a list of the
+            internal ranks (validated strictly).
+        in_modes, out_modes: explicit factorisations; None picks balanced modes (padding the feature
+            size with unused zeros if it does not factor well).
+        bias: learn an additive bias.
+        rank_threshold: gate magnitude at or below which a rank slice is switched off.
+        init_std: std of the reconstructed weight; default ``sqrt(1 / (in + out))`` as in the paper.
+        dtype, device: of the cores (gates are always fp32).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int | Sequence[int] = 30,
+        in_modes: Sequence[int] | None = None,
+        out_modes: Sequence[int] | None = None,
+        bias: bool = True,
+        rank_threshold: float = DEFAULT_THRESHOLD,
+        init_std: float | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_modes = (
+            padded_modes(in_features) if in_modes is None else validate_modes(in_modes, in_features, "in_modes")
+        )
+        self.out_modes = (
+            padded_modes(out_features) if out_modes is None else validate_modes(out_modes, out_features, "out_modes")
+        )
+        sizes = self.in_modes + self.out_modes
+        ranks = resolve_ranks(sizes, rank)
+        std = math.sqrt(1.0 / (in_features + out_features)) if init_std is None else float(init_std)
+        dtype = dtype or torch.get_default_dtype()
+        shapes = [(ranks[k], s, ranks[k + 1]) for k, s in enumerate(sizes)]
+        self._init_train(init_cores(shapes, std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.contraction_plan: str | None = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int | Sequence[int] = 30, **kwargs
+    ) -> tuple["TTLinear", float]:
+        """A TTLinear initialised by TT-SVD of ``linear.weight``; returns it with the relative error."""
+        layer = cls(
+            linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
+            dtype=linear.weight.dtype, device=linear.weight.device, **kwargs,
+        )
+        weight = linear.weight.detach().transpose(0, 1)
+        factors = tt_from_dense(weight, layer.in_modes, layer.out_modes, layer.ranks)
+        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        with torch.no_grad():
+            for core, factor in zip(layer.cores, factors):
+                core.copy_(factor)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+            error = (layer.weight_dense() - linear.weight).norm() / linear.weight.norm().clamp_min(1e-30)
+        return layer, float(error)
+
+    @property
+    def dense_parameters(self) -> int:
+        return self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"TTLinear expected inputs with last dimension {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        padded_in = math.prod(self.in_modes)
+        if padded_in != self.in_features:
+            x = nn.functional.pad(x, (0, padded_in - self.in_features))
+        y = tt_linear(x, self.gated_cores(), self.in_modes, self.contraction_plan)
+        if y.shape[-1] != self.out_features:
+            y = y[..., : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def weight_dense(self) -> torch.Tensor:
+        """The ``(out_features, in_features)`` matrix ``nn.Linear`` would hold (differentiable)."""
+        full = tt_to_dense(self.gated_cores(), len(self.in_modes))
+        return full[: self.in_features, : self.out_features].transpose(0, 1)
+
+    def to_tensorly(self) -> tl.tt_tensor.TTTensor:
+        """The gated factors as a tensorly ``TTTensor`` over ``(in_modes..., out_modes...)``."""
+        with tl.backend_context("pytorch"):
+            return tl.tt_tensor.TTTensor(self.gated_cores())
+
+    def set_contraction_plan(self, plan: str | None) -> None:
+        """Force one of :data:`comera_lightning.tt.PLANS`, or None to let the planner choose per call."""
+        if plan is not None and plan not in PLANS:
+            raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS} or None")
+        self.contraction_plan = plan
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, in_modes={self.in_modes}, "
+            f"out_modes={self.out_modes}, bias={self.bias is not None}, {super().extra_repr()}"
+        )

@@ -1,0 +1,184 @@
+"""``tensorize()``: swap a model's large ``nn.Linear`` / ``nn.Embedding`` modules for comera layers,
+and ``size_report()``: what every comera layer costs against the dense layer it replaced."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from torch import nn
+
+from .base import TTLayer
+from .embedding import TTEmbedding
+from .linear import TTLinear
+
+__all__ = ["tensorize", "TensorizeRecord", "size_report", "LayerSize", "SizeReport", "tt_layers"]
+
+
+@dataclass
+class TensorizeRecord:
+    """What :func:`tensorize` did to one module."""
+
+    name: str
+    kind: str  # "linear" or "embedding"
+    shape: tuple[int, int]
+    ranks: list[int]
+    dense_parameters: int
+    tt_parameters: int
+    relative_error: float | None  # ||W_tt - W|| / ||W|| when decomposed from pretrained weights
+
+    @property
+    def compression(self) -> float:
+        return self.dense_parameters / max(self.tt_parameters, 1)
+
+
+def tensorize(
+    model: nn.Module,
+    rank: int | Sequence[int] = 30,
+    *,
+    min_features: int = 128,
+    include: str | None = None,
+    exclude: str | None = None,
+    linears: bool = True,
+    embeddings: bool = True,
+    embedding_rank: int | Sequence[int] | None = None,
+    decompose: bool = False,
+    **layer_kwargs,
+) -> list[TensorizeRecord]:
+    """Replace, in place, every ``nn.Linear`` / ``nn.Embedding`` of ``model`` that qualifies.
+
+    A module qualifies when both of its dimensions are at least ``min_features``, its qualified name
+    matches the regex ``include`` (if given) and not ``exclude`` (if given). Only exact ``nn.Linear`` /
+    ``nn.Embedding`` instances are replaced: subclasses (e.g. ``nn.MultiheadAttention.out_proj``) are
+    read directly as weights by their owners and must stay dense.
+
+    Args:
+        model: the model to modify in place.
+        rank: rank for the TT linears (and embeddings unless ``embedding_rank`` is given).
+        decompose: initialise from the existing weights by TT-SVD (and report the error) instead of
+            training from scratch.
+        layer_kwargs: forwarded to the layer constructors (e.g. ``rank_threshold``).
+
+    Returns:
+        One :class:`TensorizeRecord` per replaced module, in model order.
+    """
+    if min_features < 1:
+        raise ValueError(f"min_features must be >= 1, got {min_features}")
+    include_re = re.compile(include) if include else None
+    exclude_re = re.compile(exclude) if exclude else None
+    records = []
+    for name, module in list(model.named_modules()):
+        is_linear = linears and type(module) is nn.Linear
+        is_embedding = embeddings and type(module) is nn.Embedding
+        if not (is_linear or is_embedding):
+            continue
+        rows, cols = (module.in_features, module.out_features) if is_linear else (
+            module.num_embeddings, module.embedding_dim)
+        if min(rows, cols) < min_features:
+            continue
+        if include_re is not None and not include_re.search(name):
+            continue
+        if exclude_re is not None and exclude_re.search(name):
+            continue
+        error = None
+        if is_linear:
+            if decompose:
+                layer, error = TTLinear.from_linear(module, rank, **layer_kwargs)
+            else:
+                layer = TTLinear(rows, cols, rank, bias=module.bias is not None, dtype=module.weight.dtype,
+                                 device=module.weight.device, **layer_kwargs)
+        else:
+            emb_rank = rank if embedding_rank is None else embedding_rank
+            if decompose:
+                layer, error = TTEmbedding.from_embedding(module, emb_rank, **layer_kwargs)
+            else:
+                layer = TTEmbedding(rows, cols, emb_rank, padding_idx=module.padding_idx,
+                                    dtype=module.weight.dtype, device=module.weight.device, **layer_kwargs)
+        _set_submodule(model, name, layer)
+        records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
+                                       layer.dense_parameters, layer.allocated_parameters(), error))
+    return records
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def tt_layers(model: nn.Module) -> list[tuple[str, TTLayer]]:
+    """(qualified name, layer) of every comera layer in ``model``."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, TTLayer)]
+
+
+@dataclass
+class LayerSize:
+    name: str
+    ranks: list[int]
+    active_ranks: list[int]
+    active_parameters: int
+    allocated_parameters: int
+    dense_parameters: int
+
+    @property
+    def compression(self) -> float:
+        return self.dense_parameters / max(self.active_parameters, 1)
+
+
+@dataclass
+class SizeReport:
+    """Sizes of a model with comera layers. ``active`` counts only unmasked rank slices plus every
+    non-TT parameter; ``dense_equivalent`` replaces every comera layer by the dense layer it stands for."""
+
+    layers: list[LayerSize] = field(default_factory=list)
+    other_parameters: int = 0
+
+    @property
+    def active_parameters(self) -> int:
+        return sum(layer.active_parameters for layer in self.layers) + self.other_parameters
+
+    @property
+    def allocated_parameters(self) -> int:
+        return sum(layer.allocated_parameters for layer in self.layers) + self.other_parameters
+
+    @property
+    def dense_equivalent_parameters(self) -> int:
+        return sum(layer.dense_parameters for layer in self.layers) + self.other_parameters
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.dense_equivalent_parameters / max(self.active_parameters, 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "layers": [asdict(layer) | {"compression": layer.compression} for layer in self.layers],
+            "other_parameters": self.other_parameters,
+            "active_parameters": self.active_parameters,
+            "allocated_parameters": self.allocated_parameters,
+            "dense_equivalent_parameters": self.dense_equivalent_parameters,
+            "compression_ratio": self.compression_ratio,
+        }
+
+    def to_markdown(self) -> str:
+        lines = ["| layer | ranks | active params | dense params | compression |", "|---|---|---|---|---|"]
+        for layer in self.layers:
+            lines.append(f"| {layer.name} | {layer.active_ranks} | {layer.active_parameters:,} | "
+                         f"{layer.dense_parameters:,} | {layer.compression:.1f}x |")
+        lines.append(f"| other (dense) | - | {self.other_parameters:,} | {self.other_parameters:,} | 1.0x |")
+        lines.append(f"| **total** | - | {self.active_parameters:,} | {self.dense_equivalent_parameters:,} | "
+                     f"{self.compression_ratio:.1f}x |")
+        return "\n".join(lines)
+
+
+def size_report(model: nn.Module) -> SizeReport:
+    """Per-layer and total sizes of ``model``; comera gates and masks are bookkeeping, not counted."""
+    layers = tt_layers(model)
+    tt_param_ids = {id(p) for _, layer in layers for p in [*layer.cores, *layer.gates]}
+    report = SizeReport()
+    for name, layer in layers:
+        report.layers.append(LayerSize(name, layer.ranks, layer.active_ranks, layer.active_parameters(),
+                                       layer.allocated_parameters(), layer.dense_parameters))
+    # a TT layer's bias is an ordinary parameter: it counts on both sides
+    report.other_parameters = sum(p.numel() for p in model.parameters() if id(p) not in tt_param_ids)
+    return report

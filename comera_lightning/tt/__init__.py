@@ -1,0 +1,31 @@
+"""Pure tensor-train math on torch tensors: no Lightning, no nn.Module.
+
+* :mod:`.modes`: factorising dimensions into modes (with padding for sizes that do not factor).
+* :mod:`.cores`: rank validation, initialisation, reconstruction and TT-SVD (through tensorly).
+* :mod:`.rank`: rank gates, active masks, size accounting, physical truncation.
+* :mod:`.contract`: contraction planner and custom autograd for TT linears.
+* :mod:`.ttm`: TT-matrix embedding lookups.
+"""
+
+from .contract import PLANS, PlanCost, chain_merge, plan_costs, plan_tt_linear, tt_linear
+from .cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense, ttm_from_dense, ttm_to_dense
+from .modes import default_num_modes, factorize, padded_modes, validate_modes
+from .rank import (
+    DEFAULT_THRESHOLD,
+    CoreSelection,
+    apply_gates,
+    refresh_mask,
+    select_rank_slices,
+    train_parameter_count,
+    truncate_train,
+)
+from .ttm import merge_ttm, ttm_lookup, ttm_lookup_chain
+
+__all__ = [
+    "PLANS", "PlanCost", "chain_merge", "plan_costs", "plan_tt_linear", "tt_linear",
+    "init_cores", "max_ranks", "resolve_ranks", "tt_from_dense", "tt_to_dense", "ttm_from_dense", "ttm_to_dense",
+    "default_num_modes", "factorize", "padded_modes", "validate_modes",
+    "DEFAULT_THRESHOLD", "CoreSelection", "apply_gates", "refresh_mask", "select_rank_slices",
+    "train_parameter_count", "truncate_train",
+    "merge_ttm", "ttm_lookup", "ttm_lookup_chain",
+]

@@ -1,0 +1,350 @@
+"""Contraction plans for ``y = x W`` with ``W`` a CoMERA tensor train, and their custom autograd.
+
+The train runs over the input modes ``m_1..m_p`` then the output modes ``n_1..n_q``; bond ``p`` is the
+bottleneck of rank ``r``. Each side (input cores, output cores) can be evaluated two ways:
+
+* ``merge``: multiply the side's cores into one matrix first (``L: M x r``, ``R: r x N``, batch-free,
+  cheap), then one GEMM with the batch;
+* ``sweep``: contract the batch with one core at a time (no merge; wins when there are few rows).
+
+Plans combine the two sides (``half_merge`` = merge/merge is CoMERA's ``(x L) R``), plus ``dense``,
+which rebuilds ``W = L R`` and does one ``M x N`` GEMM (wins for tiny layers or huge ranks).
+:func:`plan_tt_linear` costs every plan by FLOPs, bytes moved, kernel count and the memory it keeps
+for backward, and caches the choice per (shapes, ranks, rows, device). :class:`TTLinearFunction`
+executes a plan; its backward reuses the saved merge prefixes and batch intermediates rather than
+contracting again. Batch GEMMs run in the activation dtype (bf16 under autocast); merges and core
+gradients stay in the cores' dtype (fp32) for accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+__all__ = ["PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "chain_merge", "tt_linear", "TTLinearFunction"]
+
+PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cost model
+@dataclass(frozen=True)
+class DeviceModel:
+    """Rough throughput of a device class, enough to rank plans that differ by large factors."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    seconds_per_kernel: float
+
+
+_DEVICE_MODELS = {
+    "cpu": DeviceModel(flops_per_s=5e10, bytes_per_s=1e10, seconds_per_kernel=4e-6),
+    "cuda": DeviceModel(flops_per_s=2e14, bytes_per_s=2e12, seconds_per_kernel=6e-6),
+}
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Estimated cost of one plan for forward plus backward."""
+
+    plan: str
+    flops: int
+    bytes_moved: int
+    kernels: int
+    saved_elements: int
+    peak_elements: int
+    seconds: float
+
+
+def _side_merge_cost(modes: Sequence[int], ranks: Sequence[int]) -> tuple[int, int]:
+    """(flops, kernels) of merging a side's cores into one matrix (forward only)."""
+    flops, rows = 0, ranks[0] * modes[0]
+    for k in range(1, len(modes)):
+        flops += 2 * rows * ranks[k] * modes[k] * ranks[k + 1]
+        rows *= modes[k]
+    return flops, max(len(modes) - 1, 0)
+
+
+def plan_costs(
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Sequence[int],
+    rows: int,
+    device_type: str = "cpu",
+    element_bytes: int = 4,
+) -> list[PlanCost]:
+    """Cost of every plan (forward + backward, weights and input both needing gradients)."""
+    p, in_ranks, out_ranks = len(in_modes), ranks[: len(in_modes) + 1], ranks[len(in_modes) :]
+    M, N, r, B = math.prod(in_modes), math.prod(out_modes), ranks[p], rows
+    model = _DEVICE_MODELS.get(device_type, _DEVICE_MODELS["cpu"])
+    merge_in, k_merge_in = _side_merge_cost(in_modes, in_ranks)
+    merge_out, k_merge_out = _side_merge_cost(out_modes, out_ranks)
+
+    # input side, batch part: flops, elements moved, kernels, elements saved for backward, largest temp
+    merge_in_batch = (2 * B * M * r, B * M + B * r, 1, B * r, B * r)
+    sweep_flops = sweep_moved = sweep_saved = sweep_peak = 0
+    rest = M
+    for k in range(p):
+        rest //= in_modes[k]
+        size_in = B * rest * in_modes[k] * in_ranks[k]
+        sweep_flops += 2 * size_in * in_ranks[k + 1]
+        sweep_moved += 2 * size_in + B * rest * in_ranks[k + 1]  # permute copy + GEMM read + write
+        sweep_saved += size_in
+        sweep_peak = max(sweep_peak, size_in)
+    sweep_in_batch = (sweep_flops, sweep_moved, 2 * p, sweep_saved, sweep_peak)
+
+    merge_out_batch = (2 * B * r * N, B * r + B * N, 1, 0, B * N)
+    sweep_flops = sweep_moved = sweep_saved = sweep_peak = 0
+    done = 1
+    for k in range(len(out_modes)):
+        size_in = B * done * out_ranks[k]
+        done *= out_modes[k]
+        size_out = B * done * out_ranks[k + 1]
+        sweep_flops += 2 * size_in * out_modes[k] * out_ranks[k + 1]
+        sweep_moved += size_in + size_out
+        sweep_saved += size_in
+        sweep_peak = max(sweep_peak, size_out)
+    sweep_out_batch = (sweep_flops, sweep_moved, len(out_modes), sweep_saved, sweep_peak)
+
+    costs = []
+    # backward of a batch GEMM costs two more GEMMs of the same size; of a merge, two more too.
+    for plan, in_side, out_side in (
+        ("half_merge", merge_in_batch, merge_out_batch),
+        ("sweep", sweep_in_batch, sweep_out_batch),
+        ("merge_in_sweep_out", merge_in_batch, sweep_out_batch),
+        ("sweep_in_merge_out", sweep_in_batch, merge_out_batch),
+    ):
+        batch_flops = 3 * (in_side[0] + out_side[0])
+        setup = (merge_in if in_side is merge_in_batch else 0) + (merge_out if out_side is merge_out_batch else 0)
+        kernels = 3 * (in_side[2] + out_side[2])
+        kernels += 3 * ((k_merge_in if in_side is merge_in_batch else 0) + (k_merge_out if out_side is merge_out_batch else 0))
+        moved = 3 * (in_side[1] + out_side[1])
+        costs.append(_finish(plan, batch_flops + 3 * setup, moved, kernels, in_side[3] + out_side[3],
+                             max(in_side[4], out_side[4]), element_bytes, model))
+    dense_setup = merge_in + merge_out + 2 * M * r * N
+    dense_flops = 3 * (2 * B * M * N + dense_setup)
+    dense_moved = 3 * (B * M + M * N + B * N)
+    costs.append(_finish("dense", dense_flops, dense_moved, 3 * (1 + 1 + k_merge_in + k_merge_out), M * N,
+                         max(M * N, B * N), element_bytes, model))
+    return costs
+
+
+def _finish(plan, flops, moved, kernels, saved, peak, element_bytes, model) -> PlanCost:
+    seconds = flops / model.flops_per_s + moved * element_bytes / model.bytes_per_s + kernels * model.seconds_per_kernel
+    return PlanCost(plan, int(flops), int(moved * element_bytes), int(kernels), int(saved), int(peak), seconds)
+
+
+@lru_cache(maxsize=4096)
+def _cached_plan(in_modes, out_modes, ranks, rows, device_type, element_bytes) -> str:
+    costs = plan_costs(in_modes, out_modes, ranks, rows, device_type, element_bytes)
+    return min(costs, key=lambda c: c.seconds).plan
+
+
+def plan_tt_linear(
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Sequence[int],
+    rows: int,
+    device_type: str = "cpu",
+    element_bytes: int = 4,
+) -> str:
+    """The plan with the lowest modelled time; cached per (shapes, ranks, rows, device, dtype size)."""
+    return _cached_plan(tuple(in_modes), tuple(out_modes), tuple(ranks), int(rows), device_type, element_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# execution
+def chain_merge(cores: Sequence[torch.Tensor], start: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Prefix products of a chain of cores ``(r_{k-1}, s_k, r_k)``.
+
+    Prefix ``k`` has shape ``(rows_k, r_k)`` with rows ``(r_0 or start rows, s_1, ..., s_k)`` row-major.
+    With ``start`` (shape ``(rows, r_0)``) every core is multiplied onto it, which is the sweep of a
+    batch through the output cores.
+    """
+    prefix = start if start is not None else cores[0].reshape(-1, cores[0].shape[-1])
+    prefixes = [prefix]
+    for core in cores if start is not None else cores[1:]:
+        r_prev, size, r_next = core.shape
+        prefix = (prefix @ core.reshape(r_prev, size * r_next)).reshape(-1, r_next)
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _chain_merge_backward(
+    cores: Sequence[torch.Tensor], prefixes: Sequence[torch.Tensor], grad: torch.Tensor, has_start: bool
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Gradients of the cores (and of ``start``) from the gradient of the last prefix."""
+    grads: list[torch.Tensor] = [None] * len(cores)  # type: ignore[list-item]
+    offset = 1 if has_start else 0
+    for k in range(len(cores) - 1, -1 if has_start else 0, -1):
+        core = cores[k]
+        r_prev, size, r_next = core.shape
+        grad = grad.reshape(-1, size * r_next)
+        previous = prefixes[k - 1 + offset]
+        grads[k] = (previous.transpose(0, 1) @ grad).reshape(core.shape)
+        grad = grad @ core.reshape(r_prev, size * r_next).transpose(0, 1)
+    if has_start:
+        return grads, grad
+    grads[0] = grad.reshape(cores[0].shape)
+    return grads, None
+
+
+def _sweep_in(x: torch.Tensor, cores: Sequence[torch.Tensor], modes: Sequence[int]) -> tuple[torch.Tensor, list]:
+    """Contract ``x (B, M)`` with the input cores one at a time; returns ``(B, r_p)`` and saved operands."""
+    batch, rest = x.shape[0], math.prod(modes)
+    state = x
+    saved = []
+    for core, mode in zip(cores, modes):
+        r_prev, _, r_next = core.shape
+        rest //= mode
+        operand = state.reshape(batch, mode, rest, r_prev).transpose(1, 2).reshape(batch * rest, mode * r_prev)
+        weight = core.transpose(0, 1).reshape(mode * r_prev, r_next)
+        state = operand @ weight
+        saved.append(operand)
+    return state.reshape(batch, -1), saved
+
+
+def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool):
+    batch = grad.shape[0]
+    grads = [None] * len(cores)
+    rest = 1
+    for k in range(len(cores) - 1, -1, -1):
+        core, mode, operand = cores[k], modes[k], saved[k]
+        r_prev, _, r_next = core.shape
+        grad = grad.reshape(-1, r_next)
+        weight = core.transpose(0, 1).reshape(mode * r_prev, r_next)
+        grads[k] = (operand.transpose(0, 1) @ grad).reshape(mode, r_prev, r_next).transpose(0, 1)
+        if k == 0 and not need_input:
+            grad = None
+            break
+        grad = (grad @ weight.transpose(0, 1)).reshape(batch, rest, mode, r_prev).transpose(1, 2)
+        rest *= mode
+    return grads, (grad.reshape(batch, -1) if grad is not None else None)
+
+
+class TTLinearFunction(torch.autograd.Function):
+    """``y = x W`` for a CoMERA train, evaluated by a plan from :data:`PLANS`.
+
+    ``x`` is 2-d ``(B, M)`` in the compute dtype; the cores may be in a wider dtype (fp32 masters under
+    bf16), in which case merges run in the cores' dtype and batch GEMMs in ``x.dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: str, in_modes: tuple, *cores: torch.Tensor) -> torch.Tensor:
+        p = len(in_modes)
+        in_cores, out_cores = cores[:p], cores[p:]
+        compute = x.dtype
+        ctx.plan, ctx.in_modes, ctx.num_in = plan, in_modes, p
+        if plan == "dense":
+            in_prefixes, out_prefixes = chain_merge(in_cores), chain_merge(out_cores)
+            left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
+            weight = (left @ right).to(compute)
+            ctx.save_for_backward(x, weight, *in_cores, *out_cores, *in_prefixes, *out_prefixes)
+            return x @ weight
+
+        merge_in = plan in ("half_merge", "merge_in_sweep_out")
+        merge_out = plan in ("half_merge", "sweep_in_merge_out")
+        saved_in: list[torch.Tensor]
+        if merge_in:
+            saved_in = chain_merge(in_cores)
+            left = saved_in[-1].to(compute)
+            hidden = x @ left
+            saved_in = saved_in + [left]
+        else:
+            hidden, saved_in = _sweep_in(x, [c.to(compute) for c in in_cores], in_modes)
+        if merge_out:
+            saved_out = chain_merge(out_cores)
+            right = saved_out[-1].reshape(hidden.shape[1], -1).to(compute)
+            y = hidden @ right
+            saved_out = saved_out + [right]
+        else:
+            saved_out = chain_merge([c.to(compute) for c in out_cores], start=hidden)
+            y = saved_out[-1].reshape(x.shape[0], -1)
+        ctx.counts = (len(saved_in), len(saved_out))
+        ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        p, plan, in_modes = ctx.num_in, ctx.plan, ctx.in_modes
+        need_x = ctx.needs_input_grad[0]
+        saved = ctx.saved_tensors
+        x = saved[0]
+        if plan == "dense":
+            weight = saved[1]
+            num_cores = len(saved) - 2
+            cores = saved[2 : 2 + num_cores // 2]
+            in_cores, out_cores = cores[:p], cores[p:]
+            prefixes = saved[2 + num_cores // 2 :]
+            in_prefixes, out_prefixes = prefixes[:p], prefixes[p:]
+            grad_x = grad_y @ weight.transpose(0, 1) if need_x else None
+            grad_w = (x.transpose(0, 1) @ grad_y).to(in_prefixes[-1].dtype)
+            left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
+            grad_left = grad_w @ right.transpose(0, 1)
+            grad_right = left.transpose(0, 1) @ grad_w
+            g_in, _ = _chain_merge_backward(in_cores, in_prefixes, grad_left, False)
+            g_out, _ = _chain_merge_backward(out_cores, out_prefixes, grad_right, False)
+            return (grad_x, None, None, *g_in, *g_out)
+
+        hidden = saved[1]
+        n_in_saved, n_out_saved = ctx.counts
+        num_cores = len(saved) - 2 - n_in_saved - n_out_saved
+        cores = saved[2 : 2 + num_cores]
+        in_cores, out_cores = cores[:p], cores[p:]
+        saved_in = saved[2 + num_cores : 2 + num_cores + n_in_saved]
+        saved_out = saved[2 + num_cores + n_in_saved :]
+        compute = x.dtype
+
+        if plan in ("half_merge", "sweep_in_merge_out"):
+            right = saved_out[-1]
+            grad_hidden = grad_y @ right.transpose(0, 1)
+            grad_right = (hidden.transpose(0, 1) @ grad_y).to(out_cores[0].dtype)
+            g_out, _ = _chain_merge_backward(out_cores, saved_out[:-1], grad_right, False)
+        else:
+            out_compute = [c.to(compute) for c in out_cores]
+            g_out, grad_hidden = _chain_merge_backward(out_compute, saved_out, grad_y.reshape(-1, 1), True)
+            g_out = [g.to(c.dtype) for g, c in zip(g_out, out_cores)]
+
+        if plan in ("half_merge", "merge_in_sweep_out"):
+            left = saved_in[-1]
+            grad_x = grad_hidden @ left.transpose(0, 1) if need_x else None
+            grad_left = (x.transpose(0, 1) @ grad_hidden).to(in_cores[0].dtype)
+            g_in, _ = _chain_merge_backward(in_cores, saved_in[:-1], grad_left, False)
+        else:
+            in_compute = [c.to(compute) for c in in_cores]
+            g_in, grad_x = _sweep_in_backward(grad_hidden, in_compute, in_modes, saved_in, need_x)
+            g_in = [g.to(c.dtype) for g, c in zip(g_in, in_cores)]
+        return (grad_x, None, None, *g_in, *g_out)
+
+
+def tt_linear(
+    x: torch.Tensor, cores: Sequence[torch.Tensor], in_modes: Sequence[int], plan: str | None = None
+) -> torch.Tensor:
+    """``x (..., M) @ W`` for the TT ``cores`` whose first ``len(in_modes)`` cores span ``M``.
+
+    Under autocast the batch GEMMs run in the autocast dtype and merges in the cores' dtype. ``plan``
+    forces one of :data:`PLANS`; None asks :func:`plan_tt_linear`.
+    """
+    in_modes = tuple(int(m) for m in in_modes)
+    M = math.prod(in_modes)
+    if x.shape[-1] != M:
+        raise ValueError(f"expected input with last dimension {M}, got shape {tuple(x.shape)}")
+    device_type = x.device.type
+    compute = x.dtype
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        compute = torch.get_autocast_dtype(device_type)
+    leading = x.shape[:-1]
+    x2d = x.reshape(-1, M).to(compute)
+    if plan is None:
+        ranks = [1] + [c.shape[-1] for c in cores]
+        out_modes = [c.shape[1] for c in cores[len(in_modes) :]]
+        plan = plan_tt_linear(in_modes, out_modes, ranks, x2d.shape[0], device_type, x2d.element_size())
+    elif plan not in PLANS:
+        raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS}")
+    with torch.autocast(device_type, enabled=False):
+        y = TTLinearFunction.apply(x2d, plan, in_modes, *cores)
+    return y.reshape(*leading, y.shape[-1])

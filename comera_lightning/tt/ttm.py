@@ -1,0 +1,70 @@
+"""TT-matrix embedding lookups.
+
+Row ``i`` of a TTM table is the chain ``F_1[:, v_1(i), :, :] ... F_K[:, v_K(i), :, :]`` where
+``v_k(i)`` are the mixed-radix digits of ``i``. The *half-merge* lookup merges the first and the last
+half of the cores once per call (batch-free), so each token costs one gather from each half plus one
+``(E_left x r) @ (r x E_right)`` product, instead of ``K - 1`` products along the chain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["merge_ttm", "ttm_lookup", "ttm_lookup_chain", "split_point"]
+
+
+def split_point(num_cores: int) -> int:
+    """Cores ``[0, split)`` form the left half of the half-merge lookup."""
+    return (num_cores + 1) // 2
+
+
+def merge_ttm(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Merge TTM cores ``(r, v, e, r')`` into one ``(r_first, V, E, r_last)`` block (rows/cols row-major)."""
+    merged = cores[0]
+    for core in cores[1:]:
+        r0, rows, cols, _ = merged.shape
+        _, v, e, r_next = core.shape
+        merged = torch.einsum("avec,cwfd->avwefd", merged, core).reshape(r0, rows * v, cols * e, r_next)
+    return merged
+
+
+def ttm_lookup(
+    cores: Sequence[torch.Tensor], ids: torch.Tensor, deduplicate: bool = False
+) -> torch.Tensor:
+    """Rows ``ids`` (1-d, already validated) of the TTM table, by the half-merge lookup.
+
+    With ``deduplicate`` each distinct id is computed once and scattered back, which pays off when a
+    batch repeats tokens (natural text, power-law categories).
+    """
+    if deduplicate:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        return ttm_lookup(cores, unique, deduplicate=False).index_select(0, inverse)
+    split = split_point(len(cores))
+    left = merge_ttm(cores[:split])[0]  # (V_left, E_left, r)
+    if split < len(cores):
+        right = merge_ttm(cores[split:])[..., 0]  # (r, V_right, E_right)
+    else:
+        right = left.new_ones(1, 1, 1)
+    right_rows = right.shape[1]
+    row_left, row_right = torch.div(ids, right_rows, rounding_mode="floor"), ids.remainder(right_rows)
+    rows = torch.bmm(left.index_select(0, row_left), right.transpose(0, 1).index_select(0, row_right))
+    return rows.reshape(ids.shape[0], -1)
+
+
+def ttm_lookup_chain(cores: Sequence[torch.Tensor], ids: torch.Tensor, row_modes: Sequence[int]) -> torch.Tensor:
+    """Reference per-row lookup: gather one slice per core and multiply along the chain for every id."""
+    digits = []
+    remaining = ids
+    for mode in reversed(row_modes):
+        digits.append(remaining.remainder(mode))
+        remaining = torch.div(remaining, mode, rounding_mode="floor")
+    digits.reverse()
+    state = cores[0][0].index_select(0, digits[0])  # (n, e_1, r_1)
+    for core, digit in zip(cores[1:], digits[1:]):
+        r_prev, _, e, r_next = core.shape
+        sliced = core.index_select(1, digit).permute(1, 0, 2, 3).reshape(ids.shape[0], r_prev, e * r_next)
+        state = torch.bmm(state, sliced).reshape(ids.shape[0], -1, r_next)
+    return state.reshape(ids.shape[0], math.prod(c.shape[2] for c in cores))
