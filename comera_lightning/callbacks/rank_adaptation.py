@@ -1,0 +1,326 @@
+"""RankAdaptation: CoMERA's rank-adaptive training as a callback for any LightningModule.
+
+The callback never touches the user's loss. Once per optimiser step, in ``on_before_optimizer_step``
+(gradients already all-reduced by DDP, unscaled by AMP, accumulated over micro-batches), it adds the
+gradient of ``penalty_weight * R(gates)`` to the gates and scales the task gradients by ``task_weight``
+(see :mod:`comera_lightning.objectives` for the two stages). After each step it masks rank slices whose
+gate fell below the threshold and, on a schedule, removes dead slices physically, slicing the optimiser
+state and re-wrapping DDP so training continues exactly. Every decision depends only on gate values and
+all-reduced losses, identical on every process.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..nn.base import TruncationRecord, TTLayer
+from ..nn.tensorize import tt_layers
+from ..objectives import (
+    ObjectiveWeights,
+    bond_weights,
+    early_stage_weights,
+    late_stage_weights,
+    minimum_train_size,
+    rank_penalty,
+)
+from ..strategies.resize import after_truncation, check_truncation_supported
+
+__all__ = ["RankAdaptation"]
+
+EARLY, LATE = 0, 1
+
+
+class RankAdaptation(Callback):
+    """Learn the ranks of every comera layer while training, towards a target model size.
+
+    Args:
+        penalty: ``"weighted"`` (each gate entry weighted by the parameters its slice holds, the paper's
+            size objective) or ``"mean"`` (mean of active gates, the research code).
+        gamma: weight of the penalty in the early stage.
+        late_start_epoch: enter the late stage at this epoch.
+        late_start_step: enter the late stage at this optimiser step.
+        late_start_loss: enter the late stage once the smoothed training loss is at or below this.
+            With none of the three set, training stays in the early stage.
+        target_compression: late-stage size target as a compression ratio (dense-equivalent / active).
+        target_size: late-stage size target in parameters (takes precedence over the ratio).
+        target_size_ratio: without either target, ``S0 = target_size_ratio * S`` at the switch (paper: 0.2).
+        target_loss: late-stage loss target ``L0``; None keeps the smoothed loss at the switch.
+        task_weight_base, penalty_weight_base: the late stage's ``(1.1 - lam) L + (0.01 + lam) R``.
+        threshold: gate magnitude at or below which a slice dies; None uses each layer's own.
+        mask_every_n_steps: how often (optimiser steps) dead slices are masked.
+        truncate_every_n_steps: how often layers are checked for physical truncation; None never truncates.
+        min_dead_fraction: truncate a layer when some bond has at least this fraction of dead slices.
+        loss_key: key of the loss in a dict returned by ``training_step``.
+        loss_smoothing: EMA factor of the (all-reduced) training loss used for decisions.
+    """
+
+    def __init__(
+        self,
+        penalty: Literal["weighted", "mean"] = "weighted",
+        gamma: float = 0.01,
+        late_start_epoch: int | None = None,
+        late_start_step: int | None = None,
+        late_start_loss: float | None = None,
+        target_compression: float | None = None,
+        target_size: int | None = None,
+        target_size_ratio: float = 0.2,
+        target_loss: float | None = None,
+        task_weight_base: float = 1.1,
+        penalty_weight_base: float = 0.01,
+        threshold: float | None = None,
+        mask_every_n_steps: int = 1,
+        truncate_every_n_steps: int | None = 100,
+        min_dead_fraction: float = 0.25,
+        loss_key: str = "loss",
+        loss_smoothing: float = 0.9,
+    ) -> None:
+        if penalty not in ("weighted", "mean"):
+            raise ValueError(f"penalty must be 'weighted' or 'mean', got {penalty!r}")
+        if gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {gamma}")
+        if target_compression is not None and target_compression <= 1.0:
+            raise ValueError(f"target_compression must be > 1 (dense / compressed), got {target_compression}")
+        if target_size is not None and target_size < 1:
+            raise ValueError(f"target_size must be a positive parameter count, got {target_size}")
+        if not 0.0 < target_size_ratio < 1.0:
+            raise ValueError(f"target_size_ratio must be in (0, 1), got {target_size_ratio}")
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
+        if mask_every_n_steps < 1:
+            raise ValueError(f"mask_every_n_steps must be >= 1, got {mask_every_n_steps}")
+        if truncate_every_n_steps is not None and truncate_every_n_steps < 1:
+            raise ValueError(f"truncate_every_n_steps must be >= 1 or None, got {truncate_every_n_steps}")
+        if not 0.0 < min_dead_fraction <= 1.0:
+            raise ValueError(f"min_dead_fraction must be in (0, 1], got {min_dead_fraction}")
+        if not 0.0 <= loss_smoothing < 1.0:
+            raise ValueError(f"loss_smoothing must be in [0, 1), got {loss_smoothing}")
+        self.penalty = penalty
+        self.gamma = gamma
+        self.late_start_epoch = late_start_epoch
+        self.late_start_step = late_start_step
+        self.late_start_loss = late_start_loss
+        self.target_compression = target_compression
+        self.target_size_arg = target_size
+        self.target_size_ratio = target_size_ratio
+        self.target_loss_arg = target_loss
+        self.task_weight_base = task_weight_base
+        self.penalty_weight_base = penalty_weight_base
+        self.threshold = threshold
+        self.mask_every_n_steps = mask_every_n_steps
+        self.truncate_every_n_steps = truncate_every_n_steps
+        self.min_dead_fraction = min_dead_fraction
+        self.loss_key = loss_key
+        self.loss_smoothing = loss_smoothing
+        # state (checkpointed)
+        self.stage = EARLY
+        self.target_size: float | None = None
+        self.target_loss: float | None = None
+        self.loss_ema: float | None = None
+        self.switch_step: int | None = None
+        self.truncations = 0
+        self._last_weights = early_stage_weights(gamma)
+        self._last_penalty = float("nan")
+        self._last_step = -1
+        self._other_parameters = 0
+        self._floor = 0
+
+    # --- policy (override to change the schedule) ----------------------------------------------------
+    def should_enter_late_stage(self, trainer: Trainer) -> bool:
+        """True once the configured switch rule fires; evaluated after every optimiser step."""
+        if self.late_start_step is not None and trainer.global_step >= self.late_start_step:
+            return True
+        if self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
+            return True
+        return self.late_start_loss is not None and self.loss_ema is not None and self.loss_ema <= self.late_start_loss
+
+    def objective_weights(self, size: float) -> ObjectiveWeights:
+        """Coefficients of task loss and penalty for the coming step."""
+        if self.stage == EARLY or self.loss_ema is None:
+            return early_stage_weights(self.gamma)
+        assert self.target_size is not None and self.target_loss is not None
+        return late_stage_weights(self.loss_ema, size, self.target_loss, self.target_size,
+                                  self.task_weight_base, self.penalty_weight_base)
+
+    # --- sizes ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _layers(pl_module: LightningModule) -> list[TTLayer]:
+        return [layer for _, layer in tt_layers(pl_module)]
+
+    def model_size(self, pl_module: LightningModule) -> int:
+        """Active parameters: unmasked TT slices plus every other parameter."""
+        return sum(layer.active_parameters() for layer in self._layers(pl_module)) + self._other_parameters
+
+    # --- hooks ---------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self.truncate_every_n_steps is not None:
+            check_truncation_supported(trainer.strategy)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        layers = self._layers(pl_module)
+        if not layers:
+            raise ValueError(
+                "RankAdaptation found no comera layers (TTLinear/TTEmbedding) in the LightningModule; "
+                "build the model with them or call comera_lightning.tensorize(model) first"
+            )
+        tt_ids = {id(p) for layer in layers for p in [*layer.cores, *layer.gates]}
+        self._other_parameters = sum(p.numel() for p in pl_module.parameters() if id(p) not in tt_ids)
+        gate_ids = {id(g) for layer in layers for g in layer.gates}
+        optimised = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+        if not gate_ids <= optimised:
+            raise ValueError(
+                "the rank gates are not in any optimiser, so ranks cannot adapt; include all parameters "
+                "(or use comera_lightning.optim.comera_parameter_groups) in configure_optimizers"
+            )
+        floor = sum(minimum_train_size(layer.mode_sizes) for layer in layers) + self._other_parameters
+        self._floor = floor
+        dense = sum(layer.dense_parameters for layer in layers) + self._other_parameters
+        wanted = self._requested_target_size(dense)
+        if wanted is not None and wanted < floor:
+            raise ValueError(
+                f"the target size of {wanted:,.0f} parameters (compression {dense / wanted:.1f}x) is impossible: "
+                f"with every rank at 1 the model still has {floor:,} parameters (at most {dense / floor:.1f}x); "
+                f"lower target_compression / raise target_size"
+            )
+        self._last_step = trainer.global_step
+
+    def _requested_target_size(self, dense: float) -> float | None:
+        if self.target_size_arg is not None:
+            return float(self.target_size_arg)
+        if self.target_compression is not None:
+            return dense / self.target_compression
+        return None
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        layers = self._layers(pl_module)
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        gates, masks, weights = [], [], []
+        for layer in layers:
+            per_bond = bond_weights(layer.mode_sizes, layer.active_ranks)
+            for k, (gate, mask) in enumerate(zip(layer.gates, layer.rank_masks)):
+                if id(gate) in in_optimizer:
+                    gates.append(gate)
+                    masks.append(mask)
+                    weights.append(per_bond[k])
+        if not gates:
+            return
+        w = self.objective_weights(self.model_size(pl_module))
+        self._last_weights = w
+        with torch.enable_grad():
+            penalty = rank_penalty(gates, masks, weights if self.penalty == "weighted" else None)
+            penalty_grads = torch.autograd.grad(penalty, gates)
+        self._last_penalty = float(penalty.detach())
+        if w.task != 1.0:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(w.task)
+        for gate, grad in zip(gates, penalty_grads):
+            grad = grad * w.penalty
+            gate.grad = grad if gate.grad is None else gate.grad.add_(grad)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # accumulating: no optimiser step happened
+            return
+        self._last_step = step
+        self._update_loss(trainer, outputs)
+        layers = self._layers(pl_module)
+        if step % self.mask_every_n_steps == 0:
+            for layer in layers:
+                layer.refresh_masks_(self.threshold)
+        if self.stage == EARLY and self.should_enter_late_stage(trainer):
+            self._enter_late_stage(trainer, pl_module)
+        if self.truncate_every_n_steps is not None and step % self.truncate_every_n_steps == 0:
+            self.truncate(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.stage == EARLY and self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
+            self._enter_late_stage(trainer, pl_module)
+
+    # --- actions -------------------------------------------------------------------------------------
+    def _update_loss(self, trainer: Trainer, outputs: Any) -> None:
+        needs_loss = self.stage == LATE or self.late_start_loss is not None or self.late_start_step is not None \
+            or self.late_start_epoch is not None
+        if not needs_loss:
+            return
+        loss = outputs.get(self.loss_key) if isinstance(outputs, dict) else outputs
+        if not torch.is_tensor(loss):
+            raise ValueError(
+                f"RankAdaptation needs the training loss but training_step returned {type(outputs).__name__}; "
+                f"return the loss tensor or a dict with key {self.loss_key!r} (set loss_key otherwise)"
+            )
+        value = trainer.strategy.reduce(loss.detach().float(), reduce_op="mean")
+        value = float(value)
+        if not math.isfinite(value):
+            return  # a non-finite loss must not poison the decisions
+        a = self.loss_smoothing
+        self.loss_ema = value if self.loss_ema is None else a * self.loss_ema + (1 - a) * value
+
+    def _enter_late_stage(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.loss_ema is None:
+            return  # no loss seen yet; try again after the next step
+        layers = self._layers(pl_module)
+        dense = sum(layer.dense_parameters for layer in layers) + self._other_parameters
+        size = self.model_size(pl_module)
+        requested = self._requested_target_size(dense)
+        # a ratio-derived target can undershoot what rank 1 everywhere allows: aim for that floor instead
+        self.target_size = requested if requested is not None else max(self.target_size_ratio * size, self._floor)
+        self.target_loss = self.target_loss_arg if self.target_loss_arg is not None else self.loss_ema
+        self.stage = LATE
+        self.switch_step = trainer.global_step
+        rank_zero_info(
+            f"RankAdaptation: late stage from step {trainer.global_step}: size {size:,} -> target "
+            f"{self.target_size:,.0f} parameters, loss target {self.target_loss:.4g}"
+        )
+
+    def truncate(self, trainer: Trainer, pl_module: LightningModule) -> TruncationRecord:
+        """Physically remove dead slices from every layer with enough of them; returns what changed."""
+        record = TruncationRecord()
+        for layer in self._layers(pl_module):
+            dead = max(1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1]))
+            if dead >= self.min_dead_fraction:
+                record.extend(layer.truncate_())
+        if record:
+            after_truncation(trainer, record)
+            self.truncations += 1
+        return record
+
+    # --- reporting and state -------------------------------------------------------------------------
+    def comera_metrics(self) -> dict[str, float]:
+        """Scalars for RankMonitor: stage, last penalty value and objective weights, targets."""
+        metrics = {
+            "comera/stage": float(self.stage),
+            "comera/penalty": self._last_penalty,
+            "comera/lambda": self._last_weights.lam,
+            "comera/task_weight": self._last_weights.task,
+            "comera/penalty_weight": self._last_weights.penalty,
+            "comera/truncations": float(self.truncations),
+        }
+        if self.target_size is not None:
+            metrics["comera/target_size"] = float(self.target_size)
+        if self.loss_ema is not None:
+            metrics["comera/loss_ema"] = self.loss_ema
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "target_size": self.target_size,
+            "target_loss": self.target_loss,
+            "loss_ema": self.loss_ema,
+            "switch_step": self.switch_step,
+            "truncations": self.truncations,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stage = int(state_dict.get("stage", EARLY))
+        self.target_size = state_dict.get("target_size")
+        self.target_loss = state_dict.get("target_loss")
+        self.loss_ema = state_dict.get("loss_ema")
+        self.switch_step = state_dict.get("switch_step")
+        self.truncations = int(state_dict.get("truncations", 0))
