@@ -1,0 +1,221 @@
+"""RankAdaptation and ContractionPlanner on a plain LightningModule that tensorizes its own MLP."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import TinyRegressor, regression_loader
+
+from comera_lightning.callbacks import ContractionPlanner, RankAdaptation
+from comera_lightning.nn import size_report, tt_layers
+from comera_lightning.objectives import bond_weights, rank_penalty
+
+
+def _trainer(tmp_path, callbacks, max_steps=40, **kwargs) -> Trainer:
+    options = dict(max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                   enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    options.update(kwargs)
+    return Trainer(callbacks=callbacks, **options)
+
+
+def test_penalty_gradient_added_to_gates_once_per_step():
+    model = TinyRegressor()
+    callback = RankAdaptation(gamma=0.5)
+    optimizer = model.configure_optimizers()
+    layers = [layer for _, layer in tt_layers(model)]
+    for layer in layers:
+        layer.gates[0].data[:2] = 0.5  # make gates differ from 1
+    callback._other_parameters = 96
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    callback.on_before_optimizer_step(None, model, optimizer)
+    # independent computation: d(weighted mean |d|)/dd = w_k * sign(d) / sum_k w_k * r_k
+    weights = [bond_weights(layer.mode_sizes, layer.active_ranks) for layer in layers]
+    normaliser = sum(wk * gate.numel() for w, layer in zip(weights, layers) for wk, gate in zip(w, layer.gates))
+    for w, layer in zip(weights, layers):
+        for wk, gate in zip(w, layer.gates):
+            torch.testing.assert_close(gate.grad, torch.full_like(gate, 0.5 * wk / normaliser))
+    # the cores' gradients are untouched in the early stage
+    assert all(float(layer.cores[0].grad.abs().sum()) == 0.0 for layer in layers)
+
+
+def test_gates_shrink_and_compression_rises(tmp_path):
+    model = TinyRegressor()
+    before = size_report(model).compression_ratio
+    callback = RankAdaptation(gamma=0.3, truncate_every_n_steps=None)
+    _trainer(tmp_path, [callback], max_steps=48).fit(model, regression_loader())
+    after = size_report(model)
+    assert after.compression_ratio > 1.5 * before
+    assert all(layer.active_ranks[1:-1] != layer.ranks[1:-1] for _, layer in tt_layers(model))
+    assert callback.stage == 0
+    assert math.isfinite(callback.comera_metrics()["comera/penalty"])
+
+
+def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path):
+    model = TinyRegressor()
+    dense = size_report(model).dense_equivalent_parameters
+    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=8.0,
+                              truncate_every_n_steps=8, min_dead_fraction=0.1)
+    planner = ContractionPlanner()
+    _trainer(tmp_path, [callback, planner], max_steps=96).fit(model, regression_loader())
+    report = size_report(model)
+    assert callback.stage == 1 and callback.switch_step == 8
+    assert report.active_parameters <= dense / 8.0
+    assert callback.truncations >= 1
+    # physically truncated: allocated equals active, and the optimizer state follows the new shapes
+    for _, layer in tt_layers(model):
+        assert layer.ranks == layer.active_ranks
+    optimizer = model.trainer.optimizers[0]
+    for p in model.parameters():
+        for value in optimizer.state[p].values():
+            if torch.is_tensor(value) and value.dim():
+                assert value.shape == p.shape
+    # training went on after the truncations: the loss keeps falling at the end of the run
+    assert sum(model.losses[-8:]) < sum(model.losses[-24:-16])
+    assert planner.plans and all(entry["ranks"] == layer.ranks for name, entry in planner.plans.items()
+                                 for n, layer in tt_layers(model) if n == name)
+
+
+def test_accumulation_adds_penalty_once_per_optimizer_step(tmp_path):
+    calls = []
+
+    class Counting(RankAdaptation):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            calls.append(trainer.global_step)
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    trainer = _trainer(tmp_path, [Counting(gamma=0.3, truncate_every_n_steps=4)], max_steps=12,
+                       accumulate_grad_batches=2)
+    trainer.fit(TinyRegressor(), regression_loader())
+    assert len(calls) == trainer.global_step == 12
+
+
+def test_bf16_mixed_runs_without_nans(tmp_path):
+    model = TinyRegressor()
+    callback = RankAdaptation(gamma=0.3, truncate_every_n_steps=8, min_dead_fraction=0.1)
+    _trainer(tmp_path, [callback], max_steps=32, precision="bf16-mixed").fit(model, regression_loader())
+    assert all(math.isfinite(v) for v in model.losses)
+    for _, layer in tt_layers(model):
+        assert all(torch.isfinite(p).all() for p in [*layer.cores, *layer.gates])
+        assert layer.gates[0].dtype == torch.float32
+
+
+class _Snapshot(Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_fit_end(self, trainer, pl_module):
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, self.path / f"rank{trainer.global_rank}.pt")
+
+
+def test_ddp_two_processes_agree_on_ranks_and_parameters(tmp_path):
+    callback = RankAdaptation(gamma=0.3, late_start_step=10, target_compression=6.0,
+                              truncate_every_n_steps=6, min_dead_fraction=0.1)
+    trainer = _trainer(tmp_path, [callback, _Snapshot(tmp_path)], max_steps=24, strategy="ddp_spawn", devices=2)
+    trainer.fit(TinyRegressor(), regression_loader())
+    first, second = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert first.keys() == second.keys()
+    for key in first:
+        assert first[key].shape == second[key].shape, key
+        torch.testing.assert_close(first[key], second[key], rtol=0, atol=0)
+    cores = [k for k in first if ".cores." in k]
+    shrunk = TinyRegressor()
+    assert any(first[k].shape != shrunk.state_dict()[k].shape for k in cores), "no truncation happened"
+
+
+def test_resume_after_truncation_matches_uninterrupted_run(tmp_path):
+    def callbacks():
+        return [RankAdaptation(gamma=1.0, late_start_step=16, target_compression=6.0,
+                               truncate_every_n_steps=4, min_dead_fraction=0.1)]
+
+    # one batch per epoch: every step sees the same data, so the comparison is about the restored
+    # model/optimiser/callback state and not about where Lightning restarts a plain DataLoader
+    full = TinyRegressor()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+    _trainer(tmp_path, callbacks() + [checkpoint], max_steps=40, enable_checkpointing=True).fit(
+        full, regression_loader(n=32))
+    path = tmp_path / "ckpt" / "epoch=23-step=24.ckpt"
+    saved = torch.load(path, weights_only=True)  # tensors and primitives only
+    original = TinyRegressor().state_dict()
+    assert any(v.shape != original[k].shape for k, v in saved["state_dict"].items()), "no truncation by step 24"
+
+    resumed = TinyRegressor()  # built with the original, larger ranks
+    resumed_callbacks = callbacks()
+    _trainer(tmp_path, resumed_callbacks, max_steps=40).fit(resumed, regression_loader(n=32), ckpt_path=path)
+    assert [l.ranks for _, l in tt_layers(resumed)] == [l.ranks for _, l in tt_layers(full)]
+    assert resumed_callbacks[0].stage == 1
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[24:]), rtol=1e-4, atol=1e-6)
+    for (key, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_truncated_checkpoint_loads_into_original_ranks(tmp_path):
+    model = TinyRegressor()
+    trainer = _trainer(tmp_path, [RankAdaptation(gamma=0.5, truncate_every_n_steps=8, min_dead_fraction=0.1)],
+                       max_steps=32)
+    trainer.fit(model, regression_loader())
+    path = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = TinyRegressor.load_from_checkpoint(path)
+    assert [l.ranks for _, l in tt_layers(loaded)] == [l.ranks for _, l in tt_layers(model)]
+    assert any(l.ranks != TinyRegressor().net[0].ranks for _, l in tt_layers(loaded))
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_bad_configuration_errors(tmp_path):
+    with pytest.raises(ValueError, match="target_compression must be > 1"):
+        RankAdaptation(target_compression=0.5)
+    with pytest.raises(ValueError, match="penalty must be"):
+        RankAdaptation(penalty="l2")
+    with pytest.raises(ValueError, match="threshold must be in"):
+        RankAdaptation(threshold=1.5)
+    with pytest.raises(ValueError, match="truncate_every_n_steps"):
+        RankAdaptation(truncate_every_n_steps=0)
+    with pytest.raises(ValueError, match="is impossible"):
+        _trainer(tmp_path, [RankAdaptation(target_compression=1000.0)], max_steps=1).fit(
+            TinyRegressor(), regression_loader())
+
+
+def test_errors_when_model_has_no_comera_layers_or_gates_not_optimised(tmp_path):
+    class Dense(TinyRegressor):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 32))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="no comera layers"):
+        _trainer(tmp_path, [RankAdaptation()], max_steps=1).fit(Dense(), regression_loader())
+
+    class NoGates(TinyRegressor):
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for n, p in self.named_parameters() if ".gates." not in n], lr=0.1)
+
+    with pytest.raises(ValueError, match="gates are not in any optimiser"):
+        _trainer(tmp_path, [RankAdaptation()], max_steps=1).fit(NoGates(), regression_loader())
+
+
+def test_autotuned_planner_picks_a_timed_plan(tmp_path):
+    planner = ContractionPlanner(autotune=True, candidates=2, repeats=1, verbose=False)
+    model = TinyRegressor()
+    _trainer(tmp_path, [planner], max_steps=2).fit(model, regression_loader())
+    for name, layer in tt_layers(model):
+        entry = planner.plans[name]
+        assert entry["rows"] == 32 and entry["plan"] in entry["timed_seconds"]
+        assert layer.contraction_plan == entry["plan"]
+
+
+def test_rank_penalty_variants():
+    gates = [torch.tensor([1.0, -0.5, 0.2]), torch.tensor([0.4, 0.0])]
+    masks = [torch.tensor([True, True, False]), torch.tensor([True, True])]
+    assert float(rank_penalty(gates, masks)) == pytest.approx((1 + 0.5 + 0.4 + 0) / 4)
+    assert float(rank_penalty(gates, masks, [2.0, 1.0])) == pytest.approx((2 * 1.5 + 0.4) / (2 * 2 + 2))
+    with pytest.raises(ValueError, match="one entry per bond"):
+        rank_penalty(gates, masks[:1])

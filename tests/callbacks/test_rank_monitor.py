@@ -1,0 +1,244 @@
+"""RankMonitor on a small plain LightningModule: metric keys, batching, rank changes, MLflow, CSV, state."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from comera_lightning.callbacks.rank_monitor import RankMonitor, metric_safe_name, plot_rank_history
+from comera_lightning.nn import tensorize, tt_layers
+
+
+class PlainMLP(LightningModule):
+    """Not one of ours: an MLP, optionally tensorized, with a plain optimiser."""
+
+    def __init__(self, tensorized: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        if tensorized:
+            tensorize(self.model, rank=4, min_features=16)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g)),
+                      batch_size=batch_size)
+
+
+class RecordingLogger(Logger):
+    """Counts log_metrics calls; each call is one (step, metrics) entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class StageReporter(Callback):
+    """Stands in for RankAdaptation: another comera callback exposing comera_metrics()."""
+
+    def comera_metrics(self) -> dict[str, float]:
+        return {"comera/stage": 1, "comera/penalty": torch.tensor(0.25)}
+
+
+class KillSlices(Callback):
+    """At optimiser step ``at``, push two gates of bond 1 of the first layer below threshold and re-mask."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            _, layer = tt_layers(pl_module)[0]
+            with torch.no_grad():
+                layer.gates[0][:2] = 0.0
+            layer.refresh_masks_()
+
+
+def trainer(tmp_path: Path, callbacks, logger, max_steps: int, **kwargs) -> Trainer:
+    return Trainer(default_root_dir=tmp_path, max_steps=max_steps, callbacks=callbacks, logger=logger,
+                   accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=kwargs.pop("enable_checkpointing", False), **kwargs)
+
+
+RANK_KEY = "rank/model.0/bond1"  # model.0 = TTLinear(32 -> 64) with ranks [1, 4, 4, 1]
+
+
+def test_one_batched_call_per_event_with_all_keys(tmp_path):
+    logger = RecordingLogger()
+    monitor = RankMonitor(log_every_n_steps=5, save_artifacts=False)
+    trainer(tmp_path, [StageReporter(), monitor], logger, max_steps=12).fit(PlainMLP(), loader())
+
+    ours = [(s, m) for s, m in logger.calls if RANK_KEY in m]
+    # start (0), every 5 steps, end (12): one call each, nothing split across calls
+    assert [s for s, _ in ours] == [0, 5, 10, 12]
+    assert len(ours) == len([c for c in logger.calls if any(k.startswith(("rank/", "params/")) for k in c[1])])
+    expected = {"rank/model.0/bond1", "rank/model.0/bond2", "rank/model.2/bond1", "rank/model.2/bond2",
+                "rank/model.2/bond3", "params/active", "params/allocated", "params/dense_equivalent",
+                "compression_ratio", "comera/stage", "comera/penalty"}
+    for _, metrics in ours:
+        assert set(metrics) == expected
+        assert all(isinstance(v, float) for v in metrics.values())
+    _, metrics = ours[-1]
+    assert metrics[RANK_KEY] == 4.0 and metrics["comera/stage"] == 1.0 and metrics["comera/penalty"] == 0.25
+    assert metrics["params/dense_equivalent"] / metrics["params/active"] == pytest.approx(metrics["compression_ratio"])
+    assert metrics["params/active"] == metrics["params/allocated"] < metrics["params/dense_equivalent"]
+    assert monitor.history["steps"] == [0, 5, 10, 12]
+
+
+def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
+    logger = RecordingLogger()
+    trainer(tmp_path, [RankMonitor(log_every_n_steps=2, save_artifacts=False)], logger, max_steps=4,
+            accumulate_grad_batches=3).fit(PlainMLP(), loader())
+    assert [s for s, m in logger.calls if RANK_KEY in m] == [0, 2, 4]
+
+
+def test_logged_ranks_decrease_when_slices_die(tmp_path):
+    logger = RecordingLogger()
+    monitor = RankMonitor(log_every_n_steps=4, save_artifacts=False)
+    trainer(tmp_path, [KillSlices(at=6), monitor], logger, max_steps=12).fit(PlainMLP(), loader())
+
+    series = {s: m for s, m in logger.calls if RANK_KEY in m}
+    assert [series[s][RANK_KEY] for s in sorted(series)] == [4.0, 4.0, 2.0, 2.0]  # steps 0, 4, 8, 12
+    assert series[8]["rank/model.0/bond2"] == 4.0  # only bond 1 lost slices
+    assert series[8]["params/active"] < series[4]["params/active"]
+    assert series[8]["params/allocated"] == series[4]["params/allocated"]  # masked, not truncated
+    assert series[8]["compression_ratio"] > series[4]["compression_ratio"]
+    # the history stores change points only
+    assert monitor.history["layers"]["model.0"] == {"steps": [0, 8], "active_ranks": [[1, 4, 4, 1], [1, 2, 4, 1]]}
+    assert monitor.ranks_at(7)["model.0"] == [1, 4, 4, 1] and monitor.ranks_at(100)["model.0"] == [1, 2, 4, 1]
+
+
+def test_mlflow_metrics_and_artifacts(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name="rank_monitor", tracking_uri=uri,
+                          artifact_location=(tmp_path / "artifacts").as_uri())
+    trainer(tmp_path, [KillSlices(at=3), RankMonitor(log_every_n_steps=5)], logger, max_steps=10).fit(
+        PlainMLP(), loader())
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = logger.run_id
+    ranks = sorted((m.step, m.value) for m in client.get_metric_history(run_id, RANK_KEY))
+    assert ranks == [(0, 4.0), (5, 2.0), (10, 2.0)]
+    ratio = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "compression_ratio"))
+    assert [s for s, _ in ratio] == [0, 5, 10] and ratio[1][1] > ratio[0][1]
+    names = {a.path for a in client.list_artifacts(run_id, "comera")}
+    assert names == {"comera/rank_evolution.png", "comera/rank_history.json"}
+    local = Path(client.download_artifacts(run_id, "comera/rank_history.json", str(tmp_path / "dl")))
+    payload = json.loads(local.read_text())
+    assert payload["history"]["layers"]["model.0"]["active_ranks"][-1] == [1, 2, 4, 1]
+    assert payload["final_size_report"]["layers"][0]["active_ranks"] == [1, 2, 4, 1]
+    png = Path(client.download_artifacts(run_id, "comera/rank_evolution.png", str(tmp_path / "dl")))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "rank_history.json").exists()
+
+
+def test_csv_logger_gets_files_in_its_log_dir(tmp_path):
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(tmp_path, [RankMonitor(log_every_n_steps=3)], logger, max_steps=6).fit(PlainMLP(), loader())
+    log_dir = Path(logger.log_dir)
+    assert (log_dir / "rank_evolution.png").read_bytes()[:4] == b"\x89PNG"
+    history = json.loads((log_dir / "rank_history.json").read_text())["history"]
+    assert history["steps"] == [0, 3, 6]
+    header = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert RANK_KEY in header and "compression_ratio" in header
+
+
+def test_no_logger_and_no_comera_layers(tmp_path):
+    # no logger: no crash, artifacts in default_root_dir
+    monitor = RankMonitor(log_every_n_steps=2)
+    trainer(tmp_path / "a", [monitor], False, max_steps=3).fit(PlainMLP(), loader())
+    assert (tmp_path / "a" / "rank_history.json").exists() and monitor.history["steps"] == [0, 2, 3]
+    # on request, also from a trainer that holds no model: the history without a final size report
+    bare = trainer(tmp_path / "b", [], False, max_steps=1)
+    assert RankMonitor().write_artifacts(bare) == []  # empty history: nothing to write
+    written = sorted(Path(p).name for p in monitor.write_artifacts(bare))
+    assert written == ["rank_evolution.png", "rank_history.json"]
+    assert json.loads((tmp_path / "b" / "rank_history.json").read_text())["final_size_report"] is None
+
+    # no comera layers: one warning, nothing logged, no artifacts
+    logger = RecordingLogger()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "c", [RankMonitor(log_every_n_steps=1)], logger, max_steps=3).fit(
+            PlainMLP(tensorized=False), loader())
+    assert len([w for w in caught if "no comera layers" in str(w.message)]) == 1
+    assert not any(k.startswith(("rank/", "params/")) for _, m in logger.calls for k in m)
+    assert not list((tmp_path / "c").rglob("rank_*"))
+
+
+def test_state_dict_roundtrip_and_resume(tmp_path):
+    first = RankMonitor(log_every_n_steps=4, save_artifacts=False)
+    t1 = trainer(tmp_path, [KillSlices(at=2), first], False, max_steps=6)
+    t1.fit(PlainMLP(), loader())
+    ckpt = tmp_path / "mid.ckpt"
+    t1.save_checkpoint(ckpt)
+
+    path = tmp_path / "state.pt"
+    torch.save(first.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)
+    clone = RankMonitor()
+    clone.load_state_dict(loaded)
+    assert clone.state_dict() == first.state_dict()
+    assert loaded["layers"]["model.0"]["active_ranks"][-1] == [1, 2, 4, 1]
+
+    # resumed fit continues the history instead of starting over
+    logger = RecordingLogger()
+    second = RankMonitor(log_every_n_steps=4, save_artifacts=False)
+    trainer(tmp_path, [second], logger, max_steps=10).fit(PlainMLP(), loader(), ckpt_path=ckpt)
+    assert second.history["steps"] == [0, 4, 6, 8, 10]
+    assert second.history["layers"]["model.0"]["steps"] == [0, 4]
+    assert [s for s, m in logger.calls if RANK_KEY in m] == [6, 8, 10]
+    assert {m[RANK_KEY] for s, m in logger.calls if RANK_KEY in m} == {2.0}
+
+    # unknown state is ignored with a warning, not a crash
+    with pytest.warns(UserWarning, match="not understood"):
+        clone.load_state_dict({"something": "else"})
+
+
+def test_names_plot_and_arguments(tmp_path):
+    assert metric_safe_name("enc.layers.0:ffn(fc1)") == "enc.layers.0_ffn_fc1_"
+    assert metric_safe_name("_orig_mod.model._orig_mod.0") == "model.0"
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        RankMonitor(log_every_n_steps=0)
+
+    # many layers: the heatmap layout; few layers: one panel per layer
+    layers = {f"encoder.{i}.fc{j}": {"steps": [0, 50], "active_ranks": [[1, 8, 8, 1], [1, 8 - i % 8, 4, 1]]}
+              for i in range(30) for j in (1, 2)}
+    history = {"steps": [0, 50, 100], "layers": layers,
+               "params": {"steps": [0, 50], "active": [1000, 600], "allocated": [1000, 1000],
+                          "dense_equivalent": [9000, 9000]}}
+    for n_layers, name in [(60, "many.png"), (3, "few.png")]:
+        plot_rank_history(history | {"layers": dict(list(layers.items())[:n_layers])}, str(tmp_path / name))
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,264 @@
+"""Contraction plans of ``y = x W`` for a CoMERA train: values and gradients against float64 dense
+references (tensorly), gradcheck, bf16 autocast, the planner and its cost model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from comera_lightning.tt import (
+    PLANS,
+    apply_gates,
+    chain_merge,
+    plan_costs,
+    plan_tt_linear,
+    tt_linear,
+)
+from comera_lightning.tt.contract import TTLinearFunction
+
+from conftest import F64, FULL_RANK, MODE_CONFIGS, MODE_IDS, dense_reference, gate_by_hand, random_gates, random_train
+
+RANKS = [1, FULL_RANK]
+RANK_IDS = ["rank1", "full"]
+
+
+def test_plans_are_the_documented_five():
+    assert set(PLANS) == {"half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense"}
+
+
+# --- values and gradients against the dense reference -----------------------------------------------------
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("rank", RANKS, ids=RANK_IDS)
+@pytest.mark.parametrize("in_modes, out_modes", MODE_CONFIGS, ids=MODE_IDS)
+def test_plan_matches_dense_reference_values_and_grads(plan, rank, in_modes, out_modes):
+    cores, ranks = random_train(in_modes, out_modes, rank)
+    gates, masks = random_gates(ranks)
+    M, N, p = math.prod(in_modes), math.prod(out_modes), len(in_modes)
+    x = torch.randn(2, 3, M, dtype=F64, requires_grad=True)  # several leading dims
+    upstream = torch.randn(2, 3, N, dtype=F64)
+
+    y = tt_linear(x, apply_gates(cores, gates, masks), in_modes, plan=plan)
+    assert y.shape == (2, 3, N) and y.dtype == F64
+    grads = torch.autograd.grad((y * upstream).sum(), [x, *cores, *gates])
+
+    weight = dense_reference(gate_by_hand(cores, gates, masks), p)
+    assert weight.shape == (M, N)
+    y_ref = x @ weight
+    grads_ref = torch.autograd.grad((y_ref * upstream).sum(), [x, *cores, *gates])
+
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    names = ["x"] + [f"core{k}" for k in range(len(cores))] + [f"gate{k}" for k in range(len(gates))]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.shape == g_ref.shape, name
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    # masked slices receive no gate gradient
+    for gate_grad, mask in zip(grads[1 + len(cores):], masks):
+        assert torch.all(gate_grad[~mask] == 0)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("rank", RANKS, ids=RANK_IDS)
+@pytest.mark.parametrize("in_modes, out_modes", MODE_CONFIGS, ids=MODE_IDS)
+def test_plan_gradcheck(plan, rank, in_modes, out_modes):
+    cores, ranks = random_train(in_modes, out_modes, rank)
+    gates, masks = random_gates(ranks)
+    x = torch.randn(3, math.prod(in_modes), dtype=F64, requires_grad=True)
+    num_cores = len(cores)
+    inputs = (x, *cores, *gates)
+    # element-wise (slow) gradcheck on small trains; a random-projection check on the largest ones
+    fast = sum(t.numel() for t in inputs) > 400
+
+    def fn(x, *params):
+        return tt_linear(x, apply_gates(list(params[:num_cores]), list(params[num_cores:]), masks), in_modes, plan)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=fast)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_function_without_input_grad(plan):
+    """Weights-only gradients (frozen input, e.g. the first layer) must match the reference too."""
+    in_modes, out_modes = [2, 3, 2], [3, 2]
+    cores, _ = random_train(in_modes, out_modes, 3)
+    x = torch.randn(5, 12, dtype=F64)
+    y = tt_linear(x, cores, in_modes, plan)
+    grads = torch.autograd.grad(y.pow(2).sum(), cores)
+    y_ref = x @ dense_reference(cores, 3)
+    grads_ref = torch.autograd.grad(y_ref.pow(2).sum(), cores)
+    torch.testing.assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_one_dimensional_input(plan):
+    cores, _ = random_train([2, 3], [4], 2)
+    x = torch.randn(6, dtype=F64)
+    y = tt_linear(x, cores, [2, 3], plan)
+    assert y.shape == (4,)
+    torch.testing.assert_close(y, x @ dense_reference(cores, 2))
+
+
+def test_all_plans_agree_and_planner_choice_is_valid():
+    in_modes, out_modes = [4, 3, 2], [2, 5]
+    cores, _ = random_train(in_modes, out_modes, 4, requires_grad=False)
+    x = torch.randn(7, 24, dtype=F64)
+    outs = {plan: tt_linear(x, cores, in_modes, plan) for plan in PLANS}
+    auto = tt_linear(x, cores, in_modes)
+    for plan, y in outs.items():
+        torch.testing.assert_close(y, outs["dense"], msg=plan)
+    torch.testing.assert_close(auto, outs["dense"])
+
+
+def test_unknown_plan_name():
+    cores, _ = random_train([2, 3], [4], 2)
+    with pytest.raises(ValueError, match=r"unknown contraction plan 'fast'"):
+        tt_linear(torch.randn(2, 6, dtype=F64), cores, [2, 3], plan="fast")
+
+
+def test_wrong_input_size():
+    cores, _ = random_train([2, 3], [4], 2)
+    with pytest.raises(ValueError, match=r"last dimension 6.*\(2, 5\)"):
+        tt_linear(torch.randn(2, 5, dtype=F64), cores, [2, 3])
+
+
+def test_fp32_input_with_fp64_cores_and_vice_versa():
+    in_modes, out_modes = [3, 4], [2, 3]
+    cores, _ = random_train(in_modes, out_modes, 3, requires_grad=False)
+    x = torch.randn(4, 12, dtype=F64)
+    ref = x @ dense_reference(cores, 2)
+    for plan in PLANS:
+        y32 = tt_linear(x.float(), cores, in_modes, plan)  # batch GEMMs in fp32, merges in fp64
+        assert y32.dtype == torch.float32
+        torch.testing.assert_close(y32.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# --- bf16 autocast on CPU -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("plan", [*PLANS, None])
+def test_bf16_autocast(plan):
+    in_modes, out_modes = [4, 4, 4], [4, 8]
+    cores, ranks = random_train(in_modes, out_modes, 4, dtype=torch.float32)
+    gates, masks = random_gates(ranks, dtype=torch.float32)
+    x = torch.randn(2, 5, 64)
+    upstream = torch.randn(2, 5, 32)
+
+    y32 = tt_linear(x, apply_gates(cores, gates, masks), in_modes, plan)
+    grads32 = torch.autograd.grad((y32 * upstream).sum(), [*cores, *gates])
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = tt_linear(x, apply_gates(cores, gates, masks), in_modes, plan)
+    assert y16.dtype == torch.bfloat16
+    grads16 = torch.autograd.grad((y16.float() * upstream).sum(), [*cores, *gates])
+
+    scale = y32.abs().max()
+    assert (y16.float() - y32).abs().max() <= 3e-2 * scale
+    for g16, g32, param in zip(grads16, grads32, [*cores, *gates]):
+        assert g16.dtype == torch.float32 == param.dtype
+        assert torch.isfinite(g16).all()
+        assert (g16 - g32).norm() <= 5e-2 * g32.norm()
+
+
+def test_bf16_autocast_input_gradient_dtype():
+    cores, _ = random_train([4, 4], [8], 4, dtype=torch.float32)
+    x = torch.randn(3, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tt_linear(x, cores, [4, 4], "half_merge")
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+
+
+# --- chain_merge ----------------------------------------------------------------------------------------------
+def test_chain_merge_prefixes():
+    sizes = [2, 3, 4]
+    ranks = [1, 2, 3, 2]
+    cores = [torch.randn(ranks[k], s, ranks[k + 1], dtype=F64) for k, s in enumerate(sizes)]
+    prefixes = chain_merge(cores)
+    assert [tuple(p.shape) for p in prefixes] == [(2, 2), (6, 3), (24, 2)]
+    expected = torch.einsum("aib,bjc,ckd->aijkd", *cores).reshape(24, 2)
+    torch.testing.assert_close(prefixes[-1], expected)
+    start = torch.randn(5, 1, dtype=F64)
+    swept = chain_merge(cores, start=start)
+    assert tuple(swept[-1].shape) == (5 * 24, 2)
+    torch.testing.assert_close(swept[-1].reshape(5, 24, 2), start[:, 0, None, None] * expected)
+
+
+# --- planner and cost model ---------------------------------------------------------------------------------
+PAPER_IN, PAPER_OUT, PAPER_RANKS = [12, 8, 8], [12, 16, 16], [1, 12, 30, 30, 30, 16, 1]
+
+
+@pytest.mark.parametrize(
+    "in_modes, out_modes, ranks",
+    [
+        (PAPER_IN, PAPER_OUT, PAPER_RANKS),
+        ([12, 8, 8], [8, 8, 12], [1, 12, 30, 30, 30, 12, 1]),
+        ([4], [2, 2, 2], [1, 4, 4, 2, 1]),
+        ([2, 2], [3], [1, 2, 3, 1]),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3, 64, 4096])
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_planner_returns_a_plan(in_modes, out_modes, ranks, rows, device_type):
+    plan = plan_tt_linear(in_modes, out_modes, ranks, rows, device_type)
+    assert plan in PLANS
+    costs = {c.plan: c for c in plan_costs(in_modes, out_modes, ranks, rows, device_type)}
+    assert set(costs) == set(PLANS)
+    assert costs[plan].seconds == min(c.seconds for c in costs.values())
+
+
+def test_planner_prefers_half_merge_at_training_batch():
+    assert plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096) == "half_merge"
+    assert plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096, "cuda", 2) == "half_merge"
+
+
+def test_planner_avoids_merging_for_one_row():
+    # one row: merging a side costs far more than sweeping the single row through its cores
+    plan = plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 1)
+    assert plan not in ("half_merge", "dense")
+
+
+def test_planner_is_cached_and_accepts_sequences():
+    a = plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096)
+    b = plan_tt_linear(tuple(PAPER_IN), tuple(PAPER_OUT), tuple(PAPER_RANKS), 4096)
+    assert a == b
+
+
+def test_half_merge_flops_batch_part_matches_hand_formula():
+    M, N, r = 768, 3072, 30
+    by_rows = {}
+    for rows in (1, 1000, 4096):
+        by_rows[rows] = {c.plan: c for c in plan_costs(PAPER_IN, PAPER_OUT, PAPER_RANKS, rows)}["half_merge"]
+    # forward x(B,M) @ L(M,r) then (B,r) @ R(r,N): 2*B*M*r + 2*B*r*N; backward doubles it (3x in total)
+    per_row = 3 * (2 * M * r + 2 * r * N)
+    assert per_row == 691200
+    assert by_rows[4096].flops - by_rows[1000].flops == 3096 * per_row
+    assert by_rows[1000].flops - by_rows[1].flops == 999 * per_row
+    # the rest (merging L and R, forward + backward) does not depend on the rows and is positive
+    setup = by_rows[4096].flops - 4096 * per_row
+    assert setup > 0
+    # hand count of the merges: L = G1 G2 G3 (12x12 @ 12x240, then 96x30 @ 30x240),
+    # R = G4 G5 G6 (360x30 @ 30x256... as (r3*12, 30) @ (30, 16*16), then (5760, 16) @ (16, 16))
+    merge_l = 2 * 12 * 12 * (8 * 30) + 2 * 96 * 30 * (8 * 30)
+    merge_r = 2 * 360 * 30 * (16 * 16) + 2 * 5760 * 16 * 16
+    assert setup == 3 * (merge_l + merge_r)
+
+
+def test_dense_plan_cost_counts_full_gemm():
+    costs = {c.plan: c for c in plan_costs([4, 4], [4, 4], [1, 4, 16, 4, 1], 10)}
+    # the dense plan does a B x M x N GEMM forward and two backward
+    assert costs["dense"].flops >= 3 * 2 * 10 * 16 * 16
+    assert costs["dense"].saved_elements == 16 * 16
+
+
+def test_plan_costs_are_positive():
+    for cost in plan_costs(PAPER_IN, PAPER_OUT, PAPER_RANKS, 128):
+        assert cost.flops > 0 and cost.bytes_moved > 0 and cost.kernels > 0 and cost.seconds > 0
+
+
+def test_tt_linear_function_direct_apply():
+    """TTLinearFunction takes a 2-d input, the plan name and the input modes, then the cores."""
+    cores, _ = random_train([3, 2], [2, 2], 2)
+    x = torch.randn(4, 6, dtype=F64, requires_grad=True)
+    for plan in PLANS:
+        y = TTLinearFunction.apply(x, plan, (3, 2), *cores)
+        torch.testing.assert_close(y, x @ dense_reference(cores, 2))

@@ -1,0 +1,195 @@
+"""Rank bounds and validation, initialisation scale, reconstruction and TT-SVD."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import tensorly as tl
+import torch
+
+from comera_lightning.tt import (
+    init_cores,
+    max_ranks,
+    resolve_ranks,
+    tt_from_dense,
+    tt_to_dense,
+    ttm_from_dense,
+    ttm_to_dense,
+)
+
+from conftest import F64, einsum_dense
+
+
+# --- max_ranks / resolve_ranks -----------------------------------------------------------------------------
+def test_max_ranks_paper_fc1():
+    # bonds: min(12, 24576), min(96, 3072), min(768, 3072), min(9216, 256), min(147456, 16)
+    assert max_ranks([12, 8, 8, 12, 16, 16]) == [1, 12, 96, 768, 256, 16, 1]
+
+
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [([5], [1, 1]), ([4, 3], [1, 3, 1]), ([4, 3, 2, 5], [1, 4, 10, 5, 1]), ([2, 1, 3], [1, 2, 2, 1])],
+)
+def test_max_ranks_small(sizes, expected):
+    assert max_ranks(sizes) == expected
+
+
+def test_resolve_ranks_int_is_clamped():
+    assert resolve_ranks([12, 8, 8, 12, 16, 16], 30) == [1, 12, 30, 30, 30, 16, 1]
+    assert resolve_ranks([4, 3, 2, 5], 3) == [1, 3, 3, 3, 1]
+    assert resolve_ranks([4, 3, 2, 5], 10**6) == [1, 4, 10, 5, 1]
+    assert resolve_ranks([4, 3, 2, 5], 1) == [1, 1, 1, 1, 1]
+
+
+def test_resolve_ranks_explicit_lists():
+    assert resolve_ranks([4, 3, 2, 5], [2, 7, 5]) == [1, 2, 7, 5, 1]
+    assert resolve_ranks([4, 3, 2, 5], (1, 2, 7, 5, 1)) == [1, 2, 7, 5, 1]
+
+
+@pytest.mark.parametrize("rank", [0, -3])
+def test_resolve_ranks_rejects_non_positive_int(rank):
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        resolve_ranks([4, 3, 2, 5], rank)
+
+
+def test_resolve_ranks_explicit_rank_above_bound():
+    # bond 3 of modes [4,3,2,5] is bounded by min(24, 5) = 5
+    with pytest.raises(ValueError, match=r"bond 3.*at most 5.*single int"):
+        resolve_ranks([4, 3, 2, 5], [2, 2, 6])
+
+
+def test_resolve_ranks_explicit_zero():
+    with pytest.raises(ValueError, match="bond 2 must be >= 1"):
+        resolve_ranks([4, 3, 2, 5], [2, 0, 2])
+
+
+@pytest.mark.parametrize("ranks", [[2, 2], [2, 2, 2, 2], [1, 2, 2, 2, 2, 1], []])
+def test_resolve_ranks_wrong_length(ranks):
+    with pytest.raises(ValueError, match="expected 3 internal ranks"):
+        resolve_ranks([4, 3, 2, 5], ranks)
+
+
+def test_resolve_ranks_boundary_not_one():
+    with pytest.raises(ValueError, match="boundary ranks must be 1"):
+        resolve_ranks([4, 3, 2, 5], [2, 2, 2, 2, 1])
+
+
+# --- reconstruction ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes, num_in", [([3, 4], 1), ([2, 3, 4], 2), ([2, 3, 2, 2], 1), ([2, 2, 3, 2, 2], 3)])
+def test_tt_to_dense_matches_explicit_contraction(sizes, num_in):
+    ranks = resolve_ranks(sizes, 3)
+    cores = [torch.randn(ranks[k], s, ranks[k + 1], dtype=F64) for k, s in enumerate(sizes)]
+    dense = tt_to_dense(cores, num_in)
+    assert dense.shape == (math.prod(sizes[:num_in]), math.prod(sizes[num_in:]))
+    torch.testing.assert_close(dense, einsum_dense(cores, num_in), rtol=1e-12, atol=1e-12)
+    # entry by entry for one index, straight from the definition (product of core slices)
+    idx = [s - 1 for s in sizes]
+    chain = torch.ones(1, 1, dtype=F64)
+    for core, i in zip(cores, idx):
+        chain = chain @ core[:, i, :]
+    row = 0
+    for i, s in zip(idx[:num_in], sizes[:num_in]):
+        row = row * s + i
+    col = 0
+    for i, s in zip(idx[num_in:], sizes[num_in:]):
+        col = col * s + i
+    torch.testing.assert_close(dense[row, col], chain[0, 0])
+
+
+def test_tt_to_dense_does_not_change_tensorly_backend():
+    before = tl.get_backend()
+    cores = [torch.randn(1, 3, 2, dtype=F64), torch.randn(2, 4, 1, dtype=F64)]
+    tt_to_dense(cores, 1)
+    ttm_to_dense([torch.randn(1, 3, 2, 2, dtype=F64), torch.randn(2, 4, 3, 1, dtype=F64)])
+    assert tl.get_backend() == before
+
+
+@pytest.mark.parametrize("row_modes, col_modes", [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3])])
+def test_ttm_to_dense_matches_definition(row_modes, col_modes):
+    sizes = [v * e for v, e in zip(row_modes, col_modes)]
+    ranks = resolve_ranks(sizes, 3)
+    cores = [torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) for k, (v, e) in enumerate(zip(row_modes, col_modes))]
+    dense = ttm_to_dense(cores)
+    V, D = math.prod(row_modes), math.prod(col_modes)
+    assert dense.shape == (V, D)
+    # row i, column j: product of slices F_k[:, v_k(i), e_k(j), :] with row-major mixed-radix digits
+    for i, j in [(0, 0), (V - 1, D - 1), (V // 2, D // 3)]:
+        vi, ej = [], []
+        a, b = i, j
+        for v, e in zip(reversed(row_modes), reversed(col_modes)):
+            vi.append(a % v)
+            ej.append(b % e)
+            a //= v
+            b //= e
+        vi.reverse()
+        ej.reverse()
+        chain = torch.ones(1, 1, dtype=F64)
+        for core, v_, e_ in zip(cores, vi, ej):
+            chain = chain @ core[:, v_, e_, :]
+        torch.testing.assert_close(dense[i, j], chain[0, 0])
+
+
+# --- init ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sizes, rank, std",
+    [([12, 8, 8, 16, 16, 12], 30, 0.02), ([16, 16, 12, 12], 8, 1.0), ([20, 24], 16, 0.3), ([64, 48], 1, 0.5)],
+)
+def test_init_cores_reconstructed_std(sizes, rank, std):
+    ranks = resolve_ranks(sizes, rank)
+    shapes = [(ranks[k], s, ranks[k + 1]) for k, s in enumerate(sizes)]
+    num_in = len(sizes) // 2
+    acc, seeds = 0.0, (2 if math.prod(sizes) > 10**6 else 8)
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        cores = init_cores(shapes, std, dtype=F64, generator=gen)
+        assert [tuple(c.shape) for c in cores] == shapes
+        acc += tt_to_dense(cores, num_in).pow(2).mean().item()
+    measured = math.sqrt(acc / seeds)
+    assert abs(measured / std - 1.0) < 0.2, measured
+
+
+def test_init_cores_dtype_and_generator():
+    shapes = [(1, 4, 3), (3, 5, 1)]
+    a = init_cores(shapes, 0.1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    b = init_cores(shapes, 0.1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    assert all(x.dtype == torch.float64 for x in a)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --- TT-SVD -------------------------------------------------------------------------------------------------
+def test_tt_from_dense_full_rank_is_exact():
+    in_modes, out_modes = [3, 4], [2, 5]
+    matrix = torch.randn(12, 10, dtype=F64)
+    ranks = resolve_ranks(in_modes + out_modes, 10**6)
+    cores = tt_from_dense(matrix, in_modes, out_modes, ranks)
+    assert len(cores) == 4
+    assert all(c.shape[-1] <= r for c, r in zip(cores, ranks[1:]))
+    torch.testing.assert_close(tt_to_dense(cores, 2), matrix, rtol=1e-9, atol=1e-9)
+
+
+def test_tt_from_dense_recovers_a_low_rank_train_and_pads():
+    in_modes, out_modes = [3, 4], [2, 3]
+    ranks = [1, 2, 2, 2, 1]
+    sizes = in_modes + out_modes
+    truth = [torch.randn(ranks[k], s, ranks[k + 1], dtype=F64) for k, s in enumerate(sizes)]
+    full = tt_to_dense(truth, 2)  # (12, 6)
+    matrix = full[:11, :5]  # not a multiple of the modes: zero-padded inside
+    cores = tt_from_dense(matrix, in_modes, out_modes, [1, 3, 3, 3, 1])
+    rebuilt = tt_to_dense(cores, 2)
+    assert rebuilt.shape == (12, 6)
+    torch.testing.assert_close(rebuilt[:11, :5], matrix, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(rebuilt[11:], torch.zeros(1, 6, dtype=F64), rtol=0, atol=1e-8)
+
+
+def test_tt_from_dense_matrix_too_big():
+    with pytest.raises(ValueError, match="does not fit"):
+        tt_from_dense(torch.randn(13, 6), [3, 4], [2, 3], [1, 2, 2, 2, 1])
+
+
+def test_ttm_from_dense_full_rank_is_exact():
+    row_modes, col_modes = [3, 4], [2, 3]
+    matrix = torch.randn(12, 6, dtype=F64)
+    cores = ttm_from_dense(matrix, row_modes, col_modes, [1, 6, 1])
+    assert [c.dim() for c in cores] == [4, 4]
+    torch.testing.assert_close(ttm_to_dense(cores), matrix, rtol=1e-9, atol=1e-9)
