@@ -245,7 +245,8 @@ class RankMonitor(Callback):
             return
         self._steps = [int(s) for s in state_dict.get("steps", [])]
         self._layers = {
-            str(name): {"steps": [int(s) for s in h["steps"]], "ranks": [[int(r) for r in rs] for rs in h["active_ranks"]]}
+            str(name): {"steps": [int(s) for s in h["steps"]],
+                        "ranks": [[int(r) for r in rs] for rs in h["active_ranks"]]}
             for name, h in state_dict.get("layers", {}).items()
         }
         p = state_dict.get("params", {})
@@ -318,17 +319,18 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_layer_panels: i
     steps: list[int] = history.get("steps", [])
     last = steps[-1] if steps else 0
     heatmap = len(layers) > max_layer_panels
-    panels = 1 + (1 if heatmap else len(layers))
-    ncols = 1 if heatmap else min(6, math.ceil(math.sqrt(panels)))
-    nrows = 2 if heatmap else math.ceil(panels / ncols)
-    fig = Figure(figsize=(3.4 * ncols if not heatmap else 12, 2.6 * nrows if not heatmap else 3 + 0.12 * len(layers)),
-                 layout="constrained")
-    FigureCanvasAgg(fig)
-    if heatmap:
-        grid = fig.add_gridspec(2, 1, height_ratios=[3, max(3.0, 0.12 * len(layers))])
+    if heatmap:  # size panel above a heatmap with one row per layer
+        map_height = max(3.0, 0.12 * len(layers))
+        fig = Figure(figsize=(12, 3 + map_height), layout="constrained")
+        grid = fig.add_gridspec(2, 1, height_ratios=[3, map_height])
         axes = [fig.add_subplot(grid[0]), fig.add_subplot(grid[1])]
-    else:
+    else:  # size panel, then one panel per layer, in a grid at most 6 wide
+        panels = 1 + len(layers)
+        ncols = min(6, math.ceil(math.sqrt(panels)))
+        nrows = math.ceil(panels / ncols)
+        fig = Figure(figsize=(3.4 * ncols, 2.6 * nrows), layout="constrained")
         axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(panels)]
+    FigureCanvasAgg(fig)
 
     ax = axes[0]
     params = history.get("params", {})

@@ -102,12 +102,12 @@ class TTLinear(TTLayer):
         padded_in = math.prod(self.in_modes)
         if padded_in != self.in_features:
             x = nn.functional.pad(x, (0, padded_in - self.in_features))
-        y = tt_linear(x, self.gated_cores(), self.in_modes, self.contraction_plan)
-        if y.shape[-1] != self.out_features:
-            y = y[..., : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        padded_out = math.prod(self.out_modes)
+        bias = self.bias
+        if bias is not None and padded_out != self.out_features:
+            bias = nn.functional.pad(bias, (0, padded_out - self.out_features))
+        y = tt_linear(x, self.gated_cores(), self.in_modes, self.contraction_plan, bias)
+        return y if padded_out == self.out_features else y[..., : self.out_features]
 
     def weight_dense(self) -> torch.Tensor:
         """The ``(out_features, in_features)`` matrix ``nn.Linear`` would hold (differentiable)."""

@@ -234,7 +234,9 @@ class TTLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: str, in_modes: tuple, *cores: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, bias: torch.Tensor | None, plan: str, in_modes: tuple, *cores: torch.Tensor
+    ) -> torch.Tensor:
         p = len(in_modes)
         in_cores, out_cores = cores[:p], cores[p:]
         compute = x.dtype
@@ -244,7 +246,7 @@ class TTLinearFunction(torch.autograd.Function):
             left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
             weight = (left @ right).to(compute)
             ctx.save_for_backward(x, weight, *in_cores, *out_cores, *in_prefixes, *out_prefixes)
-            return x @ weight
+            return _matmul_bias(x, weight, bias)
 
         merge_in = plan in ("half_merge", "merge_in_sweep_out")
         merge_out = plan in ("half_merge", "sweep_in_merge_out")
@@ -259,11 +261,13 @@ class TTLinearFunction(torch.autograd.Function):
         if merge_out:
             saved_out = chain_merge(out_cores)
             right = saved_out[-1].reshape(hidden.shape[1], -1).to(compute)
-            y = hidden @ right
+            y = _matmul_bias(hidden, right, bias)
             saved_out = saved_out + [right]
         else:
             saved_out = chain_merge([c.to(compute) for c in out_cores], start=hidden)
             y = saved_out[-1].reshape(x.shape[0], -1)
+            if bias is not None:
+                y = y + bias
         ctx.counts = (len(saved_in), len(saved_out))
         ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
         return y
@@ -272,6 +276,7 @@ class TTLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         p, plan, in_modes = ctx.num_in, ctx.plan, ctx.in_modes
         need_x = ctx.needs_input_grad[0]
+        grad_bias = grad_y.sum(0) if ctx.needs_input_grad[1] else None
         saved = ctx.saved_tensors
         x = saved[0]
         if plan == "dense":
@@ -288,7 +293,7 @@ class TTLinearFunction(torch.autograd.Function):
             grad_right = left.transpose(0, 1) @ grad_w
             g_in, _ = _chain_merge_backward(in_cores, in_prefixes, grad_left, False)
             g_out, _ = _chain_merge_backward(out_cores, out_prefixes, grad_right, False)
-            return (grad_x, None, None, *g_in, *g_out)
+            return (grad_x, grad_bias, None, None, *g_in, *g_out)
 
         hidden = saved[1]
         n_in_saved, n_out_saved = ctx.counts
@@ -318,13 +323,22 @@ class TTLinearFunction(torch.autograd.Function):
             in_compute = [c.to(compute) for c in in_cores]
             g_in, grad_x = _sweep_in_backward(grad_hidden, in_compute, in_modes, saved_in, need_x)
             g_in = [g.to(c.dtype) for g, c in zip(g_in, in_cores)]
-        return (grad_x, None, None, *g_in, *g_out)
+        return (grad_x, grad_bias, None, None, *g_in, *g_out)
+
+
+def _matmul_bias(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # addmm fuses the bias into the GEMM: a separate add is a full extra pass over the (B, N) output
+    return a @ b if bias is None else torch.addmm(bias, a, b)
 
 
 def tt_linear(
-    x: torch.Tensor, cores: Sequence[torch.Tensor], in_modes: Sequence[int], plan: str | None = None
+    x: torch.Tensor,
+    cores: Sequence[torch.Tensor],
+    in_modes: Sequence[int],
+    plan: str | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x (..., M) @ W`` for the TT ``cores`` whose first ``len(in_modes)`` cores span ``M``.
+    """``x (..., M) @ W + bias`` for the TT ``cores`` whose first ``len(in_modes)`` cores span ``M``.
 
     Under autocast the batch GEMMs run in the autocast dtype and merges in the cores' dtype. ``plan``
     forces one of :data:`PLANS`; None asks :func:`plan_tt_linear`.
@@ -345,6 +359,8 @@ def tt_linear(
         plan = plan_tt_linear(in_modes, out_modes, ranks, x2d.shape[0], device_type, x2d.element_size())
     elif plan not in PLANS:
         raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS}")
+    if bias is not None:
+        bias = bias.to(compute)
     with torch.autocast(device_type, enabled=False):
-        y = TTLinearFunction.apply(x2d, plan, in_modes, *cores)
+        y = TTLinearFunction.apply(x2d, bias, plan, in_modes, *cores)
     return y.reshape(*leading, y.shape[-1])
