@@ -169,7 +169,7 @@ def chain_merge(cores: Sequence[torch.Tensor], start: torch.Tensor | None = None
     prefixes = [prefix]
     for core in cores if start is not None else cores[1:]:
         r_prev, size, r_next = core.shape
-        prefix = (prefix @ core.reshape(r_prev, size * r_next)).reshape(-1, r_next)
+        prefix = (prefix @ core.reshape(r_prev, size * r_next)).reshape(prefix.shape[0] * size, r_next)
         prefixes.append(prefix)
     return prefixes
 
@@ -183,8 +183,8 @@ def _chain_merge_backward(
     for k in range(len(cores) - 1, -1 if has_start else 0, -1):
         core = cores[k]
         r_prev, size, r_next = core.shape
-        grad = grad.reshape(-1, size * r_next)
         previous = prefixes[k - 1 + offset]
+        grad = grad.reshape(previous.shape[0], size * r_next)
         grads[k] = (previous.transpose(0, 1) @ grad).reshape(core.shape)
         grad = grad @ core.reshape(r_prev, size * r_next).transpose(0, 1)
     if has_start:
@@ -205,7 +205,7 @@ def _sweep_in(x: torch.Tensor, cores: Sequence[torch.Tensor], modes: Sequence[in
         weight = core.transpose(0, 1).reshape(mode * r_prev, r_next)
         state = operand @ weight
         saved.append(operand)
-    return state.reshape(batch, -1), saved
+    return state.reshape(batch, cores[-1].shape[-1]), saved
 
 
 def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool):
@@ -215,7 +215,7 @@ def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool
     for k in range(len(cores) - 1, -1, -1):
         core, mode, operand = cores[k], modes[k], saved[k]
         r_prev, _, r_next = core.shape
-        grad = grad.reshape(-1, r_next)
+        grad = grad.reshape(batch * rest, r_next)
         weight = core.transpose(0, 1).reshape(mode * r_prev, r_next)
         grads[k] = (operand.transpose(0, 1) @ grad).reshape(mode, r_prev, r_next).transpose(0, 1)
         if k == 0 and not need_input:
@@ -223,7 +223,7 @@ def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool
             break
         grad = (grad @ weight.transpose(0, 1)).reshape(batch, rest, mode, r_prev).transpose(1, 2)
         rest *= mode
-    return grads, (grad.reshape(batch, -1) if grad is not None else None)
+    return grads, (grad.reshape(batch, rest) if grad is not None else None)
 
 
 class TTLinearFunction(torch.autograd.Function):
@@ -265,7 +265,7 @@ class TTLinearFunction(torch.autograd.Function):
             saved_out = saved_out + [right]
         else:
             saved_out = chain_merge([c.to(compute) for c in out_cores], start=hidden)
-            y = saved_out[-1].reshape(x.shape[0], -1)
+            y = saved_out[-1].reshape(x.shape[0], math.prod(c.shape[1] for c in out_cores))
             if bias is not None:
                 y = y + bias
         ctx.counts = (len(saved_in), len(saved_out))

@@ -51,7 +51,7 @@ def ttm_lookup(
     right_rows = right.shape[1]
     row_left, row_right = torch.div(ids, right_rows, rounding_mode="floor"), ids.remainder(right_rows)
     rows = torch.bmm(left.index_select(0, row_left), right.transpose(0, 1).index_select(0, row_right))
-    return rows.reshape(ids.shape[0], -1)
+    return rows.reshape(ids.shape[0], left.shape[1] * right.shape[2])
 
 
 def ttm_lookup_chain(cores: Sequence[torch.Tensor], ids: torch.Tensor, row_modes: Sequence[int]) -> torch.Tensor:
@@ -66,5 +66,5 @@ def ttm_lookup_chain(cores: Sequence[torch.Tensor], ids: torch.Tensor, row_modes
     for core, digit in zip(cores[1:], digits[1:]):
         r_prev, _, e, r_next = core.shape
         sliced = core.index_select(1, digit).permute(1, 0, 2, 3).reshape(ids.shape[0], r_prev, e * r_next)
-        state = torch.bmm(state, sliced).reshape(ids.shape[0], -1, r_next)
+        state = torch.bmm(state, sliced).reshape(ids.shape[0], state.shape[1] * e, r_next)
     return state.reshape(ids.shape[0], math.prod(c.shape[2] for c in cores))
