@@ -2,5 +2,6 @@
 
 from .contraction_planner import ContractionPlanner
 from .rank_adaptation import RankAdaptation
+from .rank_monitor import RankMonitor
 
-__all__ = ["ContractionPlanner", "RankAdaptation"]
+__all__ = ["ContractionPlanner", "RankAdaptation", "RankMonitor"]

@@ -85,9 +85,10 @@ class KillSlices(Callback):
 
 
 def trainer(tmp_path: Path, callbacks, logger, max_steps: int, **kwargs) -> Trainer:
+    options = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False)
     return Trainer(default_root_dir=tmp_path, max_steps=max_steps, callbacks=callbacks, logger=logger,
-                   accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=kwargs.pop("enable_checkpointing", False), **kwargs)
+                   **(options | kwargs))
 
 
 RANK_KEY = "rank/model.0/bond1"  # model.0 = TTLinear(32 -> 64) with ranks [1, 4, 4, 1]
@@ -242,3 +243,17 @@ def test_names_plot_and_arguments(tmp_path):
     for n_layers, name in [(60, "many.png"), (3, "few.png")]:
         plot_rank_history(history | {"layers": dict(list(layers.items())[:n_layers])}, str(tmp_path / name))
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_processes_log_once_from_rank_zero(tmp_path):
+    import csv
+
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    trainer(tmp_path, [KillSlices(at=3), RankMonitor(log_every_n_steps=2)], logger, max_steps=6,
+            strategy="ddp_spawn", devices=2).fit(PlainMLP(), loader())
+    log_dir = tmp_path / "csv" / "version_0"
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    assert [(int(r["step"]), float(r[RANK_KEY])) for r in rows] == [(0, 4.0), (2, 4.0), (4, 2.0), (6, 2.0)]
+    history = json.loads((log_dir / "rank_history.json").read_text())["history"]
+    assert history["layers"]["model.0"] == {"steps": [0, 4], "active_ranks": [[1, 4, 4, 1], [1, 2, 4, 1]]}
+    assert (log_dir / "rank_evolution.png").exists()
