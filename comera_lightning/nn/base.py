@@ -138,6 +138,12 @@ class TTLayer(nn.Module):
     # --- checkpoints ---------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         """Adopt the ranks of the incoming cores (e.g. a checkpoint taken after truncation)."""
+        core_keys = [k for k in state_dict if k.startswith(f"{prefix}cores.") and k[len(prefix) + 6 :].isdigit()]
+        if core_keys and len(core_keys) != len(self.cores):
+            raise ValueError(
+                f"checkpoint has {len(core_keys)} cores under {prefix}cores but this layer has {len(self.cores)}: "
+                f"the checkpoint is from a different architecture; build the layer with the modes it was trained with"
+            )
         incoming = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(self.cores))]
         if all(t is not None for t in incoming):
             self._adopt_core_shapes([tuple(t.shape) for t in incoming], prefix)
@@ -158,8 +164,9 @@ class TTLayer(nn.Module):
         too_big = [k for k, (r, m) in enumerate(zip(ranks, self.max_ranks)) if r > m]
         if too_big:
             raise ValueError(
-                f"checkpoint ranks {ranks} under {prefix}cores exceed this layer's maximum {self.max_ranks} "
-                f"at bonds {too_big}; build the layer with at least those ranks"
+                f"checkpoint ranks {ranks} under {prefix}cores exceed the maximum {self.max_ranks} that this "
+                f"layer's modes allow at bonds {too_big}: the checkpoint was made with other modes; build the layer "
+                f"with the modes it was trained with"
             )
         if ranks == self.ranks:
             return

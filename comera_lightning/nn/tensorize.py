@@ -68,7 +68,11 @@ def tensorize(
     include_re = re.compile(include) if include else None
     exclude_re = re.compile(exclude) if exclude else None
     records = []
-    for name, module in list(model.named_modules()):
+    replaced: dict[int, nn.Module] = {}  # a module used in several places becomes ONE shared TT layer
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) in replaced:
+            _set_submodule(model, name, replaced[id(module)])
+            continue
         is_linear = linears and type(module) is nn.Linear
         is_embedding = embeddings and type(module) is nn.Embedding
         if not (is_linear or is_embedding):
@@ -81,6 +85,11 @@ def tensorize(
             continue
         if exclude_re is not None and exclude_re.search(name):
             continue
+        if not name:
+            raise ValueError(
+                f"tensorize replaces submodules, but the model itself is an {type(module).__name__}; build "
+                f"TTLinear/TTEmbedding directly, or wrap the layer in a container such as nn.Sequential"
+            )
         error = None
         if is_linear:
             if decompose:
@@ -96,6 +105,7 @@ def tensorize(
                 layer = TTEmbedding(rows, cols, emb_rank, padding_idx=module.padding_idx,
                                     dtype=module.weight.dtype, device=module.weight.device, **layer_kwargs)
         _set_submodule(model, name, layer)
+        replaced[id(module)] = layer
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
                                        layer.dense_parameters, layer.allocated_parameters(), error))
     return records

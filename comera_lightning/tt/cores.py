@@ -14,6 +14,7 @@ caller's global tensorly backend is never changed.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import tensorly as tl
@@ -53,7 +54,10 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
     """
     bounds = max_ranks(mode_sizes)
     num_bonds = len(bounds) - 2
-    if isinstance(rank, (int,)) and not isinstance(rank, bool):
+    if isinstance(rank, bool):
+        raise TypeError(f"rank must be an int or a sequence of ints, got {rank!r}")
+    if isinstance(rank, numbers.Integral):
+        rank = int(rank)
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         return [1] + [min(rank, b) for b in bounds[1:-1]] + [1]

@@ -2,7 +2,7 @@
 
 A TT layer reshapes a dimension ``n`` into modes ``n_1 * ... * n_d``. Balanced modes (768 -> 12*8*8) give
 the smallest cores; a size with a large prime factor (30522 = 2*3*5087) has no useful factorisation, so
-it is padded to the nearest size that has one (30522 -> 30600 = 18*17*10*10) and the extra rows are
+it is padded to the nearest size that has one (30522 -> 30576 = 14*14*13*12) and the extra rows are
 never used.
 """
 
@@ -67,7 +67,7 @@ def factorize(n: int, num_modes: int | None = None) -> list[int]:
 
 
 def padded_modes(n: int, num_modes: int | None = None) -> list[int]:
-    """Balanced modes for the smallest size >= ``n`` that has them (30522 -> [18, 17, 10, 10]).
+    """Balanced modes for the smallest size >= ``n`` that has them (30522 -> [14, 14, 13, 12]).
 
     The product may exceed ``n``; layers pad the extra rows/columns with zeros and never use them.
     """
