@@ -1,0 +1,22 @@
+"""Model zoo: plain ``nn.Module`` models built from comera layers, every linear and embedding switchable
+between TT and dense (so dense baselines run the same code).
+
+* :class:`LayerFactory`: the per-layer TT-or-dense decision.
+* :class:`TransformerEncoder`, :class:`SequenceClassifier` (MNLI), :class:`MaskedLanguageModel`: BERT-style.
+* :class:`DLRM`: click-through-rate model with TT-matrix embedding tables.
+"""
+
+from .dlrm import DLRM
+from .factory import LayerFactory
+from .transformer import (
+    MaskedLanguageModel,
+    SequenceClassifier,
+    TransformerEncoder,
+    paper_embedding_modes,
+    paper_linear_modes,
+)
+
+__all__ = [
+    "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DLRM",
+    "paper_linear_modes", "paper_embedding_modes",
+]

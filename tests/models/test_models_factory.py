@@ -1,0 +1,79 @@
+"""LayerFactory: which layers become TT, which stay dense, and the names it records."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from comera_lightning.models import LayerFactory
+from comera_lightning.nn import TTEmbedding, TTLinear
+
+
+def test_defaults_build_tt_for_large_layers_and_dense_for_small():
+    f = LayerFactory(rank=5, embedding_rank=6, rank_threshold=0.05)
+    big = f.linear("big", 64, 96)
+    small = f.linear("small", 64, 10)
+    table = f.embedding("table", 100, 8, padding_idx=0)
+    tiny_table = f.embedding("tiny_table", 10, 128)
+    assert isinstance(big, TTLinear) and big.ranks[3] == 5 and big.rank_threshold == 0.05
+    assert type(small) is nn.Linear and (small.in_features, small.out_features) == (64, 10)
+    # rows decide for tables: a narrow table with many rows is TT, a wide table with few rows is dense
+    assert isinstance(table, TTEmbedding) and table.padding_idx == 0 and max(table.ranks) <= 6
+    assert type(tiny_table) is nn.Embedding
+    assert f.layers == {"big": "tt", "small": "dense", "table": "tt", "tiny_table": "dense"}
+
+
+def test_switches_off_give_dense_layers_with_the_same_interface():
+    f = LayerFactory(tt_linears=False, tt_embeddings=False)
+    lin = f.linear("a", 128, 128, bias=False, in_modes=[8, 16], out_modes=[16, 8])
+    emb = f.embedding("b", 500, 64, padding_idx=3, vocab_modes=[25, 20], dim_modes=[8, 8], deduplicate=True)
+    assert type(lin) is nn.Linear and lin.bias is None
+    assert type(emb) is nn.Embedding and emb.padding_idx == 3
+    assert set(f.layers.values()) == {"dense"}
+
+
+def test_linears_and_embeddings_switch_independently():
+    f = LayerFactory(tt_linears=False, tt_embeddings=True)
+    assert type(f.linear("l", 128, 128)) is nn.Linear
+    assert isinstance(f.embedding("e", 128, 128), TTEmbedding)
+    f = LayerFactory(tt_linears=True, tt_embeddings=False)
+    assert isinstance(f.linear("l", 128, 128), TTLinear)
+    assert type(f.embedding("e", 128, 128)) is nn.Embedding
+
+
+def test_dense_layers_regex_is_searched_in_the_name():
+    f = LayerFactory(dense_layers=r"attention\.(query|key)$|^head")
+    kinds = {name: f.linear(name, 64, 64) for name in
+             ["layers.0.attention.query", "layers.0.attention.key", "layers.0.attention.value", "head.dense",
+              "x.head"]}
+    assert {n for n, m in kinds.items() if type(m) is nn.Linear} == {"layers.0.attention.query",
+                                                                   "layers.0.attention.key", "head.dense"}
+    assert f.forced_dense("head") and not f.forced_dense("x.head")
+
+
+def test_explicit_modes_and_tt_kwargs_reach_the_tt_layer():
+    f = LayerFactory(rank=3)
+    lin = f.linear("l", 96, 64, in_modes=[4, 24], out_modes=[8, 8])
+    emb = f.embedding("e", 1000, 16, vocab_modes=[10, 10, 10], dim_modes=[4, 2, 2], deduplicate=True)
+    assert lin.in_modes == [4, 24] and lin.out_modes == [8, 8]
+    assert emb.vocab_modes == [10, 10, 10] and emb.dim_modes == [4, 2, 2] and emb.deduplicate
+
+
+def test_min_embedding_rows_separates_tables_from_linears():
+    f = LayerFactory(min_features=64, min_embedding_rows=1000)
+    assert type(f.embedding("small", 999, 16)) is nn.Embedding
+    assert isinstance(f.embedding("large", 1000, 16), TTEmbedding)
+    assert isinstance(f.linear("l", 64, 64), TTLinear)
+
+
+def test_bad_arguments_and_reused_names_fail_loudly():
+    with pytest.raises(ValueError, match="regular expression"):
+        LayerFactory(dense_layers="(")
+    with pytest.raises(ValueError, match="min_features"):
+        LayerFactory(min_features=0)
+    f = LayerFactory()
+    f.linear("a", 8, 8)
+    with pytest.raises(ValueError, match="already used"):
+        f.embedding("a", 8, 8)
+    with pytest.raises(ValueError, match="qualified name"):
+        f.linear("", 8, 8)
