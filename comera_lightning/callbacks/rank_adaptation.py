@@ -282,7 +282,7 @@ class RankAdaptation(Callback):
         """Physically remove dead slices from every layer with enough of them; returns what changed."""
         record = TruncationRecord()
         for layer in self._layers(pl_module):
-            dead = max(1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1]))
+            dead = max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
             if dead >= self.min_dead_fraction:
                 record.extend(layer.truncate_())
         if record:

@@ -1,0 +1,56 @@
+"""LightningDataModules that read local files only (nothing is downloaded at run time).
+
+* :class:`CodeMLMDataModule`: masked-LM on source files, by default the Python standard library.
+* :class:`MNLIDataModule`: GLUE MNLI from a ``datasets.save_to_disk`` folder, GLUE TSVs or JSONL.
+* :class:`CriteoDataModule`: Criteo-format CTR data from TSV files, or synthetic power-law data.
+
+Shared pieces: byte-level BPE tokenizers trained offline and cached (:mod:`.tokenizer`), stable hashing,
+file discovery and caches (:mod:`.common`).
+"""
+
+from .code_mlm import CodeMLMDataModule, MLMCollator, mask_tokens, stdlib_root
+from .common import TensorDictDataset, discover_files, split_by_hash, stable_hash
+from .ctr import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    DEFAULT_TABLE_SIZES,
+    CriteoDataModule,
+    hash_categorical,
+    read_criteo_tsv,
+    synthetic_criteo,
+    write_synthetic_criteo_tsv,
+)
+from .glue import MNLI_LABELS, MNLIDataModule, read_mnli_split, write_synthetic_mnli
+from .tokenizer import (
+    SPECIAL_TOKENS,
+    SpecialTokenIds,
+    cached_bpe_tokenizer,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+
+__all__ = [
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "CodeMLMDataModule",
+    "CriteoDataModule",
+    "DEFAULT_TABLE_SIZES",
+    "MLMCollator",
+    "MNLIDataModule",
+    "MNLI_LABELS",
+    "SPECIAL_TOKENS",
+    "SpecialTokenIds",
+    "TensorDictDataset",
+    "cached_bpe_tokenizer",
+    "discover_files",
+    "hash_categorical",
+    "load_tokenizer",
+    "mask_tokens",
+    "read_criteo_tsv",
+    "read_mnli_split",
+    "split_by_hash",
+    "stable_hash",
+    "stdlib_root",
+    "synthetic_criteo",
+    "train_bpe_tokenizer",
+    "write_synthetic_criteo_tsv",
+    "write_synthetic_mnli",
+]

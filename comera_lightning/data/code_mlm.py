@@ -1,0 +1,454 @@
+"""Masked-language-model data on a corpus of source files (default: the Python standard library).
+
+The quickstart corpus ships with every Python interpreter, so a first run needs no download: the ``*.py``
+files under ``sysconfig.get_paths()["stdlib"]`` (installed packages in ``site-packages`` never included,
+test suites only with ``include_tests=True``).
+
+Pipeline (each step cached under ``cache_dir``, so a second run starts in about a second):
+
+1. files are found and split into train/validation BY FILE, by a stable hash of the relative path
+   (adding files never moves others between the splits);
+2. a byte-level BPE tokenizer is trained on the training files only (``tokenizers``), keyed by the
+   training files' paths and contents and ``vocab_size``;
+3. each split is encoded into one token stream (files separated by ``[SEP]``) and cut into rows of
+   ``seq_len`` tokens, ``[CLS] <seq_len - 2 tokens> [SEP]``; the last row of a split is padded;
+4. BERT masking happens in the collate function: each non-special token is selected with probability
+   ``mlm_probability``; a selected token becomes ``[MASK]`` 80% of the time, a random non-special token
+   10%, stays itself 10%. Training masks are fresh every epoch; validation masks are a function of
+   ``(seed, row)`` only, so every validation pass scores the very same task.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from .common import (
+    TensorDictDataset,
+    atomic_torch_save,
+    cache_key,
+    discover_files,
+    fingerprint_files,
+    load_tensor_cache,
+    split_by_hash,
+)
+from .tokenizer import (
+    SpecialTokenIds,
+    cached_bpe_tokenizer,
+    check_vocab_size,
+    encode_texts,
+    file_sha1,
+    load_tokenizer,
+)
+
+__all__ = ["CodeMLMDataModule", "MLMCollator", "chunk_stream", "mask_tokens", "stdlib_root"]
+
+IGNORE_INDEX = -100
+_ENCODING_VERSION = 1
+
+
+def stdlib_root() -> str:
+    """Directory of the running interpreter's standard library sources."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def mask_tokens(
+    input_ids: torch.Tensor,
+    *,
+    mask_id: int,
+    special_ids: Sequence[int],
+    vocab_size: int,
+    mlm_probability: float = 0.15,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking of a (B, T) batch of token ids: returns ``(masked_inputs, labels)``.
+
+    Tokens whose id is in ``special_ids`` ([PAD], [CLS], [SEP], ...) are never selected. Each other
+    token is selected with probability ``mlm_probability``; a selected token is replaced by ``mask_id``
+    with probability 0.8, by a uniformly drawn non-special id below ``vocab_size`` with probability 0.1,
+    and kept with probability 0.1. ``labels`` holds the original id at selected positions and -100
+    (ignored by ``cross_entropy``) elsewhere. All randomness comes from ``generator``.
+    """
+    ids = input_ids.long()
+    special = torch.as_tensor(list(special_ids), dtype=torch.long)
+    maskable = ~torch.isin(ids, special)
+    selected = (torch.rand(ids.shape, generator=generator) < mlm_probability) & maskable
+    action = torch.rand(ids.shape, generator=generator)
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[special[special < vocab_size]] = False
+    allowed_ids = allowed.nonzero().squeeze(1)
+    random_ids = allowed_ids[torch.randint(len(allowed_ids), ids.shape, generator=generator)]
+    labels = torch.where(selected, ids, torch.full_like(ids, IGNORE_INDEX))
+    out = torch.where(selected & (action < 0.8), torch.full_like(ids, mask_id), ids)
+    out = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, out)
+    return out, labels
+
+
+class MLMCollator:
+    """Collate function that masks a :class:`TensorDictDataset` batch of token rows.
+
+    Args:
+        mask_id, special_ids, vocab_size, mlm_probability: see :func:`mask_tokens`.
+        pad_id: id whose positions get ``attention_mask`` 0.
+        seed: base seed.
+        deterministic: if True (validation) each row is masked with a generator seeded from
+            ``(seed, row index)``, so the masks do not depend on batch composition, epoch, worker or
+            process; if False (training) one generator per process/worker draws fresh masks every batch.
+        rank: the process's global rank, mixed into the training seed so that DDP processes do not mask
+            the same positions in step.
+    """
+
+    def __init__(
+        self,
+        *,
+        mask_id: int,
+        special_ids: Sequence[int],
+        vocab_size: int,
+        mlm_probability: float,
+        pad_id: int,
+        seed: int = 0,
+        deterministic: bool = False,
+        rank: int = 0,
+    ) -> None:
+        self.mask_id = mask_id
+        self.special_ids = list(special_ids)
+        self.vocab_size = vocab_size
+        self.mlm_probability = mlm_probability
+        self.pad_id = pad_id
+        self.seed = seed
+        self.deterministic = deterministic
+        self.rank = rank
+        self._generator: torch.Generator | None = None
+
+    def _train_generator(self) -> torch.Generator:
+        if self._generator is None:
+            info = get_worker_info()
+            # in a worker, the worker's own seed (different per worker and per epoch, derived from the main
+            # process RNG that seed_everything fixes); in the main process, the configured seed
+            seed = info.seed if info is not None else self.seed
+            self._generator = torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15 * self.rank) % (2**63))
+        return self._generator
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = batch["input_ids"].long()
+        kwargs: dict[str, Any] = dict(
+            mask_id=self.mask_id,
+            special_ids=self.special_ids,
+            vocab_size=self.vocab_size,
+            mlm_probability=self.mlm_probability,
+        )
+        if self.deterministic:
+            g = torch.Generator()
+            rows = []
+            for row, index in zip(ids, batch["index"].tolist()):
+                g.manual_seed((self.seed * 1_000_003 + int(index) * 7919 + 17) % (2**63))
+                rows.append(mask_tokens(row.unsqueeze(0), generator=g, **kwargs))
+            inputs = torch.cat([r[0] for r in rows])
+            labels = torch.cat([r[1] for r in rows])
+        else:
+            inputs, labels = mask_tokens(ids, generator=self._train_generator(), **kwargs)
+        if not (labels != IGNORE_INDEX).any():
+            # a batch without a single target gives a NaN loss: mask its first maskable token
+            maskable = (~torch.isin(ids, torch.as_tensor(self.special_ids))).flatten().nonzero()
+            if len(maskable):
+                pos = int(maskable[0])
+                labels.view(-1)[pos] = ids.view(-1)[pos]
+                inputs.view(-1)[pos] = self.mask_id
+        return {
+            "input_ids": inputs,
+            "attention_mask": (ids != self.pad_id).long(),
+            "labels": labels,
+        }
+
+
+def chunk_stream(
+    docs: Sequence[np.ndarray], seq_len: int, *, cls_id: int, sep_id: int, pad_id: int
+) -> torch.Tensor:
+    """Concatenate token arrays (``sep_id`` between documents) and cut rows ``[CLS] ... [SEP]``.
+
+    Every row has exactly ``seq_len`` ids; only the last row can be short, and it is padded with
+    ``pad_id`` after its ``[SEP]``. Returns a (rows, seq_len) int64 tensor (0 rows for empty input).
+    """
+    if seq_len < 3:
+        raise ValueError(f"seq_len must be >= 3 ([CLS] token [SEP]), got {seq_len}")
+    parts: list[np.ndarray] = []
+    for doc in docs:
+        if len(doc) == 0:
+            continue
+        if parts:
+            parts.append(np.asarray([sep_id], dtype=np.int64))
+        parts.append(np.asarray(doc, dtype=np.int64))
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    body = seq_len - 2
+    n_rows = math.ceil(len(stream) / body)
+    out = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
+    if n_rows == 0:
+        return torch.from_numpy(out)
+    full = len(stream) // body
+    out[:full, 0] = cls_id
+    out[:full, 1:-1] = stream[: full * body].reshape(full, body)
+    out[:full, -1] = sep_id
+    rest = stream[full * body :]
+    if len(rest):
+        out[-1, 0] = cls_id
+        out[-1, 1 : 1 + len(rest)] = rest
+        out[-1, 1 + len(rest)] = sep_id
+    return torch.from_numpy(out)
+
+
+def _read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _compact(t: torch.Tensor, vocab: int) -> torch.Tensor:
+    return t.to(torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32)
+
+
+class CodeMLMDataModule(pl.LightningDataModule):
+    """Masked-LM batches from a local corpus of source files (default: the Python standard library).
+
+    ``prepare_data`` (local rank zero) trains and caches the tokenizer and the encoded splits; ``setup``
+    loads them (and builds them itself when ``prepare_data`` was not called, e.g. outside a Trainer).
+
+    Vocabulary size: ``vocab_size`` stays the configured value and is an upper bound (a trained BPE never
+    exceeds it; a user tokenizer that does is refused), so a model built with ``data.vocab_size`` (e.g. a
+    LightningCLI argument link) always fits. ``vocab_size_actual`` is the tokenizer's real size (it
+    trains/loads the tokenizer on first access).
+
+    Batches: ``input_ids`` (B, T) long with masks applied, ``attention_mask`` (B, T) long (0 on padding),
+    ``labels`` (B, T) long, the original id at masked positions and -100 elsewhere.
+
+    Args:
+        root: folder searched recursively for the corpus; ``None`` is the standard library of the running
+            Python.
+        pattern: file-name glob (``fnmatch``), e.g. ``"*.py"``.
+        vocab_size: BPE vocabulary size to train (upper bound of the real size, see above).
+        seq_len: tokens per row including ``[CLS]`` and ``[SEP]``.
+        batch_size: rows per batch.
+        mlm_probability: fraction of non-special tokens selected for prediction.
+        val_fraction: share of FILES held out for validation (by a stable hash of the path).
+        max_files: keep only this many files (a deterministic, spread-out subset) for quick runs.
+        max_sequences: keep at most this many training rows (a seeded random subset) and proportionally
+            many validation rows (at least one); the cache always holds all rows.
+        cache_dir: where tokenizers and encoded tensors are cached.
+        tokenizer_path: a local tokenizer.json to use instead of training one; it must have
+            ``[PAD] [CLS] [SEP] [MASK]`` (or ``<pad> <s> </s> <mask>``).
+        include_tests: also use files in ``test``/``tests``/``idle_test`` directories (in the standard
+            library they are about 60% of the files and contain deliberately broken code).
+        num_workers: DataLoader worker processes.
+        seed: seeds the training shuffle, the training masks, the validation masks and the
+            ``max_sequences`` subset (not the split, which depends only on file paths).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        pattern: str = "*.py",
+        vocab_size: int = 8192,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        mlm_probability: float = 0.15,
+        val_fraction: float = 0.05,
+        max_files: int | None = None,
+        max_sequences: int | None = None,
+        cache_dir: str = ".cache/comera",
+        tokenizer_path: str | None = None,
+        include_tests: bool = False,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 3:
+            raise ValueError(f"seq_len must be >= 3 ([CLS] token [SEP]), got {seq_len}")
+        if not 0.0 < mlm_probability < 1.0:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_sequences is not None and max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
+        self.save_hyperparameters()
+        self.root = root
+        self.pattern = pattern
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.mlm_probability = mlm_probability
+        self.val_fraction = val_fraction
+        self.max_files = max_files
+        self.max_sequences = max_sequences
+        self.cache_dir = cache_dir
+        self.tokenizer_path = tokenizer_path
+        self.include_tests = include_tests
+        self.num_workers = num_workers
+        self.seed = seed
+        self._files: tuple[Path, list[str], list[str]] | None = None
+        self._fingerprints: dict[str, str] = {}
+        self._tokenizer_file: Path | None = None
+        self._tokenizer: Any = None
+        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
+        self.train_dataset: TensorDictDataset | None = None
+        self.val_dataset: TensorDictDataset | None = None
+
+    # ------------------------------------------------------------------ corpus and tokenizer
+    @property
+    def corpus_root(self) -> Path:
+        """The resolved corpus folder."""
+        return Path(self.root if self.root is not None else stdlib_root()).expanduser()
+
+    def split_files(self) -> tuple[list[str], list[str]]:
+        """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
+        if self._files is None:
+            root = self.corpus_root
+            files = discover_files(root, self.pattern, include_tests=self.include_tests, max_files=self.max_files)
+            train, val = split_by_hash(files, self.val_fraction)
+            self._files = (root, train, val)
+        return self._files[1], self._files[2]
+
+    def _fingerprint(self, split: str) -> str:
+        """Content hash of a split's files (memoised)."""
+        if split not in self._fingerprints:
+            train, val = self.split_files()
+            self._fingerprints[split] = fingerprint_files(self.corpus_root, train if split == "train" else val)
+        return self._fingerprints[split]
+
+    def _ensure_tokenizer_file(self) -> Path:
+        if self._tokenizer_file is None:
+            if self.tokenizer_path is not None:
+                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
+                load_tokenizer(self._tokenizer_file)  # fail early with a clear message
+            else:
+                train, _ = self.split_files()
+                root = self.corpus_root
+                self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
+                    self.cache_dir,
+                    "code",
+                    {"corpus": self._fingerprint("train"), "files": len(train)},
+                    lambda: [_read_text(root / rel) for rel in train],
+                    self.vocab_size,
+                    add_prefix_space=False,
+                )
+        return self._tokenizer_file
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` (trained or loaded on first access)."""
+        if self._tokenizer is None:
+            path = self._ensure_tokenizer_file()
+            tok = load_tokenizer(path)
+            check_vocab_size(tok.get_vocab_size(), self.vocab_size, f"tokenizer {str(path)!r}")
+            self._tokenizer = tok
+        return self._tokenizer
+
+    @property
+    def special_ids(self) -> SpecialTokenIds:
+        """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
+        source = f"tokenizer {self._tokenizer_file}"
+        return SpecialTokenIds.from_tokenizer(self.tokenizer, require_mask=True, source=source)
+
+    @property
+    def vocab_size_actual(self) -> int:
+        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
+        return int(self.tokenizer.get_vocab_size())
+
+    # ------------------------------------------------------------------ encoding and caching
+    def _encoded_cache_path(self) -> Path:
+        tok_file = self._ensure_tokenizer_file()
+        key = cache_key(
+            {
+                "tokenizer": file_sha1(tok_file),
+                "train": self._fingerprint("train"),
+                "val": self._fingerprint("val"),
+                "seq_len": self.seq_len,
+                "version": _ENCODING_VERSION,
+            }
+        )
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-mlm-{key}.pt"
+
+    def _encode_split(self, files: list[str]) -> torch.Tensor:
+        ids = self.special_ids
+        docs = encode_texts(self.tokenizer, [_read_text(self.corpus_root / rel) for rel in files])
+        rows = chunk_stream(docs, self.seq_len, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
+        return _compact(rows, self.vocab_size_actual)
+
+    def _load_or_build_encoded(self) -> dict[str, torch.Tensor]:
+        path = self._encoded_cache_path()
+        cached = load_tensor_cache(path)
+        if cached is not None:
+            return cached
+        train, val = self.split_files()
+        data = {"train": self._encode_split(train), "val": self._encode_split(val)}
+        atomic_torch_save(data, path)
+        return data
+
+    def prepare_data(self) -> None:
+        """Train/cache the tokenizer and encode/cache both splits (Lightning calls this on local rank 0)."""
+        self._load_or_build_encoded()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached tokenizer and encoded rows and build the datasets."""
+        if self.train_dataset is not None:
+            return
+        _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
+        data = self._load_or_build_encoded()
+        train, val = data["train"], data["val"]
+        if len(train) == 0:
+            raise ValueError(
+                f"the training files under {str(self.corpus_root)!r} contain no tokens; add non-empty files"
+            )
+        if self.max_sequences is not None:
+            g = torch.Generator().manual_seed(self.seed)
+            if len(train) > self.max_sequences:
+                train = train[torch.randperm(len(train), generator=g)[: self.max_sequences].sort().values]
+            n_val = max(1, round(self.max_sequences * self.val_fraction / (1.0 - self.val_fraction)))
+            if len(val) > n_val:
+                val = val[torch.randperm(len(val), generator=g)[:n_val].sort().values]
+        self.train_dataset = TensorDictDataset(input_ids=train)
+        self.val_dataset = TensorDictDataset(input_ids=val)
+
+    # ------------------------------------------------------------------ loaders
+    def _collator(self, deterministic: bool) -> MLMCollator:
+        ids = self.special_ids
+        return MLMCollator(
+            mask_id=ids.mask,  # type: ignore[arg-type]
+            special_ids=ids.all(),
+            vocab_size=self.vocab_size_actual,
+            mlm_probability=self.mlm_probability,
+            pad_id=ids.pad,
+            seed=self.seed,
+            deterministic=deterministic,
+            rank=self.trainer.global_rank if self.trainer is not None else 0,
+        )
+
+    def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            collate_fn=self._collator(deterministic=not train),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed) if train else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled rows with fresh BERT masks every epoch."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation rows in order with masks fixed by (seed, row); ``[]`` when there is no validation file."""
+        if self.val_dataset is None:
+            self.setup("validate")
+        if len(self.val_dataset) == 0:  # type: ignore[arg-type]
+            return []
+        return self._loader(self.val_dataset, train=False)  # type: ignore[arg-type]

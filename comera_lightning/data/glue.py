@@ -1,0 +1,549 @@
+"""GLUE MNLI (premise/hypothesis -> entailment, neutral, contradiction) from local files.
+
+Three local layouts are read (``format="auto"`` picks by what ``data_dir`` holds):
+
+* ``"disk"``: a ``datasets.DatasetDict`` written by ``save_to_disk`` (e.g. of ``load_dataset("glue",
+  "mnli")`` on a machine with network), splits ``train``, ``validation_matched``,
+  ``validation_mismatched``, columns ``premise``, ``hypothesis``, ``label``;
+* ``"tsv"``: the GLUE distribution, ``train.tsv``, ``dev_matched.tsv``, ``dev_mismatched.tsv`` with
+  columns ``sentence1``, ``sentence2``, ``gold_label`` (or ``label``);
+* ``"jsonl"``: one JSON object per line with ``premise``, ``hypothesis``, ``label`` (int or name), or the
+  MultiNLI originals' ``sentence1``, ``sentence2``, ``gold_label``; files ``train.jsonl``,
+  ``validation_matched.jsonl``/``dev_matched.jsonl`` (``multinli_1.0_*.jsonl`` too).
+
+Labels: entailment=0, neutral=1, contradiction=2 (the GLUE/HF order). Rows without a gold label (``-``,
+``-1``, empty) are skipped.
+
+Pairs are encoded ``[CLS] premise [SEP] hypothesis [SEP]``, ``token_type_ids`` 0 up to and including
+the first ``[SEP]`` and 1 after, truncated longest-first to ``seq_len`` and padded to ``seq_len`` (static
+shapes). The tokenizer is a local tokenizer.json (``tokenizer_path``) or a byte-level BPE trained on the
+training premises and hypotheses and cached like the encoded splits.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .common import (
+    TensorDictDataset,
+    atomic_torch_save,
+    cache_key,
+    fingerprint_files,
+    load_tensor_cache,
+)
+from .tokenizer import (
+    SpecialTokenIds,
+    cached_bpe_tokenizer,
+    check_vocab_size,
+    encode_texts,
+    file_sha1,
+    load_tokenizer,
+)
+
+__all__ = [
+    "MNLI_LABELS",
+    "MNLIDataModule",
+    "PairCollator",
+    "detect_mnli_format",
+    "encode_pairs",
+    "read_mnli_split",
+    "truncate_longest_first",
+    "write_synthetic_mnli",
+]
+
+MNLI_LABELS: dict[str, int] = {"entailment": 0, "neutral": 1, "contradiction": 2}
+_NO_LABEL = {"-", "", "-1", "None", "none", "null"}
+_FORMATS = ("auto", "disk", "tsv", "jsonl")
+_SPLIT_NAMES: dict[str, tuple[str, ...]] = {
+    "train": ("train", "multinli_1.0_train"),
+    "validation_matched": ("validation_matched", "dev_matched", "multinli_1.0_dev_matched"),
+    "validation_mismatched": ("validation_mismatched", "dev_mismatched", "multinli_1.0_dev_mismatched"),
+}
+_ENCODING_VERSION = 1
+
+
+def _label_id(value: Any, where: str) -> int | None:
+    """Our label id of a raw label (int or name); ``None`` for 'no gold label'."""
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if int(value) == -1:
+            return None
+        if int(value) in (0, 1, 2):
+            return int(value)
+        raise ValueError(f"{where}: label {value!r} is not 0, 1, 2 (or -1 for unlabelled)")
+    text = str(value).strip()
+    if text in _NO_LABEL:
+        return None
+    if text.isdigit():
+        return _label_id(int(text), where)
+    try:
+        return MNLI_LABELS[text.lower()]
+    except KeyError:
+        raise ValueError(f"{where}: unknown label {value!r}; expected one of {list(MNLI_LABELS)} or 0/1/2") from None
+
+
+def detect_mnli_format(data_dir: str | Path) -> str:
+    """``"disk"``, ``"tsv"`` or ``"jsonl"`` from the files in ``data_dir`` (ValueError if none fits)."""
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(
+            f"MNLI data_dir {str(root)!r} is not a directory; pass data_dir= the folder with the MNLI files"
+        )
+    if (root / "dataset_dict.json").is_file():
+        return "disk"
+    for fmt in ("tsv", "jsonl"):
+        if any((root / f"{name}.{fmt}").is_file() for name in _SPLIT_NAMES["train"]):
+            return fmt
+    raise ValueError(
+        f"cannot tell the MNLI format of {str(root)!r}: expected a datasets.save_to_disk folder "
+        "(dataset_dict.json), GLUE TSVs (train.tsv, dev_matched.tsv, dev_mismatched.tsv) or JSONL files "
+        "(train.jsonl, validation_matched.jsonl, ...); write test data with write_synthetic_mnli()"
+    )
+
+
+def _split_file(root: Path, split: str, ext: str) -> Path:
+    for name in _SPLIT_NAMES[split]:
+        path = root / f"{name}.{ext}"
+        if path.is_file():
+            return path
+    wanted = ", ".join(f"{n}.{ext}" for n in _SPLIT_NAMES[split])
+    raise ValueError(f"no file for MNLI split {split!r} in {str(root)!r}: expected one of {wanted}")
+
+
+def _pick(row: dict[str, Any], names: Sequence[str], where: str) -> Any:
+    for name in names:
+        if name in row:
+            return row[name]
+    raise ValueError(f"{where}: none of the columns {list(names)} (has {sorted(row)})")
+
+
+def _read_tsv(path: Path) -> tuple[list[str], list[str], list[int]]:
+    a, b, y = [], [], []
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    with open(path, encoding="utf-8", newline="") as fh:
+        # GLUE TSVs contain unbalanced quotes: read with quoting off, as the GLUE baselines do
+        reader = csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
+        for line, row in enumerate(reader, start=2):
+            where = f"{path}:{line}"
+            label = _label_id(_pick(row, ("gold_label", "label"), where), where)
+            if label is None:
+                continue
+            a.append(_pick(row, ("sentence1", "premise"), where) or "")
+            b.append(_pick(row, ("sentence2", "hypothesis"), where) or "")
+            y.append(label)
+    return a, b, y
+
+
+def _read_jsonl(path: Path) -> tuple[list[str], list[str], list[int]]:
+    a, b, y = [], [], []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            row = json.loads(line)
+            label = _label_id(_pick(row, ("label", "gold_label"), where), where)
+            if label is None:
+                continue
+            a.append(_pick(row, ("premise", "sentence1"), where) or "")
+            b.append(_pick(row, ("hypothesis", "sentence2"), where) or "")
+            y.append(label)
+    return a, b, y
+
+
+def _datasets_module():
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            "reading a save_to_disk MNLI folder needs the HuggingFace `datasets` library: "
+            "pip install 'datasets>=2.14' (or use the GLUE TSV / JSONL formats)"
+        ) from err
+    return datasets
+
+
+def _read_disk(root: Path, split: str) -> tuple[list[str], list[str], list[int]]:
+    dsets = _datasets_module().load_from_disk(str(root))
+    name = next((n for n in _SPLIT_NAMES[split] if n in dsets), None)
+    if name is None:
+        raise ValueError(f"the dataset at {str(root)!r} has splits {list(dsets)}, none of {list(_SPLIT_NAMES[split])}")
+    ds = dsets[name]
+    cols = set(ds.column_names)
+    a_col = "premise" if "premise" in cols else "sentence1"
+    b_col = "hypothesis" if "hypothesis" in cols else "sentence2"
+    y_col = "label" if "label" in cols else "gold_label"
+    missing = {a_col, b_col, y_col} - cols
+    if missing:
+        raise ValueError(f"the {name!r} split at {str(root)!r} lacks columns {sorted(missing)} (has {sorted(cols)})")
+    names = getattr(ds.features[y_col], "names", None)  # ClassLabel: map through its names, whatever the order
+    a, b, y = [], [], []
+    for i, (p, h, raw) in enumerate(zip(ds[a_col], ds[b_col], ds[y_col])):
+        if names is not None and isinstance(raw, (int, np.integer)) and 0 <= raw < len(names):
+            raw = names[raw]
+        label = _label_id(raw, f"{root}[{name}][{i}]")
+        if label is None:
+            continue
+        a.append(p or "")
+        b.append(h or "")
+        y.append(label)
+    return a, b, y
+
+
+def read_mnli_split(data_dir: str | Path, split: str, fmt: str = "auto") -> tuple[list[str], list[str], list[int]]:
+    """(premises, hypotheses, labels) of one split (``train``, ``validation_matched``, ``validation_mismatched``)."""
+    if split not in _SPLIT_NAMES:
+        raise ValueError(f"unknown MNLI split {split!r}; expected one of {list(_SPLIT_NAMES)}")
+    root = Path(data_dir).expanduser()
+    fmt = detect_mnli_format(root) if fmt == "auto" else fmt
+    if fmt == "disk":
+        return _read_disk(root, split)
+    if fmt == "tsv":
+        return _read_tsv(_split_file(root, split, "tsv"))
+    if fmt == "jsonl":
+        return _read_jsonl(_split_file(root, split, "jsonl"))
+    raise ValueError(f"unknown MNLI format {fmt!r}; expected one of {list(_FORMATS)}")
+
+
+def truncate_longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """Lengths after removing tokens one at a time from the longer side until ``len_a + len_b <= budget``.
+
+    Ties remove from the second sequence first, as HuggingFace's ``longest_first`` does.
+    """
+    excess = len_a + len_b - max(budget, 0)
+    if excess <= 0:
+        return len_a, len_b
+    diff = abs(len_a - len_b)
+    if excess <= diff:
+        return (len_a - excess, len_b) if len_a > len_b else (len_a, len_b - excess)
+    m = min(len_a, len_b)
+    rest = excess - diff
+    return m - rest // 2, m - (rest + 1) // 2
+
+
+def encode_pairs(
+    tokenizer: Any, premises: Sequence[str], hypotheses: Sequence[str], seq_len: int, special: SpecialTokenIds
+) -> dict[str, torch.Tensor]:
+    """Encode pairs as padded rows ``[CLS] a [SEP] b [SEP]``.
+
+    Returns ``input_ids`` (N, seq_len) int64 padded with ``special.pad``, ``length`` (N,) the number of real
+    tokens, and ``type_start`` (N,) the first position of segment B (``token_type_ids`` 1 from there up to
+    ``length``).
+    """
+    if seq_len < 3:
+        raise ValueError(f"seq_len must be >= 3 for [CLS] a [SEP] b [SEP], got {seq_len}")
+    enc_a = encode_texts(tokenizer, premises)
+    enc_b = encode_texts(tokenizer, hypotheses)
+    n = len(enc_a)
+    ids = np.full((n, seq_len), special.pad, dtype=np.int64)
+    length = np.zeros(n, dtype=np.int64)
+    type_start = np.zeros(n, dtype=np.int64)
+    for i, (a, b) in enumerate(zip(enc_a, enc_b)):
+        ta, tb = truncate_longest_first(len(a), len(b), seq_len - 3)
+        row = np.concatenate(([special.cls], a[:ta], [special.sep], b[:tb], [special.sep]))
+        ids[i, : len(row)] = row
+        length[i] = len(row)
+        type_start[i] = ta + 2
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "length": torch.from_numpy(length),
+        "type_start": torch.from_numpy(type_start),
+    }
+
+
+class PairCollator:
+    """Turn a batch of encoded rows into ``input_ids, attention_mask, token_type_ids, labels`` (all long)."""
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = batch["input_ids"].long()
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        length = batch["length"].long().unsqueeze(1)
+        attention = pos < length
+        token_type = (pos >= batch["type_start"].long().unsqueeze(1)) & attention
+        return {
+            "input_ids": ids,
+            "attention_mask": attention.long(),
+            "token_type_ids": token_type.long(),
+            "labels": batch["labels"].long(),
+        }
+
+
+class MNLIDataModule(pl.LightningDataModule):
+    """GLUE MNLI sentence-pair classification from a local folder (no download).
+
+    Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` (B, seq_len) long and ``labels`` (B,)
+    long with entailment=0, neutral=1, contradiction=2.
+
+    Vocabulary size: ``vocab_size`` stays the configured value and is an upper bound (the trained BPE
+    never exceeds it; a ``tokenizer_path`` tokenizer larger than it is refused), so a model built with
+    ``data.vocab_size`` always fits; ``vocab_size_actual`` is the tokenizer's real size.
+
+    Args:
+        data_dir: folder with the MNLI files (see the module docstring for the layouts).
+        format: ``"auto"``, ``"disk"`` (``datasets.save_to_disk``), ``"tsv"`` (GLUE) or ``"jsonl"``.
+        tokenizer_path: a local tokenizer.json (e.g. BERT's); ``None`` trains a byte-level BPE on the
+            training texts (cached under ``cache_dir``).
+        vocab_size: size of the trained tokenizer; upper bound of a given one. 30522 is BERT's.
+        seq_len: tokens per row after truncation (longest-first) and padding.
+        batch_size: pairs per batch.
+        validation_split: ``"validation_matched"`` or ``"validation_mismatched"``.
+        max_train_samples: keep the first this many labelled training pairs (quick runs); the trained
+            tokenizer then sees only those.
+        cache_dir: where the trained tokenizer and the encoded splits are cached.
+        num_workers: DataLoader worker processes.
+        seed: seeds the training shuffle.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        format: str = "auto",
+        tokenizer_path: str | None = None,
+        vocab_size: int = 30522,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        validation_split: str = "validation_matched",
+        max_train_samples: int | None = None,
+        cache_dir: str = ".cache/comera",
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if format not in _FORMATS:
+            raise ValueError(f"format must be one of {list(_FORMATS)}, got {format!r}")
+        if validation_split not in ("validation_matched", "validation_mismatched"):
+            raise ValueError(
+                f"validation_split must be 'validation_matched' or 'validation_mismatched', got {validation_split!r}"
+            )
+        if seq_len < 3:
+            raise ValueError(f"seq_len must be >= 3, got {seq_len}")
+        if max_train_samples is not None and max_train_samples < 1:
+            raise ValueError(f"max_train_samples must be >= 1 or None, got {max_train_samples}")
+        self.save_hyperparameters()
+        self.data_dir = data_dir
+        self.format = format
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.validation_split = validation_split
+        self.max_train_samples = max_train_samples
+        self.cache_dir = cache_dir
+        self.num_workers = num_workers
+        self.seed = seed
+        self._format: str | None = None
+        self._splits: dict[str, tuple[list[str], list[str], list[int]]] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._tokenizer_file: Path | None = None
+        self._tokenizer: Any = None
+        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
+        self.train_dataset: TensorDictDataset | None = None
+        self.val_dataset: TensorDictDataset | None = None
+
+    @property
+    def root(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    @property
+    def resolved_format(self) -> str:
+        """The format in use (``format`` or what ``"auto"`` detected)."""
+        if self._format is None:
+            self._format = detect_mnli_format(self.root) if self.format == "auto" else self.format
+        return self._format
+
+    def _source_fingerprint(self, split: str) -> str:
+        """Content hash of the files a split is read from (memoised: MNLI's train.tsv is 330 MB)."""
+        if split not in self._fingerprints:
+            fmt = self.resolved_format
+            if fmt == "disk":
+                files = sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+                self._fingerprints[split] = fingerprint_files(self.root, files)
+            else:
+                path = _split_file(self.root, split, fmt)
+                self._fingerprints[split] = fingerprint_files(path.parent, [path.name])
+        return self._fingerprints[split]
+
+    def _read(self, split: str) -> tuple[list[str], list[str], list[int]]:
+        if split not in self._splits:
+            a, b, y = read_mnli_split(self.root, split, self.resolved_format)
+            if split == "train":
+                if not y:
+                    raise ValueError(f"the MNLI training split in {str(self.root)!r} has no labelled pairs")
+                if self.max_train_samples is not None:
+                    a, b, y = a[: self.max_train_samples], b[: self.max_train_samples], y[: self.max_train_samples]
+            self._splits[split] = (a, b, y)
+        return self._splits[split]
+
+    def _ensure_tokenizer_file(self) -> Path:
+        if self._tokenizer_file is None:
+            if self.tokenizer_path is not None:
+                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
+                load_tokenizer(self._tokenizer_file)
+            else:
+
+                def texts() -> list[str]:
+                    a, b, _ = self._read("train")
+                    return [*a, *b]
+
+                self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
+                    self.cache_dir,
+                    "mnli",
+                    {"train": self._source_fingerprint("train"), "max_train_samples": self.max_train_samples},
+                    texts,
+                    self.vocab_size,
+                    add_prefix_space=True,
+                )
+        return self._tokenizer_file
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` (loaded or trained on first access)."""
+        if self._tokenizer is None:
+            path = self._ensure_tokenizer_file()
+            tok = load_tokenizer(path)
+            check_vocab_size(tok.get_vocab_size(), self.vocab_size, f"tokenizer {str(path)!r}")
+            self._tokenizer = tok
+        return self._tokenizer
+
+    @property
+    def special_ids(self) -> SpecialTokenIds:
+        return SpecialTokenIds.from_tokenizer(self.tokenizer, source=f"tokenizer {self._tokenizer_file}")
+
+    @property
+    def vocab_size_actual(self) -> int:
+        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
+        return int(self.tokenizer.get_vocab_size())
+
+    @property
+    def num_classes(self) -> int:
+        return len(MNLI_LABELS)
+
+    def _encoded(self, split: str) -> dict[str, torch.Tensor]:
+        tok_file = self._ensure_tokenizer_file()
+        key = cache_key(
+            {
+                "tokenizer": file_sha1(tok_file),
+                "source": self._source_fingerprint(split),
+                "format": self.resolved_format,
+                "split": split,
+                "seq_len": self.seq_len,
+                "max_train_samples": self.max_train_samples if split == "train" else None,
+                "version": _ENCODING_VERSION,
+            }
+        )
+        path = Path(self.cache_dir).expanduser() / "encoded" / f"mnli-{split}-{key}.pt"
+        cached = load_tensor_cache(path)
+        if cached is not None:
+            return cached
+        a, b, y = self._read(split)
+        enc = encode_pairs(self.tokenizer, a, b, self.seq_len, self.special_ids)
+        small = torch.int16 if self.vocab_size_actual <= torch.iinfo(torch.int16).max else torch.int32
+        data = {
+            "input_ids": enc["input_ids"].to(small),
+            "length": enc["length"].to(torch.int32),
+            "type_start": enc["type_start"].to(torch.int32),
+            "labels": torch.tensor(y, dtype=torch.int64),
+        }
+        atomic_torch_save(data, path)
+        return data
+
+    def prepare_data(self) -> None:
+        """Train/cache the tokenizer and encode/cache the training and validation splits (local rank 0)."""
+        self._encoded("train")
+        self._encoded(self.validation_split)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached encodings and build the datasets."""
+        _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
+        if stage in (None, "fit") and self.train_dataset is None:
+            self.train_dataset = TensorDictDataset(**self._encoded("train"))
+        if self.val_dataset is None and stage in (None, "fit", "validate"):
+            self.val_dataset = TensorDictDataset(**self._encoded(self.validation_split))
+
+    def _loader(self, dataset: TensorDictDataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            self.setup(None)
+            dataset = self.train_dataset if train else self.val_dataset
+        return DataLoader(
+            dataset,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=train,
+            collate_fn=PairCollator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed) if train else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, train=False)
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+_SUBJECTS = ["the cat", "a dog", "the teacher", "my friend", "the pilot", "a child", "the farmer", "our neighbour"]
+_VERBS = ["sees", "likes", "paints", "follows", "visits", "helps", "finds", "greets"]
+_OBJECTS = ["the river", "a house", "the garden", "a bird", "the market", "a tree", "the station", "a boat"]
+_PLACES = ["in the morning", "at noon", "near the hill", "after lunch", "by the sea", "in the city"]
+
+
+def _synthetic_pair(rng: random.Random) -> tuple[str, str, str]:
+    """A premise and a hypothesis whose relation follows a simple lexical rule.
+
+    entailment: the hypothesis repeats the premise's clause without the time/place; contradiction: it
+    negates it ("does not"); neutral: another subject "also" does something. The words "not" and "also"
+    decide the label, so even a bag-of-words model can learn it.
+    """
+    s, v, o, p = rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS), rng.choice(_PLACES)
+    premise = f"{s.capitalize()} {v} {o} {p}."
+    label = rng.choice(list(MNLI_LABELS))
+    if label == "entailment":
+        hypothesis = f"{s.capitalize()} {v} {o}."
+    elif label == "contradiction":
+        hypothesis = f"{s.capitalize()} does not {v[:-1]} {o}."
+    else:
+        other = rng.choice([x for x in _SUBJECTS if x != s])
+        hypothesis = f"{other.capitalize()} also {v} {rng.choice(_OBJECTS)}."
+    return premise, hypothesis, label
+
+
+def write_synthetic_mnli(
+    directory: str | Path, num_train: int, num_val: int, fmt: str = "tsv", seed: int = 0
+) -> Path:
+    """Write a SYNTHETIC MNLI-shaped dataset (for tests and smoke runs, not for reporting results).
+
+    Writes ``train``, ``dev_matched`` and ``dev_mismatched`` (``fmt="tsv"``, GLUE columns incl.
+    ``gold_label``) or ``train``, ``validation_matched``, ``validation_mismatched`` (``fmt="jsonl"``,
+    ``premise``/``hypothesis``/``label`` with label names) into ``directory``; see
+    :func:`_synthetic_pair` for the rule that decides the label. Returns ``directory``.
+    """
+    if fmt not in ("tsv", "jsonl"):
+        raise ValueError(f"fmt must be 'tsv' or 'jsonl', got {fmt!r}")
+    out = Path(directory).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = ("train", "dev_matched", "dev_mismatched") if fmt == "tsv" else (
+        "train", "validation_matched", "validation_mismatched")
+    for name, count in zip(names, (num_train, num_val, num_val)):
+        rows = [_synthetic_pair(rng) for _ in range(count)]
+        path = out / f"{name}.{fmt}"
+        with open(path, "w", encoding="utf-8", newline="") as fh:
+            if fmt == "tsv":
+                fh.write("index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tlabel1\tgold_label\n")
+                for i, (a, b, y) in enumerate(rows):
+                    fh.write(f"{i}\t{i}\t{i}e\tsynthetic\t{a}\t{b}\t{y}\t{y}\n")
+            else:
+                for i, (a, b, y) in enumerate(rows):
+                    fh.write(json.dumps({"premise": a, "hypothesis": b, "label": y, "idx": i}) + "\n")
+    return out

@@ -1,0 +1,79 @@
+"""ComeraTask: what every comera LightningModule shares (optimiser groups, LR schedule, size checks)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule
+
+from ..optim import comera_parameter_groups
+
+__all__ = ["ComeraTask", "warmup_decay_factor"]
+
+
+def warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """LR multiplier at ``step``: linear warmup, then constant, linear or cosine decay to 0 at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ComeraTask(LightningModule):
+    """Base of the comera tasks: subclasses build ``self.model`` and implement the steps.
+
+    Args:
+        lr_cores, lr_gates, lr_other: AdamW learning rates of the TT cores, the rank gates and every other
+            parameter (the paper: 1e-4, 1e-3, 5e-5).
+        weight_decay: for cores and other parameters (never for gates).
+        warmup_steps: linear LR warmup (optimiser steps).
+        schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to zero at the end
+            of training (``trainer.estimated_stepping_batches``).
+    """
+
+    def __init__(
+        self,
+        lr_cores: float = 1e-4,
+        lr_gates: float = 1e-3,
+        lr_other: float = 5e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        schedule: Literal["constant", "linear", "cosine"] = "constant",
+    ) -> None:
+        super().__init__()
+        for name, value in (("lr_cores", lr_cores), ("lr_gates", lr_gates), ("lr_other", lr_other)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+        if warmup_steps < 0 or weight_decay < 0:
+            raise ValueError(f"warmup_steps and weight_decay must be >= 0, got {warmup_steps}, {weight_decay}")
+        self.lr_cores, self.lr_gates, self.lr_other = lr_cores, lr_gates, lr_other
+        self.weight_decay, self.warmup_steps, self.schedule = weight_decay, warmup_steps, schedule
+
+    def configure_optimizers(self):
+        groups = comera_parameter_groups(self, self.lr_cores, self.lr_gates, self.lr_other, self.weight_decay)
+        optimizer = torch.optim.AdamW(groups)
+        if self.warmup_steps == 0 and self.schedule == "constant":
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, total, self.schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def check_vocabulary(self, model_vocab: int) -> None:
+        """Fail early when the datamodule's tokenizer has more ids than the model's embedding rows."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if isinstance(data_vocab, int) and data_vocab > model_vocab:
+            raise ValueError(
+                f"the tokenizer has {data_vocab} ids but the model's vocabulary is {model_vocab}; set "
+                f"model.vocab_size to at least {data_vocab} (or data.vocab_size to at most {model_vocab})"
+            )

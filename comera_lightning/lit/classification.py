@@ -1,0 +1,66 @@
+"""SequenceClassification: the paper's MNLI task (sentence-pair classification) on a comera encoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from ..models import SequenceClassifier
+from .base import ComeraTask
+
+__all__ = ["SequenceClassification"]
+
+
+class SequenceClassification(ComeraTask):
+    """Cross-entropy classification of ``input_ids`` (+ ``attention_mask``, ``token_type_ids``) batches.
+
+    Args:
+        vocab_size: rows of the word embedding; at least the tokenizer's size.
+        num_classes: 3 for MNLI.
+        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule: see :class:`ComeraTask`.
+        model_kwargs: the encoder's architecture (``d_model``, ``num_layers``, ``rank``, ``tt_linears``, ...),
+            see :class:`comera_lightning.models.SequenceClassifier`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,
+        num_classes: int = 3,
+        lr_cores: float = 1e-4,
+        lr_gates: float = 1e-3,
+        lr_other: float = 5e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        **model_kwargs: Any,
+    ) -> None:
+        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule)
+        self.save_hyperparameters()
+        self.vocab_size = vocab_size
+        self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, **model_kwargs)
+        self.train_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def setup(self, stage: str) -> None:
+        self.check_vocabulary(self.vocab_size)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"])
+        self.train_accuracy(logits.detach(), batch["labels"])
+        self.log_dict({"train/loss": loss, "train/accuracy": self.train_accuracy}, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"])
+        self.val_accuracy(logits, batch["labels"])
+        self.log_dict({"val/loss": loss, "val/accuracy": self.val_accuracy}, prog_bar=True, sync_dist=True)
+
+    test_step = validation_step

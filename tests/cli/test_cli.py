@@ -1,0 +1,139 @@
+"""The `comera` CLI end to end: every shipped config, fit and validate at tiny sizes, MLflow read back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.cli import ComeraCLI
+from comera_lightning.data import write_synthetic_mnli
+from comera_lightning.nn import tt_layers
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+TINY_ENCODER = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
+                "--model.max_len=16", "--model.vocab_size=512", "--model.rank=4", "--model.embedding_rank=4",
+                "--model.min_features=16", "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8"]
+TINY_TRAINER = ["--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.limit_train_batches=6",
+                "--trainer.limit_val_batches=2", "--trainer.val_check_interval=null",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                "--trainer.accelerator=cpu", "--trainer.devices=1"]
+TINY_DLRM_TABLES = str([50, 3000, 20, 1500, 7] + [30] * 21)
+
+
+def _callbacks_config(folder: Path, **adaptation: float) -> Path:
+    """A config replacing the callbacks list with one whose RankAdaptation acts within a few steps."""
+    settings = {"late_start_step": 4, "truncate_every_n_steps": 4, "min_dead_fraction": 0.1, **adaptation}
+    lines = ["trainer:", "  callbacks:", "    - class_path: RankAdaptation", "      init_args:"]
+    lines += [f"        {key}: {value}" for key, value in settings.items()]
+    lines += ["    - class_path: ContractionPlanner", "    - class_path: RankMonitor",
+              "      init_args:", "        log_every_n_steps: 4",
+              "    - class_path: ModelCheckpoint", "      init_args:", "        save_last: true"]
+    path = folder / f"callbacks_{abs(hash(tuple(sorted(settings.items()))))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tiny_overrides(name: str, data_dir: Path) -> list[str]:
+    if name == "dlrm_criteo.yaml":
+        return [f"--model.table_sizes={TINY_DLRM_TABLES}", f"--data.table_sizes={TINY_DLRM_TABLES}",
+                "--model.bottom_mlp=[32, 16]", "--model.top_mlp=[32]", "--model.rank=4", "--model.embedding_rank=4",
+                "--data.synthetic=true", "--data.num_samples=2000", "--data.batch_size=128",
+                f"--config={_callbacks_config(data_dir, target_compression=2.0)}"]
+    overrides = list(TINY_ENCODER)
+    if name != "mnli_6enc_dense.yaml":  # tiny models cannot reach the configs' real compression targets
+        overrides.append(f"--config={_callbacks_config(data_dir.parent, target_compression=3.0)}")
+    if name.startswith("mnli"):
+        overrides.append(f"--data.data_dir={data_dir}")
+    else:
+        overrides += ["--data.max_files=15", "--data.max_sequences=400", "--data.val_fraction=0.2"]
+    return overrides
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run in a temp directory with its own MLflow store and caches."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    write_synthetic_mnli(tmp_path / "mnli", num_train=256, num_val=64, fmt="tsv", seed=0)
+    return tmp_path
+
+
+def _run(*args: str) -> ComeraCLI:
+    return ComeraCLI(args=list(args))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_print_config(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _run("fit", f"--config={CONFIGS / name}", "--print_config")
+    assert exit_info.value.code == 0
+    assert "class_path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_config_fits_and_validates_tiny(name, workdir):
+    overrides = _tiny_overrides(name, workdir / "mnli")
+    cli = _run("fit", f"--config={CONFIGS / name}", *overrides, *TINY_TRAINER)
+    assert cli.trainer.global_step == 6
+    checkpoint = Path(cli.trainer.checkpoint_callback.last_model_path or cli.trainer.checkpoint_callback.best_model_path)
+    assert checkpoint.is_file() and checkpoint.resolve().is_relative_to(workdir / "runs")
+    validated = _run("validate", f"--config={CONFIGS / name}", *overrides, *TINY_TRAINER, f"--ckpt_path={checkpoint}")
+    assert validated.trainer.callback_metrics, "validate produced no metrics"
+
+
+def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(workdir):
+    config = CONFIGS / "quickstart.yaml"
+    overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
+    shrink = ["--trainer.max_steps=24", "--trainer.limit_train_batches=24", "--model.lr_gates=0.2",
+              "--model.warmup_steps=0",
+              f"--config={_callbacks_config(workdir, gamma=1.0, late_start_step=8, truncate_every_n_steps=8)}"]
+    cli = _run("fit", f"--config={config}", *overrides, *TINY_TRAINER, *shrink)
+    adaptation = next(c for c in cli.trainer.callbacks if isinstance(c, RankAdaptation))
+    assert adaptation.truncations >= 1, "no truncation happened in the tiny quickstart"
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    run_id = cli.trainer.logger.run_id
+    keys = set(client.get_run(run_id).data.metrics)
+    assert "train/loss" in keys and "compression_ratio" in keys
+    rank_keys = [k for k in keys if k.startswith("rank/")]
+    assert rank_keys
+    history = client.get_metric_history(run_id, "compression_ratio")
+    assert history[-1].value > history[0].value
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert "config.yaml" in artifacts
+    assert {a.path for a in client.list_artifacts(run_id, "comera")} >= {"comera/rank_evolution.png",
+                                                                          "comera/rank_history.json"}
+
+    checkpoint = cli.trainer.checkpoint_callback.last_model_path
+    saved = torch.load(checkpoint, weights_only=True)["state_dict"]
+    validated = _run("validate", f"--config={config}", *overrides, *TINY_TRAINER, f"--ckpt_path={checkpoint}")
+    layers = tt_layers(validated.model)
+    assert layers
+    for name, layer in layers:  # the model was built with full ranks and adopted the checkpoint's
+        for k, core in enumerate(layer.cores):
+            assert core.shape == saved[f"{name}.cores.{k}"].shape
+    assert "val/loss" in validated.trainer.callback_metrics
+
+
+def test_quickstart_runs_under_ddp_spawn_and_bf16(workdir):
+    overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
+    _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
+         "--trainer.strategy=ddp_spawn", "--trainer.devices=2", "--trainer.max_steps=4")
+    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
+               "--trainer.precision=bf16-mixed")
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+def test_unknown_key_and_bad_type_fail_clearly(workdir, capsys):
+    with pytest.raises(SystemExit):
+        _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--model.no_such_option=1")
+    assert "no_such_option" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--trainer.max_steps=many")
+    assert "max_steps" in capsys.readouterr().err
