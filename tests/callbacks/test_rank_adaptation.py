@@ -219,3 +219,27 @@ def test_rank_penalty_variants():
     assert float(rank_penalty(gates, masks, [2.0, 1.0])) == pytest.approx((2 * 1.5 + 0.4) / (2 * 2 + 2))
     with pytest.raises(ValueError, match="one entry per bond"):
         rank_penalty(gates, masks[:1])
+
+
+def test_truncate_skips_layers_without_internal_bonds():
+    from comera_lightning import TTEmbedding
+
+    class Single(TinyRegressor):
+        def __init__(self):
+            super().__init__()
+            self.lookup = TTEmbedding(50, 8, rank=4, vocab_modes=[50], dim_modes=[8])  # one core, no bonds
+
+    model = Single()
+    callback = RankAdaptation(min_dead_fraction=0.1)
+    for _, layer in tt_layers(model):
+        if layer.num_bonds:
+            layer.gates[0].data[1:] = 0.0
+            layer.refresh_masks_()
+
+    class _Trainer:  # truncate() only needs optimisers and the strategy
+        optimizers = []
+        strategy = None
+
+    record = callback.truncate(_Trainer(), model)
+    assert record and all(p is not model.lookup.cores[0] for p, _ in record)
+    assert model.lookup.ranks == [1, 1]
