@@ -5,42 +5,81 @@
 
 Defaults that differ from plain LightningCLI:
 
-* the logger is MLflow on a local sqlite store (``sqlite:///mlflow.db`` in the working directory unless
-  ``MLFLOW_TRACKING_URI`` is set), experiment ``comera``;
+* the logger is MLflow (:class:`~comera_lightning.loggers.ResilientMLFlowLogger`: buffered, sent in the
+  background, kept in a local fallback folder while the store is unreachable) on a local sqlite store
+  (``sqlite:///mlflow.db`` in the working directory unless ``MLFLOW_TRACKING_URI`` is set), experiment
+  ``comera``;
 * the resolved config is saved as an MLflow artifact (``config.yaml``), since a sqlite-backed MLflow
   logger has no log directory for LightningCLI's usual copy;
 * checkpoints go under ``<default_root_dir>/<experiment id>/<run id>/checkpoints`` with
   ``default_root_dir`` = ``runs``;
 * the comera callbacks resolve by short name (``class_path: RankAdaptation``) and a rich progress bar is
-  used when the progress bar is on.
+  used when the progress bar is on;
+* checkpoints load with ``weights_only=True`` (tensors and primitives only) unless ``--weights_only false``;
+* ``fit`` is fault tolerant: a :class:`~comera_lightning.callbacks.fault_tolerance.FaultTolerance` callback
+  writes an atomic step checkpoint every ``--fault_tolerance.every_n_steps`` steps (default 100, 0 turns it
+  off) into a directory that is the same for every launch of the same experiment:
+  ``<default_root_dir>/fault_tolerance/<config name>-<hash of the resolved config>``; options that do not
+  change the training trajectory (logger, progress bar, model summary, resume options) are left out of
+  the hash. ``comera fit ... --resume auto`` continues from the newest complete checkpoint there (weights,
+  ranks, gates, optimiser, scheduler, stage, data position, random state), or starts fresh when there is
+  none.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
+from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .lit.base import ComeraTask
+from .loggers import ResilientMLFlowLogger
+from .lit.checks import check_checkpoint_file, check_output_dirs
 
-__all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact"]
+__all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact", "experiment_key"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "comera"
+FAULT_TOLERANCE_DIR = "fault_tolerance"
+#: fit options that do not change what is trained, left out of the experiment key
+_KEY_IGNORED = {"config", "resume", "fault_tolerance", "ckpt_path", "weights_only", "__path__"}
+_KEY_IGNORED_TRAINER = {"logger", "enable_progress_bar", "enable_model_summary", "default_root_dir"}
 
 
 def tracking_uri() -> str:
     """Where runs are tracked: ``MLFLOW_TRACKING_URI`` if set, else a sqlite file in the working directory."""
     return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def experiment_key(config: dict[str, Any]) -> str:
+    """``<first config file's stem>-<12 hex digits>``: the identity of a fit configuration across launches.
+
+    The digits hash the resolved ``fit`` config (a plain dict) without the options that cannot change the
+    training trajectory (``_KEY_IGNORED`` and, under ``trainer``, ``_KEY_IGNORED_TRAINER``), so every
+    launch of the same experiment, including ``--resume auto`` relaunches, gets the same key, and changing
+    the model, data, optimisation, callbacks or budget gives a new one.
+    """
+    files = config.get("config") or []
+    stem = Path(str(files[0])).stem if files else "run"
+    kept = {k: v for k, v in config.items() if k not in _KEY_IGNORED}
+    if isinstance(kept.get("trainer"), dict):
+        kept["trainer"] = {k: v for k, v in kept["trainer"].items() if k not in _KEY_IGNORED_TRAINER}
+    digest = hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:12]
+    return f"{stem}-{digest}"
 
 
 class ConfigArtifact(SaveConfigCallback):
@@ -50,6 +89,8 @@ class ConfigArtifact(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.already_saved:
             return
+        if stage == "fit":
+            check_output_dirs(trainer)  # before anything is written into them
         mlflow_loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
         if not mlflow_loggers:
             if trainer.log_dir is not None:
@@ -70,7 +111,7 @@ class ComeraCLI(LightningCLI):
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         defaults = {
             "logger": {
-                "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                "class_path": "comera_lightning.loggers.ResilientMLFlowLogger",
                 "init_args": {"experiment_name": EXPERIMENT, "tracking_uri": tracking_uri()},
             },
             "default_root_dir": "runs",
@@ -89,12 +130,79 @@ class ComeraCLI(LightningCLI):
             **kwargs,
         )
 
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_checkpoint_file(ckpt_path)  # a clear error, before LightningCLI's own torch.load
+        super()._parse_ckpt_path()
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if "weights_only" in self._subcommand_method_arguments.get(subcommand, []):
+            parser.set_defaults(weights_only=True)  # checkpoints hold tensors and primitives only
+        if subcommand == "fit":
+            parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
+            parser.add_argument(
+                "--resume", type=Literal["auto", "never"], default="never",
+                help="auto: continue from the newest complete checkpoint in fault_tolerance.dirpath (a fresh "
+                     "run when there is none); never: always start a fresh run",
+            )
+        return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        if self.config.get("subcommand") == "fit":
+            fit = self.config["fit"]
+            if fit.get("fault_tolerance") is not None and fit["fault_tolerance"].get("dirpath") is None:
+                dumped = yaml.safe_load(self.parser.dump(self.config, skip_validation=True))["fit"]
+                dumped["config"] = [str(path) for path in fit.get("config") or []]
+                root = fit.get("trainer", {}).get("default_root_dir") or "."
+                fit["fault_tolerance"]["dirpath"] = str(Path(root) / FAULT_TOLERANCE_DIR / experiment_key(dumped))
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         configured = list(config.get("callbacks") or []) + list(callbacks)
         wants_bar = config.get("enable_progress_bar") is not False
         if wants_bar and not any(isinstance(c, ProgressBar) for c in configured) and _rich_available():
             callbacks = [*callbacks, RichProgressBar()]
-        return super()._instantiate_trainer(config, callbacks)
+        fault_tolerance = self._fault_tolerance()
+        if fault_tolerance is not None and config.get("enable_checkpointing") is False:
+            rank_zero_warn("comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
+                           "checkpoints and --resume auto has nothing to resume from")
+        elif fault_tolerance is not None:
+            if not any(isinstance(c, Checkpoint) for c in configured):
+                # Lightning adds a default ModelCheckpoint only when no Checkpoint callback is present: keep it
+                callbacks = [*callbacks, ModelCheckpoint()]
+            # after ModelCheckpoint, so trainer.checkpoint_callback stays the ModelCheckpoint; with
+            # every_n_steps 0 it writes nothing but still restores the random state of a resumed run
+            callbacks = [*callbacks, fault_tolerance]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        for logger in trainer.loggers:
+            if isinstance(logger, ResilientMLFlowLogger) and logger.local_dir is None:
+                logger.local_dir = trainer.default_root_dir  # fallback folder next to the run's checkpoints
+        return trainer
+
+    def _fault_tolerance(self) -> FaultTolerance | None:
+        if self.subcommand != "fit":
+            return None
+        callback = self.config_init["fit"].get("fault_tolerance")
+        return callback if isinstance(callback, FaultTolerance) else None
+
+    def before_fit(self) -> None:
+        fit = self.config_init["fit"]
+        if fit.get("resume", "never") != "auto":
+            return
+        if fit.get("ckpt_path") is not None:
+            raise ValueError("--resume auto and --ckpt_path exclude each other: pass one of them")
+        callback = fit.get("fault_tolerance")
+        folder = getattr(callback, "dirpath", None)
+        found = find_resume_checkpoint(folder) if folder is not None else None
+        if found is None:
+            rank_zero_info(f"comera: no complete checkpoint in {folder}; starting a fresh run")
+            return
+        rank_zero_info(f"comera: resuming from {found}")
+        fit["ckpt_path"] = str(found)
+        fit["weights_only"] = True
 
     def after_fit(self) -> None:
         checkpoint = self.trainer.checkpoint_callback

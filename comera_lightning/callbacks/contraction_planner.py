@@ -88,7 +88,10 @@ class ContractionPlanner(Callback):
     def _time_plan(self, layer: TTLinear, rows: int, device: torch.device, dtype: torch.dtype, plan: str) -> float:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             cores = [c.detach().clone().requires_grad_(True) for c in layer.gated_cores()]
-            x = torch.randn(rows, math.prod(layer.in_modes), device=device, dtype=dtype, requires_grad=True)
+            # a private generator: timing must not shift the training RNG stream (exact resumes)
+            generator = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(rows, math.prod(layer.in_modes), device=device, dtype=dtype, generator=generator,
+                            requires_grad=True)
             best = float("inf")
             for i in range(self.repeats + 1):
                 _synchronize(device)

@@ -7,6 +7,10 @@ gradient of ``penalty_weight * R(gates)`` to the gates and scales the task gradi
 gate fell below the threshold and, on a schedule, removes dead slices physically, slicing the optimiser
 state and re-wrapping DDP so training continues exactly. Every decision depends only on gate values and
 all-reduced losses, identical on every process.
+
+A diverged step never reaches the ranks: a step whose gradients were dropped (``DivergenceGuard``) or whose
+gate gradients are not finite gets no penalty, a non-finite loss is left out of the smoothed loss, and masks
+are never refreshed from non-finite gates (which would switch off every slice but one).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..nn.base import TruncationRecord, TTLayer
 from ..nn.tensorize import tt_layers
@@ -81,10 +85,25 @@ class RankAdaptation(Callback):
     ) -> None:
         if penalty not in ("weighted", "mean"):
             raise ValueError(f"penalty must be 'weighted' or 'mean', got {penalty!r}")
-        if gamma < 0:
-            raise ValueError(f"gamma must be >= 0, got {gamma}")
-        if target_compression is not None and target_compression <= 1.0:
-            raise ValueError(f"target_compression must be > 1 (dense / compressed), got {target_compression}")
+        if not (math.isfinite(gamma) and gamma >= 0):
+            raise ValueError(f"gamma must be >= 0 and finite, got {gamma}")
+        if target_compression is not None and not (math.isfinite(target_compression) and target_compression > 1.0):
+            raise ValueError(
+                f"target_compression must be > 1 (dense / compressed) and finite, got {target_compression}"
+            )
+        for name, value in (("late_start_epoch", late_start_epoch), ("late_start_step", late_start_step)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        for name, value in (("late_start_loss", late_start_loss), ("target_loss", target_loss)):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number or None, got {value}")
+        if not (math.isfinite(task_weight_base) and task_weight_base > 1.0):
+            raise ValueError(
+                f"task_weight_base must be > 1 so the task loss keeps a positive weight (task_weight_base - 1) "
+                f"while the late stage pushes the size, got {task_weight_base}"
+            )
+        if not (math.isfinite(penalty_weight_base) and penalty_weight_base >= 0):
+            raise ValueError(f"penalty_weight_base must be >= 0 and finite, got {penalty_weight_base}")
         if target_size is not None and target_size < 1:
             raise ValueError(f"target_size must be a positive parameter count, got {target_size}")
         if not 0.0 < target_size_ratio < 1.0:
@@ -128,6 +147,8 @@ class RankAdaptation(Callback):
         self._last_step = -1
         self._other_parameters = 0
         self._floor = 0
+        self._nonfinite_steps = 0  # optimiser steps whose gate gradients were not finite (penalty not added)
+        self._warned_nonfinite = False
 
     # --- policy (override to change the schedule) ----------------------------------------------------
     def should_enter_late_stage(self, trainer: Trainer) -> bool:
@@ -186,6 +207,9 @@ class RankAdaptation(Callback):
                 f"with every rank at 1 the model still has {floor:,} parameters (at most {dense / floor:.1f}x); "
                 f"lower target_compression / raise target_size"
             )
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # here, unlike at fit start, a resumed run's global_step is already restored
         self._last_step = trainer.global_step
 
     def _requested_target_size(self, dense: float) -> float | None:
@@ -197,7 +221,10 @@ class RankAdaptation(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
         layers = self._layers(pl_module)
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if all(p.grad is None for p in params):
+            return  # the step was dropped (e.g. by DivergenceGuard): a penalty gradient alone would move the gates
+        in_optimizer = {id(p) for p in params}
         gates, masks, weights = [], [], []
         for layer in layers:
             per_bond = bond_weights(layer.mode_sizes, layer.active_ranks)
@@ -207,6 +234,12 @@ class RankAdaptation(Callback):
                     masks.append(mask)
                     weights.append(per_bond[k])
         if not gates:
+            return
+        gate_grads = [g.grad for g in gates if g.grad is not None]
+        if gate_grads and not bool(torch.stack([torch.isfinite(g).all() for g in gate_grads]).all()):
+            # a diverged step (dropped by DivergenceGuard or the AMP GradScaler, or poisoning the model anyway):
+            # adding to or rescaling its gradients would change nothing useful
+            self._nonfinite_steps += 1
             return
         w = self.objective_weights(self.model_size(pl_module))
         self._last_weights = w
@@ -230,6 +263,16 @@ class RankAdaptation(Callback):
         self._last_step = step
         self._update_loss(trainer, outputs)
         layers = self._layers(pl_module)
+        if not self._gates_finite(layers):
+            # masks refreshed from NaN gates would kill every rank but one: leave masks and sizes alone
+            if not self._warned_nonfinite:
+                rank_zero_warn(
+                    f"RankAdaptation: rank gates are not finite after step {step}; masks and truncation are "
+                    "left unchanged. Training has diverged: add comera_lightning.callbacks.DivergenceGuard, "
+                    "lower the learning rates or enable gradient clipping", category=UserWarning,
+                )
+                self._warned_nonfinite = True
+            return
         if step % self.mask_every_n_steps == 0:
             for layer in layers:
                 layer.refresh_masks_(self.threshold)
@@ -241,6 +284,11 @@ class RankAdaptation(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stage == EARLY and self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
             self._enter_late_stage(trainer, pl_module)
+
+    @staticmethod
+    def _gates_finite(layers: list[TTLayer]) -> bool:
+        gates = [g.detach() for layer in layers for g in layer.gates]
+        return not gates or bool(torch.stack([torch.isfinite(g).all() for g in gates]).all())
 
     # --- actions -------------------------------------------------------------------------------------
     def _update_loss(self, trainer: Trainer, outputs: Any) -> None:

@@ -37,6 +37,7 @@ from .common import (
     discover_files,
     fingerprint_files,
     load_tensor_cache,
+    rows_loader,
     split_by_hash,
 )
 from .tokenizer import (
@@ -126,15 +127,40 @@ class MLMCollator:
         self.deterministic = deterministic
         self.rank = rank
         self._generator: torch.Generator | None = None
+        self._worker_generator: torch.Generator | None = None
 
     def _train_generator(self) -> torch.Generator:
-        if self._generator is None:
-            info = get_worker_info()
-            # in a worker, the worker's own seed (different per worker and per epoch, derived from the main
-            # process RNG that seed_everything fixes); in the main process, the configured seed
-            seed = info.seed if info is not None else self.seed
-            self._generator = torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15 * self.rank) % (2**63))
+        info = get_worker_info()
+        if info is not None:
+            # in a worker, the worker's own seed (different per worker and per epoch, derived from the loader's
+            # generator); kept apart from the main process's generator, which a worker receives as a copy
+            if self._worker_generator is None:
+                self._worker_generator = torch.Generator().manual_seed(self._mix(info.seed))
+            return self._worker_generator
+        if self._generator is None:  # in the main process, the configured seed
+            self._generator = torch.Generator().manual_seed(self._mix(self.seed))
         return self._generator
+
+    def _mix(self, seed: int) -> int:
+        return (seed + 0x9E3779B97F4A7C15 * self.rank) % (2**63)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The main process's training-mask generator (a uint8 tensor) and the rank it belongs to.
+
+        Saved in the training loader's state (:class:`~comera_lightning.data.common.ResumableDataLoader`)
+        so a run resumed mid-epoch draws the same masks as the uninterrupted run. Masks drawn in worker
+        processes (``num_workers > 0``) come from the workers' seeds and are not part of the state.
+        """
+        if self.deterministic:
+            return {}
+        return {"rank": int(self.rank), "generator": self._train_generator().get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a state saved by another rank is ignored (each rank masks differently)."""
+        state = state_dict.get("generator")
+        if self.deterministic or state is None or int(state_dict.get("rank", 0)) != self.rank:
+            return
+        self._train_generator().set_state(state)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = batch["input_ids"].long()
@@ -328,11 +354,21 @@ class CodeMLMDataModule(pl.LightningDataModule):
             else:
                 train, _ = self.split_files()
                 root = self.corpus_root
+
+                def texts() -> list[str]:
+                    read = [_read_text(root / rel) for rel in train]
+                    if not any(read):
+                        raise ValueError(
+                            f"the {len(train)} training file(s) matching {self.pattern!r} under {str(root)!r} are "
+                            "all empty; point root= at a folder with non-empty source files"
+                        )
+                    return read
+
                 self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
                     self.cache_dir,
                     "code",
                     {"corpus": self._fingerprint("train"), "files": len(train)},
-                    lambda: [_read_text(root / rel) for rel in train],
+                    texts,
                     self.vocab_size,
                     add_prefix_space=False,
                 )
@@ -429,18 +465,12 @@ class CodeMLMDataModule(pl.LightningDataModule):
         )
 
     def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=train,
-            collate_fn=self._collator(deterministic=not train),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
-        )
+        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=self._collator(deterministic=not train),
+                           train=train, seed=self.seed, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled rows with fresh BERT masks every epoch."""
+        """Shuffled rows (order a function of seed and epoch) with fresh BERT masks every epoch; resumable
+        mid-epoch (position and mask generator are part of the checkpoint)."""
         if self.train_dataset is None:
             self.setup("fit")
         return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]

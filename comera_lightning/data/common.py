@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import itertools
 import json
 import os
 import tempfile
+import weakref
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",
+    "EpochShuffleSampler",
+    "ResumableDataLoader",
     "TEST_DIR_NAMES",
     "TensorDictDataset",
     "atomic_torch_save",
@@ -29,6 +33,7 @@ __all__ = [
     "fingerprint_files",
     "identity_collate",
     "load_tensor_cache",
+    "rows_loader",
     "split_by_hash",
     "stable_hash",
     "stable_hash_many",
@@ -252,3 +257,184 @@ class TensorDictDataset(Dataset):
 def identity_collate(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Collate for :class:`TensorDictDataset` batches that need no further work (drops ``index``)."""
     return {k: v for k, v in batch.items() if k != "index"}
+
+
+# ---------------------------------------------------------------------------------------------- loaders
+class EpochShuffleSampler(Sampler[int]):
+    """A random permutation of ``range(num_samples)`` that depends only on ``(seed, epoch)``.
+
+    Like ``DistributedSampler``'s shuffle: Lightning calls ``set_epoch`` before every epoch, so the order
+    of epoch ``e`` is the same in a run and in the same run resumed from a checkpoint, without any random
+    generator state to save. Under DDP Lightning wraps it in a ``DistributedSamplerWrapper`` (which
+    forwards ``set_epoch``) and every process takes its shard of the same permutation.
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
+        return iter(torch.randperm(self.num_samples, generator=g).tolist())
+
+
+class _SkipFirstBatches:
+    """The loader's index sampler, minus the batches the loader says to skip when an epoch starts.
+
+    It holds the loader weakly: the loader keeps its (persistent-worker) iterator, which keeps this object,
+    and a reference cycle through worker-process queues makes garbage collection stall on worker shutdown.
+    """
+
+    def __init__(self, loader: "ResumableDataLoader", inner: Any) -> None:
+        self._loader = weakref.ref(loader)
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: the skip is taken at the first ``next``, not at ``iter`` (a worker-process iterator
+        # calls ``iter`` twice on construction and only advances the second one)
+        loader = self._loader()
+        skip = loader._take_skip() if loader is not None else 0
+        del loader
+        yield from itertools.islice(iter(self.inner), skip, None)
+
+
+class _ResumableIterator:
+    """Iterator of a :class:`ResumableDataLoader`: starts the real iterator at the first ``next``.
+
+    Lightning creates the training iterator (``iter``) before it calls ``set_epoch`` on the samplers when it
+    resumes, so the decision "continue the saved epoch, or start the next one" and the worker processes'
+    index prefetching wait until the first batch is requested.
+    """
+
+    def __init__(self, loader: "ResumableDataLoader") -> None:
+        self.loader = loader
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> "_ResumableIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = self.loader._start_epoch()
+        batch = next(self._it)
+        self.loader._yielded += 1
+        return batch
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position inside an epoch survives a checkpoint (Lightning's ``_Stateful`` loader).
+
+    Lightning 2.x saves ``state_dict()`` of every training loader that has one in the checkpoint's loop
+    state and calls ``load_state_dict`` when it resumes, before the first batch. The state is where the
+    epoch stood: the sampler's epoch when the current iterator started and the number of batches handed
+    out since, plus ``collate_fn.state_dict()`` when the collate function has one (the MLM masking
+    generator; only meaningful with ``num_workers=0``, where the collate function runs in this process).
+
+    On resume, when the epoch Lightning continues is the saved one, the first saved ``batches`` index
+    batches are skipped (indices only: nothing is loaded or collated for them); when Lightning moves on to
+    the next epoch (the checkpoint was taken after the epoch's last batch) nothing is skipped. The data
+    order must be a function of the epoch (:class:`EpochShuffleSampler`, ``DistributedSampler``,
+    sequential), which makes a resumed epoch see exactly the batches the interrupted one had left.
+
+    Lightning does not pre-fetch from a loader whose length is known, so the batches handed out are the
+    batches trained on (an iterable of unknown length is not supported).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded = 0
+        self._iter_epoch = -1
+        self._skip = 0
+        self._pending: tuple[int, int] | None = None
+
+    # -- iteration
+    @property
+    def _index_sampler(self) -> Any:  # type: ignore[override]
+        return _SkipFirstBatches(self, super()._index_sampler)
+
+    def _take_skip(self) -> int:
+        skip, self._skip = self._skip, 0
+        return skip
+
+    def _sampler_epoch(self) -> int | None:
+        for sampler in (getattr(self.batch_sampler, "sampler", None), self.sampler):
+            epoch = getattr(sampler, "epoch", None)
+            if isinstance(epoch, int):
+                return epoch
+        return None
+
+    def _start_epoch(self) -> Iterator[Any]:
+        epoch = self._sampler_epoch()
+        skip = 0
+        if self._pending is not None:
+            saved_epoch, batches = self._pending
+            self._pending = None
+            if epoch is None:  # no epoch to compare: continue unless the saved epoch was complete
+                skip = batches if batches < len(self) else 0
+            elif epoch == saved_epoch:
+                skip = batches
+        self._iter_epoch = -1 if epoch is None else epoch
+        self._yielded = skip
+        self._skip = skip
+        return super().__iter__()
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return _ResumableIterator(self)
+
+    # -- state
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": int(self._iter_epoch), "batches": int(self._yielded)}
+        collate_state = getattr(self.collate_fn, "state_dict", None)
+        if callable(collate_state) and self.num_workers == 0:
+            state["collate_fn"] = collate_state()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._pending = (int(state_dict.get("epoch", -1)), int(state_dict.get("batches", 0)))
+        collate_load = getattr(self.collate_fn, "load_state_dict", None)
+        if "collate_fn" in state_dict and callable(collate_load) and self.num_workers == 0:
+            collate_load(state_dict["collate_fn"])
+
+
+def rows_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    collate_fn: Any,
+    train: bool,
+    seed: int = 0,
+    num_workers: int = 0,
+) -> DataLoader:
+    """The loader every comera data module uses.
+
+    Training: a :class:`ResumableDataLoader` over an :class:`EpochShuffleSampler` (order a function of
+    ``(seed, epoch)``, position restored on resume). Evaluation: a plain loader in order. Both get their
+    own ``torch.Generator`` so creating an iterator (which draws the workers' base seed) never consumes the
+    global torch random stream that dropout and the rest of training use.
+    """
+    common: dict[str, Any] = dict(
+        batch_size=batch_size,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    if train:
+        sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+        return ResumableDataLoader(dataset, sampler=sampler, **common)
+    return DataLoader(dataset, shuffle=False, **common)

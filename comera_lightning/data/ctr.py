@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .common import TensorDictDataset, atomic_torch_save, cache_key, stable_hash_many
+from .common import TensorDictDataset, atomic_torch_save, cache_key, rows_loader, stable_hash_many
 
 __all__ = [
     "CRITEO_KAGGLE_CARDINALITIES",
@@ -383,7 +383,11 @@ class CriteoDataModule(pl.LightningDataModule):
         data = self.load()
         n = len(data["labels"])
         if n == 0:
-            raise ValueError(f"no rows in {self.data_dir!r}" if not self.synthetic else "num_samples must be > 0")
+            raise ValueError(
+                f"no rows in {self.data_dir!r}: the Criteo files are empty; pass data_dir= files with rows (label, "
+                f"13 integer and 26 categorical tab-separated columns) or synthetic=True"
+                if not self.synthetic else "num_samples must be > 0"
+            )
         n_val = int(round(n * self.val_fraction))
         if self.val_fraction > 0 and n >= 2:
             n_val = min(max(n_val, 1), n - 1)
@@ -392,15 +396,8 @@ class CriteoDataModule(pl.LightningDataModule):
         self.val_dataset = TensorDictDataset(**{k: v[cut:] for k, v in data.items()})
 
     def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=train,
-            collate_fn=CTRCollator(),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
-        )
+        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=CTRCollator(),  # type: ignore[arg-type]
+                           train=train, seed=self.seed, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:

@@ -40,6 +40,7 @@ from .common import (
     cache_key,
     fingerprint_files,
     load_tensor_cache,
+    rows_loader,
 )
 from .tokenizer import (
     SpecialTokenIds,
@@ -319,6 +320,11 @@ class MNLIDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        if not data_dir:
+            raise ValueError(
+                "MNLIDataModule needs data_dir= the folder with the MNLI files (GLUE TSVs, JSONL or a "
+                "datasets.save_to_disk folder); write test data with write_synthetic_mnli()"
+            )
         if format not in _FORMATS:
             raise ValueError(f"format must be one of {list(_FORMATS)}, got {format!r}")
         if validation_split not in ("validation_matched", "validation_mismatched"):
@@ -474,15 +480,8 @@ class MNLIDataModule(pl.LightningDataModule):
         if dataset is None:
             self.setup(None)
             dataset = self.train_dataset if train else self.val_dataset
-        return DataLoader(
-            dataset,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
-            shuffle=train,
-            collate_fn=PairCollator(),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
-        )
+        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=PairCollator(),  # type: ignore[arg-type]
+                           train=train, seed=self.seed, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_dataset, train=True)

@@ -1,8 +1,9 @@
 """LightningModules: task heads, losses, torchmetrics and the three optimiser groups."""
 
 from .base import ComeraTask
+from .checks import check_checkpoint_file
 from .classification import SequenceClassification
 from .ctr import ClickThrough
 from .mlm import MaskedLM
 
-__all__ = ["ComeraTask", "SequenceClassification", "ClickThrough", "MaskedLM"]
+__all__ = ["ComeraTask", "check_checkpoint_file", "SequenceClassification", "ClickThrough", "MaskedLM"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 
 from ..optim import comera_parameter_groups
+from .checks import check_output_dirs, check_state_dict_fits
 
 __all__ = ["ComeraTask", "warmup_decay_factor"]
 
@@ -67,6 +68,21 @@ class ComeraTask(LightningModule):
             optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, total, self.schedule)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def setup(self, stage: str) -> None:
+        """Before fitting, fail early when an output folder (checkpoints, logs) cannot be written."""
+        if stage == "fit" and self._trainer is not None:
+            check_output_dirs(self.trainer)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, with the keys that differ, a checkpoint of another architecture (TT ranks may differ).
+
+        Only when the Trainer restores with strict loading (``--ckpt_path``); ``load_from_checkpoint(...,
+        strict=False)`` outside a Trainer keeps Lightning's partial loading.
+        """
+        state_dict = checkpoint.get("state_dict")
+        if self._trainer is not None and self.strict_loading and isinstance(state_dict, dict):
+            check_state_dict_fits(self, state_dict)
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Fail early when the datamodule's tokenizer has more ids than the model's embedding rows."""

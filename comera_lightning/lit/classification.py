@@ -10,6 +10,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import SequenceClassifier
 from .base import ComeraTask
+from .checks import check_id_ranges
 
 __all__ = ["SequenceClassification"]
 
@@ -40,25 +41,42 @@ class SequenceClassification(ComeraTask):
         super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
+        self.num_classes = num_classes
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, **model_kwargs)
         self.train_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         self.check_vocabulary(self.vocab_size)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._logits(batch, check_labels=False)
+
+    def _logits(self, batch: dict[str, torch.Tensor], check_labels: bool) -> torch.Tensor:
+        checks = [("a batch's input_ids", batch["input_ids"], self.vocab_size,
+                   f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the "
+                   f"tokenizer's size (data.vocab_size), or use the tokenizer the model was built for")]
+        if batch.get("token_type_ids") is not None:
+            types = self.model.encoder.embeddings.token_type_embeddings.num_embeddings
+            checks.append(("a batch's token_type_ids", batch["token_type_ids"], types,
+                           "set model.type_vocab_size to the number of segments in the data (2 for sentence pairs)"))
+        if check_labels:
+            checks.append(("a batch's labels", batch["labels"], self.num_classes,
+                           "set model.num_classes to the number of classes in the data; unlabelled examples "
+                           "(label -1, e.g. a test split) cannot be trained or validated on"))
+        check_id_ranges(checks)
         return self.model(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self(batch)
+        logits = self._logits(batch, check_labels=True)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         self.train_accuracy(logits.detach(), batch["labels"])
         self.log_dict({"train/loss": loss, "train/accuracy": self.train_accuracy}, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits = self(batch)
+        logits = self._logits(batch, check_labels=True)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         self.val_accuracy(logits, batch["labels"])
         self.log_dict({"val/loss": loss, "val/accuracy": self.val_accuracy}, prog_bar=True, sync_dist=True)

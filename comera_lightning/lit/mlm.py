@@ -11,6 +11,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import MaskedLanguageModel
 from .base import ComeraTask
+from .checks import check_id_ranges
 
 __all__ = ["MaskedLM"]
 
@@ -45,15 +46,23 @@ class MaskedLM(ComeraTask):
         self.val_loss = MeanMetric()
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         self.check_vocabulary(self.vocab_size)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.model.encoder(batch["input_ids"], batch.get("attention_mask"))
         labels = batch["labels"]
         selected = labels != IGNORE
+        targets = labels[selected]
+        fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
+               f"size (data.vocab_size), or use the tokenizer the model was built for")
+        check_id_ranges([
+            ("a batch's input_ids", batch["input_ids"], self.vocab_size, fix),
+            (f"a batch's labels (besides {IGNORE}, the ignored positions)", targets, self.vocab_size, fix),
+        ])
+        hidden = self.model.encoder(batch["input_ids"], batch.get("attention_mask"))
         # the vocabulary decoder is the widest layer: run it on the ~15% masked positions only
         logits = self.model.head(hidden[selected])
-        return F.cross_entropy(logits.float(), labels[selected]), logits, labels[selected]
+        return F.cross_entropy(logits.float(), targets), logits, targets
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)

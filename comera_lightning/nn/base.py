@@ -106,6 +106,8 @@ class TTLayer(nn.Module):
         parameters (DDP) reach identical masks.
         """
         threshold = self.rank_threshold if threshold is None else threshold
+        if not 0.0 <= threshold < 1.0:
+            raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
         for k, (gate, mask) in enumerate(zip(self.gates, self.rank_masks)):
             mask.copy_(refresh_mask(gate, mask, threshold))
         return self.active_ranks

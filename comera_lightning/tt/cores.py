@@ -21,6 +21,8 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import tensor_train, tensor_train_matrix
 
+from .modes import _as_int, _int_list
+
 __all__ = [
     "max_ranks",
     "resolve_ranks",
@@ -50,18 +52,22 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
     ``K + 1`` with the boundary ones) is taken literally and must fit.
 
     Raises:
+        TypeError: ``rank`` is neither an int nor a list of ints (e.g. a float or a string).
         ValueError: a rank is < 1, the list has the wrong length, or an explicit rank exceeds its bound.
     """
     bounds = max_ranks(mode_sizes)
     num_bonds = len(bounds) - 2
-    if isinstance(rank, bool):
-        raise TypeError(f"rank must be an int or a sequence of ints, got {rank!r}")
-    if isinstance(rank, numbers.Integral):
-        rank = int(rank)
+    single = _as_int(rank) if isinstance(rank, numbers.Number) else None
+    if single is not None:
+        rank = single
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         return [1] + [min(rank, b) for b in bounds[1:-1]] + [1]
-    ranks = [int(r) for r in rank]
+    ranks = _int_list(rank)
+    if ranks is None:
+        raise TypeError(
+            f"rank must be an int (one rank for every bond, clamped) or a list of ints (one per bond), got {rank!r}"
+        )
     if len(ranks) == num_bonds + 2:
         if ranks[0] != 1 or ranks[-1] != 1:
             raise ValueError(f"boundary ranks must be 1, got {ranks}")

@@ -9,6 +9,8 @@ never used.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from functools import lru_cache
 from typing import Sequence
 
@@ -84,14 +86,41 @@ def padded_modes(n: int, num_modes: int | None = None) -> list[int]:
     return exact
 
 
+def _as_int(value: object) -> int | None:
+    """``value`` as an int when it is a whole number (``4``, ``4.0``, a numpy or 0-d torch integer), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return int(value) if float(value).is_integer() else None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _int_list(values: object) -> list[int] | None:
+    """``values`` as a list of ints, or None when it is not a sequence of whole numbers (str, 2.5, ...)."""
+    if isinstance(values, (str, bytes, numbers.Number)):
+        return None
+    try:
+        items = [_as_int(v) for v in values]  # type: ignore[attr-defined]
+    except TypeError:
+        return None
+    return None if any(v is None for v in items) else items  # type: ignore[return-value]
+
+
 def validate_modes(modes: Sequence[int], size: int, what: str, allow_padding: bool = True) -> list[int]:
     """Check explicit modes for a dimension of ``size`` and return them as a list of ints.
 
     Raises:
+        TypeError: ``modes`` is not a list of integers.
         ValueError: a mode is < 1, or the product is smaller than ``size`` (or differs from it when
             padding is not allowed). The message says which product was expected.
     """
-    modes = [int(m) for m in modes]
+    checked = _int_list(modes)
+    if checked is None:
+        raise TypeError(f"{what}: modes must be a list of positive integers (or None), got {modes!r}")
+    modes = checked
     if not modes:
         raise ValueError(f"{what}: modes must be a non-empty list of positive integers")
     if any(m < 1 for m in modes):

@@ -1,0 +1,344 @@
+"""Fault tolerance: a `comera fit` killed with SIGKILL resumes (`--resume auto`) and ends where an
+uninterrupted run ends; partial files are never resumed from; checkpoints are tensors and primitives only;
+random streams and the data position round-trip."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from comera_lightning.callbacks.fault_tolerance import (
+    FaultTolerance,
+    atomic_save,
+    capture_rng_state,
+    checkpoint_files,
+    find_resume_checkpoint,
+    restore_rng_state,
+)
+from comera_lightning.data import MLMCollator, TensorDictDataset
+from comera_lightning.data.common import ResumableDataLoader, rows_loader
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+EVERY = 5
+MAX_STEPS = 60  # the tiny corpus gives 50 batches an epoch: the runs cross an epoch boundary
+
+TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
+        "--model.max_len=16", "--model.vocab_size=512", "--model.rank=4", "--model.embedding_rank=4",
+        "--model.min_features=16", "--model.lr_gates=0.2", "--model.warmup_steps=0", "--model.dropout=0.1",
+        "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8", "--data.max_files=15",
+        "--data.max_sequences=400", "--data.val_fraction=0.2",
+        f"--trainer.max_steps={MAX_STEPS}", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=5", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
+        f"--fault_tolerance.every_n_steps={EVERY}"]
+
+CALLBACKS = """\
+trainer:
+  callbacks:
+    - class_path: RankAdaptation
+      init_args: {gamma: 1.0, late_start_step: 8, truncate_every_n_steps: 8, min_dead_fraction: 0.1,
+                  target_compression: 3.0}
+    - class_path: ContractionPlanner
+      init_args: {verbose: false}
+    - class_path: RankMonitor
+      init_args: {log_every_n_steps: 4, save_artifacts: false}
+    - class_path: ModelCheckpoint
+      init_args: {save_last: true}
+"""
+
+
+def _launch(workdir: Path, *extra: str) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "callbacks.yaml").write_text(CALLBACKS)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "comera_lightning.cli", "fit", f"--config={CONFIGS / 'quickstart.yaml'}",
+            "--config=callbacks.yaml", *TINY, *extra]
+    with open(workdir / "log.txt", "a") as log:
+        return subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, workdir: Path, timeout: float = 120) -> None:
+    assert proc.wait(timeout=timeout) == 0, (workdir / "log.txt").read_text()[-4000:]
+
+
+def _ft_dir(workdir: Path) -> Path:
+    found = sorted((workdir / "runs" / "fault_tolerance").glob("*"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _step(path: Path) -> int:
+    return int(re.match(r"step=(\d+)\.ckpt", path.name).group(1))
+
+
+def _kill_after_a_random_checkpoint(proc: subprocess.Popen, victim: Path, outcome: dict) -> None:
+    """Wait for a randomly chosen checkpoint of ``proc``, then SIGKILL it a random moment later."""
+    rng = random.Random()
+    target = rng.randrange(2, (MAX_STEPS - 4 * EVERY) // EVERY + 1) * EVERY  # 10 ... 40: room to spare
+    outcome["target"] = target
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            folders = list((victim / "runs" / "fault_tolerance").glob("*"))
+            if folders and any(_step(p) >= target for p in checkpoint_files(folders[0])):
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.25))  # somewhere in the steps that follow
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        outcome["returncode"] = proc.wait(timeout=60)
+        outcome["killed_at"] = time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """A run SIGKILLed at a random moment after a random checkpoint, then resumed with ``--resume auto`` in a
+    new process (with a truncated and a temporary decoy next to the real files); meanwhile the uninterrupted
+    reference runs in this process (one interpreter start less)."""
+    from comera_lightning.cli import ComeraCLI
+
+    root = tmp_path_factory.mktemp("fault_tolerance")
+    reference, victim = root / "reference", root / "victim"
+    reference.mkdir()
+    (reference / "callbacks.yaml").write_text(CALLBACKS)
+    start = time.monotonic()
+    proc = _launch(victim)
+    outcome: dict = {}
+    killer = threading.Thread(target=_kill_after_a_random_checkpoint, args=(proc, victim, outcome), daemon=True)
+    killer.start()
+    threads = torch.get_num_threads()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(reference)
+            mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{reference}/mlflow.db")
+            torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): same kernels, same bits
+            ComeraCLI(args=["fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--config=callbacks.yaml", *TINY])
+    finally:
+        torch.set_num_threads(threads)
+        killer.join(timeout=300)
+    assert outcome.get("returncode") == -signal.SIGKILL, f"the run ended before it could be killed: {outcome}"
+
+    folder = _ft_dir(victim)
+    resumed_from = _step(checkpoint_files(folder)[0])
+    # decoys: a newer checkpoint cut short by a crash, and a writer's temporary file
+    newest = checkpoint_files(folder)[0].read_bytes()
+    (folder / "step=000000999.ckpt").write_bytes(newest[: len(newest) // 2])
+    (folder / ".step=000000998.ckpt.x1y2.tmp").write_bytes(newest)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step=000000999\.ckpt"):
+        assert _step(find_resume_checkpoint(folder)) == resumed_from
+
+    resumed = _launch(victim, "--resume=auto")
+    _finish(resumed, victim)
+    print(f"killed after {outcome['killed_at'] - start:.1f} s (target step {outcome['target']}, resumed from "
+          f"{resumed_from}); resume took {time.monotonic() - outcome['killed_at']:.1f} s")
+    return reference, victim, resumed_from, outcome["target"]
+
+
+def _final(workdir: Path) -> dict:
+    return torch.load(_ft_dir(workdir) / f"step={MAX_STEPS:09d}.ckpt", weights_only=True, map_location="cpu")
+
+
+def test_sigkill_then_resume_auto_matches_uninterrupted_run(killed_and_resumed):
+    reference, victim, resumed_from, target = killed_and_resumed
+    assert target <= resumed_from < MAX_STEPS
+    log = (victim / "log.txt").read_text()
+    assert re.search(rf"resuming from \S*/step={resumed_from:09d}\.ckpt", log), log[-3000:]
+    assert re.search(r"skipping checkpoint \S*step=000000999\.ckpt", log)  # the truncated decoy, named
+    assert sorted(p.name for p in _ft_dir(victim).iterdir()) == [f"step={MAX_STEPS - EVERY:09d}.ckpt",
+                                                                 f"step={MAX_STEPS:09d}.ckpt"]
+    ref, res = _final(reference), _final(victim)
+    assert ref["global_step"] == res["global_step"] == MAX_STEPS
+    assert ref["epoch"] == res["epoch"] == 1
+    # ranks: the TT cores' shapes after the truncations of both runs
+    assert ref["callbacks"]["RankAdaptation"]["truncations"] >= 1 and ref["callbacks"]["RankAdaptation"]["stage"] == 1
+    # bit-for-bit: weights, TT ranks (core shapes), gates, masks, optimiser, scheduler, callback and loader state
+    _assert_same(res["state_dict"], ref["state_dict"])
+    _assert_same(res["optimizer_states"], ref["optimizer_states"])
+    _assert_same(res["lr_schedulers"], ref["lr_schedulers"])
+    _assert_same(res["callbacks"]["RankAdaptation"], ref["callbacks"]["RankAdaptation"])
+    _assert_same(res["loops"]["fit_loop"]["state_dict"], ref["loops"]["fit_loop"]["state_dict"])
+    _assert_same(res["callbacks"]["FaultTolerance"]["rng"], ref["callbacks"]["FaultTolerance"]["rng"])
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.shape == b.shape, f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=where)
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} vs {b!r}"
+
+
+def test_every_checkpoint_the_cli_wrote_loads_weights_only(killed_and_resumed):
+    reference, victim, *_ = killed_and_resumed
+    written = [p for d in (reference, victim) for p in (d / "runs").rglob("*.ckpt") if p.name != "step=000000999.ckpt"]
+    assert len(written) >= 6  # step checkpoints (kept: 2 per run) + ModelCheckpoint's epoch and last files
+    for path in written:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+        assert isinstance(checkpoint["hyper_parameters"]["_class_path"], str)
+        assert "FaultTolerance" in checkpoint["callbacks"]
+    assert not list((reference / "runs").rglob("*.tmp")), "a temporary file was left by an uninterrupted run"
+
+
+def test_partial_temporary_and_unsafe_files_are_never_picked(tmp_path):
+    good = {"state_dict": {"w": torch.ones(3)}, "loops": {}, "global_step": 10, "epoch": 0}
+    atomic_save(good, tmp_path / "step=000000010.ckpt")
+    blob = (tmp_path / "step=000000010.ckpt").read_bytes()
+    (tmp_path / "step=000000020.ckpt").write_bytes(blob[: len(blob) - 100])  # killed mid-write, no atomic IO
+    (tmp_path / ".step=000000030.ckpt.abcd.tmp").write_bytes(blob)  # an atomic writer's unfinished file
+    (tmp_path / "step=000000040.ckpt.part").write_bytes(blob)
+    torch.save({**good, "global_step": 50, "extra": Path("x")}, tmp_path / "step=000000050.ckpt")  # needs pickle
+    torch.save({"global_step": 60}, tmp_path / "step=000000060.ckpt")  # not a training checkpoint
+    assert [p.name for p in checkpoint_files(tmp_path)][-1] == "step=000000010.ckpt"
+    with pytest.warns(UserWarning) as caught:
+        assert find_resume_checkpoint(tmp_path) == tmp_path / "step=000000010.ckpt"
+    named = " ".join(str(w.message) for w in caught)
+    for step in (20, 50, 60):
+        assert f"step={step:09d}.ckpt" in named
+    assert find_resume_checkpoint(tmp_path / "missing") is None
+    assert not list(tmp_path.glob(".step=000000010*"))  # atomic_save cleaned up after itself
+
+
+def _draws() -> tuple:
+    return (torch.rand(4).tolist(), np.random.rand(3).tolist(), np.random.randn(1).tolist(),
+            [random.random() for _ in range(3)], random.gauss(0, 1))
+
+
+class _Strategy:
+    root_device = torch.device("cpu")
+
+
+class _Trainer:
+    world_size, global_rank, global_step, is_global_zero, loggers = 1, 0, 0, True, []
+    strategy = _Strategy()
+
+
+def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    np.random.randn(), random.gauss(0, 1)  # leave cached gaussians in both states
+    callback = FaultTolerance(every_n_steps=1)
+    callback._snapshot = callback._gather_rng(_Trainer())
+    atomic_save({"callbacks": {"FaultTolerance": callback.state_dict()}}, tmp_path / "state.ckpt")
+    expected = _draws()
+    assert _draws() != expected  # the streams moved on
+    loaded = torch.load(tmp_path / "state.ckpt", weights_only=True)["callbacks"]["FaultTolerance"]
+    restored = FaultTolerance(every_n_steps=1)
+    restored.load_state_dict(loaded)
+    restored.on_train_start(_Trainer(), None)  # where a resumed fit puts the streams back
+    assert _draws() == expected
+    state = capture_rng_state()
+    first = _draws()
+    restore_rng_state(state)
+    assert _draws() == first
+
+
+def _collator(rank: int = 0) -> MLMCollator:
+    return MLMCollator(mask_id=3, special_ids=[0, 1, 2, 3], vocab_size=50, mlm_probability=0.3, pad_id=0,
+                       seed=7, rank=rank)
+
+
+def test_training_loader_resumes_mid_epoch_and_at_epoch_end():
+    rows = TensorDictDataset(input_ids=torch.randint(4, 50, (45, 12)))
+
+    def loader() -> ResumableDataLoader:
+        built = rows_loader(rows, batch_size=4, collate_fn=_collator(), train=True, seed=5)
+        assert isinstance(built, ResumableDataLoader)
+        return built
+
+    def epoch(dl: ResumableDataLoader, e: int, stop: int | None = None) -> list:
+        dl.sampler.set_epoch(e)
+        out = []
+        for batch in dl:
+            out.append(batch)
+            if len(out) == stop:
+                break
+        return out
+
+    full = loader()
+    uninterrupted = epoch(full, 0) + epoch(full, 1)
+    assert len(uninterrupted) == 24
+    # the order is a function of (seed, epoch) and epochs differ
+    assert not torch.equal(uninterrupted[0]["labels"], uninterrupted[12]["labels"])
+
+    for cut in (5, 12):  # mid-epoch, and after the epoch's last batch
+        first = loader()
+        seen = epoch(first, 0, stop=cut)
+        state = first.state_dict()
+        assert state["batches"] == cut and state["epoch"] == 0
+        saved = torch.load(_roundtrip(state), weights_only=True)
+        second = loader()
+        second.load_state_dict(saved)
+        rest = epoch(second, 0) if cut < 12 else []
+        rest += epoch(second, 1)
+        got = seen + rest
+        assert len(got) == len(uninterrupted)
+        for a, b in zip(got, uninterrupted):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+
+
+def _indices(batch: dict) -> torch.Tensor:
+    return batch["index"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_loader_order_resumes_with_worker_processes(workers):
+    rows = TensorDictDataset(input_ids=torch.arange(30).unsqueeze(1))
+
+    def run(state=None, stop=None) -> tuple[list, dict]:
+        dl = rows_loader(rows, batch_size=4, collate_fn=_indices, train=True, seed=1, num_workers=workers)
+        if state is not None:
+            dl.load_state_dict(state)
+        out = []
+        for e in (0, 1):
+            dl.sampler.set_epoch(e)
+            for batch in dl:
+                out.append(batch.tolist())
+                if len(out) == stop:
+                    return out, dl.state_dict()
+        return out, dl.state_dict()
+
+    full, _ = run()
+    head, state = run(stop=3)
+    tail, _ = run(state=state)
+    assert head + tail == full
+
+
+def _roundtrip(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_collator_state_of_another_rank_is_ignored():
+    a, b = _collator(rank=0), _collator(rank=1)
+    ids = {"input_ids": torch.randint(4, 50, (4, 12)), "index": torch.arange(4)}
+    a(ids)
+    state = a.state_dict()
+    fresh = _collator(rank=1)
+    b.load_state_dict(state)  # not its stream: left alone
+    assert torch.equal(b(ids)["labels"], fresh(ids)["labels"])
+    c = _collator(rank=0)
+    c.load_state_dict(state)
+    assert torch.equal(c(ids)["labels"], a(ids)["labels"])
