@@ -9,6 +9,7 @@ from typing import Sequence
 
 from torch import nn
 
+from ..tt.rank import train_parameter_count
 from .base import TTLayer
 from .embedding import TTEmbedding
 from .linear import TTLinear
@@ -187,8 +188,10 @@ def size_report(model: nn.Module) -> SizeReport:
     tt_param_ids = {id(p) for _, layer in layers for p in [*layer.cores, *layer.gates]}
     report = SizeReport()
     for name, layer in layers:
-        report.layers.append(LayerSize(name, layer.ranks, layer.active_ranks, layer.active_parameters(),
-                                       layer.allocated_parameters(), layer.dense_parameters))
+        # read masks and shapes once per layer: loggers call this every step
+        ranks, active, sizes = layer.ranks, layer.active_ranks, layer.mode_sizes
+        report.layers.append(LayerSize(name, ranks, active, train_parameter_count(sizes, active),
+                                       train_parameter_count(sizes, ranks), layer.dense_parameters))
     # a TT layer's bias is an ordinary parameter: it counts on both sides
     report.other_parameters = sum(p.numel() for p in model.parameters() if id(p) not in tt_param_ids)
     return report
