@@ -1,0 +1,356 @@
+"""Shared measurement machinery of the benchmark scripts: interleaved timing, contention probing, peak memory.
+
+Everything here exists because the machines we measure on are shared and noisy: candidates are timed in
+one process, round by round in a fresh random order, rounds during which other processes took more than a
+given share of the CPUs are left out of the medians (and retried), and every claim is a ratio of medians.
+
+Memory is measured, not estimated: ``peak_memory`` runs one step under torch's ``MemTracker`` (a dispatch
+mode that follows every tensor storage as it is allocated and freed, on CPU as on GPU) and reports the
+peak of live tensor bytes with its breakdown into parameters, gradients, optimiser state, activations and
+temporaries. On CUDA devices the allocator's own peak (``torch.cuda.max_memory_allocated``) is reported too.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ------------------------------------------------------------------------------------------------------
+# contention
+
+
+class ContentionProbe:
+    """CPU used by OTHER processes (and the hypervisor's steal) during an interval, from /proc/stat.
+
+    ``read()`` returns ``(other_load, own_share)``: other processes' CPU seconds per wall second as a
+    fraction of the whole machine, and this process's CPU seconds per wall second per torch thread.
+    ``other_load`` is None where /proc/stat is unavailable (then no round is ever rejected).
+    """
+
+    _tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self) -> None:
+        self.wall, self.cpu, self.busy = time.perf_counter(), time.process_time(), self._busy()
+
+    @classmethod
+    def _busy(cls) -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy
+        return (sum(fields[:8]) - fields[3] - fields[4]) / cls._tick
+
+    def read(self) -> tuple[float | None, float]:
+        wall = max(time.perf_counter() - self.wall, 1e-9)
+        own = time.process_time() - self.cpu
+        busy = self._busy()
+        own_share = own / wall / torch.get_num_threads()
+        if busy is None or self.busy is None:
+            return None, own_share
+        return max(busy - self.busy - own, 0.0) / wall / (os.cpu_count() or 1), own_share
+
+
+def wait_until_quiet(max_other_load: float, deadline: float, interval_s: float = 0.5) -> bool:
+    """Sleep until other processes use at most ``max_other_load`` of the machine, or until ``deadline``."""
+    while True:
+        probe = ContentionProbe()
+        time.sleep(interval_s)
+        other, _ = probe.read()
+        if other is None or other <= max_other_load:
+            return True
+        if time.perf_counter() >= deadline:
+            return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# interleaved timing
+
+
+@dataclass
+class Timing:
+    """Per-candidate samples (seconds per step) from the rounds used for the medians, plus every round."""
+
+    samples: dict[str, list[float]]
+    rounds: list[dict]
+    inner: dict[str, int]
+    contended: bool = False
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.samples[name])
+
+    def minimum(self, name: str) -> float:
+        return min(self.samples[name])
+
+    def ratio(self, slower: str, faster: str) -> float:
+        """Ratio of medians: how many times longer ``slower``'s step takes than ``faster``'s."""
+        return self.median(slower) / self.median(faster)
+
+    def paired_ratios(self, slower: str, faster: str) -> list[float]:
+        """Per-round ratios (same round = same machine state): their spread is the noise of ``ratio``."""
+        return [s / f for s, f in zip(self.samples[slower], self.samples[faster])]
+
+    def summary(self) -> dict:
+        loads = [r["other_load"] for r in self.rounds if r["other_load"] is not None]
+        return {
+            "median_s": {n: self.median(n) for n in self.samples},
+            "min_s": {n: self.minimum(n) for n in self.samples},
+            "samples_s": self.samples,
+            "inner_iterations": self.inner,
+            "rounds_total": len(self.rounds),
+            "rounds_clean": sum(r["clean"] for r in self.rounds),
+            "contended": self.contended,
+            "other_load_median": statistics.median(loads) if loads else None,
+            "rounds": self.rounds,
+        }
+
+    def noise_cell(self) -> str:
+        s = self.summary()
+        load = s["other_load_median"]
+        cell = f"{s['rounds_clean']}/{s['rounds_total']}" + (f" ({load:.0%})" if load is not None else "")
+        return cell + (" !" if self.contended else "")
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def interleave(
+    steps: dict[str, Callable[[], object]],
+    repeats: int = 5,
+    warmup: int = 1,
+    min_sample_s: float = 0.01,
+    min_total_s: float = 0.0,
+    max_rounds: int = 40,
+    max_other_load: float = 0.15,
+    wait_quiet_s: float = 0.0,
+    seed: int = 0,
+) -> Timing:
+    """Time every zero-argument ``steps[name]()`` round by round, interleaved, in a fresh random order.
+
+    Each sample is the mean over an inner loop at least ``min_sample_s`` long (so timer resolution and
+    one-off hiccups vanish); a candidate whose steps are that short gets one untimed step before its
+    sample, so it does not start cache-cold after the previous candidate. At least ``repeats`` clean
+    rounds are taken, and more while the clean rounds add up to less than ``min_total_s``. A round in
+    which other processes used more than ``max_other_load`` of the machine is kept in ``rounds`` but left
+    out of the samples and retried (at most ``repeats`` retries); ``wait_quiet_s`` > 0 sleeps up to that
+    long for the machine to go quiet before the first round and before each retry.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(steps)
+    deadline = time.perf_counter() + wait_quiet_s
+    if wait_quiet_s > 0:
+        wait_until_quiet(max_other_load, deadline)
+    inner: dict[str, int] = {}
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+        _synchronize()
+        fastest = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            steps[name]()
+            _synchronize()
+            fastest = min(fastest, time.perf_counter() - t0)
+            if fastest > 0.05:
+                break
+        inner[name] = int(min(200, max(1, math.ceil(min_sample_s / max(fastest, 1e-7)))))
+
+    rounds: list[dict] = []
+    shuffler = random.Random(seed)
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside one candidate's sample would be charged to it alone
+    try:
+        while len(rounds) < max(max_rounds, 2 * repeats):
+            clean = [r for r in rounds if r["clean"]]
+            clean_s = sum(r["times_s"][n] * inner[n] for r in clean for n in names)
+            if len(clean) >= repeats and clean_s >= min_total_s:
+                break
+            if len(rounds) - len(clean) >= repeats:
+                break
+            if wait_quiet_s > 0 and rounds and not rounds[-1]["clean"]:
+                wait_until_quiet(max_other_load, deadline)
+            order = names[:]
+            shuffler.shuffle(order)
+            probe = ContentionProbe()
+            times = {}
+            for name in order:
+                if inner[name] > 1:
+                    steps[name]()
+                _synchronize()
+                t0 = time.perf_counter()
+                for _ in range(inner[name]):
+                    steps[name]()
+                _synchronize()
+                times[name] = (time.perf_counter() - t0) / inner[name]
+            other, own = probe.read()
+            rounds.append({"order": order, "times_s": times, "other_load": other, "own_cpu_share": own,
+                           "clean": other is None or other <= max_other_load})
+            gc.collect()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    clean = [r for r in rounds if r["clean"]]
+    used = clean if len(clean) >= max(1, (repeats + 1) // 2) else rounds
+    return Timing(
+        samples={n: [r["times_s"][n] for r in used] for n in names},
+        rounds=rounds,
+        inner=inner,
+        contended=any(not r["clean"] for r in used),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# memory
+
+
+def peak_memory(
+    step: Callable[[], object],
+    modules: Iterable[nn.Module] = (),
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+) -> dict:
+    """Peak live tensor bytes during one ``step()``, with its breakdown at the peak, measured by MemTracker.
+
+    Run the step at least once before (optimiser state exists from the first ``optimizer.step()`` on), so
+    this measures the steady state. Categories: ``parameters``, ``buffers``, ``gradients``,
+    ``optimizer_state``, ``activations`` (tensors produced in forward and kept alive), ``temporaries``
+    (produced in backward), ``other`` (anything else, e.g. inputs), ``total``; all in bytes, summed over
+    devices. On CUDA, ``cuda_allocator_peak_bytes`` is the allocator's own peak for the same step.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gc.collect()
+    tracker = MemTracker()
+    modules, optimizers = list(modules), list(optimizers)
+    if modules or optimizers:
+        tracker.track_external(*modules, *optimizers)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with tracker:
+        step()
+    names = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_state",
+             "Activation": "activations", "Temp": "temporaries", "Other": "other", "Total": "total"}
+    out = {v: 0 for v in names.values()}
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for key, nbytes in per_device.items():
+            label = key if isinstance(key, str) else key.value
+            out[names[label]] += int(nbytes)
+    if cuda:
+        torch.cuda.synchronize()
+        out["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["cuda_allocated_before_bytes"] = int(base)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on (goes into every JSON and into docs/results.md)."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds with three significant-ish digits."""
+    value = seconds * 1e3
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}" if nbytes < 100 * 2**20 else f"{nbytes / 2**20:.0f}"
+
+
+def times(ratio: float) -> str:
+    """A ratio as '4.21x'."""
+    return f"{ratio:.2f}x"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    """Write ``payload`` as indented JSON, creating the folder; returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A matplotlib figure on the non-interactive Agg backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
