@@ -151,7 +151,8 @@ def interleave(
     sample, so it does not start cache-cold after the previous candidate. At least ``repeats`` clean
     rounds are taken, and more while the clean rounds add up to less than ``min_total_s``. A round in
     which other processes used more than ``max_other_load`` of the machine is kept in ``rounds`` but left
-    out of the samples and retried (at most ``repeats`` retries); ``wait_quiet_s`` > 0 sleeps up to that
+    out of the samples and retried (at most ``repeats`` retries; ``max_other_load`` >= 1 keeps every round,
+    since /proc/stat's 10 ms ticks can put short rounds above 100 %); ``wait_quiet_s`` > 0 sleeps up to that
     long for the machine to go quiet before the first round and before each retry.
     """
     if repeats < 1:
@@ -205,7 +206,7 @@ def interleave(
                 times[name] = (time.perf_counter() - t0) / inner[name]
             other, own = probe.read()
             rounds.append({"order": order, "times_s": times, "other_load": other, "own_cpu_share": own,
-                           "clean": other is None or other <= max_other_load})
+                           "clean": other is None or max_other_load >= 1.0 or other <= max_other_load})
             gc.collect()
     finally:
         if gc_was_enabled:
@@ -232,10 +233,12 @@ def peak_memory(
     """Peak live tensor bytes during one ``step()``, with its breakdown at the peak, measured by MemTracker.
 
     Run the step at least once before (optimiser state exists from the first ``optimizer.step()`` on), so
-    this measures the steady state. Categories: ``parameters``, ``buffers``, ``gradients``,
-    ``optimizer_state``, ``activations`` (tensors produced in forward and kept alive), ``temporaries``
-    (produced in backward), ``other`` (anything else, e.g. inputs), ``total``; all in bytes, summed over
-    devices. On CUDA, ``cuda_allocator_peak_bytes`` is the allocator's own peak for the same step.
+    this measures the steady state. Categories at the peak: ``parameters``, ``buffers``, ``gradients``,
+    ``optimizer_state`` (everything allocated inside ``optimizer.step()``: the persistent state AND the step's
+    transient work buffers, e.g. AdamW's denominators; ``optimizer_state_persistent`` is the persistent part
+    alone, read from ``optimizer.state`` after the step), ``activations`` (tensors produced in forward and kept
+    alive), ``temporaries`` (produced in backward), ``other`` (anything else, e.g. inputs), ``total``; all in
+    bytes, summed over devices. On CUDA, ``cuda_allocator_peak_bytes`` is the allocator's own peak for the step.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -258,6 +261,13 @@ def peak_memory(
         for key, nbytes in per_device.items():
             label = key if isinstance(key, str) else key.value
             out[names[label]] += int(nbytes)
+    storages = {}
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    out["optimizer_state_persistent"] = sum(storages.values())
     if cuda:
         torch.cuda.synchronize()
         out["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated())

@@ -1,0 +1,112 @@
+"""One entry point for every benchmark behind docs/results.md.
+
+    python benchmarks/run.py all --quick            # every comparison, small (a few minutes)
+    python benchmarks/run.py all                    # what docs/results.md reports (about 45 minutes on 2 CPU cores)
+    python benchmarks/run.py step --batch 1         # one comparison; arguments after the name go to its script
+    python benchmarks/run.py --list
+
+Each comparison runs in its own script (``benchmarks/<script>.py``, also runnable directly) with all its
+candidates in one process, interleaved so that machine noise cancels in the ratios; each prints a markdown
+table, and writes JSON and PNG files into ``benchmarks/results/`` (``--out-dir`` to change). ``all`` runs them
+one after another (never in parallel: they would disturb each other's timings) and collects the printed tables
+in ``<out-dir>/summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Comparison:
+    script: str
+    fixed_args: tuple[str, ...]
+    what: str
+
+
+COMPARISONS: dict[str, Comparison] = {
+    "step": Comparison("bench_training_step", ("--part", "step"),
+                       "training step of the six-encoder transformer: dense+AdamW vs dense+GaLore vs CoMERA (rank 30, "
+                       "and truncated to 1/4), batch 1 and a realistic batch: time, tokens/s, peak memory"),
+    "scaling": Comparison("bench_training_step", ("--part", "scaling"),
+                          "step time and peak memory against d_model (256..2048), dense vs CoMERA"),
+    "lookup": Comparison("bench_embedding_lookup", (),
+                         "TTM embedding lookup 30522x768: half-merge (with/without dedup) vs per-row chain vs nn.Embedding"),
+    "planner": Comparison("bench_tt_linear", (),
+                          "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid"),
+    "quality": Comparison("quality_study", (),
+                          "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, same steps and "
+                          "same wall-clock"),
+    "cuda-graphs": Comparison("bench_cuda_graphs", (),
+                              "captured vs eager training step on a CUDA GPU (skipped without one)"),
+}
+
+
+def run_one(name: str, args: list[str]) -> tuple[int, str]:
+    """Run comparison ``name`` with extra ``args``; returns its exit code and what it printed."""
+    comparison = COMPARISONS[name]
+    module = importlib.import_module(comparison.script)
+    captured = io.StringIO()
+
+    class _Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            captured.write(text)
+            return sys.__stdout__.write(text)
+
+        def flush(self) -> None:
+            sys.__stdout__.flush()
+
+    with contextlib.redirect_stdout(_Tee()):
+        code = module.main([*comparison.fixed_args, *args])
+    return int(code or 0), captured.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("comparison", nargs="?", choices=[*COMPARISONS, "all"],
+                        help="which comparison to run ('all': every one in turn)")
+    parser.add_argument("--list", action="store_true", help="list the comparisons and exit")
+    parser.add_argument("--quick", action="store_true", help="small versions (passed on to every script)")
+    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR,
+                        help="where JSON/PNG/summary.md go (default benchmarks/results)")
+    args, rest = parser.parse_known_args(argv)
+    if args.list or args.comparison is None:
+        for name, comparison in COMPARISONS.items():
+            print(f"{name:12s} benchmarks/{comparison.script}.py {' '.join(comparison.fixed_args)}\n"
+                  f"{'':12s} {comparison.what}")
+        return 0 if args.list else 2
+    if args.comparison == "all" and rest:
+        parser.error(f"'all' takes only --quick and --out-dir; pass {' '.join(rest)} to a single comparison instead")
+    common = [*(["--quick"] if args.quick else []), "--out-dir", str(args.out_dir)]
+    names = list(COMPARISONS) if args.comparison == "all" else [args.comparison]
+    sections = [f"# Benchmark summary ({'quick' if args.quick else 'full'})\n", "```", repr(harness.machine_info()), "```"]
+    failed = []
+    for name in names:
+        started = time.perf_counter()
+        print(f"\n## {name}: {COMPARISONS[name].what}\n", flush=True)
+        code, printed = run_one(name, [*common, *rest])
+        elapsed = time.perf_counter() - started
+        sections += [f"\n## {name} ({elapsed:.0f} s, exit {code})\n", printed]
+        if code != 0:
+            failed.append(name)
+    summary = args.out_dir / "summary.md"
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text("\n".join(sections))
+    print(f"\nsummary: {summary}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

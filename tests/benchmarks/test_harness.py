@@ -1,0 +1,105 @@
+"""The shared benchmark machinery: memory is what the tensors hold, timing keeps every candidate, run.py wiring."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
+import run as bench_run  # noqa: E402
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _adamw_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor):
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    return step
+
+
+def test_peak_memory_matches_hand_count_of_parameters_gradients_and_adamw_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 100))
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = _adamw_step(model, optimizer, torch.randn(8, 300))
+    step()
+    mem = harness.peak_memory(step, [model], [optimizer])
+    params = _param_bytes(model)
+    assert mem["parameters"] == params
+    assert mem["gradients"] == params
+    # exp_avg + exp_avg_sq per parameter, plus one 4-byte step counter per parameter tensor
+    assert mem["optimizer_state_persistent"] == 2 * params + 4 * len(list(model.parameters()))
+    assert mem["optimizer_state"] >= mem["optimizer_state_persistent"]
+    parts = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
+    assert mem["total"] == sum(mem[k] for k in parts)
+
+
+def test_peak_memory_sees_activations_when_they_dominate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
+    x = torch.randn(2048, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _adamw_step(model, optimizer, x)
+    step()
+    mem = harness.peak_memory(step, [model], [optimizer])
+    hidden = 2048 * 4096 * 4  # one (rows x 4096) float32 activation
+    assert mem["activations"] + mem["temporaries"] >= hidden
+    assert mem["total"] > _param_bytes(model) + hidden
+
+
+def test_interleave_keeps_every_candidate_and_orders_rounds_randomly():
+    calls = {"a": 0, "b": 0}
+
+    def make(name: str, size: int):
+        def step() -> None:
+            calls[name] += 1
+            torch.randn(size, size) @ torch.randn(size, size)
+
+        return step
+
+    timing = harness.interleave({"a": make("a", 8), "b": make("b", 200)}, repeats=3, min_sample_s=0.001,
+                                max_other_load=1.0, seed=1)
+    assert set(timing.samples) == {"a", "b"}
+    assert all(len(v) >= 3 for v in timing.samples.values())
+    assert calls["a"] > 3 and calls["b"] > 3
+    assert timing.ratio("b", "a") == pytest.approx(timing.median("b") / timing.median("a"))
+    summary = timing.summary()
+    json.dumps(summary)
+    assert summary["rounds_clean"] == summary["rounds_total"]
+    assert {tuple(r["order"]) for r in timing.rounds} <= {("a", "b"), ("b", "a")}
+
+
+def test_interleave_rejects_zero_repeats():
+    with pytest.raises(ValueError, match="repeats"):
+        harness.interleave({"a": lambda: None}, repeats=0)
+
+
+def test_table_is_markdown():
+    text = harness.table(["x", "y"], [[1, "2.00x"]])
+    assert text.splitlines() == ["| x | y |", "|---|---|", "| 1 | 2.00x |"]
+
+
+def test_run_lists_every_comparison_and_its_script_exists(capsys):
+    assert bench_run.main(["--list"]) == 0
+    printed = capsys.readouterr().out
+    for name, comparison in bench_run.COMPARISONS.items():
+        assert name in printed
+        assert (REPO / "benchmarks" / f"{comparison.script}.py").is_file(), comparison.script
+
+
+def test_run_all_refuses_per_script_arguments():
+    with pytest.raises(SystemExit):
+        bench_run.main(["all", "--batch", "1"])
