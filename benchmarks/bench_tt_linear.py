@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_tt_linear.py            # full run (about 3-5 minutes on 2 quiet CPU cores)
     python benchmarks/bench_tt_linear.py --quick    # under a minute on a quiet machine
-    python benchmarks/bench_tt_linear.py --repeats 9 --threads 2 --out /tmp/tt.json
+    python benchmarks/bench_tt_linear.py --repeats 9 --threads 2 --out-dir /tmp/tt   # tt_linear.json + .png
     python benchmarks/bench_tt_linear.py --wait-quiet 120   # on a shared machine: wait out other jobs
 
 What one "step" is, for every candidate: forward on ``x (rows, in_features)`` (``x.requires_grad``),
@@ -24,8 +24,8 @@ Candidates (per shape, rows, rank):
   (path computed once per equation+shapes and cached as an opt_einsum ContractExpression). The
   pytorch tensorly backend and the plugin are switched on once for the whole run and restored at exit.
 
-The machine is assumed noisy: within one case all candidates are timed in the same process,
-interleaved round by round (a fresh seeded random order every round, so no candidate always follows
+The machine is assumed noisy: within one case all candidates are timed in the same process by
+``harness.interleave``, round by round (a fresh seeded random order every round, so no candidate always follows
 the same one), each sample being the mean of an inner loop long enough to dwarf timer resolution (with
 one untimed step first when steps are short, so no sample starts cache-cold); at least ``--repeats`` rounds, more for cheap cases
 (until ``--min-case-s`` of clean rounds); reported times are medians over the rounds and ratios are
@@ -42,17 +42,19 @@ that autograd keeps for backward (captured by ``torch.autograd.graph.saved_tenso
 the storages of the input ``x`` and of the parameters themselves (those exist anyway and are the same
 for every candidate or already counted). The input's saved bytes are reported separately in the JSON.
 Transient workspaces freed during forward or backward and the output itself are not counted.
+
+Output: markdown tables and target verdicts on stdout; ``tt_linear.json`` (machine, settings, every
+sample and round, memory breakdown, modelled plan costs) and ``tt_linear.png`` (per case, against rows:
+torch.einsum/planner, tensorly+oe/planner and nn.Linear/TTLinear time ratios, one line per shape and
+rank) in ``--out-dir`` (``--out PATH`` still names the JSON file; the PNG then goes next to it).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import math
 import os
 import platform
-import random
 import statistics
 import string
 import sys
@@ -66,6 +68,9 @@ from torch import nn
 
 import tensorly as tl
 from tensorly import plugins
+
+import harness
+from harness import interleave, mib, ms, table
 
 from comera_lightning import TTLinear
 from comera_lightning.tt import PLANS, plan_costs, plan_tt_linear
@@ -89,7 +94,7 @@ QUICK_GRID = dict(shapes=("768x768",), rows=(1, 32, 512), ranks=(8, 64))
 QUICK_MAIN_SHAPES = TARGET_SHAPES
 
 EINSUM_NAMES = ("torch.einsum", "tensorly+oe")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "tt_linear.json"
+JSON_NAME, PNG_NAME = "tt_linear.json", "tt_linear.png"
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class Candidate:
 
 
 def make_candidates(case: Case, seed: int) -> tuple[list[Candidate], TTLinear, torch.Tensor]:
+    """nn.Linear, the planner, every forced plan and the two einsum baselines on one seeded layer and input."""
     in_f, out_f, in_modes, out_modes = SHAPES[case.shape]
     torch.manual_seed(seed)
     x = torch.randn(case.rows, in_f, requires_grad=True)
@@ -184,6 +190,7 @@ def make_candidates(case: Case, seed: int) -> tuple[list[Candidate], TTLinear, t
 
 
 def step(cand: Candidate, grad_out: torch.Tensor) -> None:
+    """One timed step: forward, then the gradients of x and every parameter for ``loss = sum(y * grad_out)``."""
     y = cand.forward()
     torch.autograd.grad(y, cand.inputs, grad_out)
 
@@ -220,63 +227,6 @@ def measure_memory(cand: Candidate, x: torch.Tensor, grad_out: torch.Tensor) -> 
     }
 
 
-class ContentionProbe:
-    """CPU used by OTHER processes (and the hypervisor's steal) during an interval, from /proc/stat.
-
-    ``read()`` returns ``(other_load, own_share)``: other processes' CPU seconds per wall second as a
-    fraction of the whole machine, and this process's CPU seconds per wall second per torch thread.
-    ``other_load`` is None where /proc/stat is unavailable (then no round is ever rejected).
-    """
-
-    _tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def __init__(self) -> None:
-        self.wall, self.cpu, self.busy = time.perf_counter(), time.process_time(), self._busy()
-
-    @classmethod
-    def _busy(cls) -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy
-        return (sum(fields[:8]) - fields[3] - fields[4]) / cls._tick
-
-    def read(self) -> tuple[float | None, float]:
-        wall = max(time.perf_counter() - self.wall, 1e-9)
-        own = time.process_time() - self.cpu
-        busy = self._busy()
-        own_share = own / wall / torch.get_num_threads()
-        if busy is None or self.busy is None:
-            return None, own_share
-        return max(busy - self.busy - own, 0.0) / wall / (os.cpu_count() or 1), own_share
-
-
-def calibrate(cand: Candidate, grad_out: torch.Tensor, min_sample_s: float, max_inner: int) -> None:
-    """Inner loop length from the fastest of a few steps (a single cold step would make it too short)."""
-    elapsed = math.inf
-    for _ in range(4):
-        t0 = time.perf_counter()
-        step(cand, grad_out)
-        elapsed = min(elapsed, time.perf_counter() - t0)
-        if elapsed > 0.05:
-            break
-    cand.inner = int(min(max_inner, max(1, math.ceil(min_sample_s / max(elapsed, 1e-7)))))
-
-
-def wait_until_quiet(max_other_load: float, deadline: float, interval_s: float = 0.5) -> bool:
-    """Sleep until other processes use at most ``max_other_load`` of the machine, or until ``deadline``."""
-    while True:
-        probe = ContentionProbe()
-        time.sleep(interval_s)
-        other, _ = probe.read()
-        if other is None or other <= max_other_load:
-            return True
-        if time.perf_counter() >= deadline:
-            return False
-
-
 def run_case(
     case: Case,
     repeats: int,
@@ -287,6 +237,7 @@ def run_case(
     max_other_load: float,
     wait_quiet_s: float,
 ) -> dict:
+    """One case: correctness check, memory per candidate, then every candidate timed by ``harness.interleave``."""
     cands, layer, x = make_candidates(case, seed)
     in_f, out_f, _, _ = SHAPES[case.shape]
     grad_out = torch.randn(case.rows, out_f, generator=torch.Generator().manual_seed(seed + 1))
@@ -297,57 +248,23 @@ def run_case(
         scale = reference.abs().max().item() or 1.0
         for cand in cands[1:]:
             cand.max_rel_err = (cand.forward() - reference).abs().max().item() / scale
-
-    deadline = time.perf_counter() + wait_quiet_s
-    if wait_quiet_s > 0:  # calibration (inner loop length) should not see a loaded machine either
-        wait_until_quiet(max_other_load, deadline)
     for cand in cands:
-        for _ in range(warmup):
-            step(cand, grad_out)
-        calibrate(cand, grad_out, min_sample_s, max_inner=200)
+        step(cand, grad_out)  # plans and einsum paths cached before memory is measured
         cand.mem = measure_memory(cand, x, grad_out)
 
     # At least `repeats` clean rounds, and more while the clean rounds add up to less than `min_case_s`
     # (small cases are cheap and their 1 ms steps noisy, so they get many rounds). Rounds during which
     # other processes used more than `max_other_load` of the machine are kept in the JSON but left out
     # of the medians and retried (at most `repeats` of them per case), up to MAX_ROUNDS rounds in all.
-    rounds: list[dict] = []
-    shuffler = random.Random(seed)
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        while len(rounds) < max(MAX_ROUNDS, 2 * repeats):
-            clean_s = sum(sum(r["times_s"][c.name] * c.inner for c in cands) for r in rounds if r["clean"])
-            n_clean = sum(r["clean"] for r in rounds)
-            if n_clean >= repeats and clean_s >= min_case_s:
-                break
-            if len(rounds) - n_clean >= repeats:  # retries exhausted: keep what we have
-                break
-            if wait_quiet_s > 0 and (not rounds or not rounds[-1]["clean"]):
-                wait_until_quiet(max_other_load, deadline)
-            order = cands[:]
-            shuffler.shuffle(order)
-            probe = ContentionProbe()
-            times = {}
-            for cand in order:
-                if cand.inner > 1:  # short steps: one untimed step first, so no sample starts cache-cold
-                    step(cand, grad_out)  # after the previous candidate (e.g. nn.Linear's 9 MB weight)
-                t0 = time.perf_counter()
-                for _ in range(cand.inner):
-                    step(cand, grad_out)
-                times[cand.name] = (time.perf_counter() - t0) / cand.inner
-            other, own = probe.read()
-            clean = other is None or other <= max_other_load
-            rounds.append({"times_s": times, "other_load": other, "own_cpu_share": own, "clean": clean})
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    clean_rounds = [r for r in rounds if r["clean"]]
-    used = clean_rounds if len(clean_rounds) >= max(1, (repeats + 1) // 2) else rounds
+    timing = interleave(
+        {cand.name: (lambda cand=cand: step(cand, grad_out)) for cand in cands},
+        repeats=repeats, warmup=warmup, min_sample_s=min_sample_s, min_total_s=min_case_s,
+        max_rounds=MAX_ROUNDS, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s, seed=seed,
+    )
     for cand in cands:
-        cand.samples = [r["times_s"][cand.name] for r in used]
-    loads = [r["other_load"] for r in rounds if r["other_load"] is not None]
+        cand.samples, cand.inner = timing.samples[cand.name], timing.inner[cand.name]
+    summary = timing.summary()
+    rounds = timing.rounds
 
     ranks = list(layer.ranks)
     pick = plan_tt_linear(layer.in_modes, layer.out_modes, ranks, case.rows, "cpu", x.element_size())
@@ -370,11 +287,12 @@ def run_case(
         "rank": case.rank,
         "ranks": ranks,
         "main": case.is_main,
-        "rounds_total": len(rounds),
-        "rounds_clean": len(clean_rounds),
-        "rounds_used": len(used),
-        "contended": any(not r["clean"] for r in used),
-        "other_load_median": statistics.median(loads) if loads else None,
+        "rounds_total": summary["rounds_total"],
+        "rounds_clean": summary["rounds_clean"],
+        "rounds_used": len(cands[0].samples),
+        "contended": timing.contended,
+        "other_load_median": summary["other_load_median"],
+        "noise_cell": timing.noise_cell(),
         "rounds": rounds,
         "planner_pick": pick,
         "modelled_seconds": modelled,
@@ -413,37 +331,16 @@ def run_case(
 # reporting
 
 
-def ms(seconds: float) -> str:
-    value = seconds * 1e3
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    if value >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
-
-
-def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f}"
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def noise_cell(r: dict) -> str:
-    load = r["other_load_median"]
-    cell = f"{r['rounds_clean']}/{r['rounds_total']}" + (f" ({load:.0%})" if load is not None else "")
-    return cell + (" !" if r["contended"] else "")
+    """Clean/total rounds, median load of other processes, ``!`` if the medians include contended rounds."""
+    return r["noise_cell"]
 
 
 SHORT = {"half_merge": "hm", "sweep": "sw", "merge_in_sweep_out": "mi_so", "sweep_in_merge_out": "si_mo", "dense": "dn"}
 
 
 def evaluate_targets(results: list[dict]) -> dict:
+    """Verdicts: TTLinear >= 5x faster than nn.Linear on the main cases; planner never slower than einsum."""
     speed = []
     for r in results:
         if r["main"] and r["shape"] in TARGET_SHAPES:
@@ -476,6 +373,7 @@ def evaluate_targets(results: list[dict]) -> dict:
 
 
 def render(results: list[dict], targets: dict, meta: dict) -> str:
+    """The markdown report: TTLinear vs nn.Linear, planner vs einsum baselines and forced plans, verdicts."""
     out = [
         f"# TTLinear benchmark (forward+backward, fp32, CPU, {meta['threads']} threads, "
         f"medians over >= {meta['repeats']} interleaved rounds per case)",
@@ -570,6 +468,34 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
     return "\n".join(out)
 
 
+def plot(results: list[dict], path: Path) -> Path:
+    """Per case (x = rows, log): torch.einsum/planner, tensorly+oe/planner and nn.Linear/TTLinear time.
+
+    One line per (shape, rank); above 1 the planner (or the TT layer) is faster.
+    """
+    fig, axes = harness.new_figure(3, width=5.0, height=4.0)
+    panels = [("torch.einsum / planner", "torch_einsum_time_over_planner_time"),
+              ("tensorly+oe / planner", "tensorly_time_over_planner_time"),
+              ("nn.Linear / TTLinear (planner)", "dense_time_over_tt_time")]
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["shape"], r["rank"]), []).append(r)
+    for ax, (title, key) in zip(axes, panels):
+        for (shape, rank), rs in sorted(groups.items()):
+            rs = sorted(rs, key=lambda r: r["rows"])
+            ax.plot([r["rows"] for r in rs], [r["ratios"][key] for r in rs], marker="o",
+                    label=f"{shape} r{rank}")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("rows (tokens)")
+        ax.set_title(f"time ratio {title}")
+        ax.grid(which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("TT linear forward+backward: contraction planner vs einsum baselines, and vs dense (> 1: planner faster)")
+    return harness.save_figure(fig, path)
+
+
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -598,8 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts (filter)")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks (filter)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="JSON results path (default benchmarks/results/tt_linear.json)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help=f"folder of {JSON_NAME} and {PNG_NAME} (default benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON results path (default <out-dir>/{JSON_NAME}); without --out-dir the PNG "
+                             "goes next to it")
     args = parser.parse_args(argv)
 
     if args.threads is not None:
@@ -617,7 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not cases:
         parser.error("--shapes/--rows/--ranks leave no case to run")
+    json_path = args.out or (args.out_dir or harness.RESULTS_DIR) / JSON_NAME
+    png_path = (args.out_dir / PNG_NAME) if args.out_dir is not None else json_path.with_suffix(".png")
     meta = {
+        "machine": harness.machine_info(),
         "torch": torch.__version__,
         "tensorly": tl.__version__,
         "python": sys.version.split()[0],
@@ -666,9 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_after"] = os.getloadavg()
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "targets": targets, "cases": results}, indent=1))
-    print(f"\nJSON: {args.out}  (wall {meta['wall_s']:.0f}s)")
+    harness.write_json(json_path, {"meta": meta, "targets": targets, "cases": results})
+    plot(results, png_path)
+    print(f"\nJSON: {json_path}\nPNG: {png_path}  (wall {meta['wall_s']:.0f}s)")
     return 0
 
 

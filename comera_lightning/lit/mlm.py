@@ -10,6 +10,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import MaskedLanguageModel
+from ..nn.base import cuda_graph_capturing
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -51,6 +52,12 @@ class MaskedLM(ComeraTask):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
+        if cuda_graph_capturing():
+            # a graph needs static shapes (no boolean-mask selection, no host-side checks): decode every
+            # position and let cross_entropy skip the ignored ones; the same loss, more decoder work
+            hidden = self.model.encoder(batch["input_ids"], batch.get("attention_mask"))
+            logits = self.model.head(hidden).flatten(0, -2)
+            return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=IGNORE), logits, labels
         selected = labels != IGNORE
         targets = labels[selected]
         fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "

@@ -18,7 +18,16 @@ from ..tt.rank import (
     truncate_train,
 )
 
-__all__ = ["TTLayer", "TruncationRecord"]
+__all__ = ["TTLayer", "TruncationRecord", "cuda_graph_capturing"]
+
+
+def cuda_graph_capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph (then no host sync is allowed).
+
+    Layers and tasks use it to skip what a graph cannot hold: data-dependent shapes (id deduplication,
+    boolean-mask selection) and host-side input checks (the eager warm-up steps before a capture ran them).
+    """
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class TruncationRecord(list):

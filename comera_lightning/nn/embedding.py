@@ -13,7 +13,7 @@ from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
 from ..tt.ttm import ttm_lookup
-from .base import TTLayer
+from .base import TTLayer, cuda_graph_capturing
 
 __all__ = ["TTEmbedding"]
 
@@ -109,7 +109,8 @@ class TTEmbedding(TTLayer):
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"TTEmbedding expects integer token ids, got dtype {ids.dtype}")
         flat = ids.reshape(-1).long()
-        if flat.numel():
+        capturing = cuda_graph_capturing()
+        if flat.numel() and not capturing:
             low, high = int(flat.min()), int(flat.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high
@@ -117,7 +118,7 @@ class TTEmbedding(TTLayer):
                     f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); check the tokenizer's "
                     f"vocabulary size against num_embeddings={self.num_embeddings}"
                 )
-        rows = ttm_lookup(self.gated_cores(), flat, deduplicate=self.deduplicate)
+        rows = ttm_lookup(self.gated_cores(), flat, deduplicate=self.deduplicate and not capturing)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(1).to(rows.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)

@@ -1,0 +1,372 @@
+"""CUDA graphs (comera_lightning.callbacks.CudaGraphs) against eager training on one GPU: same result, how much faster.
+
+What it measures, per model size and precision (fp32 ``32-true`` and ``bf16-mixed``):
+
+1. Identity. A tensorised masked-LM (``MaskedLanguageModel`` with TT linears, dense embedding, no dropout,
+   synthetic token batches) is trained ``--steps`` steps by Lightning twice from the same seed and batches:
+   eagerly, and with ``CudaGraphs(backend="cuda")``. Both runs carry ``RankAdaptation`` (its penalty gradient
+   runs eagerly between the two graphs) and a forced physical truncation at half-way, so the graphs must be
+   dropped and re-captured once. Compared: per-step losses (largest relative difference; tolerance 1e-3 fp32,
+   2e-2 bf16) and the parameters, as ``||theta_graphs - theta_eager|| / ||theta_eager - theta_start||`` over all
+   parameters (tolerance 1e-2 fp32, 5e-2 bf16; a global norm because parameters with a zero true gradient, such
+   as the attention key bias, get Adam updates of pure rounding noise). The runs differ in floating-point
+   detail only: capturable AdamW computes its bias corrections on the device, the learning rate is a float32
+   tensor, and bf16 kernels may pick other reductions. Per-step wall time inside the Lightning loop (synchronised) is recorded too.
+2. Step time. The bare training step (zero_grad, forward, backward, AdamW step; no Lightning loop) of a fresh
+   copy of the model, eager against the callback's captured step driven through ``CudaGraphs.attach``, timed
+   interleaved by ``harness.interleave`` (rounds in random order, medians, paired-ratio spread). Peak CUDA
+   memory of a few steps of each is recorded (the graphs keep their memory pool).
+
+Sizes: ``quickstart`` (configs/quickstart.yaml's model: d_model 128, 2 layers, batch 32 x 64 tokens, rank 32)
+and, without ``--quick``, ``base`` (the paper's encoder: d_model 768, 12 heads, FFN 3072, 6 layers, vocabulary
+30522, batch 32 x 128, rank 30).
+
+Without a CUDA device it prints ``no CUDA device: skipped`` and writes a JSON saying so (exit 0);
+``--backend replay`` instead runs the identity check on the CPU with the callback's eager replay backend
+(the plumbing, not the speed). Expected time on one H200: about a minute (``--quick`` about half).
+
+    python benchmarks/bench_cuda_graphs.py              # on a GPU machine: both sizes, fp32 and bf16-mixed
+    python benchmarks/bench_cuda_graphs.py --quick
+    python benchmarks/bench_cuda_graphs.py --quick --backend replay   # CPU dry run of the identity check
+
+Status: written in a session without a GPU; the CUDA numbers come from its first run on a lent machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+IGNORE = -100
+TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}         # largest relative difference of a step's loss
+UPDATE_TOLERANCE = {"32-true": 1e-2, "bf16-mixed": 5e-2}  # ||theta_graphs - theta_eager|| / ||update||
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    vocab: int
+    d_model: int
+    heads: int
+    d_ff: int
+    layers: int
+    seq: int
+    batch: int
+    rank: int
+
+
+TINY = Size("tiny", vocab=128, d_model=64, heads=2, d_ff=128, layers=1, seq=16, batch=4, rank=8)
+QUICKSTART = Size("quickstart", vocab=2048, d_model=128, heads=4, d_ff=512, layers=2, seq=64, batch=32, rank=32)
+BASE = Size("base", vocab=30522, d_model=768, heads=12, d_ff=3072, layers=6, seq=128, batch=32, rank=30)
+
+
+def _module_class():
+    from lightning.pytorch import LightningModule
+
+    from comera_lightning.models import MaskedLanguageModel
+    from comera_lightning.optim import comera_parameter_groups
+
+    class BenchMLM(LightningModule):
+        """Masked-LM with a capture-safe step: loss over every position with ignore_index (static shapes)."""
+
+        def __init__(self, size: Size, log_loss: bool = True) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.size, self.log_loss = size, log_loss
+            self.model = MaskedLanguageModel(
+                vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff,
+                num_layers=size.layers, max_len=size.seq, dropout=0.0, tt_embeddings=False, rank=size.rank,
+            )
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            logits = self.model(batch["input_ids"])
+            loss = F.cross_entropy(logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1),
+                                   ignore_index=IGNORE)
+            if self.log_loss:
+                self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            groups = comera_parameter_groups(self, lr_cores=2e-3, lr_gates=5e-3, lr_other=2e-3)
+            return torch.optim.AdamW(groups, weight_decay=0.0)
+
+    return BenchMLM
+
+
+def make_batches(size: Size, count: int, device: str | torch.device = "cpu", seed: int = 0) -> list[dict]:
+    """``count`` synthetic masked-LM batches: random ids, 15 % of positions masked (id 1) and predicted."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(2, size.vocab, (size.batch, size.seq), generator=g)
+        masked = torch.rand(size.batch, size.seq, generator=g) < 0.15
+        labels = torch.where(masked, ids, torch.full_like(ids, IGNORE))
+        batches.append({"input_ids": torch.where(masked, torch.ones_like(ids), ids).to(device),
+                        "labels": labels.to(device)})
+    return batches
+
+
+def _callbacks(steps: int) -> list:
+    from lightning.pytorch import Callback
+
+    from comera_lightning.callbacks import RankAdaptation
+    from comera_lightning.nn import tt_layers
+    from comera_lightning.strategies.resize import after_truncation
+
+    class ForcedTruncation(Callback):
+        """At one step, kill the upper half of every bond of every TT layer and remove it physically."""
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != self.step:
+                return
+            for _, layer in tt_layers(pl_module):
+                with torch.no_grad():
+                    for gate in layer.gates:
+                        gate[gate.numel() // 2:] = 0.0
+                layer.refresh_masks_()
+                after_truncation(trainer, layer.truncate_())
+
+    class StepTimer(Callback):
+        """Synchronised wall time of every training step inside the Lightning loop, and its loss."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+            self.losses.append(float(outputs["loss"]))
+
+    return [RankAdaptation(gamma=0.01, truncate_every_n_steps=None), ForcedTruncation(max(2, steps // 2)), StepTimer()]
+
+
+def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None) -> tuple[Any, Any, list]:
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    module = _module_class()(size)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    callbacks = _callbacks(steps) + ([graphs] if graphs is not None else [])
+    trainer = Trainer(max_steps=steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1,
+                      precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
+    loader = DataLoader(make_batches(size, 8), batch_size=None, shuffle=False)
+    trainer.fit(module, loader)
+    return module, start, callbacks
+
+
+def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
+    """(||theta_a - theta_b|| / ||theta_b - theta_b_start|| over all parameters, largest absolute parameter
+    difference, the tensor holding it). A global norm, because parameters whose true gradient is zero (e.g. the
+    attention key bias: softmax ignores it) get Adam updates of pure rounding noise that no two runs share.
+    Tensors truncated on the way add their final difference to the numerator only."""
+    named_b = dict(b.named_parameters())
+    diff_sq, update_sq, worst_abs, worst_name = 0.0, 0.0, 0.0, ""
+    for name, p in a.named_parameters():
+        q = named_b[name]
+        if p.shape != q.shape:
+            return math.inf, math.inf, name
+        diff = p.detach().double() - q.detach().double()
+        diff_sq += float(diff.pow(2).sum())
+        if float(diff.abs().max()) > worst_abs:
+            worst_abs, worst_name = float(diff.abs().max()), name
+        if start_b[name].shape == q.shape:
+            update_sq += float((q.detach().double() - start_b[name].double()).pow(2).sum())
+    return math.sqrt(diff_sq) / max(math.sqrt(update_sq), 1e-30), worst_abs, worst_name
+
+
+def compare_training(size: Size, steps: int, precision: str, device: str, backend: str = "cuda") -> dict:
+    """Train eagerly and with CudaGraphs from the same seed; return differences, counters and loop step times."""
+    from comera_lightning.callbacks import CudaGraphs
+
+    graphs = CudaGraphs(backend=backend, warmup_steps=3)
+    captured, start_c, cb_c = _fit(size, steps, precision, device, graphs)
+    eager, start_e, cb_e = _fit(size, steps, precision, device, None)
+    update_rel, max_abs, worst = _update_difference(captured, eager, start_c, start_e)
+    losses_c, losses_e = cb_c[-2].losses, cb_e[-1].losses
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e))
+    tol = TOLERANCE[precision]
+    update_tol = UPDATE_TOLERANCE[precision]
+    skip = graphs.warmup_steps + 1  # compare loop times of replayed steps only (not warm-up or capture)
+    loop_c = statistics.median(cb_c[-2].times[skip:]) if len(cb_c[-2].times) > skip else math.nan
+    loop_e = statistics.median(cb_e[-1].times[skip:]) if len(cb_e[-1].times) > skip else math.nan
+    return {
+        "size": size.name, "precision": precision, "steps": steps, "backend": backend,
+        "identical": bool(update_rel <= update_tol and loss_rel <= tol),
+        "update_rel_diff": update_rel, "loss_rel_diff": loss_rel, "max_abs_param_diff": max_abs,
+        "max_abs_param_diff_tensor": worst, "tolerance": {"update_rel": update_tol, "loss_rel": tol},
+        "losses": {"graphs": losses_c, "eager": losses_e},
+        "graphs": {"captures": graphs.captures, "step_captures": graphs.step_captures, "replays": graphs.replays,
+                   "eager_steps": graphs.eager_steps, "invalidations": len(graphs.invalidations)},
+        "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": cb_c[-2].times,
+                        "times_eager": cb_e[-1].times},
+    }
+
+
+def time_steps(size: Size, precision: str, repeats: int, max_other_load: float, wait_quiet: float) -> dict:
+    """Bare step time (no Lightning loop), eager vs captured, interleaved; plus peak CUDA memory of each."""
+    from comera_lightning.callbacks import CudaGraphs
+
+    cls = _module_class()
+    batches = make_batches(size, 8, "cuda", seed=1)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16-mixed" \
+        else contextlib.nullcontext
+    eager_module = cls(size, log_loss=False).cuda()
+    graph_module = copy.deepcopy(eager_module)
+    eager_opt, graph_opt = eager_module.configure_optimizers(), graph_module.configure_optimizers()
+    graphs = CudaGraphs(backend="cuda", warmup_steps=3)
+    graphs.attach(graph_module, graph_opt, "cuda")
+    counter = {"eager": 0, "graphs": 0}
+
+    def eager_step() -> None:
+        batch = batches[counter["eager"] % len(batches)]
+        counter["eager"] += 1
+        eager_opt.zero_grad(set_to_none=True)
+        with autocast():
+            loss = eager_module.training_step(batch, 0)
+        loss.backward()
+        eager_opt.step()
+
+    def graph_step() -> None:
+        batch = batches[counter["graphs"] % len(batches)]
+        counter["graphs"] += 1
+        with autocast():
+            graph_module.training_step(batch, 0)
+        graph_opt.step()
+
+    try:
+        for _ in range(graphs.warmup_steps + 2):  # warm up and capture before timing
+            graph_step()
+            eager_step()
+        torch.cuda.synchronize()
+        memory = {}
+        for name, step in (("eager", eager_step), ("graphs", graph_step)):
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            memory[name] = torch.cuda.max_memory_allocated()
+        timing = harness.interleave({"eager": eager_step, "graphs": graph_step}, repeats=repeats,
+                                    min_sample_s=0.2, max_other_load=max_other_load, wait_quiet_s=wait_quiet)
+        assert graphs.captures == 1 and graphs.replays > 0, "the captured step never replayed"
+    finally:
+        graphs.detach()
+    paired = timing.paired_ratios("eager", "graphs")
+    return {"size": size.name, "precision": precision, "speedup": timing.ratio("eager", "graphs"),
+            "paired_speedups": paired, "timing": timing.summary(), "noise": timing.noise_cell(),
+            "peak_memory_bytes": memory}
+
+
+def _skip(out_dir: Path, reason: str) -> int:
+    print(f"no CUDA device: skipped ({reason})")
+    harness.write_json(out_dir / "cuda_graphs.json",
+                       {"skipped": True, "reason": f"no CUDA device: {reason}", "machine": harness.machine_info()})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="quickstart size only, fewer steps")
+    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
+    parser.add_argument("--steps", type=int, default=None, help="training steps of the identity check (default 40, "
+                                                                 "--quick 20)")
+    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"],
+                        choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--backend", choices=["cuda", "replay"], default="cuda",
+                        help="replay: identity check with the eager replay backend on the CPU (no timing)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wait-quiet", type=float, default=0.0)
+    parser.add_argument("--max-other-load", type=float, default=0.15)
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 4:
+        parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    on_gpu = args.backend == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        return _skip(args.out_dir, "torch.cuda.is_available() is False on this machine")
+    steps = args.steps or (20 if args.quick else 40)
+    sizes = [QUICKSTART] if args.quick or not on_gpu else [QUICKSTART, BASE]
+    if not on_gpu:
+        sizes = [TINY] if args.quick else [QUICKSTART]
+    settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,
+                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE}
+    identity, timings = [], []
+    for size in sizes:
+        for precision in args.precision:
+            identity.append(compare_training(size, steps, precision, "cuda" if on_gpu else "cpu", args.backend))
+            if on_gpu:
+                timings.append(time_steps(size, precision, args.repeats, args.max_other_load, args.wait_quiet))
+
+    rows = []
+    for check in identity:
+        timing = next((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])), None)
+        loop = check["loop_step_s"]
+        rows.append([
+            check["size"], check["precision"],
+            harness.ms(timing["timing"]["median_s"]["eager"]) if timing else "-",
+            harness.ms(timing["timing"]["median_s"]["graphs"]) if timing else "-",
+            harness.times(timing["speedup"]) if timing else "-",
+            (f"{min(timing['paired_speedups']):.2f}-{max(timing['paired_speedups']):.2f}") if timing else "-",
+            harness.times(loop["eager"] / loop["graphs"]) if on_gpu and loop["graphs"] > 0 else "-",
+            " / ".join(harness.mib(timing["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if timing else "-",
+            f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
+            "yes" if check["identical"]
+            else f"NO (tol {check['tolerance']['update_rel']:g} / {check['tolerance']['loss_rel']:g})",
+            f"{check['graphs']['captures']} / {check['graphs']['invalidations']}",
+            timing["noise"] if timing else "-",
+        ])
+    print(f"CUDA graphs vs eager ({args.backend} backend, {steps} steps per identity run)\n")
+    print(harness.table(["size", "precision", "eager step", "graphed step", "speed-up", "paired range",
+                         "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff", "identical",
+                         "captures / re-captures", "clean rounds"], rows))
+    payload = {"skipped": False, "machine": harness.machine_info(), "settings": settings,
+               "identity": identity, "timing": timings}
+    path = harness.write_json(args.out_dir / "cuda_graphs.json", payload)
+    if timings:
+        fig, axes = harness.new_figure(1, 6.0, 3.5)
+        ax = axes[0] if hasattr(axes, "__getitem__") else axes
+        labels = [f"{t['size']}\n{t['precision']}" for t in timings]
+        ax.bar(labels, [t["speedup"] for t in timings], color="tab:green")
+        for i, t in enumerate(timings):
+            ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylabel("eager / graphed step time")
+        ax.set_title("CUDA graphs speed-up (bare training step)")
+        harness.save_figure(fig, args.out_dir / "cuda_graphs.png")
+    print(f"\nwrote {path}")
+    return 0 if all(check["identical"] for check in identity) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
