@@ -292,8 +292,10 @@ class RankAdaptation(Callback):
 
     # --- actions -------------------------------------------------------------------------------------
     def _update_loss(self, trainer: Trainer, outputs: Any) -> None:
-        needs_loss = self.stage == LATE or self.late_start_loss is not None or self.late_start_step is not None \
-            or self.late_start_epoch is not None
+        # the loss costs a host sync per step: read it only when a decision may use it
+        policy_overridden = type(self).should_enter_late_stage is not RankAdaptation.should_enter_late_stage
+        needs_loss = self.stage == LATE or policy_overridden or self.late_start_loss is not None \
+            or self.late_start_step is not None or self.late_start_epoch is not None
         if not needs_loss:
             return
         loss = outputs.get(self.loss_key) if isinstance(outputs, dict) else outputs

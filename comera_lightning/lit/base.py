@@ -63,7 +63,16 @@ class ComeraTask(LightningModule):
         optimizer = torch.optim.AdamW(groups)
         if self.warmup_steps == 0 and self.schedule == "constant":
             return optimizer
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = 1  # a constant schedule never reads it (time-limited runs have no step total)
+        if self.schedule != "constant":
+            estimated = self.trainer.estimated_stepping_batches
+            if not math.isfinite(estimated):
+                raise ValueError(
+                    f"schedule={self.schedule!r} decays the learning rate to zero at the end of training, but this "
+                    "run has no step or epoch limit (only max_time, or max_epochs=-1): set trainer.max_steps or "
+                    "trainer.max_epochs, or use schedule='constant'"
+                )
+            total = max(1, int(estimated))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, total, self.schedule)
         )
