@@ -9,7 +9,7 @@ Each comparison runs in its own script (``benchmarks/<script>.py``, also runnabl
 candidates in one process, interleaved so that machine noise cancels in the ratios; each prints a markdown
 table, and writes JSON and PNG files into ``benchmarks/results/`` (``--out-dir`` to change). ``all`` runs them
 one after another (never in parallel: they would disturb each other's timings) and collects the printed tables
-in ``<out-dir>/summary.md``.
+in ``<out-dir>/summary.md`` (a single comparison: ``summary_<name>.md``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         sections += [f"\n## {name} ({elapsed:.0f} s, exit {code})\n", printed]
         if code != 0:
             failed.append(name)
-    summary = args.out_dir / "summary.md"
+    summary = args.out_dir / ("summary.md" if args.comparison == "all" else f"summary_{args.comparison}.md")
     summary.parent.mkdir(parents=True, exist_ok=True)
     summary.write_text("\n".join(sections))
     print(f"\nsummary: {summary}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))

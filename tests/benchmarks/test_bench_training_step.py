@@ -1,0 +1,252 @@
+"""Tests of benchmarks/bench_training_step.py on tiny models: candidates, truncation, memory counts, outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_training_step as bts  # noqa: E402
+from comera_lightning.nn import tt_layers  # noqa: E402
+from comera_lightning.objectives import bond_weights, rank_penalty  # noqa: E402
+
+TINY = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)
+GALORE_TINY = {"rank": 8, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models on a shared 2-core machine: more threads only add OpenMP contention
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return bts.make_batch(TINY, 2)
+
+
+def _galore_available() -> bool:
+    return bts._import_galore()[1] is None
+
+
+def test_paper_shape_is_the_configs_six_encoder_model():
+    shape = bts.paper_shape()
+    assert (shape.vocab_size, shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers, shape.seq_len,
+            shape.num_classes) == (30522, 768, 12, 3072, 6, 128, 3)
+    assert (shape.rank, shape.embedding_rank) == (30, 32)
+    assert "pooler" in shape.dense_layers and "classifier" in shape.dense_layers
+
+
+def test_scaling_shape_and_its_validation():
+    shape = bts.scaling_shape(512, 2, TINY)
+    assert (shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers) == (512, 8, 2048, 2)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        bts.scaling_shape(100, 2, TINY)
+
+
+def test_dense_and_comera_candidates_train_with_finite_losses(batch):
+    ids, labels = batch
+    dense = bts.dense_adamw(TINY, ids, labels)
+    comera = bts.comera(TINY, ids, labels)
+    for cand in (dense, comera):
+        losses = [float(cand.step()) for _ in range(3)]
+        assert all(math.isfinite(v) for v in losses), (cand.name, losses)
+        assert losses[-1] < cand.info["first_loss"], f"{cand.name} does not learn its one batch: {losses}"
+    assert not any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == TINY.vocab_size
+                   for m in comera.model.modules()), "CoMERA's word embedding must be a TT embedding"
+    assert len(tt_layers(comera.model)) == 1 + 6 * TINY.num_layers  # word embedding + q,k,v,o,fc1,fc2 per layer
+    assert comera.parameters < dense.parameters
+
+
+@pytest.mark.skipif(not _galore_available(), reason="galore-torch not installed (pip install -e .[galore])")
+def test_galore_starts_from_the_dense_model_and_refreshes_only_when_asked(batch):
+    ids, labels = batch
+    dense = bts.dense_adamw(TINY, ids, labels)
+    galore = bts.dense_galore(TINY, ids, labels, settings=GALORE_TINY)
+    # same initial weights, no dropout: the first loss is the same function of the same batch
+    assert galore.info["first_loss"] == pytest.approx(dense.info["first_loss"], rel=1e-6)
+    targets = bts.galore_targets(galore.model)
+    assert len(targets) == 6 * TINY.num_layers and all(p.dim() == 2 for p in targets)
+    first = [galore.optimizer.state[p]["projector"].ortho_matrix for p in targets]
+    for _ in range(3):
+        assert math.isfinite(float(galore.step()))
+    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is m for p, m in zip(targets, first)), \
+        "a steady-state step must not recompute the projection"
+    galore.info["refresh_step"]()
+    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is not m for p, m in zip(targets, first)), \
+        "the refresh step must recompute every projection"
+    assert all(galore.optimizer.state[p]["exp_avg"].shape[-1] == GALORE_TINY["rank"]
+               or galore.optimizer.state[p]["exp_avg"].shape[0] == GALORE_TINY["rank"] for p in targets)
+
+
+def test_galore_missing_is_skipped_with_the_install_command(batch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "galore_torch", None)  # makes `import galore_torch` raise ImportError
+    cand = bts.dense_galore(TINY, *batch)
+    assert cand.skipped and "pip install -e .[galore]" in cand.skipped and cand.step is None
+
+
+def test_quarter_has_a_quarter_of_the_parameters_and_consistent_optimizer_state(batch):
+    ids, labels = batch
+    base = bts.comera(TINY, ids, labels)
+    quarter = bts.comera_quarter(base, TINY, ids, labels)
+    assert quarter.info["basis"] == "total"
+    assert quarter.parameters / base.parameters == pytest.approx(0.25, abs=0.02)
+    assert quarter.info["parameters"] == quarter.parameters == bts.parameters_after_cut(base.model,
+                                                                                          quarter.info["keep"])
+    assert base.model is not quarter.model and base.parameters == bts.trainable_parameters(base.model)
+    for _, layer in tt_layers(quarter.model):
+        assert all(bool(m.all()) for m in layer.rank_masks), "after truncation every remaining slice is active"
+    for group in quarter.optimizer.param_groups:
+        for p in group["params"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert quarter.optimizer.state[p][key].shape == p.shape
+    assert math.isfinite(float(quarter.step()))
+
+
+def test_quarter_falls_back_to_the_tt_parameters_when_the_rest_is_too_big(batch):
+    ids, labels = batch
+    shape = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0,
+                      dense_layers="position|token_type|pooler|classifier|fc1|fc2")
+    base = bts.comera(shape, ids, labels)
+    quarter = bts.comera_quarter(base, shape, ids, labels)
+    assert quarter.info["basis"] == "tt"
+    tt_before = sum(p.numel() for _, layer in tt_layers(base.model) for p in [*layer.cores, *layer.gates])
+    assert quarter.info["tt_parameters"] / tt_before == pytest.approx(0.25, abs=0.03)
+
+
+def test_rank_adaptation_work_adds_the_penalty_gradient_and_refreshes_masks(batch):
+    ids, labels = batch
+    cand = bts.comera(TINY, ids, labels)
+    work = bts.RankAdaptationWork(cand.model, cand.optimizer, gamma=0.5)
+    layers = [layer for _, layer in tt_layers(cand.model)]
+    gates = [g for layer in layers for g in layer.gates]
+    cand.optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(cand.model(ids), labels).backward()
+    task = [g.grad.clone() for g in gates]
+    masks = [m for layer in layers for m in layer.rank_masks]
+    weights = [w for layer in layers for w in bond_weights(layer.mode_sizes, layer.active_ranks)]
+    expected = torch.autograd.grad(rank_penalty(gates, masks, weights), gates)
+    work.before_step()
+    for gate, t, e in zip(gates, task, expected):
+        torch.testing.assert_close(gate.grad, t + 0.5 * e)
+    cand.optimizer.step()
+    layer = layers[1]
+    with torch.no_grad():
+        layer.gates[0][:3] = 0.0  # below the threshold: the mask refresh must switch these slices off
+    work.after_step()
+    assert layer.active_ranks[1] == layer.ranks[1] - 3
+
+
+def test_memory_breakdown_matches_a_hand_count(batch):
+    ids, labels = batch
+    dense = bts.dense_adamw(TINY, ids, labels)
+    n = sum(p.numel() for p in dense.model.parameters())
+    tensors = len(list(dense.model.parameters()))
+    mem = bts.measure_memory(dense, (ids, labels))
+    assert mem["parameters"] == 4 * n
+    assert mem["gradients"] == 4 * n  # the tiny model's peak is in optimizer.step(), with every gradient live
+    assert mem["optimizer_state_persistent"] == 2 * 4 * n + 4 * tensors  # exp_avg, exp_avg_sq, a float32 step each
+    assert mem["optimizer_state"] >= mem["optimizer_state_persistent"]
+    assert mem["total"] >= mem["parameters"] + mem["gradients"] + mem["optimizer_state_persistent"]
+
+    comera = bts.comera(TINY, ids, labels)
+    n = sum(p.numel() for p in comera.model.parameters())  # cores, gates and the dense rest, all float32
+    tensors = len(list(comera.model.parameters()))
+    mem = bts.measure_memory(comera, (ids, labels))
+    assert mem["parameters"] == 4 * n
+    assert mem["optimizer_state_persistent"] == 2 * 4 * n + 4 * tensors
+    assert 0 < mem["gradients"] <= 4 * n
+    assert mem["buffers"] > 0  # the rank masks
+
+
+@pytest.mark.skipif(not _galore_available(), reason="galore-torch not installed (pip install -e .[galore])")
+def test_galore_memory_counts_its_projectors(batch):
+    ids, labels = batch
+    galore = bts.dense_galore(TINY, ids, labels, settings=GALORE_TINY)
+    mem = bts.measure_memory(galore, (ids, labels))
+    assert galore.info["projector_storage_bytes"] >= galore.info["projector_bytes"] > 0
+    assert mem["other"] >= galore.info["projector_storage_bytes"]
+    # projected moments: rank x (the weight's longer side) per weight, two of them, instead of two full copies
+    galore_numel = galore.info["galore_parameters"]
+    plain = sum(p.numel() for p in galore.model.parameters()) - galore_numel
+    assert mem["optimizer_state_persistent"] < 2 * 4 * (plain + galore_numel)
+
+
+def test_profile_and_explanation(batch):
+    ids, labels = batch
+    dense, comera = bts.dense_adamw(TINY, ids, labels), bts.comera(TINY, ids, labels)
+    pc, pd = bts.profile_step(comera.step), bts.profile_step(dense.step)
+    assert pc["top"] and sum(t["share"] for t in pc["top"]) <= 1.0 + 1e-9
+    assert any(t["op"].startswith("aten::") for t in pc["top"])
+    line = bts.explain(pc, pd)
+    assert "top ops" in line and "cap the speedup" in line
+
+
+def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
+    rc = bts.main(["--batch", "2", "--layers", "1", "--repeats", "1", "--refresh-samples", "1", "--profile", "always",
+                   "--d-models", "64", "--scaling-layers", "1", "--scaling-batch", "1", "--max-other-load", "1",
+                   "--out-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "time dense/CoMERA" in out and "target (issue 6)" in out and out.count("why (profile") == 2
+    step = json.loads((tmp_path / "training_step.json").read_text())
+    assert set(step["results"]) == {"1", "2"}
+    res = step["results"]["2"]
+    assert set(res["candidates"]) == {bts.DENSE, bts.GALORE, bts.COMERA, bts.QUARTER}
+    for name, entry in res["candidates"].items():
+        if entry.get("skipped"):
+            continue
+        assert entry["median_s"] > 0 and entry["tokens_per_s"] > 0 and entry["memory"]["total"] > 0, name
+        assert len(res["timing"]["samples_s"][name]) >= 1
+    assert res["ratios"]["time dense/CoMERA"] == pytest.approx(
+        res["candidates"][bts.DENSE]["median_s"] / res["candidates"][bts.COMERA]["median_s"])
+    assert len(step["verdicts"]) == 3 and [v["batch"] for v in step["verdicts"]] == [2, 1, 1]
+    profiles = step["profiles"]
+    assert set(profiles) == {"1", "2"} and profiles["2"]["against"] == bts.DENSE
+    assert profiles["1"]["against"] == (bts.GALORE if _galore_available() else bts.DENSE)
+    assert all(p["comera"]["top"] and p["other"]["top"] and "cap the speedup" in p["why"] for p in profiles.values())
+    assert step["machine"]["torch"] == torch.__version__
+    scaling = json.loads((tmp_path / "training_scaling.json").read_text())
+    assert [r["d_model"] for r in scaling["rows"]] == [64]
+    assert all(r["modes"] for r in scaling["rows"])
+    for png in ("training_step.png", "training_scaling.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setitem(sys.modules, "galore_torch", None)
+    assert bts.main(["--part", "step", "--batch", "1", "--repeats", "1", "--profile", "never",
+                     "--max-other-load", "1", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" in out and "pip install -e .[galore]" in out
+    step = json.loads((tmp_path / "training_step.json").read_text())
+    assert "pip install" in step["results"]["1"]["candidates"][bts.GALORE]["skipped"]
+    assert step["results"]["1"]["ratios"]["memory GaLore/CoMERA"] is None
+    assert not (tmp_path / "training_scaling.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--part", "bogus"], "invalid choice"),
+    (["--batch", "0"], "positive integer"),
+    (["--batch", "many"], "positive integer"),
+    (["--d-models", "100"], "multiples of 64"),
+])
+def test_bad_arguments_fail_clearly(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bts.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
