@@ -379,8 +379,8 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
 
 def measure_memory(cand: Candidate, inputs: Sequence[torch.Tensor]) -> dict:
     """``harness.peak_memory`` of one step of ``cand`` (inputs and GaLore's projectors tracked too)."""
-    tracked: list = [cand.model, *cand.extra_tensors(), *inputs]  # peak_memory hands these to track_external
-    return harness.peak_memory(cand.step, modules=tracked, optimizers=[cand.optimizer])
+    return harness.peak_memory(cand.step, modules=[cand.model], optimizers=[cand.optimizer],
+                               tensors=[*cand.extra_tensors(), *inputs])
 
 
 def time_galore_refresh(cand: Candidate, samples: int) -> dict:

@@ -229,11 +229,13 @@ def peak_memory(
     step: Callable[[], object],
     modules: Iterable[nn.Module] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
+    tensors: Iterable[torch.Tensor] = (),
 ) -> dict:
     """Peak live tensor bytes during one ``step()``, with its breakdown at the peak, measured by MemTracker.
 
-    Run the step at least once before (optimiser state exists from the first ``optimizer.step()`` on), so
-    this measures the steady state. Categories at the peak: ``parameters``, ``buffers``, ``gradients``,
+    ``tensors`` are extra tensors that exist before the step (inputs, an optimiser's side buffers); tracking
+    them puts them under ``other`` instead of missing them. Run the step at least once before (optimiser
+    state exists from the first ``optimizer.step()`` on), so this measures the steady state. Categories at the peak: ``parameters``, ``buffers``, ``gradients``,
     ``optimizer_state`` (everything allocated inside ``optimizer.step()``: the persistent state AND the step's
     transient work buffers, e.g. AdamW's denominators; ``optimizer_state_persistent`` is the persistent part
     alone, read from ``optimizer.state`` after the step), ``activations`` (tensors produced in forward and kept
@@ -244,9 +246,9 @@ def peak_memory(
 
     gc.collect()
     tracker = MemTracker()
-    modules, optimizers = list(modules), list(optimizers)
-    if modules or optimizers:
-        tracker.track_external(*modules, *optimizers)
+    modules, optimizers, tensors = list(modules), list(optimizers), list(tensors)
+    if modules or optimizers or tensors:
+        tracker.track_external(*modules, *optimizers, *tensors)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
         torch.cuda.synchronize()

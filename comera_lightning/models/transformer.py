@@ -57,6 +57,9 @@ class _Embeddings(nn.Module):
         self.word_embeddings = factory.embedding(
             f"{prefix}word_embeddings", vocab_size, d_model, padding_idx=padding_idx,
             vocab_modes=vocab_modes, dim_modes=dim_modes,
+            # text repeats tokens (a 32 x 128 batch of stdlib code holds ~1000 distinct ids): each distinct id
+            # is looked up once, 2.5x faster and 2.7x lighter there (benchmarks/bench_embedding_lookup.py)
+            deduplicate=True,
         )
         self.position_embeddings = factory.embedding(f"{prefix}position_embeddings", max_len, d_model)
         self.token_type_embeddings = factory.embedding(f"{prefix}token_type_embeddings", type_vocab_size, d_model)
