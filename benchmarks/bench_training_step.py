@@ -436,7 +436,8 @@ def _noise(timing: harness.Timing, slower: str, faster: str) -> dict:
 
 
 def run_batch(shape: Shape, batch: int, repeats: int, max_other_load: float, wait_quiet_s: float,
-              refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print) -> tuple[dict, dict]:
+              refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
+              min_sample_s: float = 1.0, min_total_s: float = 40.0) -> tuple[dict, dict]:
     """All four candidates at one batch size: interleaved timing, peak memory; returns (results, candidates)."""
     ids, labels = make_batch(shape, batch, seed)
     t0 = time.perf_counter()
@@ -445,8 +446,11 @@ def run_batch(shape: Shape, batch: int, repeats: int, max_other_load: float, wai
     cands += [base, comera_quarter(base, shape, ids, labels)]
     log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     active = [c for c in cands if c.skipped is None]
+    # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
+    # short steps varied by 30 % from run to run, more than the differences being measured
     timing = harness.interleave({c.name: c.step for c in active}, repeats=repeats, warmup=1,
-                                max_other_load=max_other_load, wait_quiet_s=wait_quiet_s, seed=seed)
+                                min_sample_s=min_sample_s, min_total_s=min_total_s, max_other_load=max_other_load,
+                                wait_quiet_s=wait_quiet_s, seed=seed)
     log(f"  timed ({timing.noise_cell()} clean rounds) at {time.perf_counter() - t0:.0f} s")
     tokens = batch * shape.seq_len
     out: dict = {"batch": batch, "tokens_per_step": tokens, "timing": timing.summary(), "candidates": {}}
@@ -640,7 +644,7 @@ def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: in
         shape = scaling_shape(d, num_layers, base)
         ids, labels = make_batch(shape, batch, seed)
         cands = [dense_adamw(shape, ids, labels, seed), comera(shape, ids, labels, seed)]
-        timing = harness.interleave({c.name: c.step for c in cands}, repeats=repeats, warmup=1,
+        timing = harness.interleave({c.name: c.step for c in cands}, repeats=repeats, warmup=1, min_sample_s=0.5,
                                     max_other_load=max_other_load, wait_quiet_s=wait_quiet_s, seed=seed)
         row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing.summary(),
                "modes": _modes(cands[1].model), "candidates": {}}
@@ -785,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             print(f"batch {b}:", flush=True)
             res, cands = run_batch(shape, b, repeats, args.max_other_load, args.wait_quiet,
-                                   refresh_samples if b == 1 else 0)
+                                   refresh_samples if b == 1 else 0, min_sample_s=0.01 if quick else 1.0,
+                                   min_total_s=0.0 if quick else 40.0)
             finish_batch(res, svd_extra)
             svd_extra = res["candidates"].get(GALORE, {}).get("refresh_extra_s", svd_extra)
             results[b] = res
