@@ -137,11 +137,7 @@ def _callbacks(steps: int) -> list:
             if trainer.global_step != self.step:
                 return
             for _, layer in tt_layers(pl_module):
-                with torch.no_grad():
-                    for gate in layer.gates:
-                        gate[gate.numel() // 2:] = 0.0
-                layer.refresh_masks_()
-                after_truncation(trainer, layer.truncate_())
+                after_truncation(trainer, layer.truncate_to_share_(0.5))
 
     class StepTimer(Callback):
         """Synchronised wall time of every training step inside the Lightning loop, and its loss."""

@@ -74,7 +74,7 @@ from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.optim import comera_parameter_groups
 from comera_lightning.strategies.resize import slice_optimizer_state
-from comera_lightning.tt.rank import train_parameter_count
+from comera_lightning.tt.rank import leading_share, train_parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 PAPER_CONFIG = REPO / "configs" / "mnli_6enc.yaml"
@@ -310,15 +310,11 @@ def comera(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
     return cand
 
 
-def _kept(rank: int, keep: float) -> int:
-    return min(rank, max(1, round(keep * rank)))
-
-
 def parameters_after_cut(model: nn.Module, keep: float) -> int:
     """Trainable parameters ``model`` would have after :func:`cut` with ``keep`` (cores, gates, the rest)."""
     total = 0
     for _, layer in tt_layers(model):
-        ranks = [1] + [_kept(r, keep) for r in layer.ranks[1:-1]] + [1]
+        ranks = [1] + [leading_share(r, keep) for r in layer.ranks[1:-1]] + [1]
         total += train_parameter_count(layer.mode_sizes, ranks) + sum(ranks[1:-1])
     tt_ids = {id(p) for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]}
     return total + sum(p.numel() for p in model.parameters() if id(p) not in tt_ids and p.requires_grad)
@@ -348,10 +344,7 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
 def cut(model: nn.Module, optimizer: torch.optim.Optimizer, keep: float) -> None:
     """Zero the gates of all but the first ``keep`` share of every bond, refresh masks, truncate, slice state."""
     for _, layer in tt_layers(model):
-        for gate in layer.gates:
-            gate[_kept(gate.numel(), keep):] = 0.0
-        layer.refresh_masks_()
-        slice_optimizer_state([optimizer], layer.truncate_())
+        slice_optimizer_state([optimizer], layer.truncate_to_share_(keep))
 
 
 def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: torch.Tensor,

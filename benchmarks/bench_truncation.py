@@ -34,12 +34,8 @@ def build(rank: int) -> nn.Module:
 
 def cut(model: nn.Module, optimizer: torch.optim.Optimizer, keep: float) -> None:
     """Zero the gates of all but the first ``keep`` fraction of every bond, then mask and truncate."""
-    with torch.no_grad():
-        for _, layer in tt_layers(model):
-            for gate in layer.gates:
-                gate[max(1, round(keep * gate.numel())):] = 0.0
-            layer.refresh_masks_()
-            slice_optimizer_state([optimizer], layer.truncate_())
+    for _, layer in tt_layers(model):
+        slice_optimizer_state([optimizer], layer.truncate_to_share_(keep))
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from ..tt.rank import (
     DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
+    leading_share,
     refresh_mask,
     select_rank_slices,
     train_parameter_count,
@@ -138,6 +139,19 @@ class TTLayer(nn.Module):
         for k, mask in enumerate(self.rank_masks):
             setattr(self, f"rank_mask_{k}", torch.ones(int(mask.sum()), dtype=torch.bool, device=mask.device))
         return record
+
+    @torch.no_grad()
+    def truncate_to_share_(self, keep: float) -> TruncationRecord:
+        """Keep the leading ``keep`` share of every internal bond (at least one slice) and remove the rest.
+
+        Fixed-rank pruning, without training the gates down: zeroes the other slices' gates, masks and
+        physically truncates them (slices already dead stay dead). Pass the returned record to ``slice_optimizer_state`` (or, in Lightning,
+        ``after_truncation``) so an optimiser keeps training exactly.
+        """
+        for gate in self.gates:
+            gate[leading_share(gate.numel(), keep):] = 0.0
+        self.refresh_masks_()
+        return self.truncate_()
 
     def comera_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(kind, parameter) for every core (``"core"``) and gate (``"gate"``); used for optimiser groups."""

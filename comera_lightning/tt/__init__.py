@@ -14,6 +14,7 @@ from .rank import (
     DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
+    leading_share,
     refresh_mask,
     select_rank_slices,
     train_parameter_count,

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "DEFAULT_THRESHOLD",
     "refresh_mask",
+    "leading_share",
     "apply_gates",
     "train_parameter_count",
     "truncate_train",
@@ -40,6 +41,13 @@ def refresh_mask(gate: torch.Tensor, mask: torch.Tensor, threshold: float) -> to
         new = torch.zeros_like(mask)
         new[keep] = True
     return new
+
+
+def leading_share(rank: int, keep: float) -> int:
+    """How many leading slices of a bond of ``rank`` a ``keep`` share leaves: rounded, at least one."""
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep must be a share in [0, 1], got {keep}")
+    return min(rank, max(1, round(keep * rank)))
 
 
 def apply_gates(

@@ -365,3 +365,30 @@ def test_checkpoint_with_inconsistent_ranks():
     state["cores.1"] = torch.randn(2, 3, 3)  # core 0 ends with rank 3
     with pytest.raises(ValueError, match="inconsistent ranks"):
         layer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_truncate_to_share_keeps_leading_slices_and_the_masked_function(kind):
+    layer = linear_layer() if kind == "linear" else embedding_layer()
+    before = list(layer.ranks)
+    with torch.no_grad():  # the function the pruned layer must keep: trailing gates zeroed, nothing removed
+        for gate in layer.gates:
+            gate[max(1, round(0.5 * gate.numel())):] = 0.0
+    inputs = (linear_input if kind == "linear" else embedding_input)()
+    expected = layer(inputs)
+    kept_gates = [g[: max(1, round(0.5 * g.numel()))].clone() for g in layer.gates]
+    record = layer.truncate_to_share_(0.5)
+    assert layer.ranks == [1] + [max(1, round(0.5 * r)) for r in before[1:-1]] + [1]
+    assert len(record) > 0
+    for gate, kept in zip(layer.gates, kept_gates):
+        torch.testing.assert_close(gate.detach(), kept)
+    torch.testing.assert_close(layer(inputs), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer(inputs), reference_output(kind, layer, inputs), rtol=1e-10, atol=1e-12)
+
+
+def test_truncate_to_share_keeps_one_slice_and_refuses_bad_shares():
+    layer = linear_layer()
+    layer.truncate_to_share_(0.0)
+    assert layer.ranks[1:-1] == [1] * (len(layer.ranks) - 2)
+    with pytest.raises(ValueError, match=r"share in \[0, 1\]"):
+        layer.truncate_to_share_(1.5)
