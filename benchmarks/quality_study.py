@@ -73,7 +73,8 @@ import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDIES = ("mlm", "dlrm")
-METHODS = ("dense", "comera")
+METHODS = ("dense", "comera", "comera-paper")
+DEFAULT_METHODS = ("dense", "comera")
 PROTOCOLS = ("steps", "time")
 DEFAULT_CACHE = REPO / ".cache" / "comera"
 
@@ -195,7 +196,7 @@ def build_task(spec: StudySpec, method: str):
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
-    tt = method == "comera"
+    tt = method.startswith("comera")
     torch.manual_seed(spec.seed)
     cls = MaskedLM if spec.name == "mlm" else ClickThrough
     return cls(**spec.task_kwargs, tt_linears=tt, tt_embeddings=tt)
@@ -361,12 +362,15 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
     recorder = _recorder_class()(budget, max_other_load)
     callbacks: list[Any] = [recorder]
     rank_cb = None
-    if method == "comera":
+    if method.startswith("comera"):
+        rank_kwargs = dict(spec.rank_kwargs)
+        if method == "comera-paper":
+            rank_kwargs["late_stage"] = "paper"
         if protocol == "steps":
-            rank_cb = RankAdaptation(**spec.rank_kwargs, late_start_step=int(round(spec.late_fraction * spec.steps)))
+            rank_cb = RankAdaptation(**rank_kwargs, late_start_step=int(round(spec.late_fraction * spec.steps)))
         else:
             rank_cb = _timed_rank_adaptation(recorder.train_seconds, spec.late_fraction * spec.budget_s,
-                                             **spec.rank_kwargs)
+                                             **rank_kwargs)
         callbacks += [rank_cb, ContractionPlanner(verbose=False)]
     quiet = None
     if wait_quiet_s > 0:
@@ -434,7 +438,7 @@ def _ranks(pl_module) -> dict[str, list[int]]:
 
 def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, max_other_load: float = 0.15,
               wait_quiet_s: float = 0.0, protocols: tuple[str, ...] = PROTOCOLS,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              methods: tuple[str, ...] = DEFAULT_METHODS, log: Callable[[str], None] = print) -> dict[str, Any]:
     """All (protocol, method) runs of ``spec``, strictly one after the other; returns the study's JSON."""
     spec.check()
     for protocol in protocols:
@@ -445,7 +449,7 @@ def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, max_other_loa
     data_s = time.perf_counter() - t0
     runs = []
     for protocol in protocols:
-        for method in METHODS:
+        for method in methods:
             what = f"{spec.steps} steps" if protocol == "steps" else f"{spec.budget_s:g} s budget"
             log(f"[{spec.name}] {method} / {protocol} ({what})")
             run = run_one(spec, method, protocol, dm, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
@@ -464,6 +468,7 @@ def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, max_other_loa
         "max_other_load": max_other_load,
         "runs": runs,
         "summary": summarise(spec, runs),
+        "late_start_step": int(round(spec.late_fraction * spec.steps)),
         "total_s": time.perf_counter() - t0,
     }
 
@@ -473,20 +478,21 @@ def summarise(spec: StudySpec, runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for protocol in PROTOCOLS:
         by = {r["method"]: r for r in runs if r["protocol"] == protocol}
-        if set(by) != set(METHODS):
+        if "dense" not in by:
             continue
-        d, c = by["dense"], by["comera"]
-        out[protocol] = {
-            "metric_dense": d["final"]["metrics"].get(spec.metric),
-            "metric_comera": c["final"]["metrics"].get(spec.metric),
-            "metric_delta": _delta(c, d, spec.metric),
-            "compression_comera": c["final"]["compression_ratio"],
-            "step_time_ratio_dense_over_comera": (d["median_step_s"] / c["median_step_s"]
-                                                  if d["median_step_s"] and c["median_step_s"] else None),
-            "steps_dense": d["steps"],
-            "steps_comera": c["steps"],
-            "same_data_order": d["first_batch_hash"] == c["first_batch_hash"],
-        }
+        for method in sorted(set(by) - {"dense"}):
+            d, c = by["dense"], by[method]
+            out[protocol if method == "comera" else f"{protocol} ({method})"] = {
+                "metric_dense": d["final"]["metrics"].get(spec.metric),
+                "metric_comera": c["final"]["metrics"].get(spec.metric),
+                "metric_delta": _delta(c, d, spec.metric),
+                "compression_comera": c["final"]["compression_ratio"],
+                "step_time_ratio_dense_over_comera": (d["median_step_s"] / c["median_step_s"]
+                                                      if d["median_step_s"] and c["median_step_s"] else None),
+                "steps_dense": d["steps"],
+                "steps_comera": c["steps"],
+                "same_data_order": d["first_batch_hash"] == c["first_batch_hash"],
+            }
     return out
 
 
@@ -543,7 +549,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     """Validation metric vs steps, vs training seconds, and compression ratio vs steps, every run."""
     spec = result["spec"]
     fig, axes = harness.new_figure(3, width=5.0, height=3.8)
-    colours = {"dense": "tab:blue", "comera": "tab:red"}
+    colours = {"dense": "tab:blue", "comera": "tab:red", "comera-paper": "tab:orange"}
     styles = {"steps": "-", "time": "--"}
     for r in result["runs"]:
         v = r["validations"]
@@ -611,6 +617,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", default="both", choices=[*PROTOCOLS, "both"], help="which protocol(s) to run")
     p.add_argument("--quick", action="store_true", help="tiny models, 30 steps, 6 s budgets (about a minute)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS,
+                   help="dense, comera (the default late stage) and/or comera-paper (the research code's late stage)")
+    p.add_argument("--late-fraction", type=float, default=None, help="late stage from this share of the run")
+    p.add_argument("--target-compression", type=float, default=None, help="late-stage size target")
+    p.add_argument("--d-model", type=int, default=None,
+                   help="encoder width (heads d/32, d_ff 4d); default the study's (128)")
+    p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
@@ -642,19 +655,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = make_specs(args.study, args.quick, args.steps, args.budget_s, args.val_every, args.seed)
+    for spec in specs:
+        if args.late_fraction is not None:
+            spec.late_fraction = args.late_fraction
+        if args.target_compression is not None:
+            spec.rank_kwargs.update(target_compression=args.target_compression)
+        if args.d_model is not None:
+            if "d_model" not in spec.task_kwargs:
+                parser.error(f"--d-model applies to the transformer studies, not {spec.name}")
+            spec.task_kwargs.update(d_model=args.d_model, num_heads=max(1, args.d_model // 32), d_ff=4 * args.d_model)
+        spec.check()
     protocols = PROTOCOLS if args.protocol == "both" else (args.protocol,)
     _quiet_lightning()
     tables = []
     for spec in specs:
         result = run_study(spec, cache_dir=args.cache_dir, max_other_load=args.max_other_load,
-                           wait_quiet_s=args.wait_quiet, protocols=protocols)
+                           wait_quiet_s=args.wait_quiet, protocols=protocols, methods=tuple(args.methods))
         result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        json_path = harness.write_json(args.out_dir / f"quality_{spec.name}.json", result)
-        png_path = plot(result, args.out_dir / f"quality_{spec.name}.png")
+        stem = f"quality_{spec.name}{args.tag}"
+        json_path = harness.write_json(args.out_dir / f"{stem}.json", result)
+        png_path = plot(result, args.out_dir / f"{stem}.png")
         text = markdown(result)
         tables.append(text)
         print("\n" + text + f"\n\nJSON: {json_path}\nPNG: {png_path}", flush=True)
-    (args.out_dir / "quality_study.md").write_text("\n\n".join(tables) + "\n")
+    (args.out_dir / f"quality_study{args.tag}.md").write_text("\n\n".join(tables) + "\n")
     return 0
 
 

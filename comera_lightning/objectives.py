@@ -8,12 +8,17 @@ the gates is a surrogate of ``S``.
   gate entries); with :func:`bond_weights` it is the faithful one: each entry weighted by the number of
   parameters its slice holds, which is ``dS/d|d|``.
 * Early stage (:func:`early_stage_weights`): ``L + gamma * R``.
-* Late stage (:func:`late_stage_weights`): achievement scalarisation towards targets ``L0`` and ``S0``;
-  whichever objective is relatively further from its target gets the large weight.
+* Late stage, the paper's rule (:func:`late_stage_weights`): achievement scalarisation towards targets
+  ``L0`` and ``S0``; whichever objective is relatively further from its target gets the large weight.
+* Late stage, the scheduled rule: the size follows a cubic schedule from the size at the switch down to
+  ``S0`` (:func:`scheduled_size`); every few steps the least important rank slices
+  (:func:`slice_importance`) are cut, at most a bounded share of each bond at a time
+  (:func:`plan_rank_cuts`), so the task can recover between cuts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +31,10 @@ __all__ = [
     "ObjectiveWeights",
     "early_stage_weights",
     "late_stage_weights",
+    "compressible_target_size",
+    "scheduled_size",
+    "slice_importance",
+    "plan_rank_cuts",
 ]
 
 
@@ -99,3 +108,94 @@ def late_stage_weights(
     size_gap = (size - target_size) / max(abs(size), 1e-12)
     lam = 1.0 if loss_gap < size_gap else 0.0
     return ObjectiveWeights(task=task_base - lam, penalty=penalty_base + lam, lam=lam)
+
+
+def compressible_target_size(size: float, other_parameters: float, ratio: float) -> float:
+    """``S0`` for a ``ratio`` of the current size: only the tensorised part shrinks, ``other + ratio * TT``.
+
+    The research code takes ``ratio`` of the TT size. A ratio of the whole model (dense layers included)
+    can fall below what rank 1 everywhere allows when the dense part is large.
+    """
+    return other_parameters + ratio * max(size - other_parameters, 0.0)
+
+
+def scheduled_size(step: int, start_step: int, ramp_steps: int, start_size: float, target_size: float) -> float:
+    """Size the scheduled late stage aims at by ``step``: a cubic ramp from ``start_size`` to ``target_size``.
+
+    ``S(t) = S0 + (S_start - S0) * (1 - p)^3`` with ``p = (t - t0) / ramp_steps`` clipped to [0, 1]: most of
+    the removal happens early, while the model has the most capacity to recover, and it slows towards the
+    target (the gradual pruning schedule of Zhu and Gupta, 2017).
+    """
+    if ramp_steps < 1:
+        raise ValueError(f"ramp_steps must be >= 1, got {ramp_steps}")
+    progress = min(max((step - start_step) / ramp_steps, 0.0), 1.0)
+    return target_size + (start_size - target_size) * (1.0 - progress) ** 3
+
+
+def slice_importance(gated_cores: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """How much each rank slice of every internal bond carries: one ``(r_k,)`` tensor per bond.
+
+    Slice ``j`` of bond ``k`` joins the trailing slice ``j`` of core ``k`` to the leading slice ``j`` of core
+    ``k+1``; its importance is the product of their Frobenius norms, with the gate folded into core ``k``
+    (pass :meth:`TTLayer.gated_cores`). Scaling a slice between the gate and the cores leaves it unchanged,
+    so a small gate whose core grew to compensate is not mistaken for a dead slice. Masked slices get 0.
+    """
+    if len(gated_cores) != len(masks) + 1:
+        raise ValueError(f"a train of {len(gated_cores)} cores has {len(gated_cores) - 1} bonds, got {len(masks)} masks")
+    out = []
+    for k, mask in enumerate(masks):
+        left = gated_cores[k].detach().float().flatten(0, -2).norm(dim=0)
+        right = gated_cores[k + 1].detach().float().flatten(1).norm(dim=1)
+        out.append(left * right * mask.to(left.dtype))
+    return out
+
+
+def plan_rank_cuts(
+    importances: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    slice_parameters: Sequence[float],
+    parameters_to_remove: float,
+    max_cut_fraction: float,
+) -> list[list[int]]:
+    """Which active slices to cut so that about ``parameters_to_remove`` parameters go, least important first.
+
+    Bonds of different layers are compared by relative importance (a slice's importance over the mean of
+    its bond's active slices), so a layer's overall scale does not decide. Each bond loses at most
+    ``max(1, floor(max_cut_fraction * active))`` slices per call and always keeps one.
+
+    Args:
+        importances: per bond, :func:`slice_importance`.
+        masks: per bond, the boolean active mask.
+        slice_parameters: per bond, the parameters one slice holds (:func:`bond_weights`).
+        parameters_to_remove: how many parameters the cuts should free (<= 0: none).
+        max_cut_fraction: the per-call bound on a bond's share of active slices, in (0, 1].
+
+    Returns:
+        per bond, the indices to cut (possibly empty).
+    """
+    if not len(importances) == len(masks) == len(slice_parameters):
+        raise ValueError("importances, masks and slice_parameters must have one entry per bond")
+    if not 0.0 < max_cut_fraction <= 1.0:
+        raise ValueError(f"max_cut_fraction must be in (0, 1], got {max_cut_fraction}")
+    cuts: list[list[int]] = [[] for _ in masks]
+    if parameters_to_remove <= 0:
+        return cuts
+    candidates = []
+    allowance = []
+    for k, (importance, mask) in enumerate(zip(importances, masks)):
+        active = torch.nonzero(mask, as_tuple=False).flatten()
+        n = int(active.numel())
+        allowance.append(0 if n <= 1 else min(n - 1, max(1, math.floor(max_cut_fraction * n))))
+        if n <= 1:
+            continue
+        values = importance.detach().float()[active]
+        relative = values / values.mean().clamp_min(1e-30)
+        candidates += [(float(r), k, int(j)) for r, j in zip(relative, active)]
+    freed = 0.0
+    for _, k, j in sorted(candidates):
+        if freed >= parameters_to_remove:
+            break
+        if len(cuts[k]) < allowance[k]:
+            cuts[k].append(j)
+            freed += float(slice_parameters[k])
+    return cuts

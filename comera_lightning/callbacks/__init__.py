@@ -4,9 +4,11 @@ from .contraction_planner import ContractionPlanner
 from .cuda_graphs import CudaGraphs
 from .divergence import DivergenceError, DivergenceGuard
 from .fault_tolerance import FaultTolerance
+from .late_stage import LateStagePolicy, PaperLateStage, ScheduledLateStage
 from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
 
 __all__ = [
-    "ContractionPlanner", "CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "RankAdaptation", "RankMonitor",
+    "ContractionPlanner", "CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "LateStagePolicy",
+    "PaperLateStage", "RankAdaptation", "RankMonitor", "ScheduledLateStage",
 ]

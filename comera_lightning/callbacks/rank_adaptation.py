@@ -27,11 +27,12 @@ from ..nn.tensorize import tt_layers
 from ..objectives import (
     ObjectiveWeights,
     bond_weights,
+    compressible_target_size,
     early_stage_weights,
-    late_stage_weights,
     minimum_train_size,
     rank_penalty,
 )
+from .late_stage import LateStagePolicy, late_stage_policy
 from ..strategies.resize import after_truncation, check_truncation_supported
 
 __all__ = ["RankAdaptation"]
@@ -52,9 +53,12 @@ class RankAdaptation(Callback):
             With none of the three set, training stays in the early stage.
         target_compression: late-stage size target as a compression ratio (dense-equivalent / active).
         target_size: late-stage size target in parameters (takes precedence over the ratio).
-        target_size_ratio: without either target, ``S0 = target_size_ratio * S`` at the switch (paper: 0.2).
+        target_size_ratio: without either target, the tensorised part shrinks to this share of its size at
+            the switch, ``S0 = other + ratio * (S - other)`` (the research code's 0.2 of the TT size).
         target_loss: late-stage loss target ``L0``; None keeps the smoothed loss at the switch.
-        task_weight_base, penalty_weight_base: the late stage's ``(1.1 - lam) L + (0.01 + lam) R``.
+        late_stage: how the late stage reaches the size target: ``"scheduled"`` (bounded cuts of the least
+            important slices on a schedule, the default chosen by measurement), ``"paper"`` (the research
+            code's switching rule) or a :class:`~comera_lightning.callbacks.late_stage.LateStagePolicy`.
         threshold: gate magnitude at or below which a slice dies; None uses each layer's own.
         mask_every_n_steps: how often (optimiser steps) dead slices are masked.
         truncate_every_n_steps: how often layers are checked for physical truncation; None never truncates.
@@ -74,8 +78,7 @@ class RankAdaptation(Callback):
         target_size: int | None = None,
         target_size_ratio: float = 0.2,
         target_loss: float | None = None,
-        task_weight_base: float = 1.1,
-        penalty_weight_base: float = 0.01,
+        late_stage: str | LateStagePolicy = "scheduled",
         threshold: float | None = None,
         mask_every_n_steps: int = 1,
         truncate_every_n_steps: int | None = 100,
@@ -97,13 +100,6 @@ class RankAdaptation(Callback):
         for name, value in (("late_start_loss", late_start_loss), ("target_loss", target_loss)):
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number or None, got {value}")
-        if not (math.isfinite(task_weight_base) and task_weight_base > 1.0):
-            raise ValueError(
-                f"task_weight_base must be > 1 so the task loss keeps a positive weight (task_weight_base - 1) "
-                f"while the late stage pushes the size, got {task_weight_base}"
-            )
-        if not (math.isfinite(penalty_weight_base) and penalty_weight_base >= 0):
-            raise ValueError(f"penalty_weight_base must be >= 0 and finite, got {penalty_weight_base}")
         if target_size is not None and target_size < 1:
             raise ValueError(f"target_size must be a positive parameter count, got {target_size}")
         if not 0.0 < target_size_ratio < 1.0:
@@ -127,8 +123,7 @@ class RankAdaptation(Callback):
         self.target_size_arg = target_size
         self.target_size_ratio = target_size_ratio
         self.target_loss_arg = target_loss
-        self.task_weight_base = task_weight_base
-        self.penalty_weight_base = penalty_weight_base
+        self.late_stage = late_stage_policy(late_stage)
         self.threshold = threshold
         self.mask_every_n_steps = mask_every_n_steps
         self.truncate_every_n_steps = truncate_every_n_steps
@@ -164,8 +159,7 @@ class RankAdaptation(Callback):
         if self.stage == EARLY or self.loss_ema is None:
             return early_stage_weights(self.gamma)
         assert self.target_size is not None and self.target_loss is not None
-        return late_stage_weights(self.loss_ema, size, self.target_loss, self.target_size,
-                                  self.task_weight_base, self.penalty_weight_base)
+        return self.late_stage.weights(self.loss_ema, size, self.target_loss, self.target_size, self.gamma)
 
     # --- sizes ---------------------------------------------------------------------------------------
     @staticmethod
@@ -278,6 +272,8 @@ class RankAdaptation(Callback):
                 layer.refresh_masks_(self.threshold)
         if self.stage == EARLY and self.should_enter_late_stage(trainer):
             self._enter_late_stage(trainer, pl_module)
+        elif self.stage == LATE and self.loss_ema is not None:
+            self.late_stage.cut(step, self.loss_ema, self.model_size(pl_module), layers)
         if self.truncate_every_n_steps is not None and step % self.truncate_every_n_steps == 0:
             self.truncate(trainer, pl_module)
 
@@ -318,11 +314,21 @@ class RankAdaptation(Callback):
         dense = sum(layer.dense_parameters for layer in layers) + self._other_parameters
         size = self.model_size(pl_module)
         requested = self._requested_target_size(dense)
-        # a ratio-derived target can undershoot what rank 1 everywhere allows: aim for that floor instead
-        self.target_size = requested if requested is not None else max(self.target_size_ratio * size, self._floor)
+        if requested is None:
+            requested = compressible_target_size(size, self._other_parameters, self.target_size_ratio)
+        if requested < self._floor:
+            rank_zero_warn(
+                f"RankAdaptation: the size target of {requested:,.0f} parameters is below what rank 1 everywhere "
+                f"allows ({self._floor:,}); aiming for that floor instead (compression {dense / self._floor:.1f}x). "
+                "Raise target_size / target_size_ratio or lower target_compression", category=UserWarning,
+            )
+        self.target_size = max(requested, float(self._floor))
         self.target_loss = self.target_loss_arg if self.target_loss_arg is not None else self.loss_ema
         self.stage = LATE
         self.switch_step = trainer.global_step
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self.late_stage.start(trainer.global_step, size, self.target_size,
+                              int(total) if total is not None and math.isfinite(total) else None)
         rank_zero_info(
             f"RankAdaptation: late stage from step {trainer.global_step}: size {size:,} -> target "
             f"{self.target_size:,.0f} parameters, loss target {self.target_loss:.4g}"
@@ -353,6 +359,8 @@ class RankAdaptation(Callback):
         }
         if self.target_size is not None:
             metrics["comera/target_size"] = float(self.target_size)
+        if self.stage == LATE:
+            metrics.update(self.late_stage.metrics())
         if self.loss_ema is not None:
             metrics["comera/loss_ema"] = self.loss_ema
         return metrics
@@ -365,6 +373,7 @@ class RankAdaptation(Callback):
             "loss_ema": self.loss_ema,
             "switch_step": self.switch_step,
             "truncations": self.truncations,
+            "late_stage": self.late_stage.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -374,3 +383,4 @@ class RankAdaptation(Callback):
         self.loss_ema = state_dict.get("loss_ema")
         self.switch_step = state_dict.get("switch_step")
         self.truncations = int(state_dict.get("truncations", 0))
+        self.late_stage.load_state_dict(state_dict.get("late_stage", {}))

@@ -123,6 +123,26 @@ class TTLayer(nn.Module):
         return self.active_ranks
 
     @torch.no_grad()
+    def remove_slices_(self, bond: int, indices: Sequence[int]) -> None:
+        """Switch off the given slices of one bond (gate zeroed, masked) for good; a bond keeps at least one.
+
+        The layer's function changes (unlike :meth:`truncate_`); physical removal happens at the next
+        :meth:`truncate_`.
+        """
+        if not 0 <= bond < self.num_bonds:
+            raise ValueError(f"bond must be in [0, {self.num_bonds}), got {bond}")
+        mask = self.rank_masks[bond]
+        index = torch.as_tensor(list(indices), dtype=torch.long, device=mask.device)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= mask.numel()):
+            raise ValueError(f"slice indices {list(indices)} out of range for bond {bond} of rank {mask.numel()}")
+        remaining = mask.clone()
+        remaining[index] = False
+        if not bool(remaining.any()):
+            raise ValueError(f"removing slices {list(indices)} would leave bond {bond} without an active slice")
+        self.gates[bond][index] = 0.0
+        mask.copy_(remaining)
+
+    @torch.no_grad()
     def truncate_(self) -> TruncationRecord:
         """Physically remove masked slices from cores, gates and masks; the function is unchanged.
 

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyRegressor, regression_loader
 
-from comera_lightning.callbacks import ContractionPlanner, RankAdaptation
+from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.objectives import bond_weights, rank_penalty
 
@@ -55,10 +55,12 @@ def test_gates_shrink_and_compression_rises(tmp_path):
     assert math.isfinite(callback.comera_metrics()["comera/penalty"])
 
 
-def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path):
+@pytest.mark.parametrize("policy", ["paper", "scheduled"])
+def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path, policy):
     model = TinyRegressor()
     dense = size_report(model).dense_equivalent_parameters
-    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=8.0,
+    late_stage = "paper" if policy == "paper" else ScheduledLateStage(cut_every_n_steps=4, max_cut_fraction=0.25)
+    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=8.0, late_stage=late_stage,
                               truncate_every_n_steps=8, min_dead_fraction=0.1)
     planner = ContractionPlanner()
     _trainer(tmp_path, [callback, planner], max_steps=96).fit(model, regression_loader())

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from comera_lightning import TTEmbedding, TTLinear
-from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.cli import ComeraCLI
 from comera_lightning.data import CodeMLMDataModule, CriteoDataModule, MNLIDataModule, write_synthetic_mnli
 from comera_lightning.lit import MaskedLM, SequenceClassification, check_checkpoint_file
@@ -122,14 +122,29 @@ def test_token_ids_outside_the_vocabulary():
     (dict(late_start_loss=float("inf")), "late_start_loss must be a finite number"),
     (dict(late_start_step=-1), "late_start_step must be >= 0"),
     (dict(gamma=float("nan")), "gamma must be >= 0 and finite"),
-    (dict(task_weight_base=0.9), "task_weight_base must be > 1 so the task loss keeps a positive weight"),
-    (dict(penalty_weight_base=-1.0), "penalty_weight_base must be >= 0"),
+    (dict(late_stage="bang-bang"), r"unknown late-stage policy 'bang-bang'; use one of \['paper', 'scheduled'\]"),
     (dict(min_dead_fraction=0.0), r"min_dead_fraction must be in \(0, 1\]"),
     (dict(loss_smoothing=1.0), r"loss_smoothing must be in \[0, 1\)"),
 ])
 def test_rank_adaptation_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RankAdaptation(**kwargs)
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (PaperLateStage, dict(task_weight_base=0.9), "task_weight_base must be > 1 so the task loss keeps a positive weight"),
+    (PaperLateStage, dict(penalty_weight_base=-1.0), "penalty_weight_base must be >= 0"),
+    (ScheduledLateStage, dict(ramp_fraction=0.0), r"ramp_fraction must be in \(0, 1\]"),
+    (ScheduledLateStage, dict(ramp_steps=0), "ramp_steps must be >= 1 or None"),
+    (ScheduledLateStage, dict(cut_every_n_steps=0), "cut_every_n_steps must be >= 1"),
+    (ScheduledLateStage, dict(max_cut_fraction=1.5), r"max_cut_fraction must be in \(0, 1\]"),
+    (ScheduledLateStage, dict(loss_tolerance=-0.1), "loss_tolerance must be >= 0"),
+    (ScheduledLateStage, dict(cut_every_n_steps=50, max_pause_steps=10), r"max_pause_steps \(10\) must be >= cut_every_n_steps"),
+    (ScheduledLateStage, dict(penalty_weight=float("nan")), "penalty_weight must be >= 0 and finite or None"),
+])
+def test_late_stage_policy_arguments(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**kwargs)
 
 
 def test_impossible_target_compression_fails_before_training(tmp_path):

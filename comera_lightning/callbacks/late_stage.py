@@ -1,0 +1,223 @@
+"""Late-stage policies of :class:`RankAdaptation`: how the model is brought down to its size target.
+
+Once the late stage starts, the callback knows a size target ``S0`` and a loss target ``L0``. A policy
+decides two things every optimiser step: the weights of task loss and rank penalty
+(:meth:`LateStagePolicy.weights`), and whether to remove rank slices now (:meth:`LateStagePolicy.cut`).
+
+* :class:`PaperLateStage` is the research code's rule: ``lam`` in {0, 1} switches the step between pushing
+  the loss and pushing the size, and slices die when their gate falls below the threshold. With ``lam = 1``
+  every gate is driven down at the optimiser's full step size at once, so many slices cross the threshold
+  together and accuracy crashes (measured in docs/results.md).
+* :class:`ScheduledLateStage` keeps the early stage's objective (so the penalty keeps sorting slices by
+  usefulness) and removes slices itself: the size follows a cubic schedule down to ``S0``, every
+  ``cut_every_n_steps`` the least important slices are cut, at most ``max_cut_fraction`` of a bond's active
+  slices per cut, and a cut waits while the loss has not recovered from the previous one.
+
+A new policy is a new subclass; pass an instance as ``RankAdaptation(late_stage=...)`` (in YAML, a
+``class_path``), or the name ``"paper"`` / ``"scheduled"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from ..nn.base import TTLayer
+from ..objectives import (
+    ObjectiveWeights,
+    bond_weights,
+    early_stage_weights,
+    late_stage_weights,
+    plan_rank_cuts,
+    scheduled_size,
+    slice_importance,
+)
+
+__all__ = ["LateStagePolicy", "PaperLateStage", "ScheduledLateStage", "late_stage_policy"]
+
+
+class LateStagePolicy:
+    """Base class: the paper's weights, no cuts. Override :meth:`weights` and/or :meth:`cut`."""
+
+    def start(self, step: int, size: float, target_size: float, total_steps: int | None) -> None:
+        """Called once when the late stage begins (``total_steps``: the run's planned optimiser steps, if known)."""
+
+    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+        """Coefficients of task loss and rank penalty for the coming step."""
+        raise NotImplementedError
+
+    def cut(self, step: int, loss: float, size: float, layers: Sequence[TTLayer]) -> int:
+        """Mask rank slices after an optimiser step; returns how many were cut (no physical resize here)."""
+        return 0
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for RankMonitor."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class PaperLateStage(LateStagePolicy):
+    """The research code's achievement scalarisation ``(task_weight_base - lam) L + (penalty_weight_base + lam) R``.
+
+    Args:
+        task_weight_base: must exceed 1 so the task keeps a positive weight while ``lam = 1``.
+        penalty_weight_base: the penalty's weight while ``lam = 0``.
+    """
+
+    def __init__(self, task_weight_base: float = 1.1, penalty_weight_base: float = 0.01) -> None:
+        if not (math.isfinite(task_weight_base) and task_weight_base > 1.0):
+            raise ValueError(
+                f"task_weight_base must be > 1 so the task loss keeps a positive weight (task_weight_base - 1) "
+                f"while the late stage pushes the size, got {task_weight_base}"
+            )
+        if not (math.isfinite(penalty_weight_base) and penalty_weight_base >= 0):
+            raise ValueError(f"penalty_weight_base must be >= 0 and finite, got {penalty_weight_base}")
+        self.task_weight_base = task_weight_base
+        self.penalty_weight_base = penalty_weight_base
+
+    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+        return late_stage_weights(loss, size, target_loss, target_size, self.task_weight_base, self.penalty_weight_base)
+
+
+class ScheduledLateStage(LateStagePolicy):
+    """Reach the size target on a schedule, cutting the least important slices a bounded share at a time.
+
+    Args:
+        ramp_fraction: the schedule reaches the target after this share of the steps left at the switch.
+        ramp_steps: the same as a step count (takes precedence; needed when the run's length is unknown).
+        cut_every_n_steps: steps between cuts (the recovery time a cut gets at least).
+        max_cut_fraction: a cut removes at most this share of a bond's active slices (at least one slice
+            while the bond has two or more).
+        loss_tolerance: a cut waits while the smoothed loss exceeds the one before the previous cut by
+            more than this relative amount...
+        max_pause_steps: ...but not longer than this many steps (None: 4 x ``cut_every_n_steps``), so the
+            target is still reached.
+        penalty_weight: weight of the rank penalty in the late stage; None keeps the early stage's ``gamma``.
+    """
+
+    def __init__(
+        self,
+        ramp_fraction: float = 0.6,
+        ramp_steps: int | None = None,
+        cut_every_n_steps: int = 25,
+        max_cut_fraction: float = 0.1,
+        loss_tolerance: float = 0.02,
+        max_pause_steps: int | None = None,
+        penalty_weight: float | None = None,
+    ) -> None:
+        if not 0.0 < ramp_fraction <= 1.0:
+            raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction}")
+        if ramp_steps is not None and ramp_steps < 1:
+            raise ValueError(f"ramp_steps must be >= 1 or None, got {ramp_steps}")
+        if cut_every_n_steps < 1:
+            raise ValueError(f"cut_every_n_steps must be >= 1, got {cut_every_n_steps}")
+        if not 0.0 < max_cut_fraction <= 1.0:
+            raise ValueError(f"max_cut_fraction must be in (0, 1], got {max_cut_fraction}")
+        if not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
+            raise ValueError(f"loss_tolerance must be >= 0 and finite, got {loss_tolerance}")
+        if max_pause_steps is not None and max_pause_steps < cut_every_n_steps:
+            raise ValueError(
+                f"max_pause_steps ({max_pause_steps}) must be >= cut_every_n_steps ({cut_every_n_steps}) or None"
+            )
+        if penalty_weight is not None and not (math.isfinite(penalty_weight) and penalty_weight >= 0):
+            raise ValueError(f"penalty_weight must be >= 0 and finite or None, got {penalty_weight}")
+        self.ramp_fraction = ramp_fraction
+        self.ramp_steps = ramp_steps
+        self.cut_every_n_steps = cut_every_n_steps
+        self.max_cut_fraction = max_cut_fraction
+        self.loss_tolerance = loss_tolerance
+        self.max_pause_steps = 4 * cut_every_n_steps if max_pause_steps is None else max_pause_steps
+        self.penalty_weight = penalty_weight
+        # state (checkpointed)
+        self.start_step: int | None = None
+        self.start_size: float | None = None
+        self.target_size: float | None = None
+        self.ramp: int | None = None
+        self.last_cut_step: int | None = None
+        self.loss_before_last_cut: float | None = None
+        self.slices_cut = 0
+        self._goal = float("nan")
+
+    def start(self, step: int, size: float, target_size: float, total_steps: int | None) -> None:
+        if self.ramp_steps is not None:
+            ramp = self.ramp_steps
+        elif total_steps is not None and math.isfinite(total_steps) and total_steps > step:
+            ramp = max(1, round(self.ramp_fraction * (total_steps - step)))
+        else:
+            raise ValueError(
+                "ScheduledLateStage cannot size its schedule: the run's length is unknown (no max_steps / "
+                "max_epochs) or already over at the switch; set ramp_steps"
+            )
+        self.start_step, self.start_size, self.target_size, self.ramp = step, float(size), float(target_size), ramp
+
+    def goal(self, step: int) -> float:
+        """The size the schedule asks for at ``step``."""
+        assert self.start_step is not None and self.ramp is not None, "start() was not called"
+        return scheduled_size(step, self.start_step, self.ramp, self.start_size, self.target_size)
+
+    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+        return early_stage_weights(gamma if self.penalty_weight is None else self.penalty_weight)
+
+    def cut(self, step: int, loss: float, size: float, layers: Sequence[TTLayer]) -> int:
+        if self.start_step is None:
+            return 0
+        self._goal = self.goal(step)
+        since = step - (self.start_step if self.last_cut_step is None else self.last_cut_step)
+        if since < self.cut_every_n_steps or size <= self._goal:
+            return 0
+        recovering = (self.loss_before_last_cut is not None
+                      and loss > self.loss_before_last_cut * (1.0 + self.loss_tolerance))
+        if recovering and since < self.max_pause_steps:
+            return 0
+        importances, masks, slice_params, owners = [], [], [], []
+        for layer in layers:
+            with torch.no_grad():
+                per_bond = slice_importance(layer.gated_cores(), layer.rank_masks)
+            importances += per_bond
+            masks += layer.rank_masks
+            slice_params += bond_weights(layer.mode_sizes, layer.active_ranks)
+            owners += [(layer, k) for k in range(layer.num_bonds)]
+        cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction)
+        count = 0
+        for (layer, k), indices in zip(owners, cuts):
+            if indices:
+                layer.remove_slices_(k, indices)
+                count += len(indices)
+        if count:
+            self.last_cut_step, self.loss_before_last_cut = step, loss
+            self.slices_cut += count
+        return count
+
+    def metrics(self) -> dict[str, float]:
+        return {"comera/size_goal": self._goal, "comera/slices_cut": float(self.slices_cut)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start_step": self.start_step, "start_size": self.start_size, "target_size": self.target_size,
+                "ramp": self.ramp, "last_cut_step": self.last_cut_step,
+                "loss_before_last_cut": self.loss_before_last_cut, "slices_cut": self.slices_cut}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key in ("start_step", "start_size", "target_size", "ramp", "last_cut_step", "loss_before_last_cut"):
+            setattr(self, key, state_dict.get(key))
+        self.slices_cut = int(state_dict.get("slices_cut", 0))
+
+
+_BY_NAME = {"paper": PaperLateStage, "scheduled": ScheduledLateStage}
+
+
+def late_stage_policy(policy: str | LateStagePolicy) -> LateStagePolicy:
+    """A policy instance from a name (``"paper"``, ``"scheduled"``) or an instance."""
+    if isinstance(policy, LateStagePolicy):
+        return policy
+    if policy not in _BY_NAME:
+        raise ValueError(
+            f"unknown late-stage policy {policy!r}; use one of {sorted(_BY_NAME)} or a LateStagePolicy instance"
+        )
+    return _BY_NAME[policy]()
