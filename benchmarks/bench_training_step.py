@@ -104,7 +104,7 @@ class Shape:
     dropout: float = 0.1
     rank: int = 30
     embedding_rank: int = 32
-    dense_layers: str | None = "position_embeddings|token_type_embeddings|pooler|classifier"
+    dense_layers: str | None = "position_embeddings|token_type_embeddings|classifier"
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_other: float = 5e-5

@@ -54,8 +54,7 @@ def train_params(modes: list[int], ranks: list[int]) -> int:
 # (layer, example module name, core sizes s_k, ranks) from METHOD.md section 2; TTM core size = v_k * e_k.
 HAND = [
     ("FFN fc1", "encoder.layers.0.fc1", [12, 8, 8, 12, 16, 16], [1, 12, 30, 30, 30, 16, 1]),
-    # fc2 is fc1 reversed; the last bond is clamped to the last mode (8), as r_{K-1} <= s_K requires
-    ("FFN fc2", "encoder.layers.0.fc2", [12, 16, 16, 12, 8, 8], [1, 12, 30, 30, 30, 8, 1]),
+    ("FFN fc2", "encoder.layers.0.fc2", [16, 16, 12, 8, 8, 12], [1, 16, 30, 30, 30, 12, 1]),
     ("attention q/k/v/out", "encoder.layers.0.attention.query", [12, 8, 8, 8, 8, 12], [1, 12, 30, 30, 30, 12, 1]),
     ("word embedding", "encoder.embeddings.word_embeddings",
      [16 * 4, 20 * 4, 10 * 8, 10 * 6], [1, 32, 32, 32, 1]),

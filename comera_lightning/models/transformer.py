@@ -22,7 +22,7 @@ __all__ = ["TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "p
 _PAPER_LINEAR_MODES: dict[tuple[int, int], tuple[list[int], list[int]]] = {
     (768, 768): ([12, 8, 8], [8, 8, 12]),  # attention projections (and the pooler / MLM transform)
     (768, 3072): ([12, 8, 8], [12, 16, 16]),  # fc1
-    (3072, 768): ([12, 16, 16], [12, 8, 8]),  # fc2
+    (3072, 768): ([16, 16, 12], [8, 8, 12]),  # fc2
 }
 # (num_embeddings, embedding_dim) -> (vocab_modes, dim_modes); 30522 rows padded to 16*20*10*10 = 32000.
 _PAPER_EMBEDDING_MODES: dict[tuple[int, int], tuple[list[int], list[int]]] = {

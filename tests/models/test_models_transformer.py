@@ -222,7 +222,9 @@ def test_paper_modes_and_ranks():
         assert (proj.in_modes, proj.out_modes, proj.ranks) == (i, o, r)
     assert (layer.fc1.in_modes, layer.fc1.out_modes, layer.fc1.ranks) == (
         [12, 8, 8], [12, 16, 16], [1, 12, 30, 30, 30, 16, 1])
-    assert (layer.fc2.in_modes, layer.fc2.out_modes) == ([12, 16, 16], [12, 8, 8])
+    # METHOD.md section 2: fc2 is [16,16,12] x [8,8,12] with ranks [1,16,r,r,r,12,1]
+    assert (layer.fc2.in_modes, layer.fc2.out_modes, layer.fc2.ranks) == (
+        [16, 16, 12], [8, 8, 12], [1, 16, 30, 30, 30, 12, 1])
     emb = model.encoder.embeddings.word_embeddings
     assert isinstance(emb, TTEmbedding)
     assert (emb.vocab_modes, emb.dim_modes, emb.ranks) == ([16, 20, 10, 10], [4, 4, 8, 6], [1, 32, 32, 32, 1])

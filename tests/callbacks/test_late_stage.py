@@ -1,0 +1,184 @@
+"""The late stage: the size-target rule, the scheduled policy's functions and its bounded cuts in training."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from tiny import TinyRegressor, regression_loader
+
+from comera_lightning import TTLinear
+from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
+from comera_lightning.nn import size_report, tt_layers
+from comera_lightning.objectives import (
+    compressible_target_size,
+    minimum_train_size,
+    plan_rank_cuts,
+    scheduled_size,
+    slice_importance,
+)
+
+
+def _trainer(tmp_path, callbacks, max_steps=40) -> Trainer:
+    return Trainer(max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                   enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1,
+                   callbacks=callbacks)
+
+
+# ---------------------------------------------------------------------------------------------- size target
+def test_ratio_target_applies_to_the_compressible_part_only():
+    # the six-encoder case of issue 11: 754k dense parameters are 42 % of S, 0.2 * S is below the rank-1 floor
+    other, size, floor = 754_000, 1_789_000, 757_000
+    assert 0.2 * size < floor
+    target = compressible_target_size(size, other, 0.2)
+    assert target == pytest.approx(other + 0.2 * (size - other))
+    assert target > floor
+
+
+def test_ratio_target_below_the_floor_warns_and_clamps(tmp_path):
+    model = TinyRegressor()
+    callback = RankAdaptation(late_start_step=2, target_size_ratio=1e-4, truncate_every_n_steps=None,
+                              late_stage=ScheduledLateStage(ramp_steps=4))
+    with pytest.warns(UserWarning, match=r"below what rank 1 everywhere allows \(.*\); aiming for that floor"):
+        _trainer(tmp_path, [callback], max_steps=4).fit(model, regression_loader())
+    layers = [layer for _, layer in tt_layers(model)]
+    other = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for layer in layers for p in [*layer.cores, *layer.gates])
+    assert callback.target_size == other + sum(minimum_train_size(layer.mode_sizes) for layer in layers)
+
+
+def test_reachable_ratio_target_does_not_warn(tmp_path):
+    callback = RankAdaptation(late_start_step=2, target_size_ratio=0.5, truncate_every_n_steps=None,
+                              late_stage=ScheduledLateStage(ramp_steps=4))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*rank 1 everywhere.*")
+        _trainer(tmp_path, [callback], max_steps=4).fit(TinyRegressor(), regression_loader())
+    assert callback.stage == 1
+
+
+# ---------------------------------------------------------------------------------------------- functions
+def test_scheduled_size_is_a_cubic_ramp():
+    assert scheduled_size(100, 100, 50, 1000.0, 200.0) == 1000.0
+    assert scheduled_size(50, 100, 50, 1000.0, 200.0) == 1000.0  # before the start
+    assert scheduled_size(125, 100, 50, 1000.0, 200.0) == pytest.approx(200 + 800 * 0.5**3)
+    assert scheduled_size(150, 100, 50, 1000.0, 200.0) == 200.0
+    assert scheduled_size(900, 100, 50, 1000.0, 200.0) == 200.0
+    values = [scheduled_size(t, 0, 40, 1000.0, 200.0) for t in range(41)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    with pytest.raises(ValueError, match="ramp_steps must be >= 1"):
+        scheduled_size(0, 0, 0, 1.0, 1.0)
+
+
+def test_slice_importance_matches_hand_computation_and_ignores_gate_scaling():
+    torch.manual_seed(0)
+    layer = TTLinear(12, 10, 4, in_modes=[3, 4], out_modes=[2, 5]).double()
+    importance = slice_importance(layer.gated_cores(), layer.rank_masks)
+    assert len(importance) == layer.num_bonds
+    for k, values in enumerate(importance):
+        left, right = layer.cores[k].detach(), layer.cores[k + 1].detach()
+        for j in range(values.numel()):
+            expected = float(left[..., j].norm() * right[j].norm())
+            assert float(values[j]) == pytest.approx(expected, rel=1e-6)
+    # moving scale from a core slice into its gate leaves the slice's importance unchanged
+    with torch.no_grad():
+        layer.cores[1][..., 2] *= 8.0
+        layer.gates[1][2] = 1.0 / 8.0
+    after = slice_importance(layer.gated_cores(), layer.rank_masks)
+    torch.testing.assert_close(after[1].double(), importance[1].double())
+    layer.remove_slices_(0, [1])
+    assert float(slice_importance(layer.gated_cores(), layer.rank_masks)[0][1]) == 0.0
+
+
+def test_plan_rank_cuts_takes_least_important_first_within_the_bound():
+    importances = [torch.tensor([1.0, 0.1, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0]), torch.tensor([1.0, 0.2, 0.3])]
+    masks = [torch.ones(10, dtype=torch.bool), torch.ones(3, dtype=torch.bool)]
+    # bond 0 may lose max(1, floor(0.2 * 10)) = 2 slices, bond 1 max(1, floor(0.2 * 3)) = 1
+    cuts = plan_rank_cuts(importances, masks, [10.0, 10.0], 1e9, 0.2)
+    assert cuts == [[1, 4], [1]]
+    # only as many as the parameters asked for, least important (relative to the bond mean) first
+    assert plan_rank_cuts(importances, masks, [10.0, 10.0], 10.0, 0.2) == [[1], []]
+    assert plan_rank_cuts(importances, masks, [10.0, 10.0], 0.0, 0.2) == [[], []]
+    # masked slices are never candidates, and a bond always keeps one active slice
+    single = [torch.tensor([0.0, 0.5, 0.0])]
+    assert plan_rank_cuts(single, [torch.tensor([False, True, False])], [1.0], 1e9, 1.0) == [[]]
+    assert plan_rank_cuts([torch.tensor([1.0, 2.0])], [torch.ones(2, dtype=torch.bool)], [1.0], 1e9, 1.0) == [[0]]
+    with pytest.raises(ValueError, match=r"max_cut_fraction must be in \(0, 1\]"):
+        plan_rank_cuts(importances, masks, [1.0, 1.0], 1.0, 0.0)
+
+
+def test_remove_slices_errors():
+    layer = TTLinear(12, 10, 2, in_modes=[3, 4], out_modes=[2, 5])
+    with pytest.raises(ValueError, match="bond must be in"):
+        layer.remove_slices_(7, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        layer.remove_slices_(0, [5])
+    with pytest.raises(ValueError, match="without an active slice"):
+        layer.remove_slices_(1, [0, 1])
+
+
+# ---------------------------------------------------------------------------------------------- in training
+class _CutLog(ScheduledLateStage):
+    """Records, for every cut, each bond's active ranks before it and the number of slices removed."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.log: list[tuple[int, list[int], list[int]]] = []
+
+    def cut(self, step, loss, size, layers):
+        before = [r for layer in layers for r in layer.active_ranks[1:-1]]
+        count = super().cut(step, loss, size, layers)
+        after = [r for layer in layers for r in layer.active_ranks[1:-1]]
+        if count:
+            self.log.append((step, before, after))
+        return count
+
+
+def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
+    model = TinyRegressor()
+    dense = size_report(model).dense_equivalent_parameters
+    policy = _CutLog(ramp_steps=40, cut_every_n_steps=4, max_cut_fraction=0.25, loss_tolerance=1e9)
+    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=6.0, late_stage=policy,
+                              threshold=0.0, truncate_every_n_steps=8, min_dead_fraction=0.1)
+    _trainer(tmp_path, [callback], max_steps=80).fit(model, regression_loader())
+    assert policy.log, "no cut happened"
+    steps = [step for step, _, _ in policy.log]
+    assert steps[0] >= 8 + 4 and all(b - a >= 4 for a, b in zip(steps, steps[1:]))
+    for _, before, after in policy.log:
+        for r0, r1 in zip(before, after):
+            assert r0 - r1 <= (0 if r0 <= 1 else max(1, math.floor(0.25 * r0))), (before, after)
+            assert r1 >= 1
+    assert size_report(model).compression_ratio >= 6.0 * 0.98
+    assert callback.comera_metrics()["comera/slices_cut"] == policy.slices_cut > 0
+
+
+def test_scheduled_policy_pauses_while_the_loss_recovers():
+    layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    policy = ScheduledLateStage(ramp_steps=10, cut_every_n_steps=2, max_cut_fraction=0.25, loss_tolerance=0.05,
+                                max_pause_steps=6)
+    full = layer.active_parameters()
+    policy.start(0, full, full / 4, None)
+    assert policy.cut(2, 1.0, layer.active_parameters(), [layer]) > 0
+    # loss 10 % above the one before the cut: wait, up to max_pause_steps after the cut
+    assert policy.cut(4, 1.10, layer.active_parameters(), [layer]) == 0
+    assert policy.cut(6, 1.10, layer.active_parameters(), [layer]) == 0
+    assert policy.cut(8, 1.10, layer.active_parameters(), [layer]) > 0  # 6 steps since the cut: go anyway
+    # recovered within the tolerance: cut at the next opportunity
+    assert policy.cut(10, 1.12, layer.active_parameters(), [layer]) > 0
+
+
+def test_scheduled_policy_needs_a_known_length():
+    with pytest.raises(ValueError, match="run's length is unknown .* set ramp_steps"):
+        ScheduledLateStage().start(10, 100.0, 50.0, None)
+
+
+def test_policy_state_round_trips_through_the_callback():
+    callback = RankAdaptation(late_stage=ScheduledLateStage(ramp_steps=5))
+    callback.late_stage.start(3, 100.0, 20.0, None)
+    callback.late_stage.last_cut_step, callback.late_stage.slices_cut = 9, 4
+    restored = RankAdaptation(late_stage=ScheduledLateStage(ramp_steps=5))
+    restored.load_state_dict(callback.state_dict())
+    assert restored.late_stage.state_dict() == callback.late_stage.state_dict()
+    assert isinstance(RankAdaptation(late_stage="paper").late_stage, PaperLateStage)
