@@ -16,8 +16,12 @@ CoMERA rank schedule: the early stage (scalarised penalty ``gamma``) first, the 
 size) from ``late_fraction`` of the run on, with physical truncation on a step schedule, so the ranks
 really shrink within the run.
 
-Protocols: ``steps`` (both methods run the same number of optimiser steps) and ``time`` (both get the same
-training wall-clock budget; the late stage then starts at ``late_fraction`` of the budget). The training
+Protocols: ``steps`` (both methods run the same number of optimiser steps), ``time`` (both get the same
+training wall-clock budget; the late stage then starts at ``late_fraction`` of the budget) and ``matched``
+(the same wall-clock, decided before training: dense and CoMERA training steps are first timed against
+each other in this process, interleaved round by round (``harness.interleave``), and CoMERA then trains
+``steps * dense_step / comera_step`` steps; on a shared machine this is robust where a live clock is not,
+and conservative for CoMERA, whose steps get cheaper once its ranks shrink). The training
 clock counts everything a training step costs (data loading, forward, backward, optimiser, callbacks,
 truncations) and leaves out the validation passes, which both methods run every ``val_every`` steps on the
 same held-out batches; a callback stops training once the clock reaches the budget.
@@ -75,7 +79,8 @@ REPO = Path(__file__).resolve().parents[1]
 STUDIES = ("mlm", "dlrm")
 METHODS = ("dense", "comera", "comera-paper")
 DEFAULT_METHODS = ("dense", "comera")
-PROTOCOLS = ("steps", "time")
+PROTOCOLS = ("steps", "time", "matched")
+DEFAULT_PROTOCOLS = ("steps", "time")
 DEFAULT_CACHE = REPO / ".cache" / "comera"
 
 # the DLRM tables of configs/dlrm_criteo.yaml (Criteo Kaggle cardinalities capped at 100k rows)
@@ -345,9 +350,41 @@ def _timed_rank_adaptation(clock: Callable[[], float], late_start_s: float, **kw
     return TimedRankAdaptation(**kwargs)
 
 
+def measure_step_ratio(spec: StudySpec, dm, *, max_other_load: float = 0.15, wait_quiet_s: float = 0.0,
+                       repeats: int = 5) -> dict[str, Any]:
+    """Dense step time over CoMERA step time at the start of training, timed interleaved in this process.
+
+    A step is what training repeats: forward and loss on one real training batch, backward, AdamW over the
+    task's parameter groups (RankAdaptation's per-step work, under a millisecond, is left out).
+    """
+    batch = next(iter(dm.train_dataloader()))
+    steps = {}
+    for method in ("dense", "comera"):
+        task = build_task(spec, method)
+        optimizer = task.configure_optimizers()
+        optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+        optimizer = optimizer[0][0] if isinstance(optimizer, tuple) else optimizer
+
+        def step(task=task, optimizer=optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            task.training_step(batch, 0).backward()
+            optimizer.step()
+
+        steps[method] = step
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered.*")
+        timing = harness.interleave(steps, repeats=repeats, min_sample_s=0.5, max_other_load=max_other_load,
+                                    wait_quiet_s=wait_quiet_s, seed=spec.seed)
+    return {"ratio_dense_over_comera": timing.ratio("dense", "comera"),
+            "paired_ratios": timing.paired_ratios("dense", "comera"), **timing.summary()}
+
+
 def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: float = 0.15,
-            wait_quiet_s: float = 0.0, max_steps_cap: int = 1_000_000) -> dict[str, Any]:
-    """Train one (method, protocol) run and return its measurements (see the module docstring)."""
+            wait_quiet_s: float = 0.0, max_steps_cap: int = 1_000_000, steps: int | None = None) -> dict[str, Any]:
+    """Train one (method, protocol) run and return its measurements (see the module docstring).
+
+    ``steps`` overrides ``spec.steps`` for a step-bounded run (the ``matched`` protocol's CoMERA run).
+    """
     from lightning.pytorch import Trainer, seed_everything
 
     from comera_lightning.callbacks import ContractionPlanner, RankAdaptation
@@ -355,6 +392,8 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
     spec.check()
+    if steps is not None:
+        spec = replace(spec, steps=steps)
     seed_everything(spec.seed, verbose=False)
     task = build_task(spec, method)
     at_start = _size(task)
@@ -366,7 +405,7 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
         rank_kwargs = dict(spec.rank_kwargs)
         if method == "comera-paper":
             rank_kwargs["late_stage"] = "paper"
-        if protocol == "steps":
+        if protocol != "time":
             rank_cb = RankAdaptation(**rank_kwargs, late_start_step=int(round(spec.late_fraction * spec.steps)))
         else:
             rank_cb = _timed_rank_adaptation(recorder.train_seconds, spec.late_fraction * spec.budget_s,
@@ -380,7 +419,7 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*`max_epochs` was not set.*")
         trainer = Trainer(
-            accelerator="cpu", devices=1, max_steps=spec.steps if protocol == "steps" else max_steps_cap,
+            accelerator="cpu", devices=1, max_steps=max_steps_cap if protocol == "time" else spec.steps,
             max_epochs=-1, val_check_interval=spec.val_every, check_val_every_n_epoch=None,
             limit_val_batches=spec.limit_val_batches, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -438,8 +477,12 @@ def _ranks(pl_module) -> dict[str, list[int]]:
 
 def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, max_other_load: float = 0.15,
               wait_quiet_s: float = 0.0, protocols: tuple[str, ...] = PROTOCOLS,
-              methods: tuple[str, ...] = DEFAULT_METHODS, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """All (protocol, method) runs of ``spec``, strictly one after the other; returns the study's JSON."""
+              methods: tuple[str, ...] = DEFAULT_METHODS, log: Callable[[str], None] = print,
+              partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """All (protocol, method) runs of ``spec``, strictly one after the other; returns the study's JSON.
+
+    ``partial`` receives the study's JSON so far after every run (so a cut-off study loses nothing).
+    """
     spec.check()
     for protocol in protocols:
         if protocol not in PROTOCOLS:
@@ -448,29 +491,46 @@ def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, max_other_loa
     dm = build_datamodule(spec, cache_dir)
     data_s = time.perf_counter() - t0
     runs = []
+    step_ratio = None
+    if "matched" in protocols:
+        step_ratio = measure_step_ratio(spec, dm, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
+        log(f"[{spec.name}] dense step / CoMERA step = {step_ratio['ratio_dense_over_comera']:.3f} "
+            f"({step_ratio['rounds_clean']}/{step_ratio['rounds_total']} clean rounds)")
+
+    def snapshot() -> dict[str, Any]:
+        return {
+            "study": spec.name,
+            "machine": harness.machine_info(),
+            "spec": asdict(spec),
+            "data": {"setup_s": data_s, "train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)},
+            "baseline": baseline_metrics(spec, dm),
+            "max_other_load": max_other_load,
+            "step_ratio": step_ratio,
+            "runs": runs,
+            "summary": summarise(spec, runs),
+            "late_start_step": int(round(spec.late_fraction * spec.steps)),
+            "total_s": time.perf_counter() - t0,
+        }
+
     for protocol in protocols:
         for method in methods:
-            what = f"{spec.steps} steps" if protocol == "steps" else f"{spec.budget_s:g} s budget"
+            steps = None
+            if protocol == "matched" and method != "dense":
+                steps = max(1, round(spec.steps * step_ratio["ratio_dense_over_comera"]))
+            what = {"steps": f"{spec.steps} steps", "time": f"{spec.budget_s:g} s budget",
+                    "matched": f"{steps or spec.steps} steps, the same wall-clock"}[protocol]
             log(f"[{spec.name}] {method} / {protocol} ({what})")
-            run = run_one(spec, method, protocol, dm, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
+            run = run_one(spec, method, protocol, dm, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s,
+                          steps=steps)
             value = run["final"]["metrics"].get(spec.metric, float("nan"))
             log(f"    {run['steps']} steps, {run['train_s']:.1f} s training, median step "
                 f"{harness.ms(run['median_step_s'])} ms, {spec.metric} {value:.4f}, "
                 f"compression {run['final']['compression_ratio']:.2f}x"
                 + (f", CONTENDED ({run['other_load']:.0%} other load)" if run["contended"] else ""))
             runs.append(run)
-    return {
-        "study": spec.name,
-        "machine": harness.machine_info(),
-        "spec": asdict(spec),
-        "data": {"setup_s": data_s, "train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)},
-        "baseline": baseline_metrics(spec, dm),
-        "max_other_load": max_other_load,
-        "runs": runs,
-        "summary": summarise(spec, runs),
-        "late_start_step": int(round(spec.late_fraction * spec.steps)),
-        "total_s": time.perf_counter() - t0,
-    }
+            if partial is not None:
+                partial(snapshot())
+    return snapshot()
 
 
 def summarise(spec: StudySpec, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -550,7 +610,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     spec = result["spec"]
     fig, axes = harness.new_figure(3, width=5.0, height=3.8)
     colours = {"dense": "tab:blue", "comera": "tab:red", "comera-paper": "tab:orange"}
-    styles = {"steps": "-", "time": "--"}
+    styles = {"steps": "-", "time": "--", "matched": ":"}
     for r in result["runs"]:
         v = r["validations"]
         label = f"{r['method']} / {r['protocol']}"
@@ -614,7 +674,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="optimiser steps of the same-steps protocol")
     p.add_argument("--budget-s", type=float, default=None, help="training seconds of the same-time protocol")
     p.add_argument("--val-every", type=int, default=None, help="validate every this many steps")
-    p.add_argument("--protocol", default="both", choices=[*PROTOCOLS, "both"], help="which protocol(s) to run")
+    p.add_argument("--protocol", default="both", nargs="+", choices=[*PROTOCOLS, "both"],
+                   help="which protocol(s) to run; both = steps and time")
     p.add_argument("--quick", action="store_true", help="tiny models, 30 steps, 6 s budgets (about a minute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS,
@@ -665,15 +726,23 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--d-model applies to the transformer studies, not {spec.name}")
             spec.task_kwargs.update(d_model=args.d_model, num_heads=max(1, args.d_model // 32), d_ff=4 * args.d_model)
         spec.check()
-    protocols = PROTOCOLS if args.protocol == "both" else (args.protocol,)
+    chosen = [args.protocol] if isinstance(args.protocol, str) else args.protocol
+    protocols = tuple(dict.fromkeys(p for c in chosen for p in (DEFAULT_PROTOCOLS if c == "both" else (c,))))
     _quiet_lightning()
     tables = []
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     for spec in specs:
-        result = run_study(spec, cache_dir=args.cache_dir, max_other_load=args.max_other_load,
-                           wait_quiet_s=args.wait_quiet, protocols=protocols, methods=tuple(args.methods))
-        result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         stem = f"quality_{spec.name}{args.tag}"
+
+        def partial(result: dict[str, Any], stem: str = stem) -> None:
+            harness.write_json(args.out_dir / f"{stem}.partial.json", {**result, "settings": settings})
+
+        result = run_study(spec, cache_dir=args.cache_dir, max_other_load=args.max_other_load,
+                           wait_quiet_s=args.wait_quiet, protocols=protocols, methods=tuple(args.methods),
+                           partial=partial)
+        result["settings"] = settings
         json_path = harness.write_json(args.out_dir / f"{stem}.json", result)
+        (args.out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
         png_path = plot(result, args.out_dir / f"{stem}.png")
         text = markdown(result)
         tables.append(text)

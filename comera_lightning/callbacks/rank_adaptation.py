@@ -277,6 +277,18 @@ class RankAdaptation(Callback):
         if self.truncate_every_n_steps is not None and step % self.truncate_every_n_steps == 0:
             self.truncate(trainer, pl_module)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.stage != LATE or self.target_size is None:
+            return
+        size = self.model_size(pl_module)
+        if size > 1.02 * self.target_size:
+            rank_zero_warn(
+                f"RankAdaptation: training ended at {size:,} active parameters, above the late stage's target of "
+                f"{self.target_size:,.0f} ({size / self.target_size:.2f}x); start the late stage earlier, train "
+                "longer, or let the late stage cut faster (ScheduledLateStage: ramp_fraction, max_cut_fraction)",
+                category=UserWarning,
+            )
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stage == EARLY and self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
             self._enter_late_stage(trainer, pl_module)

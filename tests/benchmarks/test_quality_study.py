@@ -43,7 +43,7 @@ def test_outputs_exist_and_sizes_are_consistent(study, name):
     png = (out / f"quality_{name}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     runs = _runs(result)
-    assert set(runs) == {(m, p) for m in qs.METHODS for p in qs.PROTOCOLS}
+    assert set(runs) == {(m, p) for m in qs.DEFAULT_METHODS for p in qs.DEFAULT_PROTOCOLS}
     dense, comera = runs["dense", "steps"], runs["comera", "steps"]
     for r in (runs["dense", "steps"], runs["dense", "time"]):
         for size in (r["size_at_start"], r["size_final"], *r["validations"]):
@@ -71,7 +71,7 @@ def test_outputs_exist_and_sizes_are_consistent(study, name):
     assert len({r["first_batch_hash"] for r in result["runs"]}) == 1  # one data order for all four runs
     # every row of the markdown table is there
     section = text.split(f"### {name}:")[1].split("###")[0]
-    for method in qs.METHODS:
+    for method in qs.DEFAULT_METHODS:
         assert f"| {method} | steps |" in section and f"| {method} | time ({BUDGET_S:g} s) |" in section
     assert result["machine"]["cpu_count"] >= 1 and "settings" in result
 
@@ -81,7 +81,7 @@ def test_protocols_are_respected(study, name):
     out, _ = study
     result = _load(out, name)
     runs = _runs(result)
-    for method in qs.METHODS:
+    for method in qs.DEFAULT_METHODS:
         same_steps, budget = runs[method, "steps"], runs[method, "time"]
         assert same_steps["steps"] == STEPS and not same_steps["stopped_by_budget"]
         assert [v["step"] for v in same_steps["validations"]] == list(range(VAL_EVERY, STEPS + 1, VAL_EVERY))
@@ -147,3 +147,22 @@ def test_bad_settings_in_the_api_are_refused():
         qs.run_study(qs.dlrm_spec(quick=True), protocols=("epochs",))
     with pytest.raises(ValueError, match="unknown method"):
         qs.build_task(qs.dlrm_spec(quick=True), "galore")
+
+
+def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
+    argv = ["--quick", "--study", "mlm", "--protocol", "matched", "--steps", str(STEPS), "--val-every", "3",
+            "--methods", "dense", "comera", "comera-paper", "--threads", "1", "--tag", "_m",
+            "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    assert qs.main(argv) == 0
+    result = json.loads((tmp_path / "quality_mlm_m.json").read_text())
+    assert not (tmp_path / "quality_mlm_m.partial.json").exists()
+    ratio = result["step_ratio"]["ratio_dense_over_comera"]
+    assert ratio > 0 and result["step_ratio"]["rounds_total"] >= 1
+    runs = _runs(result)
+    assert runs["dense", "matched"]["steps"] == STEPS
+    for method in ("comera", "comera-paper"):
+        assert runs[method, "matched"]["steps"] == max(1, round(STEPS * ratio))
+        assert not runs[method, "matched"]["stopped_by_budget"]
+    assert runs["comera-paper", "matched"]["rank_adaptation"]["late_stage"] == {}
+    assert runs["comera", "matched"]["rank_adaptation"]["late_stage"]["start_step"] is not None
+    assert set(result["summary"]) == {"matched", "matched (comera-paper)"}

@@ -182,3 +182,11 @@ def test_policy_state_round_trips_through_the_callback():
     restored.load_state_dict(callback.state_dict())
     assert restored.late_stage.state_dict() == callback.late_stage.state_dict()
     assert isinstance(RankAdaptation(late_stage="paper").late_stage, PaperLateStage)
+
+
+def test_missing_the_size_target_is_reported(tmp_path):
+    # two cuts of at most one slice per bond cannot take the model to 20x
+    callback = RankAdaptation(late_start_step=2, target_compression=20.0, truncate_every_n_steps=None,
+                              late_stage=ScheduledLateStage(ramp_steps=4, cut_every_n_steps=4, max_cut_fraction=0.01))
+    with pytest.warns(UserWarning, match=r"training ended at .* above the late stage's target"):
+        _trainer(tmp_path, [callback], max_steps=10).fit(TinyRegressor(), regression_loader())
