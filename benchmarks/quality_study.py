@@ -77,7 +77,7 @@ import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDIES = ("mlm", "dlrm")
-METHODS = ("dense", "comera", "comera-paper")
+METHODS = ("dense", "comera", "comera-paper", "comera-norm")
 DEFAULT_METHODS = ("dense", "comera")
 PROTOCOLS = ("steps", "time", "matched")
 DEFAULT_PROTOCOLS = ("steps", "time")
@@ -405,6 +405,10 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
         rank_kwargs = dict(spec.rank_kwargs)
         if method == "comera-paper":
             rank_kwargs["late_stage"] = "paper"
+        elif method == "comera-norm":
+            from comera_lightning.callbacks import ScheduledLateStage
+
+            rank_kwargs["late_stage"] = ScheduledLateStage(importance="norm")
         if protocol != "time":
             rank_cb = RankAdaptation(**rank_kwargs, late_start_step=int(round(spec.late_fraction * spec.steps)))
         else:
@@ -609,7 +613,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     """Validation metric vs steps, vs training seconds, and compression ratio vs steps, every run."""
     spec = result["spec"]
     fig, axes = harness.new_figure(3, width=5.0, height=3.8)
-    colours = {"dense": "tab:blue", "comera": "tab:red", "comera-paper": "tab:orange"}
+    colours = {"dense": "tab:blue", "comera": "tab:red", "comera-paper": "tab:orange", "comera-norm": "tab:purple"}
     styles = {"steps": "-", "time": "--", "matched": ":"}
     for r in result["runs"]:
         v = r["validations"]
@@ -679,7 +683,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny models, 30 steps, 6 s budgets (about a minute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS,
-                   help="dense, comera (the default late stage) and/or comera-paper (the research code's late stage)")
+                   help="dense, comera (the default late stage), comera-paper (the research code's late stage), "
+                        "comera-norm (the scheduled late stage ranking slices by core norms)")
     p.add_argument("--late-fraction", type=float, default=None, help="late stage from this share of the run")
     p.add_argument("--target-compression", type=float, default=None, help="late-stage size target")
     p.add_argument("--d-model", type=int, default=None,

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..nn.base import TTLayer
+from ..nn.base import TruncationRecord, TTLayer
 from ..objectives import (
     ObjectiveWeights,
     bond_weights,
@@ -48,9 +48,15 @@ class LateStagePolicy:
         """Coefficients of task loss and rank penalty for the coming step."""
         raise NotImplementedError
 
+    def observe(self, layers: Sequence[TTLayer]) -> None:
+        """Called before every optimiser step with the task's gradients in place (no penalty added yet)."""
+
     def cut(self, step: int, loss: float, size: float, layers: Sequence[TTLayer]) -> int:
         """Mask rank slices after an optimiser step; returns how many were cut (no physical resize here)."""
         return 0
+
+    def after_truncation(self, record: TruncationRecord) -> None:
+        """Called after slices were physically removed (``record`` says which survived)."""
 
     def metrics(self) -> dict[str, float]:
         """Scalars for RankMonitor."""
@@ -100,6 +106,12 @@ class ScheduledLateStage(LateStagePolicy):
         max_pause_steps: ...but not longer than this many steps (None: 4 x ``cut_every_n_steps``), so the
             target is still reached.
         penalty_weight: weight of the rank penalty in the late stage; None keeps the early stage's ``gamma``.
+        importance: how slices are ranked for a cut. ``"taylor"``: a running mean of ``|d_j * dL/dd_j|``,
+            the first-order change of the loss if gate ``d_j`` went to zero (the gate is a multiplicative
+            mask on its slice, so this is exactly what removing the slice costs to first order), averaged
+            over ``saliency_smoothing``; ``"norm"``: the product of the slice's core norms
+            (:func:`~comera_lightning.objectives.slice_importance`), which needs no gradients.
+        saliency_smoothing: EMA factor of the Taylor saliency.
     """
 
     def __init__(
@@ -111,6 +123,8 @@ class ScheduledLateStage(LateStagePolicy):
         loss_tolerance: float = 0.02,
         max_pause_steps: int | None = None,
         penalty_weight: float | None = None,
+        importance: str = "taylor",
+        saliency_smoothing: float = 0.95,
     ) -> None:
         if not 0.0 < ramp_fraction <= 1.0:
             raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction}")
@@ -128,6 +142,12 @@ class ScheduledLateStage(LateStagePolicy):
             )
         if penalty_weight is not None and not (math.isfinite(penalty_weight) and penalty_weight >= 0):
             raise ValueError(f"penalty_weight must be >= 0 and finite or None, got {penalty_weight}")
+        if importance not in ("taylor", "norm"):
+            raise ValueError(f"importance must be 'taylor' or 'norm', got {importance!r}")
+        if not 0.0 <= saliency_smoothing < 1.0:
+            raise ValueError(f"saliency_smoothing must be in [0, 1), got {saliency_smoothing}")
+        self.importance = importance
+        self.saliency_smoothing = saliency_smoothing
         self.ramp_fraction = ramp_fraction
         self.ramp_steps = ramp_steps
         self.cut_every_n_steps = cut_every_n_steps
@@ -143,6 +163,8 @@ class ScheduledLateStage(LateStagePolicy):
         self.last_cut_step: int | None = None
         self.loss_before_last_cut: float | None = None
         self.slices_cut = 0
+        self.saliency: dict[str, torch.Tensor] = {}  # "<layer index>.<bond>" -> running |d * dL/dd|
+        self._gate_keys: dict[int, str] = {}
         self._goal = float("nan")
 
     def start(self, step: int, size: float, target_size: float, total_steps: int | None) -> None:
@@ -165,6 +187,48 @@ class ScheduledLateStage(LateStagePolicy):
     def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
         return early_stage_weights(gamma if self.penalty_weight is None else self.penalty_weight)
 
+    @torch.no_grad()
+    def observe(self, layers: Sequence[TTLayer]) -> None:
+        if self.importance != "taylor":
+            return
+        a = self.saliency_smoothing
+        for i, layer in enumerate(layers):
+            for k, gate in enumerate(layer.gates):
+                if gate.grad is None:
+                    continue
+                key = f"{i}.{k}"
+                self._gate_keys[id(gate)] = key
+                value = (gate.detach() * gate.grad).abs().float()
+                previous = self.saliency.get(key)
+                if previous is None or previous.shape != value.shape:
+                    self.saliency[key] = value.clone()
+                else:
+                    previous.mul_(a).add_(value, alpha=1.0 - a)
+
+    def after_truncation(self, record: TruncationRecord) -> None:
+        for param, selection in record:
+            key = self._gate_keys.get(id(param))
+            if key in self.saliency and selection.keep_last is not None:
+                self.saliency[key] = self.saliency[key].index_select(
+                    0, selection.keep_last.to(self.saliency[key].device))
+
+    def _importances(self, layers: Sequence[TTLayer]) -> list[torch.Tensor]:
+        out = []
+        for i, layer in enumerate(layers):
+            if self.importance == "norm":
+                with torch.no_grad():
+                    out += slice_importance(layer.gated_cores(), layer.rank_masks)
+                continue
+            for k, mask in enumerate(layer.rank_masks):
+                value = self.saliency.get(f"{i}.{k}")
+                if value is None or value.shape != mask.shape:
+                    raise RuntimeError(
+                        f"ScheduledLateStage has no gradient saliency for bond {k} of layer {i}; observe() must "
+                        "run before every optimiser step (RankAdaptation does this), or use importance='norm'"
+                    )
+                out.append(value * mask.to(value.dtype))
+        return out
+
     def cut(self, step: int, loss: float, size: float, layers: Sequence[TTLayer]) -> int:
         if self.start_step is None:
             return 0
@@ -176,11 +240,9 @@ class ScheduledLateStage(LateStagePolicy):
                       and loss > self.loss_before_last_cut * (1.0 + self.loss_tolerance))
         if recovering and since < self.max_pause_steps:
             return 0
-        importances, masks, slice_params, owners = [], [], [], []
+        importances = self._importances(layers)
+        masks, slice_params, owners = [], [], []
         for layer in layers:
-            with torch.no_grad():
-                per_bond = slice_importance(layer.gated_cores(), layer.rank_masks)
-            importances += per_bond
             masks += layer.rank_masks
             slice_params += bond_weights(layer.mode_sizes, layer.active_ranks)
             owners += [(layer, k) for k in range(layer.num_bonds)]
@@ -201,12 +263,14 @@ class ScheduledLateStage(LateStagePolicy):
     def state_dict(self) -> dict[str, Any]:
         return {"start_step": self.start_step, "start_size": self.start_size, "target_size": self.target_size,
                 "ramp": self.ramp, "last_cut_step": self.last_cut_step,
-                "loss_before_last_cut": self.loss_before_last_cut, "slices_cut": self.slices_cut}
+                "loss_before_last_cut": self.loss_before_last_cut, "slices_cut": self.slices_cut,
+                "saliency": {k: v.clone() for k, v in self.saliency.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for key in ("start_step", "start_size", "target_size", "ramp", "last_cut_step", "loss_before_last_cut"):
             setattr(self, key, state_dict.get(key))
         self.slices_cut = int(state_dict.get("slices_cut", 0))
+        self.saliency = {k: v.clone() for k, v in state_dict.get("saliency", {}).items()}
 
 
 _BY_NAME = {"paper": PaperLateStage, "scheduled": ScheduledLateStage}

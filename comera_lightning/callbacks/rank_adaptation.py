@@ -235,6 +235,8 @@ class RankAdaptation(Callback):
             # adding to or rescaling its gradients would change nothing useful
             self._nonfinite_steps += 1
             return
+        if self.stage == LATE:
+            self.late_stage.observe(layers)
         w = self.objective_weights(self.model_size(pl_module))
         self._last_weights = w
         with torch.enable_grad():
@@ -355,6 +357,7 @@ class RankAdaptation(Callback):
                 record.extend(layer.truncate_())
         if record:
             after_truncation(trainer, record)
+            self.late_stage.after_truncation(record)
             self.truncations += 1
         return record
 

@@ -157,7 +157,7 @@ def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
 def test_scheduled_policy_pauses_while_the_loss_recovers():
     layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
     policy = ScheduledLateStage(ramp_steps=10, cut_every_n_steps=2, max_cut_fraction=0.25, loss_tolerance=0.05,
-                                max_pause_steps=6)
+                                max_pause_steps=6, importance="norm")
     full = layer.active_parameters()
     policy.start(0, full, full / 4, None)
     assert policy.cut(2, 1.0, layer.active_parameters(), [layer]) > 0
@@ -190,3 +190,36 @@ def test_missing_the_size_target_is_reported(tmp_path):
                               late_stage=ScheduledLateStage(ramp_steps=4, cut_every_n_steps=4, max_cut_fraction=0.01))
     with pytest.warns(UserWarning, match=r"training ended at .* above the late stage's target"):
         _trainer(tmp_path, [callback], max_steps=10).fit(TinyRegressor(), regression_loader())
+
+
+def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_truncation():
+    torch.manual_seed(0)
+    layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    policy = ScheduledLateStage(ramp_steps=10, saliency_smoothing=0.5)
+    grads = []
+    for _ in range(3):
+        for gate in layer.gates:
+            gate.grad = torch.randn_like(gate)
+        grads.append([(g.detach() * g.grad).abs() for g in layer.gates])
+        policy.observe([layer])
+    for k in range(layer.num_bonds):
+        expected = 0.25 * grads[0][k] + 0.25 * grads[1][k] + 0.5 * grads[2][k]
+        torch.testing.assert_close(policy.saliency[f"0.{k}"], expected)
+    # the slice with the lowest saliency relative to its bond's mean is cut first
+    relative = {(k, j): float(v[j] / v.mean()) for k in range(layer.num_bonds)
+                for v in [policy.saliency[f"0.{k}"]] for j in range(v.numel())}
+    bond, lowest = min(relative, key=relative.get)
+    policy.start(0, layer.active_parameters(), layer.active_parameters() - 1, None)
+    before = policy.saliency[f"0.{bond}"].clone()
+    assert policy.cut(policy.cut_every_n_steps, 1.0, layer.active_parameters(), [layer]) == 1
+    assert not bool(layer.rank_masks[bond][lowest]) and int(sum(m.sum() for m in layer.rank_masks)) == sum(
+        layer.ranks[1:-1]) - 1
+    record = layer.truncate_()
+    policy.after_truncation(record)
+    kept = [j for j in range(before.numel()) if j != lowest]
+    torch.testing.assert_close(policy.saliency[f"0.{bond}"], before[kept])
+    # without observations there is nothing to rank by: a clear error, not a silent fallback
+    with pytest.raises(RuntimeError, match="no gradient saliency .* use importance='norm'"):
+        ScheduledLateStage(ramp_steps=4)._importances([TTLinear(16, 16, 4, in_modes=[4, 4], out_modes=[4, 4])])
+    with pytest.raises(ValueError, match="importance must be 'taylor' or 'norm'"):
+        ScheduledLateStage(importance="random")
