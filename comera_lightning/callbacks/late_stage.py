@@ -9,7 +9,7 @@ decides two things every optimiser step: the weights of task loss and rank penal
   every gate is driven down at the optimiser's full step size at once, so many slices cross the threshold
   together and accuracy crashes (measured in docs/results.md).
 * :class:`ScheduledLateStage` keeps the early stage's objective (so the penalty keeps sorting slices by
-  usefulness) and removes slices itself: the size follows a cubic schedule down to ``S0``, every
+  usefulness) and removes slices itself: the size follows a geometric schedule down to ``S0``, every
   ``cut_every_n_steps`` the least important slices are cut, at most ``max_cut_fraction`` of a bond's active
   slices per cut, and a cut waits while the loss has not recovered from the previous one.
 

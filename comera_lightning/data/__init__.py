@@ -2,6 +2,8 @@
 
 * :class:`CodeMLMDataModule`: masked-LM on source files, by default the Python standard library.
 * :class:`MNLIDataModule`: GLUE MNLI from a ``datasets.save_to_disk`` folder, GLUE TSVs or JSONL.
+* :class:`CodePairsDataModule`: MNLI-shaped pair classification (docstring vs function body: match, same
+  module, other module) built offline from source files, by default the Python standard library.
 * :class:`CriteoDataModule`: Criteo-format CTR data from TSV files, or synthetic power-law data.
 
 Shared pieces: byte-level BPE tokenizers trained offline and cached (:mod:`.tokenizer`), stable hashing,
@@ -9,6 +11,7 @@ file discovery and caches (:mod:`.common`).
 """
 
 from .code_mlm import CodeMLMDataModule, MLMCollator, mask_tokens, stdlib_root
+from .code_pairs import CODE_PAIR_LABELS, CodePairsDataModule, extract_documented_functions
 from .common import TensorDictDataset, discover_files, split_by_hash, stable_hash
 from .ctr import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -29,8 +32,10 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "CODE_PAIR_LABELS",
     "CRITEO_KAGGLE_CARDINALITIES",
     "CodeMLMDataModule",
+    "CodePairsDataModule",
     "CriteoDataModule",
     "DEFAULT_TABLE_SIZES",
     "MLMCollator",
@@ -41,6 +46,7 @@ __all__ = [
     "TensorDictDataset",
     "cached_bpe_tokenizer",
     "discover_files",
+    "extract_documented_functions",
     "hash_categorical",
     "load_tokenizer",
     "mask_tokens",

@@ -37,6 +37,7 @@ from .common import (
     discover_files,
     fingerprint_files,
     load_tensor_cache,
+    read_source_text,
     rows_loader,
     split_by_hash,
 )
@@ -230,7 +231,8 @@ def chunk_stream(
 
 
 def _read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """A corpus file's text (binary files were skipped or refused by ``discover_files``)."""
+    return read_source_text(path)
 
 
 def _compact(t: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -253,7 +255,8 @@ class CodeMLMDataModule(pl.LightningDataModule):
 
     Args:
         root: folder searched recursively for the corpus; ``None`` is the standard library of the running
-            Python.
+            Python. Binary files (not UTF-8, or holding NUL bytes) are skipped with a warning naming them,
+            and a corpus that is mostly binary is refused up front (``data.common.text_files_only``).
         pattern: file-name glob (``fnmatch``), e.g. ``"*.py"``.
         vocab_size: BPE vocabulary size to train (upper bound of the real size, see above).
         seq_len: tokens per row including ``[CLS]`` and ``[SEP]``.

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
@@ -32,12 +33,15 @@ __all__ = [
     "discover_files",
     "fingerprint_files",
     "identity_collate",
+    "is_binary_bytes",
     "load_tensor_cache",
+    "read_source_text",
     "rows_loader",
     "split_by_hash",
     "stable_hash",
     "stable_hash_many",
     "stable_unit",
+    "text_files_only",
 ]
 
 #: directory names never searched for corpus files (installed packages, byte code, VCS, caches)
@@ -124,6 +128,7 @@ def discover_files(
     include_tests: bool = False,
     max_files: int | None = None,
     excluded_dirs: Iterable[str] = DEFAULT_EXCLUDED_DIRS,
+    text_only: bool = True,
 ) -> list[str]:
     """Relative POSIX paths of the files under ``root`` whose name matches ``pattern``, sorted.
 
@@ -131,10 +136,13 @@ def discover_files(
     ``tests``, ``idle_test``) are skipped at any depth below ``root``; hidden directories too. With
     ``max_files`` a deterministic, well-spread subset is kept: the files with the smallest stable hash of
     their relative path (not the alphabetically first ones, which would all come from one package).
+    With ``text_only`` (the default, for source corpora) binary files are then handled by
+    :func:`text_files_only`: a few are skipped with a warning naming them, a mostly binary corpus is
+    refused. Under ``max_files`` only the selected files are read, so a skipped one is not replaced.
 
     Raises:
-        ValueError: ``root`` is missing, not a directory, or holds no matching file; the message names
-            the path and how to fix it.
+        ValueError: ``root`` is missing, not a directory, holds no matching file, or (``text_only``) its
+            matching files are mostly binary; the message names the path (and files) and how to fix it.
     """
     root_path = Path(root).expanduser()
     if not root_path.exists():
@@ -167,7 +175,77 @@ def discover_files(
         if max_files < 1:
             raise ValueError(f"max_files must be >= 1 or None, got {max_files}")
         found = sorted(found, key=lambda rel: stable_hash(rel, "select"))[:max_files]
-    return sorted(found)
+    found.sort()
+    return text_files_only(root_path, found, pattern=pattern) if text_only else found
+
+
+#: what a corpus of source text must not be, in messages
+_BINARY_RULE = "binary, not source text (not valid UTF-8, or containing NUL bytes)"
+
+
+def is_binary_bytes(data: bytes) -> bool:
+    """Whether file contents are binary rather than source text: not valid UTF-8, or holding a NUL byte.
+
+    Source files are UTF-8 (Python's default source encoding, and what the byte-level tokenizers are
+    trained on); a NUL byte never occurs in text but in nearly every compiled or compressed file.
+    """
+    if b"\0" in data:
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _name_some(rel_paths: Sequence[str], limit: int = 5) -> str:
+    """``a, b, c`` or ``a, b, c, d, e and 7 more``: files for a message, never an unbounded list."""
+    shown = ", ".join(rel_paths[:limit])
+    return shown + (f" and {len(rel_paths) - limit} more" if len(rel_paths) > limit else "")
+
+
+def text_files_only(root: str | os.PathLike[str], rel_paths: Sequence[str], *, pattern: str = "*.py") -> list[str]:
+    """``rel_paths`` (under ``root``) without the binary files (:func:`is_binary_bytes`), order kept.
+
+    The one check every data module reading a source tree goes through (via :func:`discover_files`):
+
+    * no binary file: the list is returned unchanged;
+    * binary files are the minority (stray build outputs, a compiled file named ``.py``): they are
+      skipped, with one warning that names them (the first five and a count) and how to silence it;
+    * binary files are the majority (or all): ``ValueError`` naming them, since ``root`` most likely points
+      at the wrong folder; training on the few text files left would only fail later, less clearly.
+    """
+    root_path = Path(root)
+    binary = [rel for rel in rel_paths if is_binary_bytes((root_path / rel).read_bytes())]
+    if not binary:
+        return list(rel_paths)
+    where = f"file(s) matching {pattern!r} under {str(root_path)!r}"
+    if 2 * len(binary) > len(rel_paths):
+        raise ValueError(
+            f"{len(binary)} of the {len(rel_paths)} {where} are {_BINARY_RULE}: {_name_some(binary)}; point "
+            "root= at a folder of source text files, or exclude those files from it (or narrow pattern=)"
+        )
+    rank_zero_warn(
+        f"skipping {len(binary)} of {len(rel_paths)} {where} that are {_BINARY_RULE}: {_name_some(binary)}; "
+        "exclude them from the corpus (or point root= elsewhere) to silence this warning"
+    )
+    skip = set(binary)
+    return [rel for rel in rel_paths if rel not in skip]
+
+
+def read_source_text(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of a source file; ``ValueError`` naming it when it is binary (:func:`is_binary_bytes`).
+
+    Decoding is strict: a file that changed into a binary one after :func:`discover_files` checked it is
+    refused rather than silently fed to the tokenizer as replacement characters.
+    """
+    data = Path(path).read_bytes()
+    if is_binary_bytes(data):
+        raise ValueError(
+            f"{str(path)!r} is {_BINARY_RULE}; exclude it from the corpus or point root= at a folder of "
+            "source text files"
+        )
+    return data.decode("utf-8")
 
 
 def split_by_hash(rel_paths: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:

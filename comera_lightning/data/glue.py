@@ -45,9 +45,9 @@ from .common import (
 from .tokenizer import (
     SpecialTokenIds,
     cached_bpe_tokenizer,
-    check_vocab_size,
     encode_texts,
     file_sha1,
+    load_checked_tokenizer,
     load_tokenizer,
 )
 
@@ -56,6 +56,7 @@ __all__ = [
     "MNLIDataModule",
     "PairCollator",
     "detect_mnli_format",
+    "encode_pair_rows",
     "encode_pairs",
     "read_mnli_split",
     "truncate_longest_first",
@@ -262,6 +263,29 @@ def encode_pairs(
     }
 
 
+def encode_pair_rows(
+    tokenizer: Any,
+    texts_a: Sequence[str],
+    texts_b: Sequence[str],
+    labels: Sequence[int],
+    seq_len: int,
+    special: SpecialTokenIds,
+) -> dict[str, torch.Tensor]:
+    """:func:`encode_pairs` plus ``labels``, in compact dtypes: the cached rows that :class:`PairCollator` reads.
+
+    ``input_ids`` are int16 when the vocabulary fits (int32 otherwise), ``length``/``type_start`` int32,
+    ``labels`` int64.
+    """
+    enc = encode_pairs(tokenizer, texts_a, texts_b, seq_len, special)
+    small = torch.int16 if tokenizer.get_vocab_size() <= torch.iinfo(torch.int16).max else torch.int32
+    return {
+        "input_ids": enc["input_ids"].to(small),
+        "length": enc["length"].to(torch.int32),
+        "type_start": enc["type_start"].to(torch.int32),
+        "labels": torch.tensor(list(labels), dtype=torch.int64),
+    }
+
+
 class PairCollator:
     """Turn a batch of encoded rows into ``input_ids, attention_mask, token_type_ids, labels`` (all long)."""
 
@@ -415,10 +439,7 @@ class MNLIDataModule(pl.LightningDataModule):
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` (loaded or trained on first access)."""
         if self._tokenizer is None:
-            path = self._ensure_tokenizer_file()
-            tok = load_tokenizer(path)
-            check_vocab_size(tok.get_vocab_size(), self.vocab_size, f"tokenizer {str(path)!r}")
-            self._tokenizer = tok
+            self._tokenizer = load_checked_tokenizer(self._ensure_tokenizer_file(), self.vocab_size)
         return self._tokenizer
 
     @property
@@ -452,14 +473,7 @@ class MNLIDataModule(pl.LightningDataModule):
         if cached is not None:
             return cached
         a, b, y = self._read(split)
-        enc = encode_pairs(self.tokenizer, a, b, self.seq_len, self.special_ids)
-        small = torch.int16 if self.vocab_size_actual <= torch.iinfo(torch.int16).max else torch.int32
-        data = {
-            "input_ids": enc["input_ids"].to(small),
-            "length": enc["length"].to(torch.int32),
-            "type_start": enc["type_start"].to(torch.int32),
-            "labels": torch.tensor(y, dtype=torch.int64),
-        }
+        data = encode_pair_rows(self.tokenizer, a, b, y, self.seq_len, self.special_ids)
         atomic_torch_save(data, path)
         return data
 

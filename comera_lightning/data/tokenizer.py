@@ -38,6 +38,7 @@ __all__ = [
     "check_vocab_size",
     "encode_texts",
     "file_sha1",
+    "load_checked_tokenizer",
     "load_tokenizer",
     "min_bpe_vocab_size",
     "train_bpe_tokenizer",
@@ -212,6 +213,13 @@ def check_vocab_size(actual: int, requested: int, source: str) -> None:
             f"{source} has {actual} tokens but vocab_size={requested}; the model's embedding is built with "
             f"vocab_size, so set vocab_size >= {actual}"
         )
+
+
+def load_checked_tokenizer(path: str | os.PathLike[str], vocab_size: int) -> Any:
+    """:func:`load_tokenizer`, refused by :func:`check_vocab_size` when it has more than ``vocab_size`` tokens."""
+    tokenizer = load_tokenizer(path)
+    check_vocab_size(tokenizer.get_vocab_size(), vocab_size, f"tokenizer {str(Path(path).expanduser())!r}")
+    return tokenizer
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:

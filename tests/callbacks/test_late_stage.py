@@ -60,16 +60,22 @@ def test_reachable_ratio_target_does_not_warn(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- functions
-def test_scheduled_size_is_a_cubic_ramp():
+def test_scheduled_size_is_a_geometric_ramp():
     assert scheduled_size(100, 100, 50, 1000.0, 200.0) == 1000.0
     assert scheduled_size(50, 100, 50, 1000.0, 200.0) == 1000.0  # before the start
-    assert scheduled_size(125, 100, 50, 1000.0, 200.0) == pytest.approx(200 + 800 * 0.5**3)
-    assert scheduled_size(150, 100, 50, 1000.0, 200.0) == 200.0
-    assert scheduled_size(900, 100, 50, 1000.0, 200.0) == 200.0
+    assert scheduled_size(125, 100, 50, 1000.0, 200.0) == pytest.approx(math.sqrt(1000.0 * 200.0))
+    assert scheduled_size(150, 100, 50, 1000.0, 200.0) == pytest.approx(200.0)
+    # the same share of the remaining size goes in every step
+    shares = [scheduled_size(t + 1, 100, 50, 1000.0, 200.0) / scheduled_size(t, 100, 50, 1000.0, 200.0)
+              for t in range(100, 150)]
+    assert max(shares) - min(shares) < 1e-9
+    assert scheduled_size(900, 100, 50, 1000.0, 200.0) == pytest.approx(200.0)
     values = [scheduled_size(t, 0, 40, 1000.0, 200.0) for t in range(41)]
     assert all(a >= b for a, b in zip(values, values[1:]))
     with pytest.raises(ValueError, match="ramp_steps must be >= 1"):
         scheduled_size(0, 0, 0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        scheduled_size(0, 0, 5, 0.0, 1.0)
 
 
 def test_slice_importance_matches_hand_computation_and_ignores_gate_scaling():

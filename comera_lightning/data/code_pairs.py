@@ -1,0 +1,497 @@
+"""Code pairs: does this docstring describe this function? An MNLI-shaped task on local source files.
+
+The paper trains its six-encoder classifier on GLUE MNLI (two segments, three classes), which must be
+downloaded. This task has the same shape and is built offline from any tree of ``*.py`` files (default:
+the Python standard library of the running interpreter), so the classifier trains on real text anywhere.
+
+Examples. Every function or method (``def``/``async def``, nested ones too) with a docstring becomes an
+anchor when its docstring has at least :data:`MIN_DOC_WORDS` words and the code after the docstring at
+least :data:`MIN_BODY_TOKENS` tokens (files that do not parse are skipped). Segment A is the anchor's
+docstring (``ast.get_docstring``); segment B is a function's *body*: its source from the ``def`` line to
+its end without the docstring (decorators left out, blank lines dropped, dedented). Each anchor gives
+three examples, like each MNLI premise has three hypotheses, so the classes are exactly balanced:
+
+* 0 ``match``: the anchor's own body;
+* 1 ``same_module``: the body of another documented function of the same file;
+* 2 ``other_module``: the body of a documented function of another file of the same split.
+
+A negative never has the anchor's docstring or body text (duplicated code would make it a match).
+Anchors in a file with no other usable function give no examples (they still serve as negatives).
+
+Splits are BY FILE (``split_by_hash`` of the relative path, as for :class:`CodeMLMDataModule`): a
+validation example's docstring and both bodies come from validation files only. Which anchors and which
+negatives are drawn depends on ``seed`` (a numpy ``Generator`` per split) and on nothing else: files are
+sorted, functions kept in source order.
+
+Pairs are encoded like MNLI (:func:`~comera_lightning.data.glue.encode_pairs`): ``[CLS] docstring [SEP]
+body [SEP]``, truncated longest-first to ``seq_len`` (so a long docstring and a long body share it about
+evenly) and padded; each segment is first cut to ``8 * seq_len`` characters, which only saves tokenising
+text that truncation would drop.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .code_mlm import _read_text, stdlib_root
+from .common import (
+    TensorDictDataset,
+    atomic_torch_save,
+    cache_key,
+    discover_files,
+    fingerprint_files,
+    load_tensor_cache,
+    rows_loader,
+    split_by_hash,
+)
+from .glue import PairCollator, encode_pair_rows
+from .tokenizer import SpecialTokenIds, cached_bpe_tokenizer, file_sha1, load_checked_tokenizer, min_bpe_vocab_size
+
+__all__ = [
+    "CODE_PAIR_LABELS",
+    "CodePair",
+    "CodePairsDataModule",
+    "DocumentedFunction",
+    "MIN_BODY_TOKENS",
+    "MIN_DOC_WORDS",
+    "extract_documented_functions",
+    "make_code_pairs",
+]
+
+#: class names by label id
+CODE_PAIR_LABELS: tuple[str, ...] = ("match", "same_module", "other_module")
+#: an anchor's docstring needs at least this many whitespace-separated words
+MIN_DOC_WORDS = 3
+#: the code after the docstring needs at least this many tokens (identifiers, numbers, punctuation)
+MIN_BODY_TOKENS = 4
+#: each segment is cut to this many characters per ``seq_len`` position before tokenising
+CHARS_PER_POSITION = 8
+_EXTRACTION_VERSION = 1  # bump when extraction or pairing changes, so old caches are not reused
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+@dataclass(frozen=True)
+class DocumentedFunction:
+    """One usable function: where it is, its docstring and its body (source without the docstring)."""
+
+    path: str  #: relative POSIX path of its file
+    name: str  #: qualified name, e.g. ``Class.method`` or ``outer.<locals>.inner``
+    lineno: int  #: line of its ``def``
+    docstring: str
+    body: str
+
+
+@dataclass(frozen=True)
+class CodePair:
+    """One example: ``anchor``'s docstring (segment A), ``source``'s body (segment B) and the label."""
+
+    anchor: DocumentedFunction
+    source: DocumentedFunction
+    label: int
+
+    @property
+    def text_a(self) -> str:
+        return self.anchor.docstring
+
+    @property
+    def text_b(self) -> str:
+        return self.source.body
+
+
+def _function_nodes(tree: ast.Module) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualified name, node) of every function in ``tree``, in source order.
+
+    Iterative and statement-only: a ``def`` can only appear among statements, and recursing into deeply
+    nested expressions (long ``a + b + ...`` chains) could exceed Python's recursion limit.
+    """
+    found: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+    stack: list[tuple[ast.AST, str]] = [(tree, "")]
+    while stack:
+        node, prefix = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, child))
+                stack.append((child, f"{prefix}{child.name}.<locals>."))
+            elif isinstance(child, ast.ClassDef):
+                stack.append((child, f"{prefix}{child.name}."))
+            elif not isinstance(child, ast.expr):
+                stack.append((child, prefix))
+    found.sort(key=lambda item: (item[1].lineno, item[1].col_offset))
+    return found
+
+
+def extract_documented_functions(source: str, path: str = "") -> list[DocumentedFunction]:
+    """The usable documented functions of one file's source (``[]`` when it does not parse).
+
+    See the module docstring for what is usable and what the body is. ``path`` is only recorded.
+    """
+    text = source.replace("\r\n", "\n").replace("\r", "\n")  # the line breaks ast counts, and only those
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. invalid escape sequences in old code
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    data = text.encode("utf-8")  # ast columns are UTF-8 byte offsets
+    line_start = [0]
+    for line in text.split("\n"):
+        line_start.append(line_start[-1] + len(line.encode("utf-8")) + 1)
+
+    def offset(lineno: int, col: int) -> int:
+        return line_start[lineno - 1] + col
+
+    out: list[DocumentedFunction] = []
+    for name, node in _function_nodes(tree):
+        first = node.body[0]
+        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)) or len(node.body) < 2:
+            continue
+        docstring = ast.get_docstring(node, clean=True) or ""
+        end = offset(node.end_lineno or node.lineno, node.end_col_offset or 0)
+        code_after = data[offset(node.body[1].lineno, node.body[1].col_offset) : end].decode("utf-8", "replace")
+        if len(docstring.split()) < MIN_DOC_WORDS or len(_TOKEN.findall(code_after)) < MIN_BODY_TOKENS:
+            continue
+        head = data[line_start[node.lineno - 1] : offset(first.lineno, first.col_offset)]
+        tail = data[offset(first.end_lineno or first.lineno, first.end_col_offset or 0) : end]
+        stripped = tail.lstrip(b" \t")
+        if stripped.startswith(b";"):  # ``"""doc"""; statement`` on one line
+            tail = stripped[1:]
+        lines = (head + tail).decode("utf-8", "replace").split("\n")
+        indent = node.col_offset
+        body = "\n".join(
+            line[min(indent, len(line) - len(line.lstrip())) :].rstrip() for line in lines if line.strip()
+        )
+        out.append(DocumentedFunction(path, name, node.lineno, docstring, body))
+    return out
+
+
+def _distinct(a: DocumentedFunction, b: DocumentedFunction) -> bool:
+    """Whether ``b`` can be a negative for anchor ``a`` (neither its docstring nor its body repeats ``a``'s)."""
+    return a.docstring != b.docstring and a.body != b.body
+
+
+def make_code_pairs(
+    functions: Sequence[DocumentedFunction], rng: np.random.Generator, max_anchors: int | None = None
+) -> list[CodePair]:
+    """Three examples (match, same_module, other_module, in this order) per anchor, anchors in random order.
+
+    ``functions`` are one split's usable functions; anchors are visited in a permutation drawn from
+    ``rng`` and kept when both negatives exist, up to ``max_anchors``.
+    """
+    by_file: dict[str, list[int]] = {}
+    for i, fn in enumerate(functions):
+        by_file.setdefault(fn.path, []).append(i)
+    if len(by_file) < 2:
+        return []
+    pairs: list[CodePair] = []
+    for a in rng.permutation(len(functions)).tolist():
+        if max_anchors is not None and len(pairs) >= 3 * max_anchors:
+            break
+        anchor = functions[a]
+        same = [j for j in by_file[anchor.path] if _distinct(anchor, functions[j])]
+        if not same:
+            continue
+        same_fn = functions[same[int(rng.integers(len(same)))]]
+        other_fn = _draw_other(functions, anchor, rng)
+        if other_fn is None:
+            continue
+        pairs += [CodePair(anchor, anchor, 0), CodePair(anchor, same_fn, 1), CodePair(anchor, other_fn, 2)]
+    return pairs
+
+
+def _draw_other(
+    functions: Sequence[DocumentedFunction], anchor: DocumentedFunction, rng: np.random.Generator
+) -> DocumentedFunction | None:
+    """A uniformly drawn usable function of another file (``None`` if there is none)."""
+    for _ in range(32):  # rejection sampling: almost always done in one or two draws
+        fn = functions[int(rng.integers(len(functions)))]
+        if fn.path != anchor.path and _distinct(anchor, fn):
+            return fn
+    candidates = [fn for fn in functions if fn.path != anchor.path and _distinct(anchor, fn)]
+    return candidates[int(rng.integers(len(candidates)))] if candidates else None
+
+
+class CodePairsDataModule(pl.LightningDataModule):
+    """Docstring/body pair classification on a local tree of ``.py`` files (default: the standard library).
+
+    An offline stand-in for MNLI with the same batch layout, for :class:`~comera_lightning.lit.
+    SequenceClassification` with ``num_classes=3``. Segment A is a function's docstring, segment B a
+    function body; the label says whose body it is: 0 ``match`` (the same function), 1 ``same_module``
+    (another function of the same file), 2 ``other_module`` (a function of another file). The classes are
+    exactly balanced; see the module docstring for extraction, pairing and encoding.
+
+    ``prepare_data`` (local rank zero) trains and caches the tokenizer (byte-level BPE on the training
+    functions' docstrings and bodies) and the encoded splits under ``cache_dir``; ``setup`` loads them.
+    The cache key covers the files' paths and contents and every argument that changes the examples.
+
+    Batches (like :class:`MNLIDataModule`'s): ``input_ids``, ``attention_mask``, ``token_type_ids``
+    (B, seq_len) long and ``labels`` (B,) long.
+
+    Vocabulary size: ``vocab_size`` is an upper bound (a trained BPE never exceeds it), so a model built
+    with ``data.vocab_size`` always fits; ``vocab_size_actual`` is the tokenizer's real size.
+
+    Args:
+        root: folder searched recursively for ``*.py`` files; ``None`` is the standard library of the
+            running Python (installed packages never included).
+        include_tests: also use files in ``test``/``tests``/``idle_test`` directories.
+        max_files: keep only this many files (a deterministic, spread-out subset) for quick runs.
+        max_examples: at most this many training examples (rounded down to a multiple of 3, at least 3)
+            and proportionally many validation examples (``val_fraction / (1 - val_fraction)`` of it, at
+            least 3); ``None`` uses every anchor.
+        val_fraction: share of FILES held out for validation (by a stable hash of the path), in (0, 1).
+        vocab_size: BPE vocabulary size to train (upper bound of the real size).
+        seq_len: tokens per row, ``[CLS] docstring [SEP] body [SEP]`` after truncation, plus padding.
+        batch_size: pairs per batch.
+        cache_dir: where the tokenizer and the encoded splits are cached.
+        num_workers: DataLoader worker processes.
+        seed: seeds which anchors and negatives are drawn and the training shuffle (not the split, which
+            depends only on file paths).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        include_tests: bool = False,
+        max_files: int | None = None,
+        max_examples: int | None = None,
+        val_fraction: float = 0.1,
+        vocab_size: int = 8192,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        cache_dir: str = ".cache/comera",
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(
+                f"val_fraction must be in (0, 1) (the share of files held out for validation), got {val_fraction}"
+            )
+        if seq_len < 5:
+            raise ValueError(f"seq_len must be >= 5 ([CLS] docstring [SEP] body [SEP]), got {seq_len}")
+        if vocab_size < min_bpe_vocab_size():
+            raise ValueError(
+                f"vocab_size must be >= {min_bpe_vocab_size()} for a byte-level BPE (5 special tokens + 256 bytes), "
+                f"got {vocab_size}"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_files is not None and max_files < 4:
+            raise ValueError(
+                f"max_files must be >= 4 or None (each split needs two files with documented functions), got {max_files}"
+            )
+        if max_examples is not None and max_examples < 3:
+            raise ValueError(f"max_examples must be >= 3 (one example per class) or None, got {max_examples}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.root = root
+        self.include_tests = include_tests
+        self.max_files = max_files
+        self.max_examples = max_examples
+        self.val_fraction = val_fraction
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.cache_dir = cache_dir
+        self.num_workers = num_workers
+        self.seed = seed
+        self._files: tuple[list[str], list[str]] | None = None
+        self._fingerprints: dict[str, str] = {}
+        self._functions: dict[str, list[DocumentedFunction]] = {}
+        self._examples: dict[str, list[CodePair]] = {}
+        self._tokenizer_file: Path | None = None
+        self._tokenizer: Any = None
+        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
+        self.train_dataset: TensorDictDataset | None = None
+        self.val_dataset: TensorDictDataset | None = None
+
+    # ------------------------------------------------------------------ corpus and examples
+    @property
+    def corpus_root(self) -> Path:
+        """The resolved corpus folder."""
+        return Path(self.root if self.root is not None else stdlib_root()).expanduser()
+
+    def split_files(self) -> tuple[list[str], list[str]]:
+        """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
+        if self._files is None:
+            files = discover_files(self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files)
+            self._files = split_by_hash(files, self.val_fraction)
+        return self._files
+
+    def _fingerprint(self, split: str) -> str:
+        if split not in self._fingerprints:
+            train, val = self.split_files()
+            self._fingerprints[split] = fingerprint_files(self.corpus_root, train if split == "train" else val)
+        return self._fingerprints[split]
+
+    def functions(self, split: str) -> list[DocumentedFunction]:
+        """The usable documented functions of a split's files (``"train"`` or ``"val"``), files sorted."""
+        if split not in self._functions:
+            train, val = self.split_files()
+            root = self.corpus_root
+            found: list[DocumentedFunction] = []
+            for rel in train if split == "train" else val:
+                found += extract_documented_functions(_read_text(root / rel), rel)
+            self._functions[split] = found
+        return self._functions[split]
+
+    def _max_anchors(self, split: str) -> int | None:
+        if self.max_examples is None:
+            return None
+        train = max(1, self.max_examples // 3)
+        if split == "train":
+            return train
+        return max(1, round(train * self.val_fraction / (1.0 - self.val_fraction)))
+
+    def examples(self, split: str) -> list[CodePair]:
+        """A split's examples (``"train"`` or ``"val"``), unencoded; a clear error when there are none."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if split not in self._examples:
+            functions = self.functions(split)
+            rng = np.random.default_rng([self.seed, 0 if split == "train" else 1])
+            pairs = make_code_pairs(functions, rng, self._max_anchors(split))
+            if not pairs:
+                train, val = self.split_files()
+                files = train if split == "train" else val
+                n_files = len({fn.path for fn in functions})
+                name = "training" if split == "train" else "validation"
+                raise ValueError(
+                    f"no code-pair examples in the {name} split of {str(self.corpus_root)!r}: its {len(files)} file(s) "
+                    f"hold {len(functions)} usable documented function(s) in {n_files} file(s), but every split needs "
+                    "at least two files with documented functions and one file with two different ones (a function "
+                    f"is usable with a docstring of >= {MIN_DOC_WORDS} words and >= {MIN_BODY_TOKENS} tokens of code "
+                    "after it); point root= at a larger tree of documented Python code, raise max_files=, or change "
+                    "val_fraction= so that both splits get such files"
+                )
+            self._examples[split] = pairs
+        return self._examples[split]
+
+    # ------------------------------------------------------------------ tokenizer
+    def _clip(self, text: str) -> str:
+        return text[: CHARS_PER_POSITION * self.seq_len]
+
+    def _ensure_tokenizer_file(self) -> Path:
+        if self._tokenizer_file is None:
+            train, _ = self.split_files()
+
+            def texts() -> list[str]:
+                self.examples("train"), self.examples("val")  # an unusable tree fails before any training
+                return [self._clip(t) for fn in self.functions("train") for t in (fn.docstring, fn.body)]
+
+            self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
+                self.cache_dir,
+                "code-pairs",
+                {
+                    "corpus": self._fingerprint("train"),
+                    "files": len(train),
+                    "clip": CHARS_PER_POSITION * self.seq_len,
+                    "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS],
+                },
+                texts,
+                self.vocab_size,
+                add_prefix_space=False,
+            )
+        return self._tokenizer_file
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` (trained or loaded on first access)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_checked_tokenizer(self._ensure_tokenizer_file(), self.vocab_size)
+        return self._tokenizer
+
+    @property
+    def special_ids(self) -> SpecialTokenIds:
+        """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
+        return SpecialTokenIds.from_tokenizer(self.tokenizer, source=f"tokenizer {self._tokenizer_file}")
+
+    @property
+    def vocab_size_actual(self) -> int:
+        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
+        return int(self.tokenizer.get_vocab_size())
+
+    @property
+    def num_classes(self) -> int:
+        """3: ``match``, ``same_module``, ``other_module`` (:data:`CODE_PAIR_LABELS`)."""
+        return len(CODE_PAIR_LABELS)
+
+    # ------------------------------------------------------------------ encoding and caching
+    def _encoded_cache_path(self) -> Path:
+        key = cache_key(
+            {
+                "tokenizer": file_sha1(self._ensure_tokenizer_file()),
+                "train": self._fingerprint("train"),
+                "val": self._fingerprint("val"),
+                "val_fraction": self.val_fraction,
+                "max_examples": self.max_examples,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION],
+            }
+        )
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-pairs-{key}.pt"
+
+    def _encode(self, split: str) -> dict[str, torch.Tensor]:
+        pairs = self.examples(split)
+        return encode_pair_rows(
+            self.tokenizer,
+            [self._clip(p.text_a) for p in pairs],
+            [self._clip(p.text_b) for p in pairs],
+            [p.label for p in pairs],
+            self.seq_len,
+            self.special_ids,
+        )
+
+    def _load_or_build_encoded(self) -> dict[str, dict[str, torch.Tensor]]:
+        path = self._encoded_cache_path()
+        cached = load_tensor_cache(path)
+        if cached is not None:
+            return cached
+        data = {"train": self._encode("train"), "val": self._encode("val")}
+        atomic_torch_save(data, path)
+        return data
+
+    def prepare_data(self) -> None:
+        """Train/cache the tokenizer and build/encode/cache both splits (Lightning calls this on local rank 0)."""
+        self._load_or_build_encoded()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached tokenizer and encoded splits (building them when missing) and make the datasets."""
+        if self.train_dataset is not None:
+            return
+        _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
+        data = self._load_or_build_encoded()
+        self.train_dataset = TensorDictDataset(**data["train"])
+        self.val_dataset = TensorDictDataset(**data["val"])
+
+    # ------------------------------------------------------------------ loaders
+    def _loader(self, train: bool) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup(None)
+        dataset = self.train_dataset if train else self.val_dataset
+        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=PairCollator(),  # type: ignore[arg-type]
+                           train=train, seed=self.seed, num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training pairs (order a function of seed and epoch), resumable mid-epoch."""
+        return self._loader(train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation pairs in order (anchor by anchor, each anchor's three examples together)."""
+        return self._loader(train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation split again (there is no separate test split): ``comera test`` scores it."""
+        return self._loader(train=False)
