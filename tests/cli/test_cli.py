@@ -50,6 +50,9 @@ def _tiny_overrides(name: str, data_dir: Path) -> list[str]:
         overrides.append(f"--config={_callbacks_config(data_dir.parent, target_compression=3.0)}")
     if name.startswith("mnli"):
         overrides.append(f"--data.data_dir={data_dir}")
+    elif name == "code_pairs.yaml":  # validates by step in the config; per epoch with TINY_TRAINER's interval
+        overrides += ["--data.max_files=60", "--data.max_examples=300", "--data.val_fraction=0.25",
+                      "--trainer.check_val_every_n_epoch=1"]
     else:
         overrides += ["--data.max_files=15", "--data.max_sequences=400", "--data.val_fraction=0.2"]
     return overrides
@@ -137,3 +140,47 @@ def test_unknown_key_and_bad_type_fail_clearly(workdir, capsys):
     with pytest.raises(SystemExit):
         _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--trainer.max_steps=many")
     assert "max_steps" in capsys.readouterr().err
+
+
+def _small_source_tree(root: Path, n_files: int = 6) -> Path:
+    """A corpus of a few small text .py files: a source tree far smaller than the standard library."""
+    for i in range(n_files):
+        body = "\n".join(f"def func_{i}_{j}(value):\n    return value * {j} + {i}\n" for j in range(30))
+        path = root / f"pkg{i % 2}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'"""Module {i}."""\n\n{body}')
+    return root
+
+
+def test_quickstart_validates_by_global_step_across_epochs_on_a_small_corpus(workdir):
+    """A corpus with fewer batches per epoch than val_check_interval still trains and validates every
+    val_check_interval optimiser steps, across epoch boundaries (the config validates by global step)."""
+    root = _small_source_tree(workdir / "small_src")
+    overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
+    small = [f"--data.root={root}", "--data.max_files=null", "--data.max_sequences=40", "--data.val_fraction=0.2",
+             "--trainer.max_steps=21", "--trainer.val_check_interval=7", "--trainer.limit_val_batches=1",
+             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+             "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu", "--trainer.devices=1"]
+    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *small)
+    assert cli.trainer.num_training_batches == 5  # 40 rows / batch 8: fewer than val_check_interval
+    assert cli.trainer.global_step == 21 and cli.trainer.current_epoch >= 4
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    steps = [m.step for m in client.get_metric_history(cli.trainer.logger.run_id, "val/loss")]
+    # Lightning logs what happens after optimiser step k (its training loss, a validation) at logger step k - 1
+    assert [s + 1 for s in steps] == [7, 14, 21], f"validated after optimiser steps {[s + 1 for s in steps]}"
+
+
+def test_binary_corpus_is_refused_up_front_naming_the_files(workdir):
+    """A source tree of binary .py files fails before training with the files and the fix, not with
+    Lightning's unrelated val_check_interval message."""
+    root = workdir / "binary_src"
+    root.mkdir()
+    for i in range(7):
+        (root / f"blob{i}.py").write_bytes(bytes(range(256)) * 16)
+    overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
+    with pytest.raises(ValueError) as info:
+        _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER, f"--data.root={root}")
+    message = str(info.value)
+    assert "binary" in message and str(root) in message and "7 of the 7 file(s)" in message
+    assert "blob0.py, blob1.py, blob2.py, blob3.py, blob4.py and 2 more" in message
+    assert "root=" in message and "val_check_interval" not in message

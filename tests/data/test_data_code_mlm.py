@@ -208,6 +208,35 @@ def test_only_empty_files_raise(tmp_path):
         dm.prepare_data()
 
 
+def test_corpus_of_binary_files_is_refused_before_training(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(3):
+        (root / f"blob{i}.py").write_bytes(bytes(range(256)) * 8)  # NULs and invalid UTF-8
+    dm = CodeMLMDataModule(root=str(root), vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as info:
+        dm.prepare_data()
+    message = str(info.value)
+    assert "3 of the 3 file(s)" in message and "binary" in message and "blob0.py, blob1.py, blob2.py" in message
+    assert str(root) in message and "root=" in message
+    assert not (tmp_path / "cache").exists()  # refused before any tokenizer was trained
+
+
+def test_stray_binary_file_is_skipped_with_a_warning(tmp_path):
+    root = tmp_path / "corpus"
+    _write_corpus(root)
+    (root / "pkg" / "frozen.py").write_bytes(b"\x00\xff" * 500)
+    dm = CodeMLMDataModule(root=str(root), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.2,
+                           cache_dir=str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match=r"skipping 1 of 9 file\(s\).*pkg/frozen\.py"):
+        dm.prepare_data()
+    dm.setup("fit")
+    train, val = dm.split_files()
+    assert sorted(train + val) == [f"pkg/mod{i}.py" for i in range(8)]
+    text = dm.tokenizer.decode(dm.train_dataset.tensors["input_ids"][0].long().tolist())
+    assert "def func_" in text and "\ufffd" not in text
+
+
 def test_chunk_stream_layout():
     docs = [torch.arange(10, 17).numpy(), torch.arange(20, 23).numpy()]
     rows = chunk_stream(docs, 6, cls_id=2, sep_id=3, pad_id=0)

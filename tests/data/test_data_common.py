@@ -14,6 +14,8 @@ import pytest
 from comera_lightning.data import common
 from comera_lightning.data.common import (
     discover_files,
+    is_binary_bytes,
+    read_source_text,
     split_by_hash,
     stable_hash,
     stable_hash_many,
@@ -101,6 +103,56 @@ def test_discover_files_errors_name_the_path_and_the_fix(tmp_path, make):
         discover_files(root)
     assert str(root) in str(info.value)
     assert "root=" in str(info.value) or "pattern=" in str(info.value)
+
+
+#: bytes a source corpus must not hold: NULs and invalid UTF-8 (e.g. a compiled or encrypted file named .py)
+BINARY = bytes(range(256)) * 4
+
+
+def test_binary_means_not_utf8_or_containing_nul():
+    assert not is_binary_bytes("x = 'é'  # ünïcode\n".encode("utf-8")) and not is_binary_bytes(b"")
+    assert is_binary_bytes(b"x = 1\0\n")  # valid UTF-8, but a NUL byte
+    assert is_binary_bytes("x = 'é'\n".encode("latin-1"))  # no NUL, but not UTF-8
+    assert is_binary_bytes(BINARY)
+
+
+def test_discover_files_refuses_a_corpus_of_binary_files_naming_them(tmp_path):
+    root = tmp_path / "corpus"
+    for i in range(8):
+        _touch(root / f"blob{i}.py")
+        (root / f"blob{i}.py").write_bytes(BINARY)
+    with pytest.raises(ValueError) as info:
+        discover_files(root)
+    message = str(info.value)
+    assert str(root) in message and "8 of the 8 file(s)" in message and "binary" in message
+    assert "blob0.py, blob1.py, blob2.py, blob3.py, blob4.py and 3 more" in message
+    assert "root=" in message and "exclude" in message
+    # a majority of binary files is refused too: root most likely points at the wrong folder
+    _touch(root / "real.py")
+    with pytest.raises(ValueError, match=r"8 of the 9 file\(s\)"):
+        discover_files(root)
+    assert discover_files(root, text_only=False) == [f"blob{i}.py" for i in range(8)] + ["real.py"]
+
+
+def test_discover_files_skips_a_stray_binary_file_with_a_warning_naming_it(tmp_path):
+    for i in range(6):
+        _touch(tmp_path / "pkg" / f"m{i}.py")
+    (tmp_path / "pkg" / "compiled.py").write_bytes(BINARY)
+    (tmp_path / "pkg" / "nul.py").write_bytes(b"x = 1\0\n")
+    with pytest.warns(UserWarning, match=r"skipping 2 of 8 file\(s\).*binary.*pkg/compiled.py, pkg/nul.py") as rec:
+        found = discover_files(tmp_path)
+    assert found == [f"pkg/m{i}.py" for i in range(6)]
+    assert str(tmp_path) in str(rec[0].message) and "exclude" in str(rec[0].message)
+    with pytest.warns(UserWarning, match="pkg/compiled.py"):  # with max_files: among the selected files only
+        assert set(discover_files(tmp_path, max_files=8)) == {f"pkg/m{i}.py" for i in range(6)}
+
+
+def test_read_source_text_refuses_binary_bytes_naming_the_file(tmp_path):
+    _touch(tmp_path / "ok.py", "s = 'é'\n")
+    assert read_source_text(tmp_path / "ok.py") == "s = 'é'\n"
+    (tmp_path / "bad.py").write_bytes(BINARY)
+    with pytest.raises(ValueError, match=r"bad\.py.*binary"):
+        read_source_text(tmp_path / "bad.py")
 
 
 def test_split_by_hash_disjoint_stable_and_insensitive_to_other_files():
