@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-STUDIES = ("mlm", "dlrm")
+STUDIES = ("mlm", "pairs", "dlrm")
 METHODS = ("dense", "comera", "comera-paper", "comera-norm")
 DEFAULT_METHODS = ("dense", "comera")
 PROTOCOLS = ("steps", "time", "matched")
@@ -175,7 +175,29 @@ def dlrm_spec(quick: bool = False) -> StudySpec:
     return spec
 
 
-SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "dlrm": dlrm_spec}
+def pairs_spec(quick: bool = False) -> StudySpec:
+    """The pair task: configs/code_pairs.yaml's classifier on docstring/body pairs of the standard library.
+
+    Two encoder layers instead of the config's six, so that three seeds of every method fit the CPU budget.
+    """
+    task = dict(vocab_size=2048, num_classes=3, d_model=128, num_heads=4, d_ff=512, num_layers=2, max_len=128,
+                dropout=0.1, rank=32, embedding_rank=32, min_features=64,
+                dense_layers="position_embeddings|token_type_embeddings|classifier",
+                lr_cores=1e-3, lr_gates=5e-3, lr_other=1e-3, warmup_steps=100)
+    data = dict(vocab_size=2048, seq_len=128, batch_size=32)
+    rank = dict(gamma=0.005, target_compression=20.0, truncate_every_n_steps=50, min_dead_fraction=0.2)
+    spec = StudySpec("pairs", task, data, rank, steps=2000, budget_s=240.0, val_every=200, limit_val_batches=20,
+                     metric="val/accuracy", secondary="val/loss", higher_is_better=True, late_fraction=0.4)
+    if quick:
+        spec.task_kwargs.update(vocab_size=512, d_model=64, d_ff=128, num_layers=1, max_len=64, rank=8,
+                                embedding_rank=8, warmup_steps=5)
+        spec.data_kwargs.update(vocab_size=512, seq_len=64, batch_size=16, max_files=40)
+        spec.rank_kwargs.update(truncate_every_n_steps=5, target_compression=None, target_size_ratio=0.5)
+        spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 30, 6.0, 10, 4
+    return spec
+
+
+SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs_spec, "dlrm": dlrm_spec}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -184,10 +206,11 @@ SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "dlrm": dlrm_s
 
 def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     """The study's datamodule, prepared and set up once (every run then reads the very same tensors)."""
-    from comera_lightning.data import CodeMLMDataModule, CriteoDataModule
+    from comera_lightning.data import CodeMLMDataModule, CodePairsDataModule, CriteoDataModule
 
-    if spec.name == "mlm":
-        dm = CodeMLMDataModule(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
+    if spec.name in ("mlm", "pairs"):
+        cls = CodeMLMDataModule if spec.name == "mlm" else CodePairsDataModule
+        dm = cls(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
         dm.prepare_data()
     else:
         dm = CriteoDataModule(**spec.data_kwargs, seed=spec.seed)
@@ -197,22 +220,33 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
 
 def build_task(spec: StudySpec, method: str):
     """The LightningModule for ``method``: identical except TT (comera) or plain (dense) layers."""
-    from comera_lightning.lit import ClickThrough, MaskedLM
+    from comera_lightning.lit import ClickThrough, MaskedLM, SequenceClassification
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     tt = method.startswith("comera")
     torch.manual_seed(spec.seed)
-    cls = MaskedLM if spec.name == "mlm" else ClickThrough
+    cls = {"mlm": MaskedLM, "pairs": SequenceClassification, "dlrm": ClickThrough}[spec.name]
     return cls(**spec.task_kwargs, tt_linears=tt, tt_embeddings=tt)
 
 
 def baseline_metrics(spec: StudySpec, dm) -> dict[str, float]:
     """What a model without inputs scores on the same validation batches: the floor a run must beat.
 
-    MLM: accuracy of always predicting the most frequent (non-special) training token. DLRM: log-loss of
-    predicting the training click rate everywhere (AUC 0.5).
+    MLM: accuracy of always predicting the most frequent (non-special) training token. Pairs: accuracy of
+    always predicting the most frequent training label. DLRM: log-loss of predicting the training click
+    rate everywhere (AUC 0.5).
     """
+    if spec.name == "pairs":
+        train_labels = dm.train_dataset.tensors["labels"].long()
+        mode = int(torch.bincount(train_labels).argmax())
+        hits = total = 0
+        for i, batch in enumerate(dm.val_dataloader()):
+            if spec.limit_val_batches is not None and i >= spec.limit_val_batches:
+                break
+            hits += int((batch["labels"] == mode).sum())
+            total += batch["labels"].numel()
+        return {"majority_accuracy": hits / max(total, 1), "val_pairs": total}
     if spec.name == "mlm":
         special = torch.as_tensor(dm.special_ids.all())
         ids = dm.train_dataset.tensors["input_ids"].long().flatten()
@@ -591,6 +625,9 @@ def markdown(result: dict[str, Any]) -> str:
     if result["study"] == "mlm":
         lines.append(f"Floor: always predicting the most frequent token scores accuracy "
                      f"{base['unigram_accuracy']:.4f} on the same {base['val_masked_tokens']} masked tokens.")
+    elif result["study"] == "pairs":
+        lines.append(f"Floor: always predicting the most frequent label scores accuracy "
+                     f"{base['majority_accuracy']:.4f} on the same {base['val_pairs']} pairs.")
     else:
         lines.append(f"Floor: predicting the training click rate ({base['train_click_rate']:.3f}) everywhere gives "
                      f"log-loss {base['constant_logloss']:.4f} and AUC 0.5 on the same {base['val_rows']} rows.")
