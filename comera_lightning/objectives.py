@@ -160,14 +160,16 @@ def plan_rank_cuts(
     parameters_to_remove: float,
     max_cut_fraction: float,
 ) -> list[list[int]]:
-    """Which active slices to cut so that about ``parameters_to_remove`` parameters go, least important first.
+    """Which active slices to cut so that about ``parameters_to_remove`` parameters go, cheapest first.
 
-    Bonds of different layers are compared by relative importance (a slice's importance over the mean of
-    its bond's active slices), so a layer's overall scale does not decide. Each bond loses at most
+    A slice's cost is its importance per parameter it frees (``importance / slice_parameters``), so a
+    greedy pass removes the least importance for the size it buys: slices of a small outer bond, which
+    hold few parameters, go only when they carry little. Importances must be comparable across bonds
+    (e.g. Taylor saliencies, in loss units). Each bond loses at most
     ``max(1, floor(max_cut_fraction * active))`` slices per call and always keeps one.
 
     Args:
-        importances: per bond, :func:`slice_importance`.
+        importances: per bond, one non-negative value per slice (masked slices are ignored).
         masks: per bond, the boolean active mask.
         slice_parameters: per bond, the parameters one slice holds (:func:`bond_weights`).
         parameters_to_remove: how many parameters the cuts should free (<= 0: none).
@@ -191,9 +193,8 @@ def plan_rank_cuts(
         allowance.append(0 if n <= 1 else min(n - 1, max(1, math.floor(max_cut_fraction * n))))
         if n <= 1:
             continue
-        values = importance.detach().float()[active]
-        relative = values / values.mean().clamp_min(1e-30)
-        candidates += [(float(r), k, int(j)) for r, j in zip(relative, active)]
+        cost = importance.detach().float()[active] / max(float(slice_parameters[k]), 1e-30)
+        candidates += [(float(c), k, int(j)) for c, j in zip(cost, active)]
     freed = 0.0
     for _, k, j in sorted(candidates):
         if freed >= parameters_to_remove:

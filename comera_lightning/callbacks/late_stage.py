@@ -110,7 +110,8 @@ class ScheduledLateStage(LateStagePolicy):
             the first-order change of the loss if gate ``d_j`` went to zero (the gate is a multiplicative
             mask on its slice, so this is exactly what removing the slice costs to first order), averaged
             over ``saliency_smoothing``; ``"norm"``: the product of the slice's core norms
-            (:func:`~comera_lightning.objectives.slice_importance`), which needs no gradients.
+            (:func:`~comera_lightning.objectives.slice_importance`) relative to its bond's mean, which needs
+            no gradients. Either way a cut takes the slices with the least importance per parameter freed.
         saliency_smoothing: EMA factor of the Taylor saliency.
     """
 
@@ -216,8 +217,10 @@ class ScheduledLateStage(LateStagePolicy):
         out = []
         for i, layer in enumerate(layers):
             if self.importance == "norm":
+                # norms of different layers are not comparable: each slice relative to its bond's mean
                 with torch.no_grad():
-                    out += slice_importance(layer.gated_cores(), layer.rank_masks)
+                    for value, mask in zip(slice_importance(layer.gated_cores(), layer.rank_masks), layer.rank_masks):
+                        out.append(value / value[mask].mean().clamp_min(1e-30))
                 continue
             for k, mask in enumerate(layer.rank_masks):
                 value = self.saliency.get(f"{i}.{k}")

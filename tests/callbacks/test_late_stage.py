@@ -14,6 +14,7 @@ from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.objectives import (
+    bond_weights,
     compressible_target_size,
     minimum_train_size,
     plan_rank_cuts,
@@ -104,8 +105,12 @@ def test_plan_rank_cuts_takes_least_important_first_within_the_bound():
     # bond 0 may lose max(1, floor(0.2 * 10)) = 2 slices, bond 1 max(1, floor(0.2 * 3)) = 1
     cuts = plan_rank_cuts(importances, masks, [10.0, 10.0], 1e9, 0.2)
     assert cuts == [[1, 4], [1]]
-    # only as many as the parameters asked for, least important (relative to the bond mean) first
+    # only as many as the parameters asked for, least important first
     assert plan_rank_cuts(importances, masks, [10.0, 10.0], 10.0, 0.2) == [[1], []]
+    # importance per parameter freed: a slice holding 100 parameters at importance 0.5 goes before one
+    # holding a single parameter at importance 0.2
+    two = [torch.tensor([0.5, 1.0]), torch.tensor([0.2, 1.0])]
+    assert plan_rank_cuts(two, [torch.ones(2, dtype=torch.bool)] * 2, [100.0, 1.0], 50.0, 1.0) == [[0], []]
     assert plan_rank_cuts(importances, masks, [10.0, 10.0], 0.0, 0.2) == [[], []]
     # masked slices are never candidates, and a bond always keeps one active slice
     single = [torch.tensor([0.0, 0.5, 0.0])]
@@ -211,8 +216,9 @@ def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_tr
     for k in range(layer.num_bonds):
         expected = 0.25 * grads[0][k] + 0.25 * grads[1][k] + 0.5 * grads[2][k]
         torch.testing.assert_close(policy.saliency[f"0.{k}"], expected)
-    # the slice with the lowest saliency relative to its bond's mean is cut first
-    relative = {(k, j): float(v[j] / v.mean()) for k in range(layer.num_bonds)
+    # the slice with the lowest saliency per parameter it holds is cut first
+    per_slice = bond_weights(layer.mode_sizes, layer.active_ranks)
+    relative = {(k, j): float(v[j] / per_slice[k]) for k in range(layer.num_bonds)
                 for v in [policy.saliency[f"0.{k}"]] for j in range(v.numel())}
     bond, lowest = min(relative, key=relative.get)
     policy.start(0, layer.active_parameters(), layer.active_parameters() - 1, None)
