@@ -726,6 +726,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-compression", type=float, default=None, help="late-stage size target")
     p.add_argument("--d-model", type=int, default=None,
                    help="encoder width (heads d/32, d_ff 4d); default the study's (128)")
+    p.add_argument("--batch-size", type=int, default=None, help="training batch size; default the study's")
     p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
@@ -761,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         if args.late_fraction is not None:
             spec.late_fraction = args.late_fraction
+        if args.batch_size is not None:
+            if args.batch_size < 1:
+                parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+            spec.data_kwargs.update(batch_size=args.batch_size)
         if args.target_compression is not None:
             spec.rank_kwargs.update(target_compression=args.target_compression)
         if args.d_model is not None:

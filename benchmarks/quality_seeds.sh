@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The seeded quality study of docs/results.md ("Quality: rank adaptation that keeps accuracy"): every run of
+# quality_study.py, on two lanes of one torch thread each (a 2-core machine), then the aggregates.
+#   bash benchmarks/quality_seeds.sh [out-dir]        # about 60-90 minutes on 2 cores
+# Each run writes its JSON as it goes (*.partial.json), so a cut-off study keeps what finished.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-benchmarks/results/quality_seeds}
+mkdir -p "$OUT"
+Q="python benchmarks/quality_study.py --threads 1 --out-dir $OUT"
+
+lane_a() {
+  for seed in 0 1 2; do
+    $Q --study mlm --protocol steps --methods dense comera comera-paper --seed "$seed" --tag "_s$seed"
+  done
+  for seed in 0 1 2; do
+    # the width where a CoMERA step is clearly cheaper: the same wall-clock for both (matched protocol)
+    $Q --study mlm --d-model 512 --batch-size 16 --steps 500 --val-every 100 --target-compression 50 \
+       --protocol matched --methods dense comera --seed "$seed" --tag "_d512_s$seed"
+  done
+}
+
+lane_b() {
+  for seed in 0 1 2; do
+    methods="dense comera"
+    [ "$seed" = 0 ] && methods="dense comera comera-paper"
+    $Q --study pairs --protocol steps --methods $methods --seed "$seed" --tag "_s$seed"
+  done
+}
+
+lane_a > "$OUT/lane_a.log" 2>&1 &
+lane_b > "$OUT/lane_b.log" 2>&1 &
+wait
+
+S="python benchmarks/quality_seeds.py"
+$S "$OUT"/quality_mlm_s?.json --protocol steps --out "$OUT/mlm_steps"
+$S "$OUT"/quality_pairs_s?.json --protocol steps --out "$OUT/pairs_steps"
+$S "$OUT"/quality_mlm_d512_s?.json --protocol matched --out "$OUT/mlm_d512_matched"
