@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.cli import ComeraCLI
 from comera_lightning.data import write_synthetic_mnli
 from comera_lightning.nn import tt_layers
@@ -184,3 +184,22 @@ def test_binary_corpus_is_refused_up_front_naming_the_files(workdir):
     assert "binary" in message and str(root) in message and "7 of the 7 file(s)" in message
     assert "blob0.py, blob1.py, blob2.py, blob3.py, blob4.py and 2 more" in message
     assert "root=" in message and "val_check_interval" not in message
+
+
+@pytest.mark.parametrize("late_stage", [
+    "paper",
+    '{"class_path": "comera_lightning.callbacks.ScheduledLateStage", '
+    '"init_args": {"ramp_steps": 8, "cut_every_n_steps": 2, "max_cut_fraction": 0.5}}',
+])
+def test_late_stage_policy_from_yaml(workdir, late_stage):
+    overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
+    config = _callbacks_config(workdir, late_start_step=4, target_compression=15.0, late_stage=late_stage)
+    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
+               "--trainer.max_steps=16", "--trainer.limit_train_batches=16", f"--config={config}")
+    adaptation = next(c for c in cli.trainer.callbacks if isinstance(c, RankAdaptation))
+    assert adaptation.stage == 1
+    if late_stage == "paper":
+        assert isinstance(adaptation.late_stage, PaperLateStage)
+    else:
+        assert isinstance(adaptation.late_stage, ScheduledLateStage) and adaptation.late_stage.ramp == 8
+        assert adaptation.late_stage.slices_cut > 0
