@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # The seeded quality study of docs/results.md ("Quality: rank adaptation that keeps accuracy"): every run of
 # quality_study.py, on two lanes of one torch thread each (a 2-core machine), then the aggregates.
-#   bash benchmarks/quality_seeds.sh [out-dir]        # about 60-90 minutes on 2 cores
-# Each run writes its JSON as it goes (*.partial.json), so a cut-off study keeps what finished.
-set -euo pipefail
+#   . .venv/bin/activate && bash benchmarks/quality_seeds.sh [out-dir]     # about 60-90 minutes on 2 cores
+# Each run writes its JSON as it goes (*.partial.json), so a cut-off study keeps what finished; a failed run
+# is reported in its lane's log and the lane goes on with the next one.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/quality_seeds}
 mkdir -p "$OUT"
+python -c "import torch, comera_lightning" || { echo "activate the project's environment first"; exit 2; }
 Q="python benchmarks/quality_study.py --threads 1 --out-dir $OUT"
 
 lane_a() {
   for seed in 0 1 2; do
-    $Q --study mlm --protocol steps --methods dense comera comera-paper --seed "$seed" --tag "_s$seed"
+    $Q --study mlm --protocol steps --methods dense comera comera-paper --seed "$seed" --tag "_s$seed" \
+      || echo "FAILED: mlm seed $seed"
   done
   for seed in 0 1 2; do
     # the width where a CoMERA step is clearly cheaper: the same wall-clock for both (matched protocol)
     $Q --study mlm --d-model 512 --batch-size 16 --steps 500 --val-every 100 --target-compression 50 \
-       --protocol matched --methods dense comera --seed "$seed" --tag "_d512_s$seed"
+       --protocol matched --methods dense comera --seed "$seed" --tag "_d512_s$seed" || echo "FAILED: d512 seed $seed"
   done
 }
 
@@ -24,7 +27,7 @@ lane_b() {
   for seed in 0 1 2; do
     methods="dense comera"
     [ "$seed" = 0 ] && methods="dense comera comera-paper"
-    $Q --study pairs --protocol steps --methods $methods --seed "$seed" --tag "_s$seed"
+    $Q --study pairs --protocol steps --methods $methods --seed "$seed" --tag "_s$seed" || echo "FAILED: pairs seed $seed"
   done
 }
 
