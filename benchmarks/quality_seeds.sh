@@ -12,20 +12,15 @@ mkdir -p "$OUT"
 python -c "import torch, comera_lightning" || { echo "activate the project's environment first"; exit 2; }
 Q="python benchmarks/quality_study.py --threads 1 --out-dir $OUT"
 
-# the research code's late stage (comera-paper) for seed 0 only: it went to the floor on every trial
-lane_a() {
-  for seed in ${MLM_SEEDS:-0 1 2}; do
+# one study over its seeds; the research code's late stage (comera-paper) for seed 0 only: it went to the
+# floor on every trial
+lane() {
+  local study=$1 seeds=$2
+  for seed in $seeds; do
     methods="dense comera"
     [ "$seed" = 0 ] && methods="dense comera comera-paper"
-    $Q --study mlm --protocol steps --methods $methods --seed "$seed" --tag "_s$seed" || echo "FAILED: mlm seed $seed"
-  done
-}
-
-lane_b() {
-  for seed in ${PAIR_SEEDS:-0 1 2}; do
-    methods="dense comera"
-    [ "$seed" = 0 ] && methods="dense comera comera-paper"
-    $Q --study pairs --protocol steps --methods $methods --seed "$seed" --tag "_s$seed" || echo "FAILED: pairs seed $seed"
+    $Q --study "$study" --protocol steps --methods $methods --seed "$seed" --tag "_s$seed" \
+      || echo "FAILED: $study seed $seed"
   done
 }
 
@@ -37,8 +32,8 @@ lane_wide() {
   done
 }
 
-lane_a > "$OUT/lane_a.log" 2>&1 &
-lane_b > "$OUT/lane_b.log" 2>&1 &
+lane mlm "${MLM_SEEDS:-0 1 2}" > "$OUT/lane_mlm.log" 2>&1 &
+lane pairs "${PAIR_SEEDS:-0 1 2}" > "$OUT/lane_pairs.log" 2>&1 &
 wait
 if [ -n "${WIDE_SEEDS-0 1 2}" ]; then lane_wide > "$OUT/lane_wide.log" 2>&1; fi
 
