@@ -171,12 +171,13 @@ class ScheduledLateStage(LateStagePolicy):
     def start(self, step: int, size: float, target_size: float, total_steps: int | None) -> None:
         if self.ramp_steps is not None:
             ramp = self.ramp_steps
-        elif total_steps is not None and math.isfinite(total_steps) and total_steps > step:
+        elif total_steps is not None and math.isfinite(total_steps):
+            # a switch at the very end leaves nothing to schedule: one step, which never comes
             ramp = max(1, round(self.ramp_fraction * (total_steps - step)))
         else:
             raise ValueError(
                 "ScheduledLateStage cannot size its schedule: the run's length is unknown (no max_steps / "
-                "max_epochs) or already over at the switch; set ramp_steps"
+                "max_epochs, e.g. max_time only); set ramp_steps"
             )
         self.start_step, self.start_size, self.target_size, self.ramp = step, float(size), float(target_size), ramp
 

@@ -183,6 +183,17 @@ def test_scheduled_policy_pauses_while_the_loss_recovers():
 def test_scheduled_policy_needs_a_known_length():
     with pytest.raises(ValueError, match="run's length is unknown .* set ramp_steps"):
         ScheduledLateStage().start(10, 100.0, 50.0, None)
+    with pytest.raises(ValueError, match="run's length is unknown"):
+        ScheduledLateStage().start(10, 100.0, 50.0, float("inf"))
+    policy = ScheduledLateStage()
+    policy.start(10, 100.0, 50.0, 100)
+    assert policy.ramp == round(0.6 * 90)
+
+
+def test_switch_on_the_last_step_is_harmless(tmp_path):
+    callback = RankAdaptation(late_start_step=4, target_compression=6.0)
+    _trainer(tmp_path, [callback], max_steps=4).fit(TinyRegressor(), regression_loader())
+    assert callback.stage == 1 and callback.late_stage.ramp == 1
 
 
 def test_policy_state_round_trips_through_the_callback():
