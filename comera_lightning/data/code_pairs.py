@@ -15,7 +15,8 @@ three examples, like each MNLI premise has three hypotheses, so the classes are 
 * 1 ``same_module``: the body of another documented function of the same file;
 * 2 ``other_module``: the body of a documented function of another file of the same split.
 
-A negative never has the anchor's docstring or body text (duplicated code would make it a match).
+A negative never has the anchor's docstring or body text (duplicated code would make it a match), nor
+is it a function nested in the anchor or the one the anchor is nested in.
 Anchors in a file with no other usable function give no examples (they still serve as negatives).
 
 Splits are BY FILE (``split_by_hash`` of the relative path, as for :class:`CodeMLMDataModule`): a
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .code_mlm import _read_text, stdlib_root
+from .code_mlm import stdlib_root
 from .common import (
     TensorDictDataset,
     atomic_torch_save,
@@ -51,6 +52,7 @@ from .common import (
     discover_files,
     fingerprint_files,
     load_tensor_cache,
+    read_source_text,
     rows_loader,
     split_by_hash,
 )
@@ -87,6 +89,7 @@ class DocumentedFunction:
     path: str  #: relative POSIX path of its file
     name: str  #: qualified name, e.g. ``Class.method`` or ``outer.<locals>.inner``
     lineno: int  #: line of its ``def``
+    end_lineno: int  #: its last line
     docstring: str
     body: str
 
@@ -171,13 +174,15 @@ def extract_documented_functions(source: str, path: str = "") -> list[Documented
         body = "\n".join(
             line[min(indent, len(line) - len(line.lstrip())) :].rstrip() for line in lines if line.strip()
         )
-        out.append(DocumentedFunction(path, name, node.lineno, docstring, body))
+        out.append(DocumentedFunction(path, name, node.lineno, node.end_lineno or node.lineno, docstring, body))
     return out
 
 
 def _distinct(a: DocumentedFunction, b: DocumentedFunction) -> bool:
-    """Whether ``b`` can be a negative for anchor ``a`` (neither its docstring nor its body repeats ``a``'s)."""
-    return a.docstring != b.docstring and a.body != b.body
+    """Whether ``b`` can be a negative for anchor ``a``: neither its docstring nor its body repeats ``a``'s,
+    and neither function contains the other (an outer function's body holds its nested functions' code)."""
+    nested = a.path == b.path and (a.lineno <= b.lineno <= a.end_lineno or b.lineno <= a.lineno <= b.end_lineno)
+    return not nested and a.docstring != b.docstring and a.body != b.body
 
 
 def make_code_pairs(
@@ -224,11 +229,11 @@ def _draw_other(
 class CodePairsDataModule(pl.LightningDataModule):
     """Docstring/body pair classification on a local tree of ``.py`` files (default: the standard library).
 
-    An offline stand-in for MNLI with the same batch layout, for :class:`~comera_lightning.lit.
-    SequenceClassification` with ``num_classes=3``. Segment A is a function's docstring, segment B a
-    function body; the label says whose body it is: 0 ``match`` (the same function), 1 ``same_module``
-    (another function of the same file), 2 ``other_module`` (a function of another file). The classes are
-    exactly balanced; see the module docstring for extraction, pairing and encoding.
+    An offline stand-in for MNLI with the same batch layout, for
+    :class:`~comera_lightning.lit.SequenceClassification` with ``num_classes=3``. Segment A is a function's
+    docstring, segment B a function body; the label says whose body it is: 0 ``match`` (the same function), 1
+    ``same_module`` (another function of the same file), 2 ``other_module`` (a function of another file). The
+    classes are exactly balanced; see the module docstring for extraction, pairing and encoding.
 
     ``prepare_data`` (local rank zero) trains and caches the tokenizer (byte-level BPE on the training
     functions' docstrings and bodies) and the encoded splits under ``cache_dir``; ``setup`` loads them.
@@ -242,7 +247,9 @@ class CodePairsDataModule(pl.LightningDataModule):
 
     Args:
         root: folder searched recursively for ``*.py`` files; ``None`` is the standard library of the
-            running Python (installed packages never included).
+            running Python (installed packages never included). Files are found and read as for
+            :class:`CodeMLMDataModule` (``discover_files``, ``read_source_text``): a few binary files are
+            skipped with a warning naming them, a mostly binary tree is refused.
         include_tests: also use files in ``test``/``tests``/``idle_test`` directories.
         max_files: keep only this many files (a deterministic, spread-out subset) for quick runs.
         max_examples: at most this many training examples (rounded down to a multiple of 3, at least 3)
@@ -281,14 +288,15 @@ class CodePairsDataModule(pl.LightningDataModule):
             raise ValueError(f"seq_len must be >= 5 ([CLS] docstring [SEP] body [SEP]), got {seq_len}")
         if vocab_size < min_bpe_vocab_size():
             raise ValueError(
-                f"vocab_size must be >= {min_bpe_vocab_size()} for a byte-level BPE (5 special tokens + 256 bytes), "
-                f"got {vocab_size}"
+                f"vocab_size must be >= {min_bpe_vocab_size()} for a byte-level BPE (5 special tokens + 256 "
+                f"bytes), got {vocab_size}"
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_files is not None and max_files < 4:
             raise ValueError(
-                f"max_files must be >= 4 or None (each split needs two files with documented functions), got {max_files}"
+                "max_files must be >= 4 or None (each split needs two files with documented functions), "
+                f"got {max_files}"
             )
         if max_examples is not None and max_examples < 3:
             raise ValueError(f"max_examples must be >= 3 (one example per class) or None, got {max_examples}")
@@ -325,7 +333,9 @@ class CodePairsDataModule(pl.LightningDataModule):
     def split_files(self) -> tuple[list[str], list[str]]:
         """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
         if self._files is None:
-            files = discover_files(self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files)
+            files = discover_files(
+                self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files
+            )
             self._files = split_by_hash(files, self.val_fraction)
         return self._files
 
@@ -342,7 +352,7 @@ class CodePairsDataModule(pl.LightningDataModule):
             root = self.corpus_root
             found: list[DocumentedFunction] = []
             for rel in train if split == "train" else val:
-                found += extract_documented_functions(_read_text(root / rel), rel)
+                found += extract_documented_functions(read_source_text(root / rel), rel)
             self._functions[split] = found
         return self._functions[split]
 
@@ -368,12 +378,12 @@ class CodePairsDataModule(pl.LightningDataModule):
                 n_files = len({fn.path for fn in functions})
                 name = "training" if split == "train" else "validation"
                 raise ValueError(
-                    f"no code-pair examples in the {name} split of {str(self.corpus_root)!r}: its {len(files)} file(s) "
-                    f"hold {len(functions)} usable documented function(s) in {n_files} file(s), but every split needs "
-                    "at least two files with documented functions and one file with two different ones (a function "
-                    f"is usable with a docstring of >= {MIN_DOC_WORDS} words and >= {MIN_BODY_TOKENS} tokens of code "
-                    "after it); point root= at a larger tree of documented Python code, raise max_files=, or change "
-                    "val_fraction= so that both splits get such files"
+                    f"no code-pair examples in the {name} split of {str(self.corpus_root)!r}: its {len(files)} "
+                    f"file(s) hold {len(functions)} usable documented function(s) in {n_files} file(s), but every "
+                    "split needs at least two files with documented functions and one file with two different ones "
+                    f"(a function is usable with a docstring of >= {MIN_DOC_WORDS} words and >= {MIN_BODY_TOKENS} "
+                    "tokens of code after it); point root= at a larger tree of documented Python code, raise "
+                    "max_files=, or change val_fraction= so that both splits get such files"
                 )
             self._examples[split] = pairs
         return self._examples[split]
