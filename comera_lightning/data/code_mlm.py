@@ -42,9 +42,8 @@ from .common import (
     split_by_hash,
 )
 from .tokenizer import (
-    SpecialTokenIds,
+    TokenizerLifecycle,
     cached_bpe_tokenizer,
-    check_vocab_size,
     encode_texts,
     file_sha1,
     load_tokenizer,
@@ -239,7 +238,7 @@ def _compact(t: torch.Tensor, vocab: int) -> torch.Tensor:
     return t.to(torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32)
 
 
-class CodeMLMDataModule(pl.LightningDataModule):
+class CodeMLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
     """Masked-LM batches from a local corpus of source files (default: the Python standard library).
 
     ``prepare_data`` (local rank zero) trains and caches the tokenizer and the encoded splits; ``setup``
@@ -275,6 +274,8 @@ class CodeMLMDataModule(pl.LightningDataModule):
         seed: seeds the training shuffle, the training masks, the validation masks and the
             ``max_sequences`` subset (not the split, which depends only on file paths).
     """
+
+    require_mask = True
 
     def __init__(
         self,
@@ -376,27 +377,6 @@ class CodeMLMDataModule(pl.LightningDataModule):
                     add_prefix_space=False,
                 )
         return self._tokenizer_file
-
-    @property
-    def tokenizer(self) -> Any:
-        """The ``tokenizers.Tokenizer`` (trained or loaded on first access)."""
-        if self._tokenizer is None:
-            path = self._ensure_tokenizer_file()
-            tok = load_tokenizer(path)
-            check_vocab_size(tok.get_vocab_size(), self.vocab_size, f"tokenizer {str(path)!r}")
-            self._tokenizer = tok
-        return self._tokenizer
-
-    @property
-    def special_ids(self) -> SpecialTokenIds:
-        """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
-        source = f"tokenizer {self._tokenizer_file}"
-        return SpecialTokenIds.from_tokenizer(self.tokenizer, require_mask=True, source=source)
-
-    @property
-    def vocab_size_actual(self) -> int:
-        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
-        return int(self.tokenizer.get_vocab_size())
 
     # ------------------------------------------------------------------ encoding and caching
     def _encoded_cache_path(self) -> Path:

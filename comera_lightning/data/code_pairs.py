@@ -57,7 +57,7 @@ from .common import (
     split_by_hash,
 )
 from .glue import PairCollator, encode_pair_rows
-from .tokenizer import SpecialTokenIds, cached_bpe_tokenizer, file_sha1, load_checked_tokenizer, min_bpe_vocab_size
+from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, file_sha1, min_bpe_vocab_size
 
 __all__ = [
     "CODE_PAIR_LABELS",
@@ -226,7 +226,7 @@ def _draw_other(
     return candidates[int(rng.integers(len(candidates)))] if candidates else None
 
 
-class CodePairsDataModule(pl.LightningDataModule):
+class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
     """Docstring/body pair classification on a local tree of ``.py`` files (default: the standard library).
 
     An offline stand-in for MNLI with the same batch layout, for
@@ -414,23 +414,6 @@ class CodePairsDataModule(pl.LightningDataModule):
                 add_prefix_space=False,
             )
         return self._tokenizer_file
-
-    @property
-    def tokenizer(self) -> Any:
-        """The ``tokenizers.Tokenizer`` (trained or loaded on first access)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_checked_tokenizer(self._ensure_tokenizer_file(), self.vocab_size)
-        return self._tokenizer
-
-    @property
-    def special_ids(self) -> SpecialTokenIds:
-        """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
-        return SpecialTokenIds.from_tokenizer(self.tokenizer, source=f"tokenizer {self._tokenizer_file}")
-
-    @property
-    def vocab_size_actual(self) -> int:
-        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
-        return int(self.tokenizer.get_vocab_size())
 
     @property
     def num_classes(self) -> int:

@@ -44,10 +44,10 @@ from .common import (
 )
 from .tokenizer import (
     SpecialTokenIds,
+    TokenizerLifecycle,
     cached_bpe_tokenizer,
     encode_texts,
     file_sha1,
-    load_checked_tokenizer,
     load_tokenizer,
 )
 
@@ -303,7 +303,7 @@ class PairCollator:
         }
 
 
-class MNLIDataModule(pl.LightningDataModule):
+class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
     """GLUE MNLI sentence-pair classification from a local folder (no download).
 
     Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` (B, seq_len) long and ``labels`` (B,)
@@ -434,22 +434,6 @@ class MNLIDataModule(pl.LightningDataModule):
                     add_prefix_space=True,
                 )
         return self._tokenizer_file
-
-    @property
-    def tokenizer(self) -> Any:
-        """The ``tokenizers.Tokenizer`` (loaded or trained on first access)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_checked_tokenizer(self._ensure_tokenizer_file(), self.vocab_size)
-        return self._tokenizer
-
-    @property
-    def special_ids(self) -> SpecialTokenIds:
-        return SpecialTokenIds.from_tokenizer(self.tokenizer, source=f"tokenizer {self._tokenizer_file}")
-
-    @property
-    def vocab_size_actual(self) -> int:
-        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
-        return int(self.tokenizer.get_vocab_size())
 
     @property
     def num_classes(self) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "check_vocab_size",
     "encode_texts",
     "file_sha1",
+    "TokenizerLifecycle",
     "load_checked_tokenizer",
     "load_tokenizer",
     "min_bpe_vocab_size",
@@ -228,3 +229,38 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
         return []
     encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # fast: no offsets
     return [np.asarray(e.ids, dtype=np.int64) for e in encode(list(texts), add_special_tokens=False)]
+
+
+class TokenizerLifecycle:
+    """The tokenizer of a text data module: one place for loading, size checking and special ids.
+
+    A data module mixes this in and implements ``_ensure_tokenizer_file()`` (train and cache, or take a given
+    file); it sets ``vocab_size``, ``_tokenizer_file = None`` and ``_tokenizer = None`` in its constructor.
+    ``require_mask`` says whether the task needs a ``[MASK]`` token (masked-LM).
+    """
+
+    vocab_size: int
+    _tokenizer_file: Path | None
+    _tokenizer: Any
+    require_mask: bool = False
+
+    def _ensure_tokenizer_file(self) -> Path:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` (trained or loaded on first access, refused if larger than ``vocab_size``)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_checked_tokenizer(self._ensure_tokenizer_file(), self.vocab_size)
+        return self._tokenizer
+
+    @property
+    def special_ids(self) -> SpecialTokenIds:
+        """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
+        return SpecialTokenIds.from_tokenizer(self.tokenizer, require_mask=self.require_mask,
+                                              source=f"tokenizer {self._tokenizer_file}")
+
+    @property
+    def vocab_size_actual(self) -> int:
+        """Number of tokens of the tokenizer in use (<= ``vocab_size``)."""
+        return int(self.tokenizer.get_vocab_size())
