@@ -3,9 +3,11 @@ between TT and dense (so dense baselines run the same code).
 
 * :class:`LayerFactory`: the per-layer TT-or-dense decision.
 * :class:`TransformerEncoder`, :class:`SequenceClassifier` (MNLI), :class:`MaskedLanguageModel`: BERT-style.
+* :class:`DecoderLM`: LLaMA-style causal LM (RMSNorm, rotary, SwiGLU), for next-token pre-training.
 * :class:`DLRM`: click-through-rate model with TT-matrix embedding tables.
 """
 
+from .decoder import DecoderLM
 from .dlrm import DLRM
 from .factory import LayerFactory
 from .transformer import (
@@ -17,6 +19,6 @@ from .transformer import (
 )
 
 __all__ = [
-    "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DLRM",
+    "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM", "DLRM",
     "paper_linear_modes", "paper_embedding_modes",
 ]

@@ -1,0 +1,224 @@
+"""A LLaMA-style decoder whose linears and token embedding are CoMERA TT layers (or dense, layer by layer).
+
+The architecture of LLaMA and of the GaLore / CoLA pre-training baselines: pre-norm blocks with RMSNorm,
+causal multi-head attention with rotary position embeddings (no learned positions) through
+``F.scaled_dot_product_attention(is_causal=True)``, a SwiGLU MLP (``down(silu(gate(x)) * up(x))``), no
+biases, a final RMSNorm and a vocabulary head, optionally tied to the token embedding. Every linear and
+the embedding go through :class:`~comera_lightning.models.LayerFactory`, so the dense baseline is this
+same code with ``tt_linears=False, tt_embeddings=False``.
+
+Layer names (what ``dense_layers`` matches): ``embed_tokens``, ``layers.{i}.attention.{q,k,v,o}_proj``,
+``layers.{i}.mlp.{gate,up,down}_proj``, ``lm_head`` (absent when tied).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..nn import TTEmbedding
+from .factory import LayerFactory
+
+__all__ = ["DecoderLM", "RMSNorm", "apply_rotary", "rotary_tables"]
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32 (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in (at least) float32, returned in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = _upcast(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(x32.dtype)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float = 10000.0, offset: int = 0,
+                  device: torch.device | None = None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``(seq_len, head_dim)`` for positions ``offset .. offset + seq_len - 1``.
+
+    Channel ``i`` and ``i + head_dim / 2`` form one rotated pair with frequency ``theta^(-2i / head_dim)``
+    (the "rotate half" layout of LLaMA's Hugging Face port).
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    positions = torch.arange(offset, offset + seq_len, device=device, dtype=dtype)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (..., T, head_dim)`` by the tables of :func:`rotary_tables`; (at least) float32 math, input
+    dtype out."""
+    x32 = _upcast(x)
+    half = x32.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos.to(x32.dtype) + rotated * sin.to(x32.dtype)).to(x.dtype)
+
+
+class _CausalSelfAttention(nn.Module):
+    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
+        self.q_proj = factory.linear(f"{prefix}q_proj", d_model, d_model, bias=False)
+        self.k_proj = factory.linear(f"{prefix}k_proj", d_model, d_model, bias=False)
+        self.v_proj = factory.linear(f"{prefix}v_proj", d_model, d_model, bias=False)
+        self.o_proj = factory.linear(f"{prefix}o_proj", d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q = apply_rotary(heads(self.q_proj(x)), cos, sin)
+        k = apply_rotary(heads(self.k_proj(x)), cos, sin)
+        v = heads(self.v_proj(x))
+        # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_proj = factory.linear(f"{prefix}gate_proj", d_model, d_ff, bias=False)
+        self.up_proj = factory.linear(f"{prefix}up_proj", d_model, d_ff, bias=False)
+        self.down_proj = factory.linear(f"{prefix}down_proj", d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DecoderLayer(nn.Module):
+    """Pre-norm block: ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
+
+    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, d_ff: int,
+                 dropout: float, norm_eps: float) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(d_model, norm_eps)
+        self.attention = _CausalSelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout)
+        self.mlp_norm = RMSNorm(d_model, norm_eps)
+        self.mlp = _SwiGLU(factory, f"{prefix}mlp.", d_model, d_ff)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class DecoderLM(nn.Module):
+    """LLaMA-style causal language model; ``forward(input_ids (B, T))`` returns logits ``(B, T, vocab_size)``.
+
+    Args:
+        vocab_size: rows of the token embedding and outputs of the head.
+        d_model, num_heads, d_ff, num_layers: sizes (``d_model / num_heads`` even, for rotary pairs).
+        max_len: longest sequence the model is meant for; rotary tables are precomputed up to it
+            (longer inputs still work, their tables are computed on the fly).
+        dropout: on attention probabilities and both residual branches (LLaMA pre-training uses 0).
+        tie_embeddings: the head reuses the token embedding (``logits = h E^T``). With a TT embedding
+            the table is rebuilt from its cores once per forward (batch-free); either way both embedding
+            and head are initialised with std ``d_model ** -0.5`` so the first logits are of order one.
+        rope_theta: rotary base.
+        norm_eps: RMSNorm epsilon.
+        tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers, min_features:
+            see :class:`LayerFactory`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 1376,
+        num_layers: int = 8,
+        max_len: int = 256,
+        dropout: float = 0.0,
+        tie_embeddings: bool = False,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-6,
+        tt_linears: bool = True,
+        tt_embeddings: bool = True,
+        rank: int = 30,
+        embedding_rank: int = 32,
+        rank_threshold: float = 0.01,
+        dense_layers: str | None = None,
+        min_features: int = 64,
+    ) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        if (d_model // num_heads) % 2:
+            raise ValueError(f"the head dimension d_model / num_heads = {d_model // num_heads} must be even "
+                             f"(rotary embeddings rotate channel pairs)")
+        if min(vocab_size, d_model, d_ff, num_layers, max_len) < 1:
+            raise ValueError("vocab_size, d_model, d_ff, num_layers and max_len must be >= 1")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        factory = LayerFactory(tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers,
+                               min_features)
+        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
+        self.head_dim, self.rope_theta = d_model // num_heads, float(rope_theta)
+        self.tie_embeddings = bool(tie_embeddings)
+        embed_std = d_model ** -0.5 if tie_embeddings else 1.0
+        # text repeats tokens: each distinct id is looked up once (see TransformerEncoder)
+        self.embed_tokens = factory.embedding("embed_tokens", vocab_size, d_model, deduplicate=True,
+                                              init_std=embed_std)
+        if isinstance(self.embed_tokens, nn.Embedding) and tie_embeddings:
+            nn.init.normal_(self.embed_tokens.weight, std=embed_std)
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            _DecoderLayer(factory, f"layers.{i}.", d_model, num_heads, d_ff, dropout, norm_eps)
+            for i in range(num_layers)
+        )
+        self.norm = RMSNorm(d_model, norm_eps)
+        self.lm_head = None if tie_embeddings else factory.linear("lm_head", d_model, vocab_size, bias=False)
+        cos, sin = rotary_tables(max_len, self.head_dim, self.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.layer_kinds: dict[str, str] = dict(factory.layers)
+
+    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len <= self.rope_cos.shape[0]:
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        return rotary_tables(seq_len, self.head_dim, self.rope_theta, device=device, dtype=self.rope_cos.dtype)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states ``(B, T, d_model)`` of ``input_ids (B, T)``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        cos, sin = self._rotary(input_ids.shape[1], input_ids.device)
+        x = self.drop(self.embed_tokens(input_ids))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of hidden states (any leading shape)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        embed = self.embed_tokens
+        table = embed.weight_dense() if isinstance(embed, TTEmbedding) else embed.weight
+        return F.linear(hidden, table)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, vocab_size)``: position ``t`` predicts token ``t + 1``."""
+        return self.head(self.hidden_states(input_ids))
