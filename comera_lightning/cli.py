@@ -31,24 +31,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, ProgressBar, RichProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
 from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
+from .callbacks.final_validation import FinalValidation
+from .callbacks.progress import StepProgressBar
 from .lit.base import ComeraTask
 from .loggers import ResilientMLFlowLogger
 from .lit.checks import check_checkpoint_file, check_output_dirs
+from .nn.tensorize import size_report
 
 __all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact", "experiment_key"]
 
@@ -130,6 +136,20 @@ class ComeraCLI(LightningCLI):
             **kwargs,
         )
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # handed to the task as plain dicts; it builds them over its three parameter groups (ComeraTask)
+        parser.add_optimizer_args((Optimizer,))
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple)
+        for key in ("optimizer", "lr_scheduler"):
+            parser.link_arguments(key, f"model.init_args.{key}", compute_fn=_plain_dict)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        logger = config.get("trainer", {}).get("logger")
+        init_args = getattr(logger, "init_args", None)
+        if init_args is not None and "run_name" in init_args and init_args.get("run_name") is None:
+            init_args["run_name"] = run_name(config.get("config"), self.subcommand)
+
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -161,10 +181,17 @@ class ComeraCLI(LightningCLI):
                 fit["fault_tolerance"]["dirpath"] = str(Path(root) / FAULT_TOLERANCE_DIR / experiment_key(dumped))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        if self.subcommand != "fit":
+            # evaluation writes no checkpoints: without ModelCheckpoint it also restores no checkpointing
+            # state (whose folder belonged to the training run)
+            config = {**config, "enable_checkpointing": False,
+                      "callbacks": [c for c in config.get("callbacks") or [] if not isinstance(c, Checkpoint)]}
         configured = list(config.get("callbacks") or []) + list(callbacks)
         wants_bar = config.get("enable_progress_bar") is not False
         if wants_bar and not any(isinstance(c, ProgressBar) for c in configured) and _rich_available():
-            callbacks = [*callbacks, RichProgressBar()]
+            callbacks = [*callbacks, StepProgressBar()]
+        if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
+            callbacks = [*callbacks, FinalValidation()]
         fault_tolerance = self._fault_tolerance()
         if fault_tolerance is not None and config.get("enable_checkpointing") is False:
             rank_zero_warn("comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
@@ -205,9 +232,65 @@ class ComeraCLI(LightningCLI):
         fit["weights_only"] = True
 
     def after_fit(self) -> None:
-        checkpoint = self.trainer.checkpoint_callback
-        if checkpoint is not None and checkpoint.best_model_path and self.trainer.is_global_zero:
-            print(f"comera: checkpoints in {checkpoint.dirpath} (best: {checkpoint.best_model_path})")
+        if self.trainer.is_global_zero and not self.trainer.interrupted:
+            print(fit_summary(self.trainer, self.model))
+
+
+def _plain_dict(value: Any) -> dict[str, Any] | None:
+    return value.as_dict() if hasattr(value, "as_dict") else value
+
+
+def run_name(config_files: Any, subcommand: str) -> str:
+    """``<first config's stem>-<subcommand>-<local time>``: MLflow runs told apart by what and when."""
+    files = list(config_files or [])
+    stem = Path(str(files[0])).stem if files else "comera"
+    return f"{stem}-{subcommand}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _rank_groups(model: LightningModule) -> list[str]:
+    """One line per kind of TT layer (block indices folded into ``*``): its active inner ranks, min-max
+    over the blocks, against the ranks it started from."""
+    groups: dict[str, list[Any]] = {}
+    for layer in size_report(model).layers:
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", layer.name)
+        groups.setdefault(key, []).append(layer)
+    lines = []
+    for key, layers in groups.items():
+        def span(values: list[int]) -> str:
+            return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+        active = " ".join(span([layer.active_ranks[b] for layer in layers])
+                          for b in range(1, len(layers[0].active_ranks) - 1))
+        start = " ".join(span([layer.ranks[b] for layer in layers]) for b in range(1, len(layers[0].ranks) - 1))
+        count = f" x{len(layers)}" if len(layers) > 1 else ""
+        lines.append(f"    {key}{count}: {active}  (allocated {start})")
+    return lines
+
+
+def fit_summary(trainer: Trainer, model: LightningModule) -> str:
+    """What a fit produced: size and ranks, validation metrics, the checkpoint, the MLflow run."""
+    report = size_report(model)
+    lines = [f"comera: trained {trainer.global_step} steps"]
+    if report.layers:
+        lines.append(f"  compression {report.compression_ratio:.1f}x: {report.active_parameters:,} active parameters "
+                     f"(dense equivalent {report.dense_equivalent_parameters:,}); TT ranks (inner bonds):")
+        lines += _rank_groups(model)
+    else:
+        lines.append(f"  {report.active_parameters:,} parameters, no TT layers")
+    metrics = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.startswith("val/")}
+    if metrics:
+        lines.append("  validation: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    checkpoint = trainer.checkpoint_callback
+    path = (getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")) if checkpoint else ""
+    if path:
+        lines.append(f"  checkpoint: {path}")
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger) and logger.run_id:
+            uri = logger._tracking_uri
+            name = f"{logger._run_name} ({logger.run_id})" if logger._run_name else logger.run_id
+            lines.append(f"  MLflow: run {name}, experiment {logger._experiment_name}, at {uri}")
+            if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
+                lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
+    return "\n".join(lines)
 
 
 def _rich_available() -> bool:

@@ -4,11 +4,13 @@ from .contraction_planner import ContractionPlanner
 from .cuda_graphs import CudaGraphs
 from .divergence import DivergenceError, DivergenceGuard
 from .fault_tolerance import FaultTolerance
+from .final_validation import FinalValidation
+from .progress import StepProgressBar
 from .late_stage import LateStagePolicy, PaperLateStage, ScheduledLateStage
 from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
 
 __all__ = [
-    "ContractionPlanner", "CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "LateStagePolicy",
-    "PaperLateStage", "RankAdaptation", "RankMonitor", "ScheduledLateStage",
+    "ContractionPlanner", "CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation", "LateStagePolicy",
+    "PaperLateStage", "RankAdaptation", "RankMonitor", "ScheduledLateStage", "StepProgressBar",
 ]

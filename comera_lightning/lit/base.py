@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI, instantiate_class
 
 from ..optim import comera_parameter_groups
 from .checks import check_output_dirs, check_state_dict_fits
@@ -36,6 +37,11 @@ class ComeraTask(LightningModule):
         warmup_steps: linear LR warmup (optimiser steps).
         schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to zero at the end
             of training (``trainer.estimated_stepping_batches``).
+        optimizer: ``{"class_path": ..., "init_args": {...}}`` of any ``torch.optim.Optimizer`` (the CLI's
+            ``--optimizer``), built over the three parameter groups, whose learning rates and weight decay
+            take precedence over the optimiser's own; ``None``: AdamW.
+        lr_scheduler: the same for a scheduler (the CLI's ``--lr_scheduler``), used as LightningCLI uses it,
+            instead of the built-in warmup/decay (``warmup_steps`` must be 0 and ``schedule`` constant).
     """
 
     def __init__(
@@ -46,6 +52,8 @@ class ComeraTask(LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         schedule: Literal["constant", "linear", "cosine"] = "constant",
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("lr_cores", lr_cores), ("lr_gates", lr_gates), ("lr_other", lr_other)):
@@ -56,11 +64,24 @@ class ComeraTask(LightningModule):
         if warmup_steps < 0 or weight_decay < 0:
             raise ValueError(f"warmup_steps and weight_decay must be >= 0, got {warmup_steps}, {weight_decay}")
         self.lr_cores, self.lr_gates, self.lr_other = lr_cores, lr_gates, lr_other
+        if lr_scheduler is not None and (warmup_steps > 0 or schedule != "constant"):
+            raise ValueError(
+                f"lr_scheduler ({lr_scheduler.get('class_path')}) replaces the built-in warmup and decay, but "
+                f"warmup_steps={warmup_steps} and schedule={schedule!r} are set too: set model.warmup_steps 0 and "
+                "model.schedule constant, or drop --lr_scheduler"
+            )
         self.weight_decay, self.warmup_steps, self.schedule = weight_decay, warmup_steps, schedule
+        self.optimizer_init, self.lr_scheduler_init = optimizer, lr_scheduler
 
     def configure_optimizers(self):
         groups = comera_parameter_groups(self, self.lr_cores, self.lr_gates, self.lr_other, self.weight_decay)
-        optimizer = torch.optim.AdamW(groups)
+        if self.optimizer_init is None:
+            optimizer = torch.optim.AdamW(groups)
+        else:
+            optimizer = instantiate_class(groups, self.optimizer_init)
+        if self.lr_scheduler_init is not None:
+            scheduler = instantiate_class(optimizer, self.lr_scheduler_init)
+            return LightningCLI.configure_optimizers(self, optimizer, scheduler)
         if self.warmup_steps == 0 and self.schedule == "constant":
             return optimizer
         total = 1  # a constant schedule never reads it (time-limited runs have no step total)
@@ -84,14 +105,23 @@ class ComeraTask(LightningModule):
             check_output_dirs(self.trainer)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse, with the keys that differ, a checkpoint of another architecture (TT ranks may differ).
+        """Refuse, with the keys that differ, a checkpoint of another architecture (TT ranks may differ);
+        outside ``fit``, skip restoring callback state.
 
         Only when the Trainer restores with strict loading (``--ckpt_path``); ``load_from_checkpoint(...,
         strict=False)`` outside a Trainer keeps Lightning's partial loading.
         """
+        if self._trainer is not None and self.trainer.state.fn != "fit":
+            # callback state (rank adaptation's stage, checkpoint bookkeeping) only matters for going on
+            # training; restoring it for evaluation only warns about callbacks and folders that are absent
+            checkpoint.pop("callbacks", None)
         state_dict = checkpoint.get("state_dict")
         if self._trainer is not None and self.strict_loading and isinstance(state_dict, dict):
             check_state_dict_fits(self, state_dict)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the task's class path, so that :func:`comera_lightning.export.export_checkpoint` can rebuild it."""
+        checkpoint["comera_task"] = f"{type(self).__module__}.{type(self).__qualname__}"
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Fail early when the datamodule's tokenizer has more ids than the model's embedding rows."""

@@ -21,7 +21,8 @@ class SequenceClassification(ComeraTask):
     Args:
         vocab_size: rows of the word embedding; at least the tokenizer's size.
         num_classes: 3 for MNLI.
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule: see :class:`ComeraTask`.
+        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
+            :class:`ComeraTask`.
         model_kwargs: the encoder's architecture (``d_model``, ``num_layers``, ``rank``, ``tt_linears``, ...),
             see :class:`comera_lightning.models.SequenceClassifier`.
     """
@@ -36,9 +37,11 @@ class SequenceClassification(ComeraTask):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         schedule: str = "constant",
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule)
+        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.num_classes = num_classes

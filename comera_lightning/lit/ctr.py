@@ -19,7 +19,8 @@ class ClickThrough(ComeraTask):
     """Binary cross-entropy on ``dense`` + ``sparse`` features; logs AUC and log-loss.
 
     Args:
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule: see :class:`ComeraTask`.
+        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
+            :class:`ComeraTask`.
         model_kwargs: the DLRM's architecture (``table_sizes``, ``embedding_dim``, ``rank``, ...), see
             :class:`comera_lightning.models.DLRM`.
     """
@@ -32,9 +33,11 @@ class ClickThrough(ComeraTask):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         schedule: str = "constant",
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule)
+        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
         self.save_hyperparameters()
         self.model = DLRM(**model_kwargs)
         self.val_auc = BinaryAUROC()

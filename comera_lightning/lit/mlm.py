@@ -24,7 +24,8 @@ class MaskedLM(ComeraTask):
 
     Args:
         vocab_size: rows of the word embedding and columns of the decoder; at least the tokenizer's size.
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule: see :class:`ComeraTask`.
+        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
+            :class:`ComeraTask`.
         model_kwargs: the encoder's architecture, see :class:`comera_lightning.models.MaskedLanguageModel`.
     """
 
@@ -37,9 +38,11 @@ class MaskedLM(ComeraTask):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         schedule: str = "constant",
+        optimizer: dict[str, Any] | None = None,
+        lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule)
+        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.model = MaskedLanguageModel(vocab_size=vocab_size, **model_kwargs)

@@ -1,0 +1,100 @@
+"""What a Lightning/MLflow user expects from `comera`: the final checkpoint, named runs, a step progress bar,
+a summary at the end, quiet evaluation, optimisers and schedulers from the command line."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from test_cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides, workdir  # noqa: F401  (fixture)
+
+from comera_lightning.callbacks import StepProgressBar
+
+QUICKSTART = f"--config={CONFIGS / 'quickstart.yaml'}"
+
+
+def _overrides(workdir: Path) -> list[str]:
+    return _tiny_overrides("quickstart.yaml", workdir / "mnli")
+
+
+def test_last_checkpoint_is_the_end_of_training_between_validation_checks(workdir, capsys):
+    """max_steps 10 with validation every 4 steps: Lightning alone validates (and saves last.ckpt) at step 8."""
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=10",
+               "--trainer.limit_train_batches=null", "--trainer.max_epochs=null", "--trainer.val_check_interval=4",
+               "--trainer.check_val_every_n_epoch=null")
+    last = Path(cli.trainer.checkpoint_callback.last_model_path)
+    assert last.name == "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 10
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    steps = [m.step + 1 for m in client.get_metric_history(cli.trainer.logger.run_id, "val/loss")]
+    assert steps == [4, 8, 10]
+
+    summary = capsys.readouterr().out
+    assert "comera: trained 10 steps" in summary
+    assert "compression" in summary and "active parameters" in summary
+    assert "val/loss" in summary and f"checkpoint: {last}" in summary
+    assert cli.trainer.logger.run_id in summary and "mlflow ui --backend-store-uri sqlite:///" in summary
+    assert "best:" not in summary
+
+
+def test_runs_are_named_by_config_subcommand_and_time_and_evaluation_is_quiet(workdir):
+    fit = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
+    checkpoint = fit.trainer.checkpoint_callback.last_model_path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate = _run("validate", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, f"--ckpt_path={checkpoint}")
+    noise = [str(w.message) for w in caught
+             if "Please add the following callbacks" in str(w.message) or "dirpath has changed" in str(w.message)]
+    assert not noise, noise
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    names = [client.get_run(cli.trainer.logger.run_id).info.run_name for cli in (fit, validate)]
+    assert names[0].startswith("quickstart-fit-20") and names[1].startswith("quickstart-validate-20"), names
+    assert "val/loss" in validate.trainer.callback_metrics
+
+
+def test_an_explicit_run_name_is_kept(workdir):
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.logger.init_args.run_name=mine")
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_run(cli.trainer.logger.run_id).info.run_name == "mine"
+
+
+def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
+    trainer_args = [a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a
+                    and "max_epochs" not in a]
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *trainer_args, "--trainer.max_steps=9",
+               "--data.max_sequences=200", "--data.val_fraction=0.5")
+    assert cli.trainer.current_epoch >= 1, "the run should cross an epoch boundary"
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar)
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.total, task.completed) == (9, 9)
+    assert task.description.startswith("Steps") and "-2" not in task.description
+
+
+def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(workdir):
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--model.warmup_steps=0",
+               "--optimizer=torch.optim.SGD", "--optimizer.momentum=0.9",
+               "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
+    optimizer = cli.trainer.optimizers[0]
+    assert type(optimizer) is torch.optim.SGD
+    model = cli.model
+    assert sorted(g["initial_lr"] for g in optimizer.param_groups) == sorted(
+        [model.lr_cores, model.lr_gates, model.lr_other])
+    assert all(g["momentum"] == 0.9 for g in optimizer.param_groups)
+    scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
+    assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 3
+
+
+def test_scheduler_with_builtin_warmup_is_refused(workdir):
+    with pytest.raises(ValueError, match="warmup_steps=100.*model.warmup_steps 0"):
+        _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER,
+             "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
+
+
+def test_runs_folder_is_ignored_by_git():
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().split()
+    assert "runs/" in ignored
