@@ -1,6 +1,7 @@
 """LightningDataModules that read local files only (nothing is downloaded at run time).
 
 * :class:`CodeMLMDataModule`: masked-LM on source files, by default the Python standard library.
+* :class:`CodeLMDataModule`: next-token (causal LM) pre-training on the same corpus, packed rows.
 * :class:`MNLIDataModule`: GLUE MNLI from a ``datasets.save_to_disk`` folder, GLUE TSVs or JSONL.
 * :class:`CodePairsDataModule`: MNLI-shaped pair classification (docstring vs function body: match, same
   module, other module) built offline from source files, by default the Python standard library.
@@ -10,6 +11,7 @@ Shared pieces: byte-level BPE tokenizers trained offline and cached (:mod:`.toke
 file discovery and caches (:mod:`.common`).
 """
 
+from .code_lm import CodeLMDataModule, LMCollator, pack_stream
 from .code_mlm import CodeMLMDataModule, MLMCollator, mask_tokens, stdlib_root
 from .code_pairs import CODE_PAIR_LABELS, CodePairsDataModule, extract_documented_functions
 from .common import TensorDictDataset, discover_files, split_by_hash, stable_hash
@@ -34,10 +36,12 @@ from .tokenizer import (
 __all__ = [
     "CODE_PAIR_LABELS",
     "CRITEO_KAGGLE_CARDINALITIES",
+    "CodeLMDataModule",
     "CodeMLMDataModule",
     "CodePairsDataModule",
     "CriteoDataModule",
     "DEFAULT_TABLE_SIZES",
+    "LMCollator",
     "MLMCollator",
     "MNLIDataModule",
     "MNLI_LABELS",
@@ -50,6 +54,7 @@ __all__ = [
     "hash_categorical",
     "load_tokenizer",
     "mask_tokens",
+    "pack_stream",
     "read_criteo_tsv",
     "read_mnli_split",
     "split_by_hash",

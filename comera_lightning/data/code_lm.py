@@ -1,0 +1,235 @@
+"""Next-token (causal language model) data on a corpus of source files (default: the Python standard library).
+
+The corpus, its train/validation split BY FILE and the byte-level BPE tokenizer are those of
+:class:`~comera_lightning.data.CodeMLMDataModule` (:class:`~comera_lightning.data.corpus.SourceCorpus`; the
+same corpus gives the same cached tokenizer). Each split is encoded into one token stream, every file
+followed by the end-of-document token (``[SEP]``), and cached under ``cache_dir`` (the stream does not
+depend on ``seq_len``, so changing it needs no re-encoding). Rows are packed: row ``i`` holds tokens
+``i*T .. i*T+T-1`` of the stream as ``input_ids`` and the next ones, ``i*T+1 .. i*T+T``, as ``labels``, so
+every token is a target once and documents follow each other inside a row (attention crosses the
+document boundary, as in GPT/LLaMA pre-training). The last, partial row is padded (``[PAD]`` inputs,
+``-100`` labels).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .code_mlm import _compact
+from .common import TensorDictDataset, atomic_torch_save, cache_key, load_tensor_cache, read_source_text, rows_loader
+from .corpus import SourceCorpus
+from .tokenizer import encode_texts, file_sha1
+
+__all__ = ["CodeLMDataModule", "LMCollator", "pack_stream"]
+
+IGNORE_INDEX = -100
+_STREAM_VERSION = 1
+
+
+def pack_stream(stream: torch.Tensor, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut a 1-D token stream into next-token rows: ``(input_ids, labels)``, each ``(rows, seq_len)`` int64.
+
+    ``labels[i, t] = stream[i * seq_len + t + 1]``. A stream of ``n`` tokens has ``n - 1`` targets and gives
+    ``ceil((n - 1) / seq_len)`` rows; the last row's missing positions hold ``pad_id`` / ``-100``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    stream = stream.long()
+    targets = max(0, len(stream) - 1)
+    rows = math.ceil(targets / seq_len)
+    inputs = torch.full((rows * seq_len,), pad_id, dtype=torch.long)
+    labels = torch.full((rows * seq_len,), IGNORE_INDEX, dtype=torch.long)
+    inputs[:targets] = stream[:targets]
+    labels[:targets] = stream[1 : targets + 1]
+    return inputs.view(rows, seq_len), labels.view(rows, seq_len)
+
+
+class LMCollator:
+    """Collate of :class:`TensorDictDataset` batches into int64 tensors, optionally keeping ``index``."""
+
+    def __init__(self, keep_index: bool = False) -> None:
+        self.keep_index = keep_index
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.long() for k, v in batch.items() if self.keep_index or k != "index"}
+
+
+class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
+    """Packed next-token batches from a local corpus of source files (default: the Python standard library).
+
+    Batches: ``input_ids`` (B, T) and ``labels`` (B, T) long (``-100`` only on the padded end of the last
+    row of a split). ``test_dataloader`` gives the validation rows again (the corpus has two splits);
+    ``predict_dataloader`` gives prompts: the first ``prompt_len`` tokens of ``num_prompts`` validation rows,
+    spread evenly over the split (``input_ids`` (B, prompt_len) and ``index``, the row).
+
+    Args:
+        root, pattern, include_tests, max_files, val_fraction, cache_dir, tokenizer_path: the corpus and its
+            tokenizer, as in :class:`~comera_lightning.data.CodeMLMDataModule`.
+        vocab_size: BPE vocabulary size to train (an upper bound of the real size).
+        seq_len: tokens per row.
+        batch_size: rows per batch.
+        max_sequences: keep at most this many training rows (a seeded random subset) and proportionally many
+            validation rows (at least one); the cache always holds the whole streams.
+        prompt_len: tokens per prediction prompt.
+        num_prompts: how many prompts ``predict`` samples from.
+        num_workers: DataLoader worker processes.
+        seed: seeds the training shuffle and the ``max_sequences`` subset (not the split).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        pattern: str = "*.py",
+        vocab_size: int = 8192,
+        seq_len: int = 256,
+        batch_size: int = 32,
+        val_fraction: float = 0.05,
+        max_files: int | None = None,
+        max_sequences: int | None = None,
+        cache_dir: str = ".cache/comera",
+        tokenizer_path: str | None = None,
+        include_tests: bool = False,
+        prompt_len: int = 16,
+        num_prompts: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_sequences is not None and max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
+        if prompt_len < 1 or num_prompts < 1:
+            raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
+        self.save_hyperparameters()
+        self.root, self.pattern, self.include_tests = root, pattern, include_tests
+        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
+        self.val_fraction, self.max_files, self.max_sequences = val_fraction, max_files, max_sequences
+        self.cache_dir, self.tokenizer_path = cache_dir, tokenizer_path
+        self.prompt_len, self.num_prompts = prompt_len, num_prompts
+        self.num_workers, self.seed = num_workers, seed
+        self._init_corpus()
+        self.train_dataset: TensorDictDataset | None = None
+        self.val_dataset: TensorDictDataset | None = None
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token that follows every file in the streams (``[SEP]``)."""
+        return self.special_ids.sep
+
+    # ------------------------------------------------------------------ encoding and caching
+    def _stream_cache_path(self) -> Path:
+        key = cache_key({
+            "tokenizer": file_sha1(self._ensure_tokenizer_file()),
+            "train": self._fingerprint("train"),
+            "val": self._fingerprint("val"),
+            "version": _STREAM_VERSION,
+        })
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-lm-{key}.pt"
+
+    def _encode_split(self, files: list[str]) -> torch.Tensor:
+        docs = encode_texts(self.tokenizer, [read_source_text(self.corpus_root / rel) for rel in files])
+        eos = np.asarray([self.eos_id], dtype=np.int64)
+        parts = [part for doc in docs if len(doc) for part in (doc, eos)]
+        stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return _compact(torch.from_numpy(stream), self.vocab_size_actual)
+
+    def streams(self) -> dict[str, torch.Tensor]:
+        """The encoded ``train`` and ``val`` token streams (cached)."""
+        path = self._stream_cache_path()
+        cached = load_tensor_cache(path)
+        if cached is not None:
+            return cached
+        train, val = self.split_files()
+        data = {"train": self._encode_split(train), "val": self._encode_split(val)}
+        atomic_torch_save(data, path)
+        return data
+
+    def prepare_data(self) -> None:
+        """Train/cache the tokenizer and encode/cache both streams (Lightning calls this on local rank 0)."""
+        self.streams()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached tokenizer and streams and pack them into rows (every stage builds both splits)."""
+        if self.train_dataset is not None:
+            return
+        pad = self.special_ids.pad  # also loads the tokenizer and checks its size against vocab_size
+        data = self.streams()
+        splits = {}
+        for name in ("train", "val"):
+            inputs, labels = pack_stream(data[name], self.seq_len, pad)
+            splits[name] = (_compact(inputs, self.vocab_size_actual), _compact(labels, self.vocab_size_actual))
+        if len(splits["train"][0]) == 0:
+            raise ValueError(
+                f"the training files under {str(self.corpus_root)!r} contain fewer than two tokens; add non-empty files"
+            )
+        if self.max_sequences is not None:
+            g = torch.Generator().manual_seed(self.seed)
+            n_val = max(1, round(self.max_sequences * self.val_fraction / (1.0 - self.val_fraction)))
+            for name, keep in (("train", self.max_sequences), ("val", n_val)):
+                rows = len(splits[name][0])
+                if rows > keep:
+                    chosen = torch.randperm(rows, generator=g)[:keep].sort().values
+                    splits[name] = tuple(t[chosen] for t in splits[name])
+        self.train_dataset = TensorDictDataset(input_ids=splits["train"][0], labels=splits["train"][1])
+        self.val_dataset = TensorDictDataset(input_ids=splits["val"][0], labels=splits["val"][1])
+
+    # ------------------------------------------------------------------ loaders
+    def _datasets(self, stage: str) -> tuple[TensorDictDataset, TensorDictDataset]:
+        if self.train_dataset is None or self.val_dataset is None:
+            self.setup(stage)
+        return self.train_dataset, self.val_dataset  # type: ignore[return-value]
+
+    def _eval_loader(self, stage: str) -> DataLoader | list:
+        rows = self._datasets(stage)[1]
+        if len(rows) == 0:
+            return []
+        return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=False, seed=self.seed,
+                           num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled rows (order a function of seed and epoch), resumable mid-epoch."""
+        rows = self._datasets("fit")[0]
+        return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=True, seed=self.seed,
+                           num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation rows in order; ``[]`` when there is no validation file."""
+        return self._eval_loader("validate")
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The validation rows again (the corpus is split into training and validation files only)."""
+        return self._eval_loader("test")
+
+    def prompts(self) -> torch.Tensor:
+        """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
+        rows = self._datasets("predict")[1].tensors["input_ids"]
+        if len(rows) == 0:
+            return torch.zeros(0, self.prompt_len, dtype=torch.long)
+        picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
+        return rows[picks, : self.prompt_len].long()
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """Prompts for sampling (:meth:`prompts`), batches of ``input_ids`` and ``index`` (the prompt number)."""
+        prompts = self.prompts()
+        if len(prompts) == 0:
+            return []
+        return rows_loader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
+                           collate_fn=LMCollator(keep_index=True), train=False, seed=self.seed,
+                           num_workers=self.num_workers)
+
+    def decode(self, ids: Any) -> str:
+        """Text of a sequence of token ids (special tokens dropped)."""
+        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
