@@ -32,8 +32,10 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,7 +58,7 @@ from .loggers import ResilientMLFlowLogger
 from .lit.checks import check_checkpoint_file, check_output_dirs
 from .nn.tensorize import size_report
 
-__all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact", "experiment_key"]
+__all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact", "experiment_key", "config_path", "packaged_configs"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "comera"
@@ -258,11 +260,13 @@ def _rank_groups(model: LightningModule) -> list[str]:
     for key, layers in groups.items():
         def span(values: list[int]) -> str:
             return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
-        active = " ".join(span([layer.active_ranks[b] for layer in layers])
-                          for b in range(1, len(layers[0].active_ranks) - 1))
-        start = " ".join(span([layer.ranks[b] for layer in layers]) for b in range(1, len(layers[0].ranks) - 1))
-        count = f" x{len(layers)}" if len(layers) > 1 else ""
-        lines.append(f"    {key}{count}: {active}  (allocated {start})")
+        bonds = range(1, len(layers[0].ranks) - 1)
+        if not bonds:
+            continue  # a single-mode layer has no rank to adapt
+        active = ",".join(span([layer.active_ranks[b] for layer in layers]) for b in bonds)
+        start = ",".join(span([layer.ranks[b] for layer in layers]) for b in bonds)
+        count = f" (x{len(layers)})" if len(layers) > 1 else ""
+        lines.append(f"    {key}{count}: {active} of {start}")
     return lines
 
 
@@ -272,7 +276,7 @@ def fit_summary(trainer: Trainer, model: LightningModule) -> str:
     lines = [f"comera: trained {trainer.global_step} steps"]
     if report.layers:
         lines.append(f"  compression {report.compression_ratio:.1f}x: {report.active_parameters:,} active parameters "
-                     f"(dense equivalent {report.dense_equivalent_parameters:,}); TT ranks (inner bonds):")
+                     f"(dense equivalent {report.dense_equivalent_parameters:,}); active TT ranks of the allocated ones:")
         lines += _rank_groups(model)
     else:
         lines.append(f"  {report.active_parameters:,} parameters, no TT layers")
@@ -301,9 +305,70 @@ def _rich_available() -> bool:
     return True
 
 
+def _packaged_root() -> Path:
+    return Path(str(resources.files("comera_lightning") / "configs"))
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The configs and callback fragments installed with the package, by name (``quickstart``,
+    ``callbacks/rank_adaptation``), so they work from a wheel as well as from a checkout."""
+    root = _packaged_root()
+    return {path.relative_to(root).with_suffix("").as_posix(): path for path in sorted(root.rglob("*.yaml"))}
+
+
+def config_path(name: str) -> Path:
+    """The installed config or fragment ``name`` (``quickstart``, ``quickstart.yaml``,
+    ``configs/quickstart.yaml``, ``callbacks/rank_adaptation``); a ``KeyError`` lists the names."""
+    key = name.removesuffix(".yaml").removesuffix(".yml").removeprefix("configs/")
+    found = packaged_configs().get(key)
+    if found is None:
+        raise KeyError(f"no installed config named {name!r}; installed: {', '.join(packaged_configs())}")
+    return found
+
+
+def resolve_config_args(argv: list[str]) -> list[str]:
+    """Replace each ``--config``/``-c`` value that is not a file here by the installed config of that name."""
+    resolved, expect_value = [], False
+    for arg in argv:
+        if expect_value or arg.startswith("--config="):
+            prefix, value = ("", arg) if expect_value else ("--config=", arg.split("=", 1)[1])
+            if not Path(value).exists():
+                try:
+                    value = str(config_path(value))
+                except KeyError as missing:
+                    if re.fullmatch(r"[\w./-]+", value):  # a name or a path, not inline YAML
+                        raise SystemExit(f"comera: --config {value}: no such file here, and {missing.args[0]}")
+            arg = prefix + value
+        expect_value = arg in ("--config", "-c")
+        resolved.append(arg)
+    return resolved
+
+
+def _print_configs(names: list[str]) -> None:
+    if names:  # comera configs NAME: the path alone, for --config $(comera configs NAME) in other CLIs
+        for name in names:
+            print(config_path(name))
+        return
+    for name, path in packaged_configs().items():
+        print(f"{name:32} {path}")
+
+
 def main(args: Any = None) -> None:
-    """Console entry point of ``comera``."""
-    ComeraCLI(args=args)
+    """Console entry point of ``comera`` (and ``python -m comera_lightning``).
+
+    Besides LightningCLI's subcommands: ``comera configs [NAME]`` lists the installed configs and fragments
+    (or prints one's path); ``--config quickstart`` finds an installed config by name.
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["configs"]:
+        _print_configs(argv[1:])
+        return
+    resolved = resolve_config_args(argv)
+    if args is None:
+        sys.argv[1:] = resolved  # as LightningCLI reads it (and DDP relaunches it): with the paths found
+        ComeraCLI()
+    else:
+        ComeraCLI(args=resolved)
 
 
 if __name__ == "__main__":

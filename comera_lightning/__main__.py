@@ -1,0 +1,5 @@
+"""``python -m comera_lightning`` is the ``comera`` command."""
+
+from .cli import main
+
+main()
