@@ -231,3 +231,12 @@ def _resize_parameter(param: nn.Parameter, selection: CoreSelection) -> None:
     param.data = select_rank_slices(param.data, selection)
     if param.grad is not None:
         param.grad = select_rank_slices(param.grad, selection)
+
+
+def _torch_factors(tt: Any, ndim: int, where: str, expected: str) -> list[torch.Tensor]:
+    """The factors of a tensorly TT / TT-matrix (any backend) or a list of tensors, as torch tensors."""
+    factors = [torch.as_tensor(f).detach() for f in getattr(tt, "factors", tt)]
+    if not factors or any(f.dim() != ndim for f in factors):
+        raise ValueError(f"{where} expects {expected}: factors with {ndim} dimensions, got shapes "
+                         f"{[tuple(f.shape) for f in factors]}")
+    return factors

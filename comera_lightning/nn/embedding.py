@@ -13,7 +13,7 @@ from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
 from ..tt.ttm import ttm_lookup
-from .base import TTLayer, cuda_graph_capturing
+from .base import TTLayer, _torch_factors, cuda_graph_capturing
 
 __all__ = ["TTEmbedding"]
 
@@ -132,8 +132,39 @@ class TTEmbedding(TTLayer):
 
     def to_tensorly(self) -> tl.tt_matrix.TTMatrix:
         """The gated factors as a tensorly ``TTMatrix`` (rows ``vocab_modes``, columns ``dim_modes``)."""
-        with tl.backend_context("pytorch"):
+        with tl.backend_context("pytorch", local_threadsafe=True):
             return tl.tt_matrix.TTMatrix(self.gated_cores())
+
+    @classmethod
+    def from_tensorly(
+        cls,
+        ttm: tl.tt_matrix.TTMatrix | Sequence[torch.Tensor],
+        *,
+        num_embeddings: int | None = None,
+        padding_idx: int | None = None,
+        **kwargs,
+    ) -> "TTEmbedding":
+        """The inverse of :meth:`to_tensorly`: a TTEmbedding whose cores are ``ttm``'s factors (gates 1, all active).
+
+        Args:
+            ttm: a ``TTMatrix`` (or its factors ``(r, v, e, r')``): rows ``vocab_modes``, columns ``dim_modes``.
+            num_embeddings: the unpadded vocabulary; default the product of the row modes.
+            padding_idx: as the constructor's; ``to_tensorly`` keeps the padding row's values (the layer zeroes
+                it when looking up), so pass the original layer's ``padding_idx`` to get the same outputs.
+            kwargs: forwarded to the constructor (e.g. ``deduplicate``, ``rank_threshold``).
+        """
+        factors = _torch_factors(ttm, 4, "TTEmbedding.from_tensorly", "a TTMatrix (TTLinear takes TTTensor)")
+        vocab_modes = [int(f.shape[1]) for f in factors]
+        dim_modes = [int(f.shape[2]) for f in factors]
+        num_embeddings = math.prod(vocab_modes) if num_embeddings is None else num_embeddings
+        # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
+        layer = cls(num_embeddings, math.prod(dim_modes), 1, vocab_modes, dim_modes, padding_idx=padding_idx,
+                    dtype=factors[0].dtype, device=factors[0].device, **kwargs)
+        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        with torch.no_grad():
+            for core, factor in zip(layer.cores, factors):
+                core.copy_(factor)
+        return layer
 
     def extra_repr(self) -> str:
         return (

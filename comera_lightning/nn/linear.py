@@ -13,7 +13,7 @@ from ..tt.contract import PLANS, tt_linear
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
-from .base import TTLayer
+from .base import TTLayer, _torch_factors
 
 __all__ = ["TTLinear"]
 
@@ -116,8 +116,50 @@ class TTLinear(TTLayer):
 
     def to_tensorly(self) -> tl.tt_tensor.TTTensor:
         """The gated factors as a tensorly ``TTTensor`` over ``(in_modes..., out_modes...)``."""
-        with tl.backend_context("pytorch"):
+        with tl.backend_context("pytorch", local_threadsafe=True):
             return tl.tt_tensor.TTTensor(self.gated_cores())
+
+    @classmethod
+    def from_tensorly(
+        cls,
+        tt: tl.tt_tensor.TTTensor | Sequence[torch.Tensor],
+        num_in_modes: int,
+        *,
+        in_features: int | None = None,
+        out_features: int | None = None,
+        bias: torch.Tensor | None = None,
+        **kwargs,
+    ) -> "TTLinear":
+        """The inverse of :meth:`to_tensorly`: a TTLinear whose cores are ``tt``'s factors (gates 1, all active).
+
+        Args:
+            tt: a ``TTTensor`` (or its factors) over ``(in_modes..., out_modes...)``, factors ``(r, s, r')``.
+            num_in_modes: how many leading modes are input modes (``len(layer.in_modes)``); a TT does not say.
+            in_features, out_features: the unpadded sizes; default the products of the modes.
+            bias: copied into the layer's bias; None builds the layer without one.
+            kwargs: forwarded to the constructor (e.g. ``rank_threshold``).
+        """
+        factors = _torch_factors(tt, 3, "TTLinear.from_tensorly", "a TTTensor (TTEmbedding takes TTMatrix)")
+        modes = [int(f.shape[1]) for f in factors]
+        if not 1 <= num_in_modes < len(modes):
+            raise ValueError(
+                f"num_in_modes must be in [1, {len(modes)}) for a TT with modes {modes}, got {num_in_modes}"
+            )
+        in_modes, out_modes = modes[:num_in_modes], modes[num_in_modes:]
+        in_features = math.prod(in_modes) if in_features is None else in_features
+        out_features = math.prod(out_modes) if out_features is None else out_features
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
+        layer = cls(in_features, out_features, 1, in_modes, out_modes, bias=bias is not None,
+                    dtype=factors[0].dtype, device=factors[0].device, **kwargs)
+        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        with torch.no_grad():
+            for core, factor in zip(layer.cores, factors):
+                core.copy_(factor)
+            if bias is not None:
+                layer.bias.copy_(bias)
+        return layer
 
     def set_contraction_plan(self, plan: str | None) -> None:
         """Force one of :data:`comera_lightning.tt.PLANS`, or None to let the planner choose per call."""
@@ -130,3 +172,4 @@ class TTLinear(TTLayer):
             f"in_features={self.in_features}, out_features={self.out_features}, in_modes={self.in_modes}, "
             f"out_modes={self.out_modes}, bias={self.bias is not None}, {super().extra_repr()}"
         )
+

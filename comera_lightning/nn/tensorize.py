@@ -1,5 +1,6 @@
 """``tensorize()``: swap a model's large ``nn.Linear`` / ``nn.Embedding`` modules for comera layers,
-and ``size_report()``: what every comera layer costs against the dense layer it replaced."""
+``untensorize()``: the way back to dense modules, and ``size_report()``: what every comera layer costs
+against the dense layer it replaced."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from ..tt.rank import train_parameter_count
@@ -14,12 +16,12 @@ from .base import TTLayer
 from .embedding import TTEmbedding
 from .linear import TTLinear
 
-__all__ = ["tensorize", "TensorizeRecord", "size_report", "LayerSize", "SizeReport", "tt_layers"]
+__all__ = ["tensorize", "untensorize", "TensorizeRecord", "size_report", "LayerSize", "SizeReport", "tt_layers"]
 
 
 @dataclass
 class TensorizeRecord:
-    """What :func:`tensorize` did to one module."""
+    """What :func:`tensorize` (or :func:`untensorize`) did to one module."""
 
     name: str
     kind: str  # "linear" or "embedding"
@@ -110,6 +112,56 @@ def tensorize(
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
                                        layer.dense_parameters, layer.allocated_parameters(), error))
     return records
+
+
+def untensorize(model: nn.Module) -> list[TensorizeRecord]:
+    """Replace, in place, every :class:`TTLinear` / :class:`TTEmbedding` of ``model`` by the dense module it computes.
+
+    The dense weight is the layer's reconstruction with its gates and rank masks applied (``weight_dense()``),
+    so the model's outputs are unchanged up to rounding. Bias, ``padding_idx``, dtype, device and train/eval
+    mode are kept; a layer used in several places becomes one shared dense module.
+
+    Returns:
+        One :class:`TensorizeRecord` per replaced layer, in model order, with its active ranks and parameters.
+    """
+    records = []
+    replaced: dict[int, nn.Module] = {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) in replaced:
+            _set_submodule(model, name, replaced[id(module)])
+            continue
+        if not isinstance(module, (TTLinear, TTEmbedding)):
+            continue
+        if not name:
+            raise ValueError(
+                f"untensorize replaces submodules, but the model itself is a {type(module).__name__}; call its "
+                f"weight_dense() directly, or wrap the layer in a container such as nn.Sequential"
+            )
+        dense = _dense_module(module)
+        _set_submodule(model, name, dense)
+        replaced[id(module)] = dense
+        is_linear = isinstance(module, TTLinear)
+        shape = (module.in_features, module.out_features) if is_linear else (
+            module.num_embeddings, module.embedding_dim)
+        records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", shape, module.active_ranks,
+                                       module.dense_parameters, module.active_parameters(), None))
+    return records
+
+
+@torch.no_grad()
+def _dense_module(layer: TTLinear | TTEmbedding) -> nn.Module:
+    # a clone, not .contiguous(): a sliced view would keep the padded rows' storage alive
+    weight = layer.weight_dense().detach().clone(memory_format=torch.contiguous_format)
+    requires_grad = layer.cores[0].requires_grad
+    if isinstance(layer, TTLinear):
+        # built on the meta device: the parameters are replaced right away, so skip the random init
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        dense.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        if layer.bias is not None:
+            dense.bias = nn.Parameter(layer.bias.detach().clone(), requires_grad=layer.bias.requires_grad)
+    else:
+        dense = nn.Embedding.from_pretrained(weight, freeze=not requires_grad, padding_idx=layer.padding_idx)
+    return dense.train(layer.training)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

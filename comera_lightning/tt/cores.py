@@ -7,8 +7,9 @@ Two formats, both trains of cores ``G_k`` indexed ``(r_{k-1}, ..., r_k)`` with `
   low-rank bottleneck, which is what makes ``y = (x L) R`` cheap.
 * TTM (embeddings): cores ``(r_{k-1}, v_k, e_k, r_k)`` with row modes ``v`` and column modes ``e``.
 
-Reconstruction and decomposition go through tensorly inside ``tl.backend_context("pytorch")`` so the
-caller's global tensorly backend is never changed.
+Reconstruction and decomposition go through tensorly inside ``tl.backend_context("pytorch",
+local_threadsafe=True)``: the backend changes for the calling thread only, for the call only, so neither the
+caller's global tensorly backend nor another thread's is changed.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def init_cores(
 
 def tt_to_dense(cores: Sequence[torch.Tensor], num_rows_modes: int) -> torch.Tensor:
     """Reconstruct the ``(M, N)`` matrix of a TT whose first ``num_rows_modes`` cores span ``M``."""
-    with tl.backend_context("pytorch"):
+    with tl.backend_context("pytorch", local_threadsafe=True):
         full = tl.tt_to_tensor(list(cores))
     rows = math.prod(full.shape[:num_rows_modes])
     return full.reshape(rows, -1)
@@ -121,7 +122,7 @@ def tt_to_dense(cores: Sequence[torch.Tensor], num_rows_modes: int) -> torch.Ten
 
 def ttm_to_dense(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reconstruct the ``(V, D)`` matrix of a TT-matrix (rows ``v_1..v_k``, columns ``e_1..e_k``)."""
-    with tl.backend_context("pytorch"):
+    with tl.backend_context("pytorch", local_threadsafe=True):
         full = tl.tt_matrix_to_tensor(list(cores))
     num = len(cores)
     return full.reshape(math.prod(full.shape[:num]), -1)
@@ -136,7 +137,7 @@ def tt_from_dense(
     """
     rows, cols = math.prod(in_modes), math.prod(out_modes)
     padded = _zero_pad(matrix.detach(), rows, cols)
-    with tl.backend_context("pytorch"):
+    with tl.backend_context("pytorch", local_threadsafe=True):
         factors = tensor_train(padded.reshape(*in_modes, *out_modes), rank=list(ranks)).factors
     return [f.contiguous() for f in factors]
 
@@ -147,7 +148,7 @@ def ttm_from_dense(
     """TT-matrix SVD of ``matrix (V x D)`` (zero-padded to the modes) with at most ``ranks``."""
     rows, cols = math.prod(row_modes), math.prod(col_modes)
     padded = _zero_pad(matrix.detach(), rows, cols)
-    with tl.backend_context("pytorch"):
+    with tl.backend_context("pytorch", local_threadsafe=True):
         factors = tensor_train_matrix(padded.reshape(*row_modes, *col_modes), rank=list(ranks)).factors
     return [f.contiguous() for f in factors]
 
