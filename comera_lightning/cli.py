@@ -28,6 +28,7 @@ Defaults that differ from plain LightningCLI:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ from . import callbacks as _callbacks  # noqa: F401  (registers the comera callb
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
 from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
+from .export import export_checkpoint, export_model, read_export_metadata
 from .callbacks.final_validation import FinalValidation
 from .callbacks.progress import StepProgressBar
 from .lit.base import ComeraTask
@@ -235,7 +237,24 @@ class ComeraCLI(LightningCLI):
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero and not self.trainer.interrupted:
-            print(fit_summary(self.trainer, self.model))
+            exported = export_final_model(self.trainer, self.model)
+            print(fit_summary(self.trainer, self.model, exported))
+
+
+def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
+    """Export the trained model (TT cores at their active ranks, :mod:`comera_lightning.export`) as
+    ``model.safetensors`` beside the run's checkpoint folder, and log it to MLflow (artifact
+    ``model/model.safetensors``) so the run shows what it produced. ``None`` when no checkpoint folder."""
+    checkpoint = trainer.checkpoint_callback
+    folder = getattr(checkpoint, "dirpath", None)
+    if not folder:
+        return None
+    run_ids = {logger.run_id: logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and logger.run_id}
+    metadata = {"mlflow_run_id": next(iter(run_ids))} if run_ids else None
+    path = export_model(model, Path(folder).parent / "model.safetensors", metadata, overwrite=True)
+    for run_id, logger in run_ids.items():
+        logger.experiment.log_artifact(run_id, str(path), "model")
+    return path
 
 
 def _plain_dict(value: Any) -> dict[str, Any] | None:
@@ -270,8 +289,8 @@ def _rank_groups(model: LightningModule) -> list[str]:
     return lines
 
 
-def fit_summary(trainer: Trainer, model: LightningModule) -> str:
-    """What a fit produced: size and ranks, validation metrics, the checkpoint, the MLflow run."""
+def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None = None) -> str:
+    """What a fit produced: size and ranks, validation metrics, the checkpoint and export, the MLflow run."""
     report = size_report(model)
     lines = [f"comera: trained {trainer.global_step} steps"]
     if report.layers:
@@ -287,6 +306,8 @@ def fit_summary(trainer: Trainer, model: LightningModule) -> str:
     path = (getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")) if checkpoint else ""
     if path:
         lines.append(f"  checkpoint: {path}")
+    if exported is not None:
+        lines.append(f"  compact model: {exported} (comera_lightning.export.load_exported)")
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger.run_id:
             uri = logger._tracking_uri
@@ -353,15 +374,37 @@ def _print_configs(names: list[str]) -> None:
         print(f"{name:32} {path}")
 
 
+def _export_command(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="comera export", description="Write a checkpoint's model, TT cores at their active ranks, to a "
+        "safetensors file that comera_lightning.export.load_exported rebuilds without the checkpoint.")
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by comera fit")
+    parser.add_argument("--out", required=True, help="the .safetensors file to write")
+    parser.add_argument("--task", default=None, help="the task's class path, for checkpoints that do not record it")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    options = parser.parse_args(argv)
+    try:
+        path = export_checkpoint(options.ckpt_path, options.out, task=options.task, overwrite=options.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        parser.exit(2, f"comera export: {error}\n")
+    meta = read_export_metadata(path)["size"]
+    print(f"comera: wrote {path}: {meta['active_parameters']:,} parameters, "
+          f"{meta['compression_ratio']:.1f}x smaller than dense")
+
+
 def main(args: Any = None) -> None:
     """Console entry point of ``comera`` (and ``python -m comera_lightning``).
 
     Besides LightningCLI's subcommands: ``comera configs [NAME]`` lists the installed configs and fragments
-    (or prints one's path); ``--config quickstart`` finds an installed config by name.
+    (or prints one's path); ``comera export --ckpt_path C --out F`` writes the compact model;
+    ``--config quickstart`` finds an installed config by name.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["configs"]:
         _print_configs(argv[1:])
+        return
+    if argv[:1] == ["export"]:
+        _export_command(argv[1:])
         return
     resolved = resolve_config_args(argv)
     if args is None:

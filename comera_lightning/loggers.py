@@ -140,6 +140,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
         http_timeout_s: ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (seconds per connect/read) for http(s) URIs, unless
             set in the environment; ``None`` leaves MLflow's default (120 s).
         http_max_retries: ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` likewise (MLflow's default: 7, about 4 min).
+        log_system_metrics: also record CPU, memory, disk, network and (with ``pynvml``) GPU use under
+            ``system/`` with MLflow's own monitor (needs ``psutil``: ``pip install comera_lightning[system]``),
+            every ``system_metrics_interval_s`` seconds, from global rank 0.
 
     Example::
 
@@ -166,6 +169,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
         retry_interval_s: float = 30.0,
         http_timeout_s: Optional[int] = 5,
         http_max_retries: Optional[int] = 2,
+        log_system_metrics: bool = False,
+        system_metrics_interval_s: float = 10.0,
     ) -> None:
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
         if flush_interval_s < 0 or retry_interval_s <= 0 or max_buffered < 1:
@@ -181,6 +186,16 @@ class ResilientMLFlowLogger(MLFlowLogger):
         super().__init__(experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
                          save_dir=save_dir, log_model=log_model, prefix=prefix, artifact_location=artifact_location,
                          run_id=run_id, synchronous=synchronous)
+        if log_system_metrics:
+            try:
+                import psutil  # noqa: F401  (MLflow's system metrics monitor needs it)
+            except ImportError as missing:
+                raise ImportError("log_system_metrics=True needs psutil: pip install psutil (or "
+                                  "comera_lightning[system]), or leave log_system_metrics off") from missing
+        if system_metrics_interval_s <= 0:
+            raise ValueError(f"system_metrics_interval_s must be > 0, got {system_metrics_interval_s}")
+        self.log_system_metrics = log_system_metrics
+        self.system_metrics_interval_s = float(system_metrics_interval_s)
         self._local_dir = os.path.abspath(local_dir) if local_dir else None
         self.flush_interval_s = float(flush_interval_s)
         self.sender = sender  # how metrics are sent now
@@ -218,11 +233,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self._guarded = _GuardedClient(self)
         self._atexit_registered = False
         self._process: Optional[_SenderProcess] = None
+        self._system_monitor: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_net_lock", "_state_lock", "_wake", "_stop", "_thread", "_guarded", "_atexit_registered",
-                    "_process"):
+                    "_process", "_system_monitor"):
             state.pop(key, None)
         return state
 
@@ -247,6 +263,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     def _connect(self) -> None:
         MLFlowLogger.experiment.fget(self)  # finds/creates the experiment, creates the run (or gets run_id's)
+        if self.log_system_metrics and self._run_id is not None and self._system_monitor is None:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_monitor = SystemMetricsMonitor(self._run_id, sampling_interval=self.system_metrics_interval_s,
+                                                         tracking_uri=self._tracking_uri)
+            self._system_monitor.start()
 
     @property
     def run_id(self) -> Optional[str]:
@@ -333,6 +355,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def finalize(self, status: str = "success") -> None:
         if not self._initialized and not self._degraded and not self._buffer:
             return
+        if self._system_monitor is not None:
+            self._system_monitor.finish()
+            self._system_monitor = None
         self._stop_thread()
         if self._degraded:
             self._next_retry = 0.0  # one last attempt to reach the store before the run ends

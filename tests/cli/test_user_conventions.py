@@ -98,3 +98,50 @@ def test_scheduler_with_builtin_warmup_is_refused(workdir):
 def test_runs_folder_is_ignored_by_git():
     ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().split()
     assert "runs/" in ignored
+
+
+def test_system_metrics_are_an_option_of_the_logger(workdir):
+    pytest.importorskip("psutil")
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=12",
+               "--trainer.limit_train_batches=12", "--trainer.logger.init_args.log_system_metrics=true",
+               "--trainer.logger.init_args.system_metrics_interval_s=0.2")
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    keys = set(client.get_run(cli.trainer.logger.run_id).data.metrics)
+    assert any(key.startswith("system/cpu_utilization") for key in keys), sorted(keys)
+
+
+def test_system_metrics_interval_must_be_positive():
+    from comera_lightning.loggers import ResilientMLFlowLogger
+
+    with pytest.raises(ValueError, match="system_metrics_interval_s must be > 0"):
+        ResilientMLFlowLogger(system_metrics_interval_s=0)
+
+
+def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(workdir, capsys):
+    from comera_lightning.cli import main
+    from comera_lightning.export import load_exported, read_export_metadata
+
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
+    run_id = cli.trainer.logger.run_id
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert "model/model.safetensors" in {a.path for a in client.list_artifacts(run_id, "model")}
+    exported = Path(cli.trainer.checkpoint_callback.dirpath).parent / "model.safetensors"
+    assert f"compact model: {exported}" in capsys.readouterr().out
+    assert read_export_metadata(exported)["size"]["compression_ratio"] > 1
+
+    checkpoint = cli.trainer.checkpoint_callback.last_model_path
+    out = workdir / "export" / "quickstart.safetensors"
+    main(["export", f"--ckpt_path={checkpoint}", f"--out={out}"])
+    assert "comera: wrote" in capsys.readouterr().out
+    model = load_exported(out)
+    batch = next(iter(cli.datamodule.val_dataloader()))
+    cli.model.eval()
+    with torch.no_grad():
+        expected = cli.model.model.encoder(batch["input_ids"], batch.get("attention_mask"))
+        assert torch.allclose(model.model.encoder(batch["input_ids"], batch.get("attention_mask")), expected, atol=1e-5)
+
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        main(["export", f"--ckpt_path={checkpoint}", f"--out={out}"])
+    assert refused.value.code == 2 and "overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == before
