@@ -7,10 +7,11 @@ from .fault_tolerance import FaultTolerance
 from .final_validation import FinalValidation
 from .progress import StepProgressBar
 from .late_stage import LateStagePolicy, PaperLateStage, ScheduledLateStage
+from .predictions import PredictionWriter
 from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
 
 __all__ = [
     "ContractionPlanner", "CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation", "LateStagePolicy",
-    "PaperLateStage", "RankAdaptation", "RankMonitor", "ScheduledLateStage", "StepProgressBar",
+    "PaperLateStage", "PredictionWriter", "RankAdaptation", "RankMonitor", "ScheduledLateStage", "StepProgressBar",
 ]

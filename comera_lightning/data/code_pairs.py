@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 
 from .code_mlm import stdlib_root
 from .common import (
+    KeepIndex,
     TensorDictDataset,
     atomic_torch_save,
     cache_key,
@@ -55,6 +56,7 @@ from .common import (
     read_source_text,
     rows_loader,
     split_by_hash,
+    uses_validation_rows_notice,
 )
 from .glue import PairCollator, encode_pair_rows
 from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, file_sha1, min_bpe_vocab_size
@@ -80,6 +82,7 @@ MIN_BODY_TOKENS = 4
 CHARS_PER_POSITION = 8
 _EXTRACTION_VERSION = 1  # bump when extraction or pairing changes, so old caches are not reused
 _TOKEN = re.compile(r"\w+|[^\w\s]")
+_NO_TEST_SPLIT = "the files are split into training and validation only"
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,11 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
     The cache key covers the files' paths and contents and every argument that changes the examples.
 
     Batches (like :class:`MNLIDataModule`'s): ``input_ids``, ``attention_mask``, ``token_type_ids``
-    (B, seq_len) long and ``labels`` (B,) long.
+    (B, seq_len) long and ``labels`` (B,) long (names in :attr:`class_names`); prediction batches add
+    ``index`` (B,) long, the example's number in the validation split (:meth:`examples` ``("val")``).
+
+    ``test`` and ``predict`` run on the VALIDATION examples (the files are split into training and
+    validation only; said once at info level).
 
     Vocabulary size: ``vocab_size`` is an upper bound (a trained BPE never exceeds it), so a model built
     with ``data.vocab_size`` always fits; ``vocab_size_actual`` is the tokenizer's real size.
@@ -420,6 +427,11 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         """3: ``match``, ``same_module``, ``other_module`` (:data:`CODE_PAIR_LABELS`)."""
         return len(CODE_PAIR_LABELS)
 
+    @property
+    def class_names(self) -> list[str]:
+        """Label names by id: :data:`CODE_PAIR_LABELS`."""
+        return list(CODE_PAIR_LABELS)
+
     # ------------------------------------------------------------------ encoding and caching
     def _encoded_cache_path(self) -> Path:
         key = cache_key(
@@ -461,7 +473,10 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self._load_or_build_encoded()
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the cached tokenizer and encoded splits (building them when missing) and make the datasets."""
+        """Load the cached tokenizer and encoded splits (building them when missing) and make the datasets.
+
+        Every stage (``fit``, ``validate``, ``test``, ``predict``) loads both splits from the one cache file.
+        """
         if self.train_dataset is not None:
             return
         _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
@@ -470,12 +485,13 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self.val_dataset = TensorDictDataset(**data["val"])
 
     # ------------------------------------------------------------------ loaders
-    def _loader(self, train: bool) -> DataLoader:
+    def _loader(self, train: bool, collate_fn: Any = None) -> DataLoader:
         if self.train_dataset is None:
             self.setup(None)
         dataset = self.train_dataset if train else self.val_dataset
-        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=PairCollator(),  # type: ignore[arg-type]
-                           train=train, seed=self.seed, num_workers=self.num_workers)
+        return rows_loader(dataset, batch_size=self.batch_size,  # type: ignore[arg-type]
+                           collate_fn=collate_fn or PairCollator(), train=train, seed=self.seed,
+                           num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training pairs (order a function of seed and epoch), resumable mid-epoch."""
@@ -486,5 +502,13 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return self._loader(train=False)
 
     def test_dataloader(self) -> DataLoader:
-        """The validation split again (there is no separate test split): ``comera test`` scores it."""
+        """The VALIDATION examples again, in the same order (there is no separate test split): ``comera test``
+        scores them (said once at info level)."""
+        uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
         return self._loader(train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The validation examples as in :meth:`test_dataloader`, with ``index`` added (the example's number in
+        :meth:`examples` ``("val")``, which gives its functions' paths and names)."""
+        uses_validation_rows_notice(self, "predict", _NO_TEST_SPLIT)
+        return self._loader(train=False, collate_fn=KeepIndex(PairCollator()))

@@ -19,12 +19,13 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",
     "EpochShuffleSampler",
+    "KeepIndex",
     "ResumableDataLoader",
     "TEST_DIR_NAMES",
     "TensorDictDataset",
@@ -42,6 +43,7 @@ __all__ = [
     "stable_hash_many",
     "stable_unit",
     "text_files_only",
+    "uses_validation_rows_notice",
 ]
 
 #: directory names never searched for corpus files (installed packages, byte code, VCS, caches)
@@ -335,6 +337,35 @@ class TensorDictDataset(Dataset):
 def identity_collate(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Collate for :class:`TensorDictDataset` batches that need no further work (drops ``index``)."""
     return {k: v for k, v in batch.items() if k != "index"}
+
+
+class KeepIndex:
+    """Collate wrapper for prediction loaders: ``collate_fn(batch)`` plus ``index``, the dataset row numbers.
+
+    :class:`TensorDictDataset` batches carry ``index`` (which the collate functions drop); keeping it as a
+    long tensor lets a ``predict_step`` say which row each prediction belongs to, whatever the sampler
+    (under DDP every process sees its own shard of the rows).
+    """
+
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(self.collate_fn(batch))
+        out["index"] = torch.as_tensor(batch["index"]).long()
+        return out
+
+
+def uses_validation_rows_notice(owner: Any, stage: str, why: str) -> None:
+    """Say once per data module (rank zero, info level) that ``stage`` runs on the validation rows.
+
+    ``why`` completes the sentence, e.g. ``"the corpus is split into training and validation files only"``.
+    """
+    said = owner.__dict__.setdefault("_validation_rows_notices", set())
+    if stage in said:
+        return
+    said.add(stage)
+    rank_zero_info(f"{type(owner).__name__}: {stage} runs on the validation examples ({why})")
 
 
 # ---------------------------------------------------------------------------------------------- loaders

@@ -9,7 +9,8 @@ categorical features written as 8-digit hex hashes; any feature may be empty (mi
   every process and on every machine (Python's ``hash()`` of a str is salted per process and would give
   each DDP rank different ids);
 * the validation set is the LAST ``val_fraction`` of the rows (Criteo files are in time order, so this
-  is the usual "predict the future" split).
+  is the usual "predict the future" split); with ``test_fraction`` the last rows are held out for
+  ``test``/``predict`` and validation takes the ``val_fraction`` before them.
 
 ``synthetic_criteo`` draws data with the statistics that make CTR embedding tables hard: per table a
 Zipf(``alpha``) popularity over ids (a few ids cover most rows, a long tail is seen rarely), heavy-tailed
@@ -21,14 +22,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .common import TensorDictDataset, atomic_torch_save, cache_key, rows_loader, stable_hash_many
+from .common import (
+    KeepIndex,
+    TensorDictDataset,
+    atomic_torch_save,
+    cache_key,
+    rows_loader,
+    stable_hash_many,
+    uses_validation_rows_notice,
+)
 
 __all__ = [
     "CRITEO_KAGGLE_CARDINALITIES",
@@ -295,7 +304,13 @@ class CriteoDataModule(pl.LightningDataModule):
     """Criteo-format CTR batches for DLRM-style models, from local TSV files or synthetic rows.
 
     Batches: ``dense`` (B, 13) float32, ``sparse`` (B, 26) int64 with column ``t`` in
-    ``[0, table_sizes[t])`` (0 = missing), ``labels`` (B,) float32 in {0, 1}.
+    ``[0, table_sizes[t])`` (0 = missing), ``labels`` (B,) float32 in {0, 1}; prediction batches add
+    ``index`` (B,) long, the row's number in the test slice.
+
+    Splits, in time order: training, then validation (``val_fraction`` of the rows), then test
+    (``test_fraction``, the last rows). With ``test_fraction=0`` (the default, which keeps the training and
+    validation rows of earlier versions) ``test`` and ``predict`` run on the validation rows (said once at
+    info level).
 
     Args:
         data_dir: a Criteo-format file or a folder of them (``*.tsv``, ``*.txt``, optionally ``.gz``/``.bz2``,
@@ -304,7 +319,10 @@ class CriteoDataModule(pl.LightningDataModule):
         num_samples: rows to generate when ``synthetic``.
         table_sizes: rows per embedding table, 26 ints; default :data:`DEFAULT_TABLE_SIZES`.
         batch_size: rows per batch.
-        val_fraction: share of rows held out, taken from the END (time order).
+        val_fraction: share of rows held out for validation, taken from the END (time order), before the
+            test rows.
+        test_fraction: share of rows held out for ``test``/``predict``, the very last ones; 0 tests on the
+            validation rows.
         num_workers: DataLoader worker processes.
         seed: seeds the synthetic data and the training shuffle.
         cache_dir: if set, the parsed tensors of ``data_dir`` are saved there by ``prepare_data`` (keyed by
@@ -320,6 +338,7 @@ class CriteoDataModule(pl.LightningDataModule):
         table_sizes: list[int] | None = None,
         batch_size: int = 2048,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.0,
         num_workers: int = 0,
         seed: int = 0,
         cache_dir: str | None = None,
@@ -331,6 +350,11 @@ class CriteoDataModule(pl.LightningDataModule):
             raise ValueError("no data: pass data_dir= a folder of Criteo-format TSV files, or synthetic=True")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
+            raise ValueError(
+                f"test_fraction must be in [0, 1) and val_fraction + test_fraction < 1 (rows must be left to train "
+                f"on), got test_fraction={test_fraction}, val_fraction={val_fraction}"
+            )
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.synthetic = synthetic
@@ -338,12 +362,14 @@ class CriteoDataModule(pl.LightningDataModule):
         self.table_sizes = _check_table_sizes(table_sizes)
         self.batch_size = batch_size
         self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
         self.num_workers = num_workers
         self.seed = seed
         self.cache_dir = cache_dir
         self.num_dense_features = NUM_DENSE
         self.train_dataset: TensorDictDataset | None = None
         self.val_dataset: TensorDictDataset | None = None
+        self.test_dataset: TensorDictDataset | None = None
 
     def load(self) -> dict[str, torch.Tensor]:
         """All rows (synthetic or read from ``data_dir``) before the split."""
@@ -377,7 +403,8 @@ class CriteoDataModule(pl.LightningDataModule):
             self.load()
 
     def setup(self, stage: str | None = None) -> None:
-        """Generate or read the rows and split off the last ``val_fraction`` for validation."""
+        """Generate or read the rows and split them in time order (training, validation, test); every stage
+        builds all three (the rows are read once)."""
         if self.train_dataset is not None:
             return
         data = self.load()
@@ -388,16 +415,24 @@ class CriteoDataModule(pl.LightningDataModule):
                 f"13 integer and 26 categorical tab-separated columns) or synthetic=True"
                 if not self.synthetic else "num_samples must be > 0"
             )
+        n_test = int(round(n * self.test_fraction))
+        if self.test_fraction > 0 and n >= 2:
+            n_test = min(max(n_test, 1), n - 1)
+        test_cut = n - n_test
         n_val = int(round(n * self.val_fraction))
-        if self.val_fraction > 0 and n >= 2:
-            n_val = min(max(n_val, 1), n - 1)
-        cut = n - n_val
+        if self.val_fraction > 0 and test_cut >= 2:
+            n_val = min(max(n_val, 1), test_cut - 1)
+        n_val = min(n_val, max(test_cut - 1, 0))
+        cut = test_cut - n_val
         self.train_dataset = TensorDictDataset(**{k: v[:cut] for k, v in data.items()})
-        self.val_dataset = TensorDictDataset(**{k: v[cut:] for k, v in data.items()})
+        self.val_dataset = TensorDictDataset(**{k: v[cut:test_cut] for k, v in data.items()})
+        self.test_dataset = (TensorDictDataset(**{k: v[test_cut:] for k, v in data.items()}) if n_test
+                             else self.val_dataset)
 
-    def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
-        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=CTRCollator(),  # type: ignore[arg-type]
-                           train=train, seed=self.seed, num_workers=self.num_workers)
+    def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
+        return rows_loader(dataset, batch_size=self.batch_size,  # type: ignore[arg-type]
+                           collate_fn=collate_fn or CTRCollator(), train=train, seed=self.seed,
+                           num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -410,3 +445,20 @@ class CriteoDataModule(pl.LightningDataModule):
         if len(self.val_dataset) == 0:  # type: ignore[arg-type]
             return []
         return self._loader(self.val_dataset, train=False)  # type: ignore[arg-type]
+
+    def _test_rows(self, stage: str) -> TensorDictDataset:
+        if self.test_dataset is None:
+            self.setup(stage)
+        if self.test_dataset is self.val_dataset:
+            uses_validation_rows_notice(self, stage, "test_fraction=0; set test_fraction= to hold out the last rows")
+        return self.test_dataset  # type: ignore[return-value]
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The test rows in order (the last ``test_fraction``; the validation rows when it is 0); ``[]`` when empty."""
+        rows = self._test_rows("test")
+        return self._loader(rows, train=False) if len(rows) else []
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """The :meth:`test_dataloader` rows with ``index`` added (the row's number in that slice)."""
+        rows = self._test_rows("predict")
+        return self._loader(rows, train=False, collate_fn=KeepIndex(CTRCollator())) if len(rows) else []

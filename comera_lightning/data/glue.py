@@ -14,6 +14,11 @@ Three local layouts are read (``format="auto"`` picks by what ``data_dir`` holds
 Labels: entailment=0, neutral=1, contradiction=2 (the GLUE/HF order). Rows without a gold label (``-``,
 ``-1``, empty) are skipped.
 
+Held-out split for ``test``/``predict`` (``test_split``, see :class:`MNLIDataModule`): by default a labelled
+``test_matched``/``test_mismatched`` split when the data has one (GLUE hides the test labels, so usually
+not), else the validation split that validation does not use (``validation_mismatched`` when validating on
+``validation_matched``), else the validation split itself, said once at info level.
+
 Pairs are encoded ``[CLS] premise [SEP] hypothesis [SEP]``, ``token_type_ids`` 0 up to and including
 the first ``[SEP]`` and 1 after, truncated longest-first to ``seq_len`` and padded to ``seq_len`` (static
 shapes). The tokenizer is a local tokenizer.json (``tokenizer_path``) or a byte-level BPE trained on the
@@ -31,16 +36,19 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch.utils.data import DataLoader
 
 from .common import (
+    KeepIndex,
     TensorDictDataset,
     atomic_torch_save,
     cache_key,
     fingerprint_files,
     load_tensor_cache,
     rows_loader,
+    uses_validation_rows_notice,
 )
 from .tokenizer import (
     SpecialTokenIds,
@@ -55,9 +63,11 @@ __all__ = [
     "MNLI_LABELS",
     "MNLIDataModule",
     "PairCollator",
+    "TEST_SPLITS",
     "detect_mnli_format",
     "encode_pair_rows",
     "encode_pairs",
+    "mnli_split_exists",
     "read_mnli_split",
     "truncate_longest_first",
     "write_synthetic_mnli",
@@ -70,7 +80,11 @@ _SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train", "multinli_1.0_train"),
     "validation_matched": ("validation_matched", "dev_matched", "multinli_1.0_dev_matched"),
     "validation_mismatched": ("validation_mismatched", "dev_mismatched", "multinli_1.0_dev_mismatched"),
+    "test_matched": ("test_matched",),
+    "test_mismatched": ("test_mismatched",),
 }
+#: splits ``MNLIDataModule(test_split=...)`` accepts
+TEST_SPLITS: tuple[str, ...] = ("validation_matched", "validation_mismatched", "test_matched", "test_mismatched")
 _ENCODING_VERSION = 1
 
 
@@ -123,22 +137,28 @@ def _split_file(root: Path, split: str, ext: str) -> Path:
     raise ValueError(f"no file for MNLI split {split!r} in {str(root)!r}: expected one of {wanted}")
 
 
-def _pick(row: dict[str, Any], names: Sequence[str], where: str) -> Any:
+_REQUIRED = object()
+
+
+def _pick(row: dict[str, Any], names: Sequence[str], where: str, default: Any = _REQUIRED) -> Any:
     for name in names:
         if name in row:
             return row[name]
+    if default is not _REQUIRED:
+        return default
     raise ValueError(f"{where}: none of the columns {list(names)} (has {sorted(row)})")
 
 
-def _read_tsv(path: Path) -> tuple[list[str], list[str], list[int]]:
+def _read_tsv(path: Path, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
     a, b, y = [], [], []
+    no_label = None if label_optional else _REQUIRED  # a test file may have no label column at all
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with open(path, encoding="utf-8", newline="") as fh:
         # GLUE TSVs contain unbalanced quotes: read with quoting off, as the GLUE baselines do
         reader = csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
         for line, row in enumerate(reader, start=2):
             where = f"{path}:{line}"
-            label = _label_id(_pick(row, ("gold_label", "label"), where), where)
+            label = _label_id(_pick(row, ("gold_label", "label"), where, no_label), where)
             if label is None:
                 continue
             a.append(_pick(row, ("sentence1", "premise"), where) or "")
@@ -147,15 +167,16 @@ def _read_tsv(path: Path) -> tuple[list[str], list[str], list[int]]:
     return a, b, y
 
 
-def _read_jsonl(path: Path) -> tuple[list[str], list[str], list[int]]:
+def _read_jsonl(path: Path, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
     a, b, y = [], [], []
+    no_label = None if label_optional else _REQUIRED  # a test file may have no label column at all
     with open(path, encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"
             row = json.loads(line)
-            label = _label_id(_pick(row, ("label", "gold_label"), where), where)
+            label = _label_id(_pick(row, ("label", "gold_label"), where, no_label), where)
             if label is None:
                 continue
             a.append(_pick(row, ("premise", "sentence1"), where) or "")
@@ -175,7 +196,7 @@ def _datasets_module():
     return datasets
 
 
-def _read_disk(root: Path, split: str) -> tuple[list[str], list[str], list[int]]:
+def _read_disk(root: Path, split: str, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
     dsets = _datasets_module().load_from_disk(str(root))
     name = next((n for n in _SPLIT_NAMES[split] if n in dsets), None)
     if name is None:
@@ -185,9 +206,11 @@ def _read_disk(root: Path, split: str) -> tuple[list[str], list[str], list[int]]
     a_col = "premise" if "premise" in cols else "sentence1"
     b_col = "hypothesis" if "hypothesis" in cols else "sentence2"
     y_col = "label" if "label" in cols else "gold_label"
-    missing = {a_col, b_col, y_col} - cols
+    missing = {a_col, b_col, *(() if label_optional else (y_col,))} - cols
     if missing:
         raise ValueError(f"the {name!r} split at {str(root)!r} lacks columns {sorted(missing)} (has {sorted(cols)})")
+    if y_col not in cols:  # label_optional: an unlabelled test split
+        return [], [], []
     names = getattr(ds.features[y_col], "names", None)  # ClassLabel: map through its names, whatever the order
     a, b, y = [], [], []
     for i, (p, h, raw) in enumerate(zip(ds[a_col], ds[b_col], ds[y_col])):
@@ -203,18 +226,36 @@ def _read_disk(root: Path, split: str) -> tuple[list[str], list[str], list[int]]
 
 
 def read_mnli_split(data_dir: str | Path, split: str, fmt: str = "auto") -> tuple[list[str], list[str], list[int]]:
-    """(premises, hypotheses, labels) of one split (``train``, ``validation_matched``, ``validation_mismatched``)."""
+    """(premises, hypotheses, labels) of the labelled rows of one split (``train``, ``validation_matched``,
+    ``validation_mismatched``, ``test_matched``, ``test_mismatched``).
+
+    A test split may lack the label column (GLUE's test TSVs): it then has no labelled rows.
+    """
     if split not in _SPLIT_NAMES:
         raise ValueError(f"unknown MNLI split {split!r}; expected one of {list(_SPLIT_NAMES)}")
     root = Path(data_dir).expanduser()
     fmt = detect_mnli_format(root) if fmt == "auto" else fmt
+    label_optional = split.startswith("test")
     if fmt == "disk":
-        return _read_disk(root, split)
+        return _read_disk(root, split, label_optional)
     if fmt == "tsv":
-        return _read_tsv(_split_file(root, split, "tsv"))
+        return _read_tsv(_split_file(root, split, "tsv"), label_optional)
     if fmt == "jsonl":
-        return _read_jsonl(_split_file(root, split, "jsonl"))
+        return _read_jsonl(_split_file(root, split, "jsonl"), label_optional)
     raise ValueError(f"unknown MNLI format {fmt!r}; expected one of {list(_FORMATS)}")
+
+
+def mnli_split_exists(data_dir: str | Path, split: str, fmt: str = "auto") -> bool:
+    """Whether ``data_dir`` holds ``split`` at all (its file, or a split of that name in a save_to_disk folder)."""
+    root = Path(data_dir).expanduser()
+    fmt = detect_mnli_format(root) if fmt == "auto" else fmt
+    if fmt == "disk":
+        try:
+            splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        except (OSError, ValueError):
+            return False
+        return any(name in splits for name in _SPLIT_NAMES[split])
+    return any((root / f"{name}.{fmt}").is_file() for name in _SPLIT_NAMES[split])
 
 
 def truncate_longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
@@ -307,7 +348,12 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
     """GLUE MNLI sentence-pair classification from a local folder (no download).
 
     Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` (B, seq_len) long and ``labels`` (B,)
-    long with entailment=0, neutral=1, contradiction=2.
+    long with entailment=0, neutral=1, contradiction=2 (names in :attr:`class_names`); prediction batches
+    add ``index`` (B,) long, the row number in the test split.
+
+    ``test``/``predict`` run on :attr:`resolved_test_split`: ``test_split`` when set, otherwise the first of
+    a labelled ``test_matched`` (``test_mismatched`` when validating on ``validation_mismatched``), the other
+    validation split, and, when the data has neither, the validation split itself (said once at info level).
 
     Vocabulary size: ``vocab_size`` stays the configured value and is an upper bound (the trained BPE
     never exceeds it; a ``tokenizer_path`` tokenizer larger than it is refused), so a model built with
@@ -322,6 +368,8 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         seq_len: tokens per row after truncation (longest-first) and padding.
         batch_size: pairs per batch.
         validation_split: ``"validation_matched"`` or ``"validation_mismatched"``.
+        test_split: the labelled split ``test``/``predict`` run on, one of :data:`TEST_SPLITS`; ``None``
+            chooses as described above. A ``test_*`` split must have labelled rows (GLUE's do not).
         max_train_samples: keep the first this many labelled training pairs (quick runs); the trained
             tokenizer then sees only those.
         cache_dir: where the trained tokenizer and the encoded splits are cached.
@@ -338,6 +386,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         seq_len: int = 128,
         batch_size: int = 32,
         validation_split: str = "validation_matched",
+        test_split: str | None = None,
         max_train_samples: int | None = None,
         cache_dir: str = ".cache/comera",
         num_workers: int = 0,
@@ -355,6 +404,8 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
             raise ValueError(
                 f"validation_split must be 'validation_matched' or 'validation_mismatched', got {validation_split!r}"
             )
+        if test_split is not None and test_split not in TEST_SPLITS:
+            raise ValueError(f"test_split must be one of {list(TEST_SPLITS)} or None (choose), got {test_split!r}")
         if seq_len < 3:
             raise ValueError(f"seq_len must be >= 3, got {seq_len}")
         if max_train_samples is not None and max_train_samples < 1:
@@ -367,6 +418,8 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.validation_split = validation_split
+        self.test_split = test_split
+        self._test_split: str | None = None
         self.max_train_samples = max_train_samples
         self.cache_dir = cache_dir
         self.num_workers = num_workers
@@ -379,6 +432,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
         self.train_dataset: TensorDictDataset | None = None
         self.val_dataset: TensorDictDataset | None = None
+        self.test_dataset: TensorDictDataset | None = None
 
     @property
     def root(self) -> Path:
@@ -406,6 +460,11 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
     def _read(self, split: str) -> tuple[list[str], list[str], list[int]]:
         if split not in self._splits:
             a, b, y = read_mnli_split(self.root, split, self.resolved_format)
+            if split == self.test_split and not y:
+                raise ValueError(
+                    f"the MNLI split {split!r} in {str(self.root)!r} has no labelled pairs (GLUE does not publish "
+                    "test labels), so it cannot be tested on; set test_split= a validation split, or leave it unset"
+                )
             if split == "train":
                 if not y:
                     raise ValueError(f"the MNLI training split in {str(self.root)!r} has no labelled pairs")
@@ -439,6 +498,28 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
     def num_classes(self) -> int:
         return len(MNLI_LABELS)
 
+    @property
+    def class_names(self) -> list[str]:
+        """Label names by id: ``["entailment", "neutral", "contradiction"]``."""
+        return list(MNLI_LABELS)
+
+    @property
+    def resolved_test_split(self) -> str:
+        """The split ``test``/``predict`` run on (``test_split``, or chosen as the class docstring says)."""
+        if self._test_split is None:
+            self._test_split = self.test_split or self._choose_test_split()
+        return self._test_split
+
+    def _choose_test_split(self) -> str:
+        kind = self.validation_split.removeprefix("validation_")
+        other = "validation_mismatched" if kind == "matched" else "validation_matched"
+        for split in (f"test_{kind}", other):
+            if mnli_split_exists(self.root, split, self.resolved_format) and self._read(split)[2]:
+                rank_zero_info(f"MNLIDataModule: test and predict run on the held-out split {split!r} "
+                               f"(validation: {self.validation_split!r})")
+                return split
+        return self.validation_split
+
     def _encoded(self, split: str) -> dict[str, torch.Tensor]:
         tok_file = self._ensure_tokenizer_file()
         key = cache_key(
@@ -462,30 +543,64 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return data
 
     def prepare_data(self) -> None:
-        """Train/cache the tokenizer and encode/cache the training and validation splits (local rank 0)."""
+        """Train/cache the tokenizer and encode/cache the training and validation splits, and the test split
+        when the trainer is testing or predicting (local rank 0)."""
         self._encoded("train")
         self._encoded(self.validation_split)
+        if _trainer_fn(self) in ("test", "predict"):
+            self._encoded(self.resolved_test_split)
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the cached encodings and build the datasets."""
+        """Load the cached encodings and build the datasets the stage needs: ``fit`` training and validation,
+        ``validate`` validation, ``test``/``predict`` the test split (:attr:`resolved_test_split`), ``None`` all."""
         _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
         if stage in (None, "fit") and self.train_dataset is None:
             self.train_dataset = TensorDictDataset(**self._encoded("train"))
         if self.val_dataset is None and stage in (None, "fit", "validate"):
             self.val_dataset = TensorDictDataset(**self._encoded(self.validation_split))
+        if self.test_dataset is None and stage in (None, "test", "predict"):
+            split = self.resolved_test_split
+            if split == self.validation_split and self.val_dataset is not None:
+                self.test_dataset = self.val_dataset
+            else:
+                self.test_dataset = TensorDictDataset(**self._encoded(split))
 
-    def _loader(self, dataset: TensorDictDataset | None, train: bool) -> DataLoader:
-        if dataset is None:
-            self.setup(None)
-            dataset = self.train_dataset if train else self.val_dataset
-        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=PairCollator(),  # type: ignore[arg-type]
+    def _dataset(self, name: str, stage: str) -> TensorDictDataset:
+        if getattr(self, name) is None:
+            self.setup(stage)
+        return getattr(self, name)
+
+    def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
+        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=collate_fn or PairCollator(),
                            train=train, seed=self.seed, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, train=True)
+        return self._loader(self._dataset("train_dataset", "fit"), train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, train=False)
+        return self._loader(self._dataset("val_dataset", "validate"), train=False)
+
+    def _test_rows(self, stage: str) -> TensorDictDataset:
+        rows = self._dataset("test_dataset", stage)
+        if self.resolved_test_split == self.validation_split:
+            uses_validation_rows_notice(
+                self, stage, f"{str(self.root)!r} has no other labelled split; set test_split= to choose one")
+        return rows
+
+    def test_dataloader(self) -> DataLoader:
+        """Labelled pairs of :attr:`resolved_test_split`, in file order."""
+        return self._loader(self._test_rows("test"), train=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The :meth:`test_dataloader` pairs with ``index`` (the row number in that split) added."""
+        return self._loader(self._test_rows("predict"), train=False, collate_fn=KeepIndex(PairCollator()))
+
+
+def _trainer_fn(datamodule: pl.LightningDataModule) -> str | None:
+    """What the attached trainer is running (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``), or ``None``."""
+    trainer = getattr(datamodule, "trainer", None)
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return None if fn is None else str(getattr(fn, "value", fn))
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

@@ -18,6 +18,9 @@ __all__ = ["SequenceClassification"]
 class SequenceClassification(ComeraTask):
     """Cross-entropy classification of ``input_ids`` (+ ``attention_mask``, ``token_type_ids``) batches.
 
+    ``validate`` logs ``val/loss`` and ``val/accuracy``, ``test`` the same under ``test/``; ``predict``
+    returns predicted labels and class probabilities (see :meth:`predict_step`).
+
     Args:
         vocab_size: rows of the word embedding; at least the tokenizer's size.
         num_classes: 3 for MNLI.
@@ -48,6 +51,7 @@ class SequenceClassification(ComeraTask):
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, **model_kwargs)
         self.train_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")  # not in checkpoints
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -78,10 +82,36 @@ class SequenceClassification(ComeraTask):
         self.log_dict({"train/loss": loss, "train/accuracy": self.train_accuracy}, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         logits = self._logits(batch, check_labels=True)
         loss = F.cross_entropy(logits.float(), batch["labels"])
-        self.val_accuracy(logits, batch["labels"])
-        self.log_dict({"val/loss": loss, "val/accuracy": self.val_accuracy}, prog_bar=True, sync_dist=True)
+        accuracy = getattr(self, f"{stage}_accuracy")
+        accuracy(logits, batch["labels"])
+        self.log_dict({f"{stage}/loss": loss, f"{stage}/accuracy": accuracy}, prog_bar=True, sync_dist=True)
 
-    test_step = validation_step
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Like validation, logged as ``test/loss`` and ``test/accuracy``."""
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        """Per example: ``index`` (B,) long (when the batch has it: the example's number in the dataset),
+        ``label`` (B,) long (the true label, when the batch has ``labels``), ``predicted`` (B,) long (the most
+        likely class), ``probabilities`` (B, num_classes) float32 (softmax), and ``predicted_name`` (B,) list of
+        str when the datamodule has ``class_names``. Unlabelled examples (label -1) are fine here."""
+        probs = self._logits(batch, check_labels=False).float().softmax(dim=-1)
+        predicted = probs.argmax(dim=-1)
+        out: dict[str, Any] = {}
+        if batch.get("index") is not None:
+            out["index"] = batch["index"].long()
+        if batch.get("labels") is not None:
+            out["label"] = batch["labels"].long()
+        out["predicted"] = predicted
+        out["probabilities"] = probs
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        names = getattr(datamodule, "class_names", None)
+        if isinstance(names, (list, tuple)) and len(names) == probs.shape[-1]:
+            out["predicted_name"] = [str(names[i]) for i in predicted.tolist()]
+        return out

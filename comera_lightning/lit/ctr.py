@@ -18,6 +18,9 @@ __all__ = ["ClickThrough"]
 class ClickThrough(ComeraTask):
     """Binary cross-entropy on ``dense`` + ``sparse`` features; logs AUC and log-loss.
 
+    ``validate`` logs ``val/auc`` and ``val/logloss``, ``test`` the same under ``test/``; ``predict``
+    returns click probabilities (see :meth:`predict_step`).
+
     Args:
         lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
             :class:`ComeraTask`.
@@ -42,6 +45,8 @@ class ClickThrough(ComeraTask):
         self.model = DLRM(**model_kwargs)
         self.val_auc = BinaryAUROC()
         self.val_logloss = MeanMetric()
+        self.test_auc = BinaryAUROC()  # metric states are not saved in checkpoints
+        self.test_logloss = MeanMetric()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["dense"], batch["sparse"])
@@ -51,16 +56,39 @@ class ClickThrough(ComeraTask):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         logits = self(batch).float()
         loss = F.binary_cross_entropy_with_logits(logits, batch["labels"])
-        self.val_auc(logits, batch["labels"].long())
-        self.val_logloss.update(loss, weight=batch["labels"].numel())
-        self.log("val/auc", self.val_auc, prog_bar=True)
+        auc, logloss = getattr(self, f"{stage}_auc"), getattr(self, f"{stage}_logloss")
+        auc(logits, batch["labels"].long())
+        logloss.update(loss, weight=batch["labels"].numel())
+        self.log(f"{stage}/auc", auc, prog_bar=True)
+
+    def _evaluation_end(self, stage: str) -> None:
+        logloss = getattr(self, f"{stage}_logloss")
+        self.log(f"{stage}/logloss", logloss.compute(), prog_bar=True)
+        logloss.reset()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/logloss", self.val_logloss.compute(), prog_bar=True)
-        self.val_logloss.reset()
+        self._evaluation_end("val")
 
-    test_step = validation_step
-    on_test_epoch_end = on_validation_epoch_end
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Like validation, logged as ``test/auc`` and ``test/logloss``."""
+        self._evaluate(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._evaluation_end("test")
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        """Per example: ``index`` (B,) long (when the batch has it: the row's number in the dataset), ``label``
+        (B,) long (the true click, when the batch has ``labels``) and ``click_probability`` (B,) float32."""
+        out: dict[str, Any] = {}
+        if batch.get("index") is not None:
+            out["index"] = batch["index"].long()
+        if batch.get("labels") is not None:
+            out["label"] = batch["labels"].long()
+        out["click_probability"] = torch.sigmoid(self(batch).float())
+        return out
