@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from .common import (
+    KeepIndex,
     TensorDictDataset,
     atomic_torch_save,
     cache_key,
@@ -40,6 +41,7 @@ from .common import (
     read_source_text,
     rows_loader,
     split_by_hash,
+    uses_validation_rows_notice,
 )
 from .tokenizer import (
     TokenizerLifecycle,
@@ -53,6 +55,7 @@ __all__ = ["CodeMLMDataModule", "MLMCollator", "chunk_stream", "mask_tokens", "s
 
 IGNORE_INDEX = -100
 _ENCODING_VERSION = 1
+_NO_TEST_SPLIT = "the corpus is split into training and validation files only"
 
 
 def stdlib_root() -> str:
@@ -413,7 +416,11 @@ class CodeMLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self._load_or_build_encoded()
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the cached tokenizer and encoded rows and build the datasets."""
+        """Load the cached tokenizer and encoded rows and build the datasets.
+
+        Every stage (``fit``, ``validate``, ``test``, ``predict``) loads both splits from the one cache file:
+        ``test`` and ``predict`` run on the validation rows (see :meth:`test_dataloader`).
+        """
         if self.train_dataset is not None:
             return
         _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
@@ -460,8 +467,29 @@ class CodeMLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in order with masks fixed by (seed, row); ``[]`` when there is no validation file."""
-        if self.val_dataset is None:
-            self.setup("validate")
-        if len(self.val_dataset) == 0:  # type: ignore[arg-type]
+        rows = self._eval_rows("validate")
+        return self._loader(rows, train=False) if len(rows) else []
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The VALIDATION rows again, with the same masks: the corpus is split into training and validation
+        files only, so ``comera test`` scores exactly the task validation scores (said once, at info level).
+        ``[]`` when there is no validation file."""
+        rows = self._eval_rows("test")
+        uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
+        return self._loader(rows, train=False) if len(rows) else []
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """The validation rows with the same deterministic masks as :meth:`val_dataloader`, plus ``index``
+        (the row number, long): batches ``input_ids`` (masked), ``attention_mask``, ``labels`` (the true id at
+        masked positions, -100 elsewhere) and ``index``. ``[]`` when there is no validation file."""
+        rows = self._eval_rows("predict")
+        uses_validation_rows_notice(self, "predict", _NO_TEST_SPLIT)
+        if not len(rows):
             return []
-        return self._loader(self.val_dataset, train=False)  # type: ignore[arg-type]
+        return rows_loader(rows, batch_size=self.batch_size, collate_fn=KeepIndex(self._collator(deterministic=True)),
+                           train=False, seed=self.seed, num_workers=self.num_workers)
+
+    def _eval_rows(self, stage: str) -> TensorDictDataset:
+        if self.val_dataset is None:
+            self.setup(stage)
+        return self.val_dataset  # type: ignore[return-value]
