@@ -171,7 +171,8 @@ class CausalLM(ComeraTask):
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"prompt_ids must be (batch, prompt_len) with prompt_len >= 1, got {tuple(prompt_ids.shape)}")
+            raise ValueError(f"prompt_ids must be (batch, prompt_len) with prompt_len >= 1, got shape "
+                             f"{tuple(prompt_ids.shape)}")
         was_training = self.model.training
         self.model.eval()
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)

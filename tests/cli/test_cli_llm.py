@@ -1,0 +1,69 @@
+"""`comera` on the decoder configs: they parse, the CPU one builds, and fit -> predict on a tiny corpus samples code
+from the truncated checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.data import CodeLMDataModule
+from comera_lightning.lit import CausalLM
+from comera_lightning.nn import size_report, tt_layers
+
+from test_cli import (  # noqa: F401  (workdir is a fixture)
+    CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree, workdir,
+)
+
+LLM_CONFIGS = ["llm_cpu.yaml", "llm_60m.yaml", "llm_130m.yaml"]
+NO_LOGGER = ["--trainer.logger=false"]  # MLflow is covered by test_cli.py; here it would only cost time
+
+
+@pytest.mark.parametrize("name", LLM_CONFIGS)
+def test_llm_config_parses(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _run("fit", f"--config={CONFIGS / name}", "--print_config")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "CausalLM" in out and "CodeLMDataModule" in out and "RankAdaptation" in out
+
+
+def test_llm_cpu_config_builds_a_tensorised_decoder():
+    config = yaml.safe_load((CONFIGS / "llm_cpu.yaml").read_text())
+    assert config["model"]["class_path"] == "CausalLM" and config["data"]["class_path"] == "CodeLMDataModule"
+    model = CausalLM(**config["model"]["init_args"])
+    datamodule = CodeLMDataModule(**config["data"]["init_args"])  # lazy: reads no file yet
+    kinds = model.model.layer_kinds
+    assert kinds["embed_tokens"] == "tt" and kinds["lm_head"] == "tt" and kinds["layers.1.mlp.down_proj"] == "tt"
+    assert size_report(model).compression_ratio > 3
+    assert model.model.max_len >= datamodule.seq_len and model.vocab_size >= datamodule.vocab_size
+
+
+def test_llm_cpu_fit_then_predict_samples_from_the_truncated_checkpoint(workdir, capsys):
+    root = _small_source_tree(workdir / "src", n_files=8)
+    config = CONFIGS / "llm_cpu.yaml"
+    callbacks = _callbacks_config(workdir, gamma=1.0, late_start_step=6, truncate_every_n_steps=6,
+                                  target_compression=3.0)
+    data = [f"--data.root={root}", "--data.max_files=null", "--data.max_sequences=null", "--data.val_fraction=0.25",
+            "--data.num_prompts=2", "--data.prompt_len=6"]
+    fitted = _run("fit", f"--config={config}", *TINY_ENCODER, *data, *TINY_TRAINER, *NO_LOGGER,
+                  "--trainer.max_steps=18", "--trainer.limit_train_batches=18", "--model.lr_gates=0.2",
+                  "--model.warmup_steps=0", f"--config={callbacks}")
+    adaptation = next(c for c in fitted.trainer.callbacks if isinstance(c, RankAdaptation))
+    assert adaptation.truncations >= 1
+    checkpoint = fitted.trainer.checkpoint_callback.last_model_path
+    saved = torch.load(checkpoint, weights_only=True)["state_dict"]
+    capsys.readouterr()
+
+    predicted = _run("predict", f"--config={config}", *TINY_ENCODER, *data, *TINY_TRAINER, *NO_LOGGER,
+                     "--model.generate_max_new_tokens=5", "--model.generate_top_k=3",
+                     "--model.generate_temperature=0.8", f"--ckpt_path={checkpoint}")
+    layers = tt_layers(predicted.model)
+    assert layers
+    for name, layer in layers:  # built at full rank, restored at the checkpoint's truncated ranks
+        for k, core in enumerate(layer.cores):
+            assert core.shape == saved[f"{name}.cores.{k}"].shape
+    assert predicted.model.generate_top_k == 3  # the command line decides sampling, not the checkpoint
+    out = capsys.readouterr().out
+    assert out.count("--- continuation:") == 2
