@@ -21,7 +21,6 @@ Pipeline (each step cached under ``cache_dir``, so a second run starts in about 
 from __future__ import annotations
 
 import math
-import sysconfig
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,32 +34,19 @@ from .common import (
     TensorDictDataset,
     atomic_torch_save,
     cache_key,
-    discover_files,
-    fingerprint_files,
     load_tensor_cache,
     read_source_text,
     rows_loader,
-    split_by_hash,
     uses_validation_rows_notice,
 )
-from .tokenizer import (
-    TokenizerLifecycle,
-    cached_bpe_tokenizer,
-    encode_texts,
-    file_sha1,
-    load_tokenizer,
-)
+from .corpus import SourceCorpus, stdlib_root
+from .tokenizer import encode_texts, file_sha1
 
 __all__ = ["CodeMLMDataModule", "MLMCollator", "chunk_stream", "mask_tokens", "stdlib_root"]
 
 IGNORE_INDEX = -100
 _ENCODING_VERSION = 1
 _NO_TEST_SPLIT = "the corpus is split into training and validation files only"
-
-
-def stdlib_root() -> str:
-    """Directory of the running interpreter's standard library sources."""
-    return sysconfig.get_paths()["stdlib"]
 
 
 def mask_tokens(
@@ -241,7 +227,7 @@ def _compact(t: torch.Tensor, vocab: int) -> torch.Tensor:
     return t.to(torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32)
 
 
-class CodeMLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
+class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
     """Masked-LM batches from a local corpus of source files (default: the Python standard library).
 
     ``prepare_data`` (local rank zero) trains and caches the tokenizer and the encoded splits; ``setup``
@@ -330,56 +316,6 @@ class CodeMLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
         self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
         self.train_dataset: TensorDictDataset | None = None
         self.val_dataset: TensorDictDataset | None = None
-
-    # ------------------------------------------------------------------ corpus and tokenizer
-    @property
-    def corpus_root(self) -> Path:
-        """The resolved corpus folder."""
-        return Path(self.root if self.root is not None else stdlib_root()).expanduser()
-
-    def split_files(self) -> tuple[list[str], list[str]]:
-        """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
-        if self._files is None:
-            root = self.corpus_root
-            files = discover_files(root, self.pattern, include_tests=self.include_tests, max_files=self.max_files)
-            train, val = split_by_hash(files, self.val_fraction)
-            self._files = (root, train, val)
-        return self._files[1], self._files[2]
-
-    def _fingerprint(self, split: str) -> str:
-        """Content hash of a split's files (memoised)."""
-        if split not in self._fingerprints:
-            train, val = self.split_files()
-            self._fingerprints[split] = fingerprint_files(self.corpus_root, train if split == "train" else val)
-        return self._fingerprints[split]
-
-    def _ensure_tokenizer_file(self) -> Path:
-        if self._tokenizer_file is None:
-            if self.tokenizer_path is not None:
-                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
-                load_tokenizer(self._tokenizer_file)  # fail early with a clear message
-            else:
-                train, _ = self.split_files()
-                root = self.corpus_root
-
-                def texts() -> list[str]:
-                    read = [_read_text(root / rel) for rel in train]
-                    if not any(read):
-                        raise ValueError(
-                            f"the {len(train)} training file(s) matching {self.pattern!r} under {str(root)!r} are "
-                            "all empty; point root= at a folder with non-empty source files"
-                        )
-                    return read
-
-                self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
-                    self.cache_dir,
-                    "code",
-                    {"corpus": self._fingerprint("train"), "files": len(train)},
-                    texts,
-                    self.vocab_size,
-                    add_prefix_space=False,
-                )
-        return self._tokenizer_file
 
     # ------------------------------------------------------------------ encoding and caching
     def _encoded_cache_path(self) -> Path:
