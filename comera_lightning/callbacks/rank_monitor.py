@@ -12,17 +12,18 @@ and once when training starts and ends, this callback sends to every logger of t
 * whatever ``comera_metrics()`` returns on any other callback of the Trainer (RankAdaptation's stage,
   penalty and objective weights).
 
-It also keeps a compact rank history (one entry per layer only when its ranks change) that travels in
-checkpoints, and at the end of ``fit`` writes ``rank_evolution.png`` (one panel per layer with the active
-rank of each bond over steps, after a panel of total size and compression) and ``rank_history.json``
-(the history plus the final size report): uploaded as artifacts under ``comera/`` of the run of every
+It also keeps a compact rank history (one entry per layer only when its ranks change, plus the steps of
+:class:`~comera_lightning.callbacks.RankAdaptation`'s switch to the late stage and of its truncations) that
+travels in checkpoints, and at the end of ``fit`` writes ``rank_evolution.png`` (model size and compression
+ratio over steps above a heatmap of the active rank of every bond of every layer, with the stage switch and
+the truncations marked; see :func:`plot_rank_history`) and ``rank_history.json`` (the history plus the
+final size report): uploaded as artifacts under ``comera/`` of the run of every
 :class:`~lightning.pytorch.loggers.MLFlowLogger`, written into the log directory of every other logger.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..nn.tensorize import SizeReport, size_report, tt_layers
+from .rank_adaptation import RankAdaptation
 
 __all__ = ["RankMonitor", "metric_safe_name", "plot_rank_history"]
 
@@ -85,12 +87,20 @@ class RankMonitor(Callback):
         self._params: dict[str, list] = {"steps": [], "values": []}
         self._last_logged_step = -1
         self._warned_no_layers = False
+        # RankAdaptation's events, at exact optimiser steps
+        self._switch_step: int | None = None
+        self._truncation_steps: list[int] = []
+        self._target_size: float | None = None
+        self._adaptations: list[RankAdaptation] = []
+        self._seen_truncations = 0
 
     @property
     def history(self) -> dict[str, Any]:
         """The rank history as primitives: ``{"steps": [...], "layers": {name: {"steps", "active_ranks"}},
-        "params": {"steps", "active", "allocated", "dense_equivalent"}}``; per-layer and parameter entries
-        are change points (a value holds until the next step listed)."""
+        "params": {"steps", "active", "allocated", "dense_equivalent"}, "events": {"stage_switch",
+        "truncations", "target_size"}}``; per-layer and parameter entries are change points (a value holds
+        until the next step listed); ``events`` holds RankAdaptation's switch to the late stage (a step or
+        None), the steps of its truncations and its late-stage size target in parameters (or None)."""
         values = self._params["values"]
         return {
             "format_version": _FORMAT_VERSION,
@@ -104,6 +114,11 @@ class RankMonitor(Callback):
                 "active": [v[0] for v in values],
                 "allocated": [v[1] for v in values],
                 "dense_equivalent": [v[2] for v in values],
+            },
+            "events": {
+                "stage_switch": self._switch_step,
+                "truncations": list(self._truncation_steps),
+                "target_size": self._target_size,
             },
         }
 
@@ -133,19 +148,45 @@ class RankMonitor(Callback):
             self._reset()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._adaptations = [cb for cb in trainer.callbacks if isinstance(cb, RankAdaptation)]
+        # a resumed fit restored the counter from its checkpoint: only later truncations are new
+        self._seen_truncations = sum(cb.truncations for cb in self._adaptations)
+        self._watch_events(trainer)
         self._log(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # a RankAdaptation listed after this callback truncated in its on_train_batch_end of the step that
+        # global_step still names here
+        self._watch_events(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._watch_events(trainer)
         step = trainer.global_step
         if step != self._last_logged_step and step % self.log_every_n_steps == 0:
             self._log(trainer, pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._watch_events(trainer)
         # the loggers are still open here (they are finalised before on_fit_end)
         self._log(trainer, pl_module, skip_if_unchanged=True)
         if self.save_artifacts:
             self.write_artifacts(trainer)
+
+    def _watch_events(self, trainer: Trainer) -> None:
+        """Note RankAdaptation's stage switch, new truncations and size target (attribute reads only)."""
+        if not self._adaptations:
+            return
+        truncations = 0
+        for cb in self._adaptations:
+            truncations += cb.truncations
+            if cb.switch_step is not None and self._switch_step is None:
+                self._switch_step = int(cb.switch_step)
+            if cb.target_size is not None:
+                self._target_size = float(cb.target_size)
+        if truncations > self._seen_truncations:
+            self._truncation_steps.append(int(trainer.global_step))
+        self._seen_truncations = truncations
 
     # --- logging -------------------------------------------------------------------------------------
     def _log(self, trainer: Trainer, pl_module: LightningModule, skip_if_unchanged: bool = False) -> None:
@@ -253,6 +294,11 @@ class RankMonitor(Callback):
         self._params = {"steps": [int(s) for s in p.get("steps", [])],
                         "values": [[int(a), int(b), int(c)] for a, b, c in
                                    zip(p.get("active", []), p.get("allocated", []), p.get("dense_equivalent", []))]}
+        events = state_dict.get("events") or {}  # absent in histories written before events were kept
+        switch, target = events.get("stage_switch"), events.get("target_size")
+        self._switch_step = None if switch is None else int(switch)
+        self._truncation_steps = [int(s) for s in events.get("truncations", [])]
+        self._target_size = None if target is None else float(target)
 
 
 def _append_change(series: dict[str, list], key: str, step: int, value: list[int]) -> None:
@@ -298,86 +344,241 @@ def _local_dirs(trainer: Trainer) -> list[str]:
     return dirs
 
 
-def _step_series(steps: list[int], values: list[float], last_step: int) -> tuple[list[int], list[float]]:
-    """Change points extended to ``last_step``, for ``drawstyle="steps-post"``."""
-    if values and steps[-1] < last_step:
-        return [*steps, last_step], [*values, values[-1]]
-    return list(steps), list(values)
+def _values_at(change_steps: list[int], values: list, steps: list[int]) -> list:
+    """The value of a change-point series at each of ``steps`` (None before its first change point)."""
+    out, i = [], -1
+    for step in steps:
+        while i + 1 < len(change_steps) and change_steps[i + 1] <= step:
+            i += 1
+        out.append(values[i] if i >= 0 else None)
+    return out
 
 
-def plot_rank_history(history: Mapping[str, Any], path: str, max_layer_panels: int = 48) -> None:
+def _short_names(names: list[str]) -> list[str]:
+    """Layer names without their common dotted prefix (``model.encoder.``)."""
+    prefix = os.path.commonprefix(names) if len(names) > 1 else ""
+    prefix = prefix[: prefix.rfind(".") + 1]
+    short = [n[len(prefix):] for n in names]
+    return names if any(not n or n.isdigit() for n in short) else short  # "0", "2" would say nothing
+
+
+def _cut(text: str, width: int = 28) -> str:
+    """``text`` cut from the left to at most ``width`` characters, at a dot where one allows."""
+    if len(text) <= width:
+        return text
+    tail = text[1 - width:]
+    dot = tail.find(".")
+    return "\u2026" + (tail[dot + 1:] if 0 <= dot < len(tail) - 1 else tail)
+
+
+def _split_block(name: str) -> tuple[str, str]:
+    """``("layers.3", "attention.query")`` for ``layers.3.attention.query``: the numbered block a layer
+    belongs to and its name inside it; ``("", name)`` when the name has no numbered block."""
+    match = re.match(r"(.*?(?:^|\.)\d+)\.(.+)$", name)
+    return (match.group(1), match.group(2)) if match else ("", name)
+
+
+def _millions(count: float) -> str:
+    return f"{count / 1e6:.3g}M" if count >= 1e5 else f"{count:,.0f}"
+
+
+def _truncation_steps(history: Mapping[str, Any]) -> list[int]:
+    """Recorded truncations, plus a logged step for every drop of allocated parameters none explains
+    (a truncation without RankAdaptation, or a history from before events were kept)."""
+    recorded = sorted(int(s) for s in (history.get("events") or {}).get("truncations", []))
+    params = history.get("params", {})
+    steps, allocated = params.get("steps", []), params.get("allocated", [])
+    logged = history.get("steps", [])
+    out = list(recorded)
+    for i in range(1, len(steps)):
+        if allocated[i] < allocated[i - 1]:
+            j = logged.index(steps[i]) if steps[i] in logged else -1
+            previous = logged[j - 1] if j > 0 else steps[i - 1]
+            # inclusive: a truncation at a logged step may come after that step's logging (callback order)
+            if not any(previous <= r <= steps[i] for r in recorded):
+                out.append(int(steps[i]))
+    return sorted(set(out))
+
+
+def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int = 400) -> None:
     """Draw :attr:`RankMonitor.history` into a PNG at ``path`` (matplotlib's Agg canvas; no pyplot state).
 
-    The first panel shows total active parameters and the compression ratio; then one panel per layer
-    with the active rank of every bond over steps. Above ``max_layer_panels`` layers a single heatmap
-    (layer x logged step, active fraction of the layer's initial bond ranks) replaces the layer panels.
+    Top: active (and allocated) parameters and, on a second axis, the compression ratio over steps, with
+    the late-stage size target. Below, on the same step axis: a heatmap with one row per bond of every
+    layer (grouped by layer, layers of one block such as ``layers.3`` between thicker lines), coloured by
+    the bond's active rank as a share of its first recorded rank; the final ranks are listed on the right.
+    Both mark RankAdaptation's switch to the late stage (dashed line) and its truncations (triangles).
+    Above ``max_bond_rows`` bonds in all, the heatmap gets one row per layer (its summed bond ranks).
     """
+    import numpy as np
+    from matplotlib import colormaps, patheffects
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
 
-    layers: Mapping[str, Any] = history.get("layers", {})
-    steps: list[int] = history.get("steps", [])
-    last = steps[-1] if steps else 0
-    heatmap = len(layers) > max_layer_panels
-    if heatmap:  # size panel above a heatmap with one row per layer
-        map_height = max(3.0, 0.12 * len(layers))
-        fig = Figure(figsize=(12, 3 + map_height), layout="constrained")
-        grid = fig.add_gridspec(2, 1, height_ratios=[3, map_height])
-        axes = [fig.add_subplot(grid[0]), fig.add_subplot(grid[1])]
-    else:  # size panel, then one panel per layer, in a grid at most 6 wide
-        panels = 1 + len(layers)
-        ncols = min(6, math.ceil(math.sqrt(panels)))
-        nrows = math.ceil(panels / ncols)
-        fig = Figure(figsize=(3.4 * ncols, 2.6 * nrows), layout="constrained")
-        axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(panels)]
+    # a one-core train has no bond, hence no rank to learn: it only counts in the sizes
+    layers: Mapping[str, Any] = {n: h for n, h in history.get("layers", {}).items()
+                                 if h.get("active_ranks") and len(h["active_ranks"][0]) > 2}
+    steps: list[int] = list(history.get("steps", []))
+    events = history.get("events") or {}
+    switch = events.get("stage_switch")
+    truncations = _truncation_steps(history)
+    first, last = (steps[0], steps[-1]) if steps else (0, 1)
+    span = max(last - first, 1)
+
+    # heatmap rows: the share of a bond's initial rank at every logged step
+    names = list(layers)
+    bonds = sum(len(h["active_ranks"][0]) - 2 for h in layers.values())
+    per_bond = bonds <= max_bond_rows
+    rows: list[list[float]] = []
+    row_edges = [0.0]  # a layer is at least 3 rows high (its label must fit), its bonds share that height
+    layer_rows: list[tuple[float, float]] = []  # [top, bottom) of every layer
+    finals: list[str] = []
+    for name in names:
+        h = layers[name]
+        initial = h["active_ranks"][0][1:-1]
+        at = _values_at(h["steps"], [r[1:-1] for r in h["active_ranks"]], steps)
+        top = row_edges[-1]
+        if per_bond:
+            height = max(len(initial), 3) / max(len(initial), 1)
+            for k, r0 in enumerate(initial):
+                rows.append([float("nan") if r is None else r[k] / max(r0, 1) for r in at])
+                row_edges.append(row_edges[-1] + height)
+        else:
+            rows.append([float("nan") if r is None else sum(r) / max(sum(initial), 1) for r in at])
+            row_edges.append(row_edges[-1] + 1.0)
+        layer_rows.append((top, row_edges[-1]))
+        final = h["active_ranks"][-1][1:-1]
+        finals.append(" ".join(str(r) for r in final) + (f"  /{max(initial)}" if initial else ""))
+    nrows = len(rows)
+    units = row_edges[-1]
+
+    map_height = min(max(0.042 * units, 0.2 * len(names), 1.2), 10.0) if nrows else 0.0
+    size_height = 2.5
+    fig = Figure(figsize=(12, size_height + map_height + 0.9), layout="constrained")
     FigureCanvasAgg(fig)
-
-    ax = axes[0]
-    params = history.get("params", {})
-    if params.get("steps"):
-        x, active = _step_series(params["steps"], params["active"], last)
-        _, dense = _step_series(params["steps"], params["dense_equivalent"], last)
-        ax.plot(x, active, drawstyle="steps-post", color="tab:blue")
-        ax.set_ylabel("active parameters", color="tab:blue", fontsize=8)
-        twin = ax.twinx()
-        twin.plot(x, [d / max(a, 1) for d, a in zip(dense, active)], drawstyle="steps-post", color="tab:red")
-        twin.set_ylabel("compression ratio", color="tab:red", fontsize=8)
-        twin.tick_params(labelsize=7)
-    ax.set_title("model size", fontsize=9)
-    ax.set_xlabel("step", fontsize=8)
-    ax.tick_params(labelsize=7)
-
-    if heatmap:
-        names = list(layers)
-        matrix = []
-        for name in names:
-            h = layers[name]
-            initial = max(sum(h["active_ranks"][0][1:-1]), 1) if h["active_ranks"] else 1
-            row, i = [], -1
-            for s in steps:
-                while i + 1 < len(h["steps"]) and h["steps"][i + 1] <= s:
-                    i += 1
-                row.append(sum(h["active_ranks"][i][1:-1]) / initial if i >= 0 else float("nan"))
-            matrix.append(row)
-        ax = axes[1]
-        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", vmin=0.0, vmax=1.0, cmap="viridis")
-        ax.set_yticks(range(len(names)), names, fontsize=5)
-        ticks = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))}) if steps else []
-        ax.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
-        ax.set_xlabel("step", fontsize=8)
-        ax.set_title("active rank fraction per layer (sum of bond ranks / initial)", fontsize=9)
-        fig.colorbar(image, ax=ax)
+    if nrows:
+        grid = fig.add_gridspec(2, 1, height_ratios=[size_height, map_height])
+        ax = fig.add_subplot(grid[0])
+        heat = fig.add_subplot(grid[1], sharex=ax)
     else:
-        for ax, (name, h) in zip(axes[1:], layers.items()):
-            ranks = h["active_ranks"]
-            nbonds = len(ranks[0]) - 2 if ranks else 0
-            for k in range(1, nbonds + 1):
-                x, y = _step_series(h["steps"], [r[k] for r in ranks], last)
-                ax.plot(x, y, drawstyle="steps-post", label=f"r{k}")
-            ax.set_title(name if len(name) <= 40 else "..." + name[-37:], fontsize=8)
-            ax.set_ylim(bottom=0)
-            ax.tick_params(labelsize=7)
-            if 0 < nbonds <= 8:
-                ax.legend(fontsize=6, loc="lower left", ncols=min(nbonds, 4))
-    fig.suptitle("CoMERA active ranks", fontsize=10)
+        ax, heat = fig.add_subplot(1, 1, 1), None
+    outline = [patheffects.withStroke(linewidth=3, foreground="white")]
+
+    def mark_events(axis, label: bool) -> None:
+        if switch is not None:
+            axis.axvline(switch, color="black", linestyle="--", linewidth=1.2, path_effects=outline,
+                         label="switch to late stage" if label else None, zorder=5)
+        if truncations:
+            axis.plot(truncations, [1.0] * len(truncations), linestyle="none", marker="v", markersize=6,
+                      color="black", markeredgecolor="white", transform=axis.get_xaxis_transform(), clip_on=False,
+                      label="truncation" if label else None, zorder=6)
+
+    # --- size and compression ----------------------------------------------------------------------
+    params = history.get("params", {})
+    ax.set_xlim(first, first + span)
+    handles = []
+    if params.get("steps") and steps:
+        active = np.array([np.nan if v is None else v for v in _values_at(params["steps"], params["active"], steps)],
+                          dtype=float)
+        allocated = np.array([np.nan if v is None else v
+                              for v in _values_at(params["steps"], params["allocated"], steps)], dtype=float)
+        dense = np.array([np.nan if v is None else v
+                          for v in _values_at(params["steps"], params["dense_equivalent"], steps)], dtype=float)
+        if switch is not None:
+            ax.axvspan(switch, last, color="#fbe3c8", zorder=0, linewidth=0)
+            for x0, x1, text in ((first, switch, "early stage"), (switch, last, "late stage")):
+                if x1 - x0 > 0.08 * span:
+                    ax.text((x0 + x1) / 2, 0.97, text, transform=ax.get_xaxis_transform(), ha="center",
+                            va="top", fontsize=9, color="0.3", style="italic")
+        handles += ax.plot(steps, active, color="tab:blue", linewidth=1.6, label="active parameters")
+        if np.nanmax(allocated - active) > 0:
+            handles += ax.plot(steps, allocated, color="tab:blue", linewidth=1.0, linestyle=":",
+                               label="allocated parameters")
+        ax.set_ylim(0, np.nanmax(allocated) * 1.12)
+        ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.set_ylabel("parameters", color="tab:blue", fontsize=9)
+        ratio = dense / np.maximum(active, 1)
+        twin = ax.twinx()
+        handles += twin.plot(steps, ratio, color="tab:red", linewidth=1.6, label="compression ratio")
+        top = np.nanmax(ratio)
+        target = events.get("target_size")
+        if target:
+            goal = float(dense[-1]) / float(target)
+            handles.append(twin.axhline(goal, color="tab:red", linestyle="--", linewidth=1.0,
+                                        label=f"target compression {goal:.1f}x"))
+            top = max(top, goal)
+        twin.set_ylim(0, top * 1.12)
+        twin.set_ylabel("compression ratio (dense / active)", color="tab:red", fontsize=9)
+        twin.yaxis.set_major_formatter(lambda v, _: f"{v:g}x")
+        twin.tick_params(labelsize=8)
+        twin.annotate(f"{ratio[-1]:.1f}x", (steps[-1], ratio[-1]), xytext=(-4, -6), textcoords="offset points",
+                      ha="right", va="top", fontsize=9, color="tab:red", fontweight="bold", path_effects=outline)
+        title = (f"model size: {_millions(active[0])} \u2192 {_millions(active[-1])} active parameters, "
+                 f"compression {ratio[0]:.1f}x \u2192 {ratio[-1]:.1f}x")
+    else:
+        title = "model size (nothing recorded)"
+    mark_events(ax, label=True)
+    handles += [h for h in ax.get_lines() if h.get_label() in ("switch to late stage", "truncation")]
+    # below the panel (its step labels are the heatmap's): the curves stay uncovered
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), fontsize=8, ncols=6,
+              frameon=False, handlelength=2.5)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.tick_params(labelsize=8)
+    ax.grid(axis="y", color="0.9", linewidth=0.6)
+
+    # --- ranks -----------------------------------------------------------------------------------
+    if heat is not None:
+        mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+        x_edges = [first, *mids, last] if len(steps) > 1 else [first, first + span]
+        values = np.ma.masked_invalid(np.array(rows, dtype=float))
+        cmap = colormaps["viridis"].with_extremes(bad="0.85")
+        mesh = heat.pcolormesh(x_edges, row_edges, values, cmap=cmap, vmin=0.0, vmax=1.0,
+                               shading="flat", rasterized=True)
+        heat.set_ylim(units, 0)
+        short = _short_names(names)
+        blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, short)))
+        pitch = 72 * map_height / units * min(b - a for a, b in layer_rows)  # points of the thinnest layer
+        fontsize = max(4.5, min(8.0, 0.7 * pitch))
+        centers = [(a + b) / 2 for a, b in layer_rows]
+        heat.set_yticks(centers, inner, fontsize=fontsize)
+        heat.tick_params(axis="y", length=0)
+        # numbered blocks (layers.0, layers.1, ...): thick separators and one label per block further left
+        spans: list[tuple[str, float, float]] = []  # (block, top, bottom)
+        for block, (start, stop) in zip(blocks, layer_rows):
+            if spans and spans[-1][0] == block:
+                spans[-1] = (block, spans[-1][1], stop)
+            else:
+                spans.append((block, start, stop))
+        for start, _ in layer_rows[1:]:
+            heat.axhline(start, color="white", linewidth=0.5)
+        for _, start, _ in spans[1:]:
+            heat.axhline(start, color="white", linewidth=2.0)
+        if any(blocks):
+            outer = heat.secondary_yaxis("left")
+            outer.spines["left"].set_visible(False)
+            widest = max(len(t) for b, t in zip(blocks, inner) if b)
+            outer.set_yticks([(a + b) / 2 for blk, a, b in spans if blk], [blk for blk, _, _ in spans if blk],
+                             fontsize=fontsize + 1, fontweight="bold")
+            outer.tick_params(axis="y", length=0, pad=0.62 * fontsize * widest + 8)
+        right = heat.twinx()
+        right.set_ylim(units, 0)
+        right.set_yticks(centers, finals, fontsize=fontsize, family="monospace")
+        right.tick_params(axis="y", length=0)
+        heat.annotate("final ranks / initial", (1, 1), xycoords="axes fraction", xytext=(3, 3),
+                      textcoords="offset points", ha="left", va="bottom", fontsize=8)
+        mark_events(heat, label=False)
+        heat.set_xlabel("optimiser step", fontsize=9)
+        heat.tick_params(axis="x", labelsize=8)
+        what = "bond" if per_bond else "layer (summed bond ranks)"
+        heat.set_title(f"active rank per {what} as a share of its initial rank ({len(names)} layers, {bonds} bonds)",
+                       fontsize=10, loc="left")
+        bar = fig.colorbar(mesh, ax=heat, location="bottom", fraction=0.12 / map_height, aspect=60,
+                           pad=0.2 / map_height, shrink=0.5)
+        bar.set_label("active rank / initial rank", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
+        ax.tick_params(labelbottom=False)
+    else:
+        ax.set_xlabel("optimiser step", fontsize=9)
+    fig.suptitle("CoMERA rank evolution", fontsize=12, fontweight="bold")
     fig.savefig(path, dpi=100)

@@ -13,7 +13,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from comera_lightning.callbacks.rank_monitor import RankMonitor, metric_safe_name, plot_rank_history
+from comera_lightning.callbacks import RankAdaptation, ScheduledLateStage
+from comera_lightning.callbacks.rank_monitor import RankMonitor, _truncation_steps, metric_safe_name, plot_rank_history
 from comera_lightning.nn import tensorize, tt_layers
 
 
@@ -257,3 +258,91 @@ def test_two_processes_log_once_from_rank_zero(tmp_path):
     history = json.loads((log_dir / "rank_history.json").read_text())["history"]
     assert history["layers"]["model.0"] == {"steps": [0, 4], "active_ranks": [[1, 4, 4, 1], [1, 2, 4, 1]]}
     assert (log_dir / "rank_evolution.png").exists()
+
+
+def adaptation() -> RankAdaptation:
+    """Late stage from step 5, truncation checks every 4 steps (the slices KillSlices(at=3) kills go at 4)."""
+    return RankAdaptation(gamma=0.01, late_start_step=5, target_size_ratio=0.9, truncate_every_n_steps=4,
+                          late_stage=ScheduledLateStage(ramp_steps=2, cut_every_n_steps=1, importance="norm"))
+
+
+@pytest.mark.parametrize("monitor_first", [True, False])
+def test_switch_and_truncations_recorded_at_their_steps(tmp_path, monitor_first):
+    # either callback order: a truncation in RankAdaptation's on_train_batch_end is dated by its own step
+    monitor = RankMonitor(log_every_n_steps=3, save_artifacts=False)
+    callbacks = [monitor, adaptation()] if monitor_first else [adaptation(), monitor]
+    trainer(tmp_path, [KillSlices(at=3), *callbacks], False, max_steps=10).fit(PlainMLP(), loader())
+    events = monitor.history["events"]
+    assert events["stage_switch"] == 5
+    assert events["truncations"][0] == 4 and events["truncations"] == sorted(set(events["truncations"]))
+    assert events["target_size"] > 0
+
+    # the events travel in checkpoints; a history from before they were kept loads with none
+    clone = RankMonitor()
+    clone.load_state_dict(monitor.state_dict())
+    assert clone.history["events"] == events
+    old = {k: v for k, v in monitor.state_dict().items() if k != "events"}
+    clone.load_state_dict(old)
+    assert clone.history["events"] == {"stage_switch": None, "truncations": [], "target_size": None}
+
+
+def test_picture_with_switch_and_truncations_reaches_mlflow(tmp_path):
+    from matplotlib.image import imread
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(experiment_name="rank_picture", tracking_uri=uri,
+                          artifact_location=(tmp_path / "artifacts").as_uri())
+    trainer(tmp_path, [KillSlices(at=3), adaptation(), RankMonitor(log_every_n_steps=2)], logger, max_steps=10).fit(
+        PlainMLP(), loader())
+
+    client = MlflowClient(tracking_uri=uri)
+    names = {a.path for a in client.list_artifacts(logger.run_id, "comera")}
+    assert names == {"comera/rank_evolution.png", "comera/rank_history.json"}
+    history = json.loads(Path(client.download_artifacts(logger.run_id, "comera/rank_history.json",
+                                                        str(tmp_path / "dl"))).read_text())["history"]
+    assert history["events"]["stage_switch"] == 5 and 4 in history["events"]["truncations"]
+    png = Path(client.download_artifacts(logger.run_id, "comera/rank_evolution.png", str(tmp_path / "dl")))
+    image = imread(png)
+    assert png.stat().st_size > 10_000 and image.shape[1] == 1200 and image.shape[0] > 300
+
+
+def synthetic_history(blocks: int = 6, switch: int | None = 600, events: bool = True) -> dict:
+    """A shrinking 6-block encoder (6 linears of 5 bonds per block), ranks halving by the end."""
+    steps = list(range(0, 1001, 50))
+    layers = {}
+    for b in range(blocks):
+        for j, kind in enumerate(["attention.query", "attention.key", "attention.value", "attention.output",
+                                  "fc1", "fc2"]):
+            change = [0, 200 + 40 * j, 700 + 20 * b]
+            ranks = [[1, 30, 30, 30, 30, 30, 1], [1, 28 - b, 25, 30 - j, 22, 29, 1], [1, 12, 9 - b, 15, 10 - j, 14, 1]]
+            layers[f"model.encoder.layers.{b}.{kind}"] = {"steps": change, "active_ranks": ranks}
+    history = {"format_version": 1, "steps": steps, "layers": layers,
+               "params": {"steps": [0, 300, 700, 800], "active": [9000, 7000, 4000, 4000],
+                          "allocated": [9000, 9000, 9000, 4000], "dense_equivalent": [90000] * 4}}
+    if events:
+        history["events"] = {"stage_switch": switch, "truncations": [400, 800], "target_size": 4500.0}
+    return history
+
+
+def test_plot_marks_switch_and_truncations(tmp_path):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    path = tmp_path / "rank_evolution.png"
+    plot_rank_history(synthetic_history(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+    assert matplotlib.get_backend() == backend  # Agg canvas of its own: pyplot's backend is left alone
+
+    # truncations are the recorded ones; an allocated drop none explains (no RankAdaptation) is added
+    assert _truncation_steps(synthetic_history()) == [400, 800]
+    history = synthetic_history()
+    history["events"]["truncations"] = [400]
+    assert _truncation_steps(history) == [400, 800]
+    assert _truncation_steps(synthetic_history(events=False)) == [800]
+    # without a switch, without events, and with so many bonds that each layer gets one row
+    plot_rank_history(synthetic_history(switch=None), str(tmp_path / "no_switch.png"))
+    plot_rank_history(synthetic_history(events=False), str(tmp_path / "old.png"))
+    plot_rank_history(synthetic_history(blocks=12), str(tmp_path / "per_layer.png"), max_bond_rows=100)
+    for name in ("no_switch.png", "old.png", "per_layer.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
