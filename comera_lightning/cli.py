@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -54,6 +54,7 @@ from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
 from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
 from .callbacks.final_validation import FinalValidation
+from .callbacks.predictions import PredictionWriter
 from .callbacks.progress import StepProgressBar
 from .lit.base import ComeraTask
 from .loggers import ResilientMLFlowLogger
@@ -151,8 +152,9 @@ class ComeraCLI(LightningCLI):
         config = self.config[self.subcommand]
         logger = config.get("trainer", {}).get("logger")
         init_args = getattr(logger, "init_args", None)
+        self.run_name = run_name(config.get("config"), self.subcommand)
         if init_args is not None and "run_name" in init_args and init_args.get("run_name") is None:
-            init_args["run_name"] = run_name(config.get("config"), self.subcommand)
+            init_args["run_name"] = self.run_name
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
@@ -165,6 +167,8 @@ class ComeraCLI(LightningCLI):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if "weights_only" in self._subcommand_method_arguments.get(subcommand, []):
             parser.set_defaults(weights_only=True)  # checkpoints hold tensors and primitives only
+        if subcommand == "predict":
+            parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
         if subcommand == "fit":
             parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
             parser.add_argument(
@@ -196,6 +200,9 @@ class ComeraCLI(LightningCLI):
             callbacks = [*callbacks, StepProgressBar()]
         if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
             callbacks = [*callbacks, FinalValidation()]
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured):
+            root = config.get("default_root_dir") or "."
+            callbacks = [*callbacks, PredictionWriter(str(Path(root) / "predictions" / f"{self.run_name}.jsonl"))]
         fault_tolerance = self._fault_tolerance()
         if fault_tolerance is not None and config.get("enable_checkpointing") is False:
             rank_zero_warn("comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
@@ -234,6 +241,12 @@ class ComeraCLI(LightningCLI):
         rank_zero_info(f"comera: resuming from {found}")
         fit["ckpt_path"] = str(found)
         fit["weights_only"] = True
+
+    def after_predict(self) -> None:
+        writers = [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]
+        if self.trainer.is_global_zero:
+            for writer in writers:
+                print(f"comera: predictions in {writer.resolve_path(self.trainer)}")
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero and not self.trainer.interrupted:

@@ -145,3 +145,18 @@ def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(wo
         main(["export", f"--ckpt_path={checkpoint}", f"--out={out}"])
     assert refused.value.code == 2 and "overwrite" in capsys.readouterr().err
     assert out.read_bytes() == before
+
+
+def test_predict_writes_a_file_per_run_by_default(workdir, capsys):
+    import json
+
+    fit = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
+    checkpoint = fit.trainer.checkpoint_callback.last_model_path
+    capsys.readouterr()
+    predict = _run("predict", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, f"--ckpt_path={checkpoint}",
+                   "--trainer.limit_predict_batches=2")
+    written = sorted((workdir / "runs" / "predictions").glob("quickstart-predict-*.jsonl"))
+    assert len(written) == 1 and f"comera: predictions in {written[0].relative_to(workdir)}" in capsys.readouterr().out
+    records = [json.loads(line) for line in written[0].read_text().splitlines()]
+    assert records and {"true_id", "top_ids", "top_probs"} <= set(records[0])
+    assert not predict.trainer.predict_loop.predictions  # kept in the file, not in memory
