@@ -54,7 +54,13 @@ def tensorize(
     A module qualifies when both of its dimensions are at least ``min_features``, its qualified name
     matches the regex ``include`` (if given) and not ``exclude`` (if given). Only exact ``nn.Linear`` /
     ``nn.Embedding`` instances are replaced: subclasses (e.g. ``nn.MultiheadAttention.out_proj``) are
-    read directly as weights by their owners and must stay dense.
+    read directly as weights by their owners and must stay dense. Hugging Face's ``Conv1D`` (GPT-2,
+    OpenAI GPT: a linear whose weight is stored transposed, ``(in, out)``) counts as a linear and becomes
+    a :class:`TTLinear` computing the same map (``decompose`` factorises its ``weight.T``).
+
+    Tied weights are not kept tied: a head that shares its embedding's ``Parameter`` (``lm_head`` of GPT-2,
+    BERT's MLM decoder) becomes a TT layer of its own; leave one of them dense (``exclude``) to keep a
+    shared table.
 
     Args:
         model: the model to modify in place.
@@ -76,12 +82,16 @@ def tensorize(
         if id(module) in replaced:
             _set_submodule(model, name, replaced[id(module)])
             continue
-        is_linear = linears and type(module) is nn.Linear
+        is_conv1d = linears and _is_hf_conv1d(module)
+        is_linear = (linears and type(module) is nn.Linear) or is_conv1d
         is_embedding = embeddings and type(module) is nn.Embedding
         if not (is_linear or is_embedding):
             continue
-        rows, cols = (module.in_features, module.out_features) if is_linear else (
-            module.num_embeddings, module.embedding_dim)
+        if is_conv1d:
+            rows, cols = module.weight.shape  # Conv1D stores (in, out)
+        else:
+            rows, cols = (module.in_features, module.out_features) if is_linear else (
+                module.num_embeddings, module.embedding_dim)
         if min(rows, cols) < min_features:
             continue
         if include_re is not None and not include_re.search(name):
@@ -96,7 +106,8 @@ def tensorize(
         error = None
         if is_linear:
             if decompose:
-                layer, error = TTLinear.from_linear(module, rank, **layer_kwargs)
+                source = _conv1d_as_linear(module) if is_conv1d else module
+                layer, error = TTLinear.from_linear(source, rank, **layer_kwargs)
             else:
                 layer = TTLinear(rows, cols, rank, bias=module.bias is not None, dtype=module.weight.dtype,
                                  device=module.weight.device, **layer_kwargs)
@@ -162,6 +173,24 @@ def _dense_module(layer: TTLinear | TTEmbedding) -> nn.Module:
     else:
         dense = nn.Embedding.from_pretrained(weight, freeze=not requires_grad, padding_idx=layer.padding_idx)
     return dense.train(layer.training)
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face ``transformers.pytorch_utils.Conv1D``, recognised without importing transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` view of a ``Conv1D`` (``weight.T``, the same bias), sharing its storage."""
+    in_features, out_features = conv.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=conv.bias is not None, device="meta",
+                       dtype=conv.weight.dtype)
+    linear.weight = nn.Parameter(conv.weight.detach().t(), requires_grad=False)
+    if conv.bias is not None:
+        linear.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+    return linear
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
