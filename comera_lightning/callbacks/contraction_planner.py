@@ -1,9 +1,14 @@
 """ContractionPlanner: pick each TT linear's contraction order for the real batch shape.
 
 At the first training batch, and again whenever a layer's ranks change (physical truncation), the
-callback watches one forward pass to learn how many rows every ``TTLinear`` receives, then fixes each
-layer's plan: the cost model's choice, or with ``autotune=True`` the fastest of the model's top
-candidates timed on the layer's own device. Plans are reported once per (re)plan.
+callback watches one forward pass to learn how many rows every ``TTLinear`` receives (that batch runs
+with the per-call choice of the same cost model), then at the batch end fixes each layer's plan: the
+cost model's choice, or with ``autotune=True`` the fastest of the model's top candidates timed on the
+layer's own device. Plans are reported once per (re)plan.
+
+Planning runs eagerly at the batch end, never inside the forward: under ``torch.compile`` the watching
+hook only records shapes (no graph break), and the compiled forward reads the layer's plan as a
+constant (re-traced once when it is set).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..nn.linear import TTLinear
 from ..nn.tensorize import tt_layers
-from ..tt.contract import plan_costs, tt_linear
+from ..tt.contract import compute_dtype, plan_costs, tt_linear
 
 __all__ = ["ContractionPlanner"]
 
@@ -42,6 +47,7 @@ class ContractionPlanner(Callback):
         self.verbose = verbose
         self.plans: dict[str, dict[str, Any]] = {}
         self._planned_ranks: dict[str, list[int]] = {}
+        self._seen: dict[str, tuple[int, torch.device, torch.dtype]] = {}
         self._hooks: list[Any] = []
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -56,31 +62,32 @@ class ContractionPlanner(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         for hook in self._hooks:
             hook.remove()
-        if self._hooks and self.verbose:
-            rank_zero_info("ContractionPlanner:\n" + self.report())
         self._hooks = []
+        seen, self._seen = self._seen, {}
+        for name, layer in tt_layers(pl_module):
+            if name in seen:
+                self.plans[name] = self.plan_layer(layer, *seen[name])
+                layer.set_contraction_plan(self.plans[name]["plan"])
+                self._planned_ranks[name] = list(layer.ranks)
+        if seen and self.verbose:
+            rank_zero_info("ContractionPlanner:\n" + self.report())
 
     def _make_hook(self, name: str):
         def hook(layer: TTLinear, args: tuple) -> None:
-            if self._planned_ranks.get(name) == layer.ranks:
-                return  # a layer called several times per step is planned once
-            rows = math.prod(args[0].shape[:-1])
-            self.plans[name] = self.plan_layer(layer, rows, args[0].device, args[0].dtype)
-            layer.set_contraction_plan(self.plans[name]["plan"])
-            self._planned_ranks[name] = list(layer.ranks)
+            # records only (traceable by torch.compile); a layer called several times per step keeps its first call
+            x = args[0]
+            self._seen.setdefault(name, (int(math.prod(x.shape[:-1])), x.device, compute_dtype(x)))
         return hook
 
     def plan_layer(self, layer: TTLinear, rows: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-        """Choose a plan for ``layer`` at ``rows`` rows: modelled, or timed when ``autotune``."""
-        compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
-        element_bytes = torch.empty((), dtype=compute).element_size()
-        out_modes = layer.out_modes
-        costs = sorted(plan_costs(layer.in_modes, out_modes, layer.ranks, rows, device.type, element_bytes),
+        """Choose a plan for ``layer`` at ``rows`` rows whose batch GEMMs run in ``dtype``: modelled, or timed
+        when ``autotune``."""
+        costs = sorted(plan_costs(layer.in_modes, layer.out_modes, layer.ranks, rows, device.type, dtype.itemsize),
                        key=lambda c: c.seconds)
         entry: dict[str, Any] = {"rows": rows, "ranks": list(layer.ranks), "plan": costs[0].plan,
                                  "modelled_seconds": {c.plan: c.seconds for c in costs}}
         if self.autotune:
-            timings = {c.plan: self._time_plan(layer, rows, device, compute, c.plan) for c in costs[: self.candidates]}
+            timings = {c.plan: self._time_plan(layer, rows, device, dtype, c.plan) for c in costs[: self.candidates]}
             entry["timed_seconds"] = timings
             entry["plan"] = min(timings, key=timings.get)
         return entry

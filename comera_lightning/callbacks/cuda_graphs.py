@@ -1,8 +1,18 @@
-"""CudaGraphs: capture the whole training step (forward, backward, optimiser step) in CUDA graphs.
+"""CudaGraphs (experimental): capture the whole training step (forward, backward, optimiser step) in CUDA graphs.
 
 Small TT factors make many small kernels; on a GPU their launch overhead, not their FLOPs, can bound a
-CoMERA step. A CUDA graph records the kernels of one step once and replays them with one launch. This
-callback does that for any LightningModule trained with automatic optimisation, without changing it.
+CoMERA step. A CUDA graph records the kernels of one step once and replays them with one launch.
+
+The first route to CUDA graphs is torch's own: ``torch.compile(model, mode="reduce-overhead")`` (for
+example in ``LightningModule.configure_model``) compiles the forward and backward and replays them as
+CUDA graphs. ``TTLinear`` and ``TTEmbedding`` compile without graph breaks (host-side checks and id
+deduplication are skipped while tracing, contraction plans are resolved outside the graph), and
+:class:`~comera_lightning.callbacks.ContractionPlanner` works under it.
+
+This callback is the experimental second route: it captures the optimiser step too, for any
+LightningModule trained with automatic optimisation, without changing it. It has not been run on a GPU
+yet (it warns so at setup); ``benchmarks/bench_cuda_graphs.py`` is the prepared first run. Its capture
+backends live in :mod:`comera_lightning.callbacks.cuda_graph_backends`.
 
 How a step runs (``backend="cuda"``), inside Lightning's own loop and hooks:
 
@@ -52,20 +62,15 @@ plain float learning rates and ``capturable=False`` so an eager run on any devic
 
 On a machine without CUDA (or when training on the CPU) the callback is inactive: it warns once and
 training runs eagerly (``backend="cuda"`` makes that an error). ``backend="replay"`` runs the same
-plumbing on any device with an eager stand-in for the graph backend (the captured function is re-run and
-its results copied into the static tensors, capture leaves no numeric trace); it has no speed benefit and
-exists to test and debug the plumbing without a GPU.
-
-Status: the CUDA backend is a thin layer (:class:`_CudaGraphBackend`) over ``torch.cuda.graph``; it was
-written without access to a GPU and its first real run is ``benchmarks/bench_cuda_graphs.py``. Everything
-else is tested on the CPU through the replay backend.
+plumbing on any device with an eager stand-in for the graph backend; it has no speed benefit and exists
+to test and debug the plumbing without a GPU. Everything but the thin CUDA backend is tested that way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -76,160 +81,16 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["CudaGraphCaptureError", "CudaGraphs", "StaleGraphError", "invalidate_cuda_graphs"]
-
-_CAPTURE_HINT = (
-    "A captured training_step may contain only tensor operations without host synchronisation: no .item(), "
-    "float(tensor), printing tensors, boolean-mask indexing (x[mask]), torch.unique/nonzero or Python branches on "
-    "tensor values, in training_step or in the layers it calls (the project's layers and tasks skip theirs while "
-    "capturing: see comera_lightning.nn.base.cuda_graph_capturing). Make the step static, or remove the "
-    "CudaGraphs callback."
+from .cuda_graph_backends import (
+    CudaGraphBackend,
+    CudaGraphCaptureError,
+    Graph,
+    GraphBackend,
+    ReplayBackend,
+    StaleGraphError,
 )
 
-
-class CudaGraphCaptureError(RuntimeError):
-    """The training step could not be captured (usually a host synchronisation inside it)."""
-
-
-class StaleGraphError(RuntimeError):
-    """The replay backend was asked to replay a graph whose inputs changed since capture (a bug: CUDA would
-    silently replay the old state)."""
-
-
-# --- graph backends: the only CUDA-specific code -----------------------------------------------------------
-class _Graph:
-    """A captured function: ``outputs`` are its static result tensors, ``replay()`` recomputes them in place."""
-
-    outputs: list[Tensor]
-
-    def replay(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class _GraphBackend:
-    """Where and how steps are captured and replayed."""
-
-    name = "abstract"
-
-    def stream(self) -> contextlib.AbstractContextManager:
-        """Context for eager warm-up steps (the capture stream on CUDA)."""
-        return contextlib.nullcontext()
-
-    def capture(self, fn: Callable[[], list[Tensor]], preserve: Sequence[Tensor], key: Callable[[], Any]) -> _Graph:
-        """Capture ``fn``. Capturing must leave no numeric trace: ``preserve`` lists tensors ``fn`` mutates;
-        ``key()`` fingerprints what the graph reads by address (the replay backend checks it on every replay)."""
-        raise NotImplementedError
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, tensor_lr: bool) -> None:
-        """Make the optimiser's step capturable; ``tensor_lr``: learning rates become 0-dim device tensors."""
-        device = _optimizer_device(optimizer)
-        for group in optimizer.param_groups:
-            # only optimisers with a capturable mode read a tensor lr on the device (SGD would call .item() on it;
-            # foreach Adam without capturable refuses it): the others keep floats, and a change re-captures
-            tensor_ok = "capturable" in group and (group["capturable"] or not group.get("foreach"))
-            if tensor_lr and tensor_ok and not torch.is_tensor(group["lr"]):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-
-    def release(self) -> None:
-        """Forget memory pools of dropped graphs."""
-
-
-class _CudaGraph(_Graph):
-    def __init__(self, graph: Any, outputs: list[Tensor]) -> None:
-        self._graph, self.outputs = graph, outputs
-
-    def replay(self) -> None:
-        self._graph.replay()
-
-
-class _CudaGraphBackend(_GraphBackend):
-    """``torch.cuda.graph`` capture on one side stream shared by warm-up and capture (per-stream BLAS handles
-    are created during warm-up, not mid-capture), the graphs of one generation sharing a memory pool (they
-    replay in capture order, never concurrently). Not run on a GPU in the session that wrote it."""
-
-    name = "cuda"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._stream = torch.cuda.Stream(device=device)
-        self._pool: Any = None
-
-    @contextlib.contextmanager
-    def stream(self) -> Iterator[None]:
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            yield
-        current.wait_stream(self._stream)
-
-    def capture(self, fn: Callable[[], list[Tensor]], preserve: Sequence[Tensor], key: Callable[[], Any]) -> _Graph:
-        graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-                outputs = fn()
-        except RuntimeError as error:
-            raise CudaGraphCaptureError(f"capturing the training step failed: {error}\n{_CAPTURE_HINT}") from error
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self._pool is None:
-            self._pool = graph.pool()
-        return _CudaGraph(graph, outputs)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, tensor_lr: bool) -> None:
-        for group in optimizer.param_groups:
-            if "capturable" in group and not group["capturable"]:
-                group["capturable"] = True
-        for param, state in optimizer.state.items():
-            step = state.get("step") if isinstance(state, dict) else None
-            if torch.is_tensor(step) and step.device != param.device:
-                state["step"] = step.to(device=param.device, dtype=torch.float32)  # capturable keeps it on device
-        super().prepare_optimizer(optimizer, tensor_lr)
-
-    def release(self) -> None:
-        self._pool = None
-
-
-class _ReplayGraph(_Graph):
-    def __init__(self, fn: Callable[[], list[Tensor]], outputs: list[Tensor], key: Callable[[], Any]) -> None:
-        self._fn, self.outputs, self._key_fn = fn, outputs, key
-        self._key = key()
-
-    def replay(self) -> None:
-        if self._key_fn() != self._key:
-            raise StaleGraphError("replaying a graph whose parameters, buffers, optimiser state, hyperparameters or "
-                                  "gradient tensors changed since capture; a CUDA graph would use the old ones")
-        fresh = self._fn()
-        if len(fresh) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(fresh, self.outputs)):
-            raise CudaGraphCaptureError(
-                "a replay produced other outputs than the capture: the training step is not shape-static. "
-                + _CAPTURE_HINT
-            )
-        with torch.no_grad():
-            for static, value in zip(self.outputs, fresh):
-                static.copy_(value)
-
-
-class _ReplayBackend(_GraphBackend):
-    """Eager stand-in for CUDA graphs on any device: a replay re-runs the function and copies its results into
-    the tensors the capture returned (a real graph writes to the same addresses); capturing restores what the
-    function mutated (a real capture runs no kernels). Tests the plumbing; no speed-up."""
-
-    name = "replay"
-
-    def capture(self, fn: Callable[[], list[Tensor]], preserve: Sequence[Tensor], key: Callable[[], Any]) -> _Graph:
-        saved = [t.detach().clone() for t in preserve]
-        outputs = fn()
-        with torch.no_grad():
-            for tensor, value in zip(preserve, saved):
-                tensor.copy_(value)
-        return _ReplayGraph(fn, outputs, key)
-
-
-def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            return param.device
-    return torch.device("cpu")
+__all__ = ["CudaGraphCaptureError", "CudaGraphs", "StaleGraphError", "invalidate_cuda_graphs"]
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
@@ -334,6 +195,9 @@ class CudaGraphs(Callback):
     """Capture forward, backward and optimiser step in CUDA graphs; re-capture whenever the state they
     read changed (truncation, restore, a changed hyperparameter). See the module docstring for the design.
 
+    Experimental: unverified on a GPU (it warns once at setup). Try ``torch.compile(mode="reduce-overhead")``
+    first.
+
     Args:
         backend: ``"auto"``: CUDA graphs when training on a CUDA device, otherwise inactive with a one-time
             warning; ``"cuda"``: the same but an error where CUDA graphs are impossible; ``"replay"``: the eager
@@ -371,8 +235,9 @@ class CudaGraphs(Callback):
         self.step_replays = 0      # optimiser steps that were a replay
         self.eager_steps = 0       # warm-up and fallback steps
         self.invalidations: list[str] = []
-        self._backend: _GraphBackend | None = None
+        self._backend: GraphBackend | None = None
         self._inactive_reason: str | None = None
+        self._warned_experimental = False
         self._warned_inactive = False
         self._warned_shape = False
         self._warned_often = False
@@ -391,8 +256,8 @@ class CudaGraphs(Callback):
         return self._backend is not None
 
     def _reset_graphs(self) -> None:
-        self._graph_fb: _Graph | None = None
-        self._graph_step: _Graph | None = None
+        self._graph_fb: Graph | None = None
+        self._graph_step: Graph | None = None
         self._static_inputs: list[Tensor] = []
         self._static_batch: Any = None
         self._input_signature: tuple | None = None
@@ -431,16 +296,16 @@ class CudaGraphs(Callback):
             self._backend.release()
 
     # --- setup checks ---------------------------------------------------------------------------------------
-    def _select_backend(self, trainer: Trainer) -> _GraphBackend | None:
+    def _select_backend(self, trainer: Trainer) -> GraphBackend | None:
         if self.backend == "replay":
-            return _ReplayBackend()
+            return ReplayBackend()
         device = trainer.strategy.root_device
         if not torch.cuda.is_available():
             reason = "no CUDA device is available (this torch build or machine has none)"
         elif device.type != "cuda":
             reason = f"training runs on {device.type!r}, not on a CUDA device"
         else:
-            return _CudaGraphBackend(device)
+            return CudaGraphBackend(device)
         if self.backend == "cuda":
             raise RuntimeError(f"CudaGraphs(backend='cuda') cannot capture: {reason}. Train on a CUDA device "
                                "(--trainer.accelerator gpu) or use backend='auto' to run eagerly where CUDA is "
@@ -486,6 +351,11 @@ class CudaGraphs(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not self._warned_experimental:
+            rank_zero_warn("CudaGraphs is experimental and unverified on a GPU (benchmarks/bench_cuda_graphs.py is "
+                           "its first real run); torch.compile(model, mode='reduce-overhead') is the supported route "
+                           "to CUDA graphs.", category=UserWarning)
+            self._warned_experimental = True
         self._backend = self._select_backend(trainer)
         if self._backend is None and not self._warned_inactive:
             rank_zero_warn(f"CudaGraphs is inactive: {self._inactive_reason}. Training runs eagerly, without CUDA "
@@ -543,9 +413,9 @@ class CudaGraphs(Callback):
         :meth:`detach` undoes it. Used by ``benchmarks/bench_cuda_graphs.py`` to time the bare step."""
         device = torch.device(device)
         if self.backend == "replay":
-            self._backend = _ReplayBackend()
+            self._backend = ReplayBackend()
         elif device.type == "cuda" and torch.cuda.is_available():
-            self._backend = _CudaGraphBackend(device)
+            self._backend = CudaGraphBackend(device)
         else:
             raise RuntimeError(f"CudaGraphs.attach: CUDA graphs need a CUDA device, got {device} (backend='replay' "
                                "runs the plumbing eagerly anywhere)")

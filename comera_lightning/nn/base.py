@@ -19,15 +19,21 @@ from ..tt.rank import (
     truncate_train,
 )
 
-__all__ = ["TTLayer", "TruncationRecord", "cuda_graph_capturing"]
+__all__ = ["TTLayer", "TruncationRecord", "capturing_graph", "cuda_graph_capturing"]
+
+
+def capturing_graph() -> bool:
+    """True while a graph is being recorded: ``torch.compile`` tracing, or a CUDA graph capture.
+
+    Code that a graph runs must be shape-static and free of host syncs, so layers and tasks skip
+    data-dependent shapes (id deduplication, boolean-mask selection) and host-side input checks (an
+    eager call, or the eager warm-up steps before a capture, ran them).
+    """
+    return torch.compiler.is_compiling() or cuda_graph_capturing()
 
 
 def cuda_graph_capturing() -> bool:
-    """True while the current CUDA stream is being captured into a graph (then no host sync is allowed).
-
-    Layers and tasks use it to skip what a graph cannot hold: data-dependent shapes (id deduplication,
-    boolean-mask selection) and host-side input checks (the eager warm-up steps before a capture ran them).
-    """
+    """True while the current CUDA stream is being captured into a graph (part of :func:`capturing_graph`)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -13,7 +13,7 @@ from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
 from ..tt.ttm import ttm_lookup
-from .base import TTLayer, _torch_factors, cuda_graph_capturing
+from .base import TTLayer, _torch_factors, capturing_graph
 
 __all__ = ["TTEmbedding"]
 
@@ -109,8 +109,8 @@ class TTEmbedding(TTLayer):
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"TTEmbedding expects integer token ids, got dtype {ids.dtype}")
         flat = ids.reshape(-1).long()
-        capturing = cuda_graph_capturing()
-        if flat.numel() and not capturing:
+        capturing = capturing_graph()
+        if not capturing and flat.numel():
             low, high = int(flat.min()), int(flat.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high

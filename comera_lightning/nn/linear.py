@@ -9,7 +9,7 @@ import tensorly as tl
 import torch
 from torch import nn
 
-from ..tt.contract import PLANS, tt_linear
+from ..tt.contract import check_plan, tt_linear
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
@@ -163,8 +163,7 @@ class TTLinear(TTLayer):
 
     def set_contraction_plan(self, plan: str | None) -> None:
         """Force one of :data:`comera_lightning.tt.PLANS`, or None to let the planner choose per call."""
-        if plan is not None and plan not in PLANS:
-            raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS} or None")
+        check_plan(plan)
         self.contraction_plan = plan
 
     def extra_repr(self) -> str:

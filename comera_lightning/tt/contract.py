@@ -25,7 +25,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "chain_merge", "tt_linear", "TTLinearFunction"]
+__all__ = [
+    "PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "check_plan", "chain_merge", "compute_dtype", "tt_linear",
+    "TTLinearFunction",
+]
 
 PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense")
 
@@ -144,6 +147,7 @@ def _cached_plan(in_modes, out_modes, ranks, rows, device_type, element_bytes) -
     return min(costs, key=lambda c: c.seconds).plan
 
 
+@torch.compiler.assume_constant_result
 def plan_tt_linear(
     in_modes: Sequence[int],
     out_modes: Sequence[int],
@@ -152,8 +156,17 @@ def plan_tt_linear(
     device_type: str = "cpu",
     element_bytes: int = 4,
 ) -> str:
-    """The plan with the lowest modelled time; cached per (shapes, ranks, rows, device, dtype size)."""
+    """The plan with the lowest modelled time; cached per (shapes, ranks, rows, device, dtype size).
+
+    Under ``torch.compile`` it runs in Python at trace time and the graph holds only the chosen name.
+    """
     return _cached_plan(tuple(in_modes), tuple(out_modes), tuple(ranks), int(rows), device_type, element_bytes)
+
+
+def check_plan(plan: str | None) -> None:
+    """Raise a ValueError unless ``plan`` is one of :data:`PLANS` or None (planned per call)."""
+    if plan is not None and plan not in PLANS:
+        raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS} or None")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -265,7 +278,7 @@ class TTLinearFunction(torch.autograd.Function):
             saved_out = saved_out + [right]
         else:
             saved_out = chain_merge([c.to(compute) for c in out_cores], start=hidden)
-            y = saved_out[-1].reshape(x.shape[0], math.prod(c.shape[1] for c in out_cores))
+            y = saved_out[-1].reshape(x.shape[0], math.prod([c.shape[1] for c in out_cores]))
             if bias is not None:
                 y = y + bias
         ctx.counts = (len(saved_in), len(saved_out))
@@ -331,6 +344,13 @@ def _matmul_bias(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) ->
     return a @ b if bias is None else torch.addmm(bias, a, b)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`tt_linear` runs the batch GEMMs of ``x`` in: autocast's where active, else ``x.dtype``."""
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def tt_linear(
     x: torch.Tensor,
     cores: Sequence[torch.Tensor],
@@ -348,17 +368,16 @@ def tt_linear(
     if x.shape[-1] != M:
         raise ValueError(f"expected input with last dimension {M}, got shape {tuple(x.shape)}")
     device_type = x.device.type
-    compute = x.dtype
-    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
-        compute = torch.get_autocast_dtype(device_type)
+    compute = compute_dtype(x)
     leading = x.shape[:-1]
     x2d = x.reshape(-1, M).to(compute)
+    check_plan(plan)
     if plan is None:
         ranks = [1] + [c.shape[-1] for c in cores]
         out_modes = [c.shape[1] for c in cores[len(in_modes) :]]
-        plan = plan_tt_linear(in_modes, out_modes, ranks, x2d.shape[0], device_type, x2d.element_size())
-    elif plan not in PLANS:
-        raise ValueError(f"unknown contraction plan {plan!r}; choose one of {PLANS}")
+        # int(): a symbolic row count (torch.compile, dynamic shapes) is specialised, so each traced graph
+        # holds the plan for its rows; set a plan (ContractionPlanner) to keep rows dynamic
+        plan = plan_tt_linear(in_modes, out_modes, ranks, int(x2d.shape[0]), device_type, x2d.element_size())
     if bias is not None:
         bias = bias.to(compute)
     with torch.autocast(device_type, enabled=False):

@@ -16,6 +16,7 @@ from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import CudaGraphs, RankAdaptation
 from comera_lightning.callbacks import cuda_graphs as cg
+from comera_lightning.callbacks.cuda_graph_backends import CudaGraphBackend
 from comera_lightning.nn import tt_layers
 from comera_lightning.strategies.resize import after_truncation
 
@@ -109,7 +110,8 @@ def _assert_same_parameters(a: LightningModule, b: LightningModule, **tolerance)
 def test_inactive_on_cpu_warns_once_and_trains_eagerly(tmp_path):
     graphs = CudaGraphs()  # backend auto
     with pytest.warns(UserWarning, match="CudaGraphs is inactive: .*(no CUDA|not on a CUDA).*runs eagerly"):
-        model, record, _ = _fit(tmp_path, [graphs], max_steps=4)
+        with pytest.warns(UserWarning, match="experimental and unverified on a GPU.*reduce-overhead"):
+            model, record, _ = _fit(tmp_path, [graphs], max_steps=4)
     plain, plain_record, _ = _fit(tmp_path, [], max_steps=4)
     assert not graphs.active and graphs.captures == 0 and graphs.comera_metrics() == {}
     assert "training_step" not in model.__dict__
@@ -359,7 +361,7 @@ def test_cuda_backend_prepares_optimizers_without_needing_a_gpu():
     params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
     adamw = torch.optim.AdamW([{"params": params[:1], "lr": 0.1}, {"params": params[1:], "lr": 0.2}])
     sgd = torch.optim.SGD(params, lr=0.3, momentum=0.9)
-    backend = cg._CudaGraphBackend.__new__(cg._CudaGraphBackend)  # no stream: prepare_optimizer needs none
+    backend = CudaGraphBackend.__new__(CudaGraphBackend)  # no stream: prepare_optimizer needs none
     backend.prepare_optimizer(adamw, tensor_lr=True)
     backend.prepare_optimizer(sgd, tensor_lr=True)
     assert all(g["capturable"] for g in adamw.param_groups)

@@ -21,8 +21,9 @@ from comera_lightning.tt import ttm as ttm_module
 
 @pytest.fixture
 def capturing(monkeypatch):
-    for module in (mlm_module, checks_module, embedding_module):
+    for module in (mlm_module, checks_module):
         monkeypatch.setattr(module, "cuda_graph_capturing", lambda: True)
+    monkeypatch.setattr(embedding_module, "capturing_graph", lambda: True)  # torch.compile tracing or a capture
 
     def no_unique(*args, **kwargs):
         raise AssertionError("torch.unique (a dynamic shape) ran during capture")
@@ -86,7 +87,7 @@ def test_tt_embedding_skips_dedup_under_capture_with_identical_rows(capturing, m
     layer = TTEmbedding(100, 16, rank=4, deduplicate=True).double()
     ids = torch.tensor([[3, 3, 7], [99, 3, 0]])
     captured = layer(ids)
-    monkeypatch.setattr(embedding_module, "cuda_graph_capturing", lambda: False)
+    monkeypatch.setattr(embedding_module, "capturing_graph", lambda: False)
     monkeypatch.undo()  # torch.unique back: the eager path deduplicates
     eager = layer(ids)
     torch.testing.assert_close(captured, eager, rtol=1e-12, atol=1e-12)
