@@ -149,7 +149,7 @@ class ComeraCLI(LightningCLI):
             parser.link_arguments(key, f"model.init_args.{key}", compute_fn=_plain_dict)
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
         logger = config.get("trainer", {}).get("logger")
         init_args = getattr(logger, "init_args", None)
         self.run_name = run_name(config.get("config"), self.subcommand)

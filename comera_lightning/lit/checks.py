@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..nn.base import cuda_graph_capturing
+from ..nn.base import capturing_graph
 from ..nn.tensorize import tt_layers
 
 __all__ = ["check_checkpoint_file", "check_output_dirs", "check_state_dict_fits", "check_id_ranges"]
@@ -170,13 +170,13 @@ def check_id_ranges(checks: Sequence[tuple[str, torch.Tensor, int, str]]) -> Non
         checks: ``(what, ids, upper, fix)``: a name for the message, the ids, the exclusive upper bound and
             what to change. Empty tensors are skipped.
 
-    Skipped while a CUDA graph is being captured (the eager warm-up steps before it checked the same
-    kind of batches; a graph cannot sync with the host).
+    Skipped while a graph is recorded (``torch.compile`` tracing or a CUDA-graph capture: eager steps
+    checked the same kind of batches; a graph cannot sync with the host).
 
     Raises:
         IndexError: naming the offending id, the allowed range and the fix.
     """
-    if cuda_graph_capturing():
+    if capturing_graph():
         return
     live = [(what, ids, upper, fix) for what, ids, upper, fix in checks if ids.numel()]
     if not live:

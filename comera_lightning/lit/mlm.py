@@ -10,7 +10,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import MaskedLanguageModel
-from ..nn.base import cuda_graph_capturing
+from ..nn.base import capturing_graph
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -68,7 +68,7 @@ class MaskedLM(ComeraTask):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         labels = batch["labels"]
-        if cuda_graph_capturing():
+        if capturing_graph():
             # a graph needs static shapes (no boolean-mask selection, no host-side checks): decode every
             # position and let cross_entropy skip the ignored ones; the same loss, more decoder work
             hidden = self.model.encoder(batch["input_ids"], batch.get("attention_mask"))

@@ -1,6 +1,6 @@
 """While a CUDA graph is captured, the project's layers and tasks avoid host syncs and dynamic shapes.
 
-No GPU here: ``cuda_graph_capturing`` is patched to report a capture; what a capture forbids (boolean-mask
+No GPU here: ``capturing_graph`` is patched to report a capture; what a capture forbids (boolean-mask
 selection, torch.unique, .tolist()) is made to raise, so the captured path is proven free of them and to
 compute the same loss and gradients as the eager path.
 """
@@ -15,14 +15,14 @@ from comera_lightning.lit import mlm as mlm_module
 from comera_lightning.lit.mlm import IGNORE, MaskedLM
 from comera_lightning.nn import TTEmbedding
 from comera_lightning.nn import embedding as embedding_module
-from comera_lightning.nn.base import cuda_graph_capturing
+from comera_lightning.nn.base import capturing_graph
 from comera_lightning.tt import ttm as ttm_module
 
 
 @pytest.fixture
 def capturing(monkeypatch):
     for module in (mlm_module, checks_module):
-        monkeypatch.setattr(module, "cuda_graph_capturing", lambda: True)
+        monkeypatch.setattr(module, "capturing_graph", lambda: True)
     monkeypatch.setattr(embedding_module, "capturing_graph", lambda: True)  # torch.compile tracing or a capture
 
     def no_unique(*args, **kwargs):
@@ -55,7 +55,7 @@ def _loss_and_grads(task: MaskedLM, batch: dict[str, torch.Tensor]) -> tuple[tor
 
 
 def test_not_capturing_on_cpu():
-    assert cuda_graph_capturing() is False
+    assert capturing_graph() is False
 
 
 def test_masked_lm_loss_under_capture_equals_eager_loss_and_gradients(capturing, monkeypatch):
@@ -66,7 +66,7 @@ def test_masked_lm_loss_under_capture_equals_eager_loss_and_gradients(capturing,
         _, logits, _ = task._loss(batch)
         assert logits.shape == (3 * 12, 256)  # every position decoded: a static shape, no boolean-mask selection
         captured_loss, captured_grads = _loss_and_grads(task, batch)
-    monkeypatch.setattr(mlm_module, "cuda_graph_capturing", lambda: False)
+    monkeypatch.setattr(mlm_module, "capturing_graph", lambda: False)
     eager_loss, eager_grads = _loss_and_grads(task, batch)
     torch.testing.assert_close(captured_loss, eager_loss, rtol=1e-12, atol=1e-12)
     assert len(captured_grads) == len(eager_grads)
@@ -77,7 +77,7 @@ def test_masked_lm_loss_under_capture_equals_eager_loss_and_gradients(capturing,
 def test_id_checks_are_skipped_under_capture_and_enforced_otherwise(capturing, monkeypatch):
     ids = torch.tensor([0, 999])
     checks_module.check_id_ranges([("ids", ids, 10, "fix it")])  # a capture cannot sync: skipped
-    monkeypatch.setattr(checks_module, "cuda_graph_capturing", lambda: False)
+    monkeypatch.setattr(checks_module, "capturing_graph", lambda: False)
     with pytest.raises(IndexError, match="fix it"):
         checks_module.check_id_ranges([("ids", ids, 10, "fix it")])
 
