@@ -93,10 +93,11 @@ class CausalLM(ComeraTask):
         labels = self.next_token_labels(ids) if labels is None else labels
         fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
                f"size (data.vocab_size), or use the tokenizer the model was built for")
+        # ignored positions read as id 0: a static shape, so the step stays capturable in a CUDA graph
         check_id_ranges([
             ("a batch's input_ids", ids, self.vocab_size, fix),
-            (f"a batch's labels (besides {IGNORE}, the ignored positions)", labels[labels != IGNORE], self.vocab_size,
-             fix),
+            (f"a batch's labels (besides {IGNORE}, the ignored positions)", labels.masked_fill(labels == IGNORE, 0),
+             self.vocab_size, fix),
         ])
         return self.model(ids), labels
 
