@@ -82,6 +82,7 @@ def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_rel
     adaptation = RankAdaptation(gamma=1.0, late_start_step=6, target_compression=3.0, truncate_every_n_steps=6,
                                 min_dead_fraction=0.1)
     trainer = Trainer(max_steps=24, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      default_root_dir=tmp_path,  # RankMonitor's picture goes there
                       enable_model_summary=False, limit_val_batches=2, val_check_interval=12,
                       callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=4)])
     trainer.fit(task, datamodule=datamodule)

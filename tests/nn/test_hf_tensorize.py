@@ -96,6 +96,7 @@ def test_tensorize_train_truncate_save_reload_reproduces_logits(kind, tmp_path):
     adaptation = RankAdaptation(gamma=1.0, late_start_step=4, target_compression=4.0, truncate_every_n_steps=4,
                                 min_dead_fraction=0.1)
     trainer = Trainer(max_steps=12, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path,  # RankMonitor's picture goes there
                       enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=2)])
     wrapper = HFWrapper(model, masked=kind == "bert")
