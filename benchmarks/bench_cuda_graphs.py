@@ -125,7 +125,7 @@ def _callbacks(steps: int) -> list:
 
     from comera_lightning.callbacks import RankAdaptation
     from comera_lightning.nn import tt_layers
-    from comera_lightning.strategies.resize import after_truncation
+    from comera_lightning.callbacks.rank_adaptation import after_truncation
 
     class ForcedTruncation(Callback):
         """At one step, kill the upper half of every bond of every TT layer and remove it physically."""

@@ -9,9 +9,9 @@ one full training step of each, interleaved round by round in one process (``har
   GaLore group (rank 128, update_proj_gap 200, scale 0.25, proj_type std, as in the GaLore README) and every
   other parameter in a plain group.
 - ``CoMERA r30``: TT linears (rank 30) and a TT word embedding (rank 32), ``dense_layers`` as in the config;
-  ``torch.optim.AdamW`` over ``comera_parameter_groups``, plus what ``RankAdaptation`` does every step, run
-  through the callback's own hooks: the rank-penalty gradient added to the gates before ``optimizer.step()``,
-  the gate finiteness check and the mask refresh after it.
+  ``torch.optim.AdamW`` over ``comera_parameter_groups``, plus what ``RankAdaptation`` does every step, through
+  the same functions of ``comera_lightning.objectives``: the rank-penalty gradient added to the gates before
+  ``optimizer.step()``, the gate finiteness check and the mask refresh after it.
 - ``CoMERA 1/4``: a copy of that model with gate entries zeroed, masks refreshed, cores physically truncated
   (``truncate_``) and AdamW state sliced, keeping the share of every bond that brings its trainable parameters
   closest to a quarter of ``CoMERA r30``'s (or, when the layers truncation cannot touch already hold more
@@ -61,7 +61,6 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -69,11 +68,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import harness
-from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
-from comera_lightning.optim import comera_parameter_groups
-from comera_lightning.strategies.resize import slice_optimizer_state
+from comera_lightning.objectives import add_rank_objective_, all_finite, early_stage_weights, rank_gates, refresh_masks_
+from comera_lightning.optim import comera_parameter_groups, slice_optimizer_state
 from comera_lightning.tt.rank import leading_share, train_parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,26 +192,26 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
 
 
 class RankAdaptationWork:
-    """What ``RankAdaptation`` does on every optimiser step, run through the callback's own hooks.
+    """What ``RankAdaptation`` does on every optimiser step of the early stage, through the same functions.
 
-    ``before_step`` is its ``on_before_optimizer_step`` (rank-penalty gradient on the gates), ``after_step``
-    its ``on_train_batch_end`` (finiteness check and mask refresh). Truncation is off (it runs every
-    ``truncate_every_n_steps`` steps, not every step) and no late-stage switch is configured, so the
-    hooks read nothing from the trainer but ``global_step`` and ``optimizers``; a stand-in supplies them.
+    ``before_step``: the gate-gradient finiteness check and the weighted rank-penalty gradient on the gates;
+    ``after_step``: the gate finiteness check and the mask refresh. Truncation (every ``truncate_every_n_steps``
+    steps, not every step) and the late stage are not per-step work.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, gamma: float = 0.01) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.callback = RankAdaptation(penalty="weighted", gamma=gamma, truncate_every_n_steps=None)
-        self.trainer = SimpleNamespace(global_step=0, optimizers=[optimizer])
-        self.callback.on_fit_start(self.trainer, model)  # checks the gates are optimised, counts other params
+        self.layers = [layer for _, layer in tt_layers(model)]
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.weights = early_stage_weights(gamma)
 
     def before_step(self) -> None:
-        self.callback.on_before_optimizer_step(self.trainer, self.model, self.optimizer)
+        gates, masks, slice_parameters = rank_gates(self.layers, self.params)
+        if gates and all_finite(g.grad for g in gates):
+            add_rank_objective_(self.params, gates, masks, self.weights, slice_parameters)
 
     def after_step(self) -> None:
-        self.trainer.global_step += 1
-        self.callback.on_train_batch_end(self.trainer, self.model, None, None, 0)
+        if all_finite(g.detach() for layer in self.layers for g in layer.gates):
+            refresh_masks_(self.layers)
 
 
 def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> Candidate:

@@ -22,8 +22,7 @@ from torch import nn
 
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.nn.linear import TTLinear
-from comera_lightning.optim import comera_parameter_groups
-from comera_lightning.strategies.resize import slice_optimizer_state
+from comera_lightning.optim import comera_parameter_groups, slice_optimizer_state
 
 
 def build(rank: int) -> nn.Module:

@@ -381,6 +381,9 @@ def _timed_rank_adaptation(clock: Callable[[], float], late_start_s: float, **kw
         def should_enter_late_stage(self, trainer) -> bool:
             return clock() >= late_start_s
 
+        def needs_loss(self) -> bool:
+            return True  # the loss target at the switch is the smoothed loss, as with a late_start_step
+
     return TimedRankAdaptation(**kwargs)
 
 

@@ -5,7 +5,7 @@ differentiable by the gates: a gate entry at zero removes one rank slice, so a s
 the gates is a surrogate of ``S``.
 
 * :func:`rank_penalty` with ``weights=None`` is the research code's surrogate (mean ``|d|`` over active
-  gate entries); with :func:`bond_weights` it is the faithful one: each entry weighted by the number of
+  gate entries); with the layers' slice sizes it is the faithful one: each entry weighted by the number of
   parameters its slice holds, which is ``dS/d|d|``.
 * Early stage (:func:`early_stage_weights`): ``L + gamma * R``.
 * Late stage, the paper's rule (:func:`late_stage_weights`): achievement scalarisation towards targets
@@ -14,38 +14,26 @@ the gates is a surrogate of ``S``.
   to ``S0`` (:func:`scheduled_size`); every few steps the least important rank slices
   (:func:`slice_importance`) are cut, at most a bounded share of each bond at a time
   (:func:`plan_rank_cuts`), so the task can recover between cuts.
+
+RankAdaptation's per-step work, for any training loop: :func:`rank_gates` and :func:`add_rank_objective_`
+before ``optimizer.step()``, :func:`refresh_masks_` and now and then :func:`truncate_dead_slices_` after it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
+from .nn.base import TruncationRecord, TTLayer
+
 __all__ = [
-    "bond_weights",
-    "rank_penalty",
-    "minimum_train_size",
-    "ObjectiveWeights",
-    "early_stage_weights",
-    "late_stage_weights",
-    "compressible_target_size",
-    "scheduled_size",
-    "slice_importance",
-    "plan_rank_cuts",
+    "rank_penalty", "rank_gates", "all_finite", "add_rank_objective_", "refresh_masks_", "truncate_dead_slices_",
+    "ObjectiveWeights", "early_stage_weights", "late_stage_weights", "compressible_target_size", "scheduled_size",
+    "slice_importance", "plan_rank_cuts",
 ]
-
-
-def bond_weights(mode_sizes: Sequence[int], active_ranks: Sequence[int]) -> list[float]:
-    """Parameters held by one slice of every internal bond of a train.
-
-    A slice of bond ``k`` is one trailing slice of core ``k`` (``r_{k-1} * s_k`` entries) plus one
-    leading slice of core ``k+1`` (``s_{k+1} * r_{k+1}`` entries), counted with active ranks.
-    """
-    r = list(active_ranks)
-    return [float(r[k] * mode_sizes[k] + mode_sizes[k + 1] * r[k + 2]) for k in range(len(mode_sizes) - 1)]
 
 
 def rank_penalty(
@@ -56,7 +44,7 @@ def rank_penalty(
     Args:
         gates: one gate vector per bond (any number of layers, concatenated).
         masks: boolean active masks, same shapes.
-        weights: one weight per bond (:func:`bond_weights`), or None for the plain mean.
+        weights: one weight per bond (:meth:`TTLayer.slice_parameters`), or None for the plain mean.
     """
     if len(gates) != len(masks) or (weights is not None and len(weights) != len(gates)):
         raise ValueError("gates, masks and weights must have one entry per bond")
@@ -72,9 +60,22 @@ def rank_penalty(
     return total / max(normaliser, 1e-12)
 
 
-def minimum_train_size(mode_sizes: Sequence[int]) -> int:
-    """Size of a train whose every bond is down to rank 1: the floor of what rank adaptation reaches."""
-    return int(sum(mode_sizes))
+def rank_gates(
+    layers: Sequence[TTLayer], trainable: Iterable[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+    """Gate, active mask and slice size (:meth:`TTLayer.slice_parameters`) of every bond of ``layers`` whose
+    gate is in ``trainable`` (e.g. an optimiser's parameters; None: every bond)."""
+    keep = None if trainable is None else {id(p) for p in trainable}
+    bonds = [(gate, mask, size) for layer in layers
+             for gate, mask, size in zip(layer.gates, layer.rank_masks, layer.slice_parameters())
+             if keep is None or id(gate) in keep]
+    return [b[0] for b in bonds], [b[1] for b in bonds], [b[2] for b in bonds]
+
+
+def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """True when every tensor (None entries skipped) is finite; a single host sync for all of them."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return not flags or bool(torch.stack(flags).all())
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,41 @@ def late_stage_weights(
     size_gap = (size - target_size) / max(abs(size), 1e-12)
     lam = 1.0 if loss_gap < size_gap else 0.0
     return ObjectiveWeights(task=task_base - lam, penalty=penalty_base + lam, lam=lam)
+
+
+def add_rank_objective_(params: Iterable[torch.Tensor], gates: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                        weights: ObjectiveWeights, bond_weights: Sequence[float] | None = None) -> float:
+    """Turn the task's gradients (of ``params``, final: all-reduced, unscaled) into those of
+    ``weights.task * L + weights.penalty * R``, with ``R = rank_penalty(gates, masks, bond_weights)``; returns R."""
+    with torch.enable_grad():
+        penalty = rank_penalty(gates, masks, bond_weights)
+        penalty_grads = torch.autograd.grad(penalty, gates)
+    if weights.task != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(weights.task)
+    for gate, grad in zip(gates, penalty_grads):
+        grad = grad * weights.penalty
+        gate.grad = grad if gate.grad is None else gate.grad.add_(grad)
+    return float(penalty.detach())
+
+
+def refresh_masks_(layers: Sequence[TTLayer], threshold: float | None = None) -> None:
+    """Mask every slice whose gate is at or below ``threshold`` (None: each layer's own); check
+    :func:`all_finite` on the gates first, as masks refreshed from NaN gates keep one slice per bond."""
+    for layer in layers:
+        layer.refresh_masks_(threshold)
+
+
+def truncate_dead_slices_(layers: Sequence[TTLayer], min_dead_fraction: float) -> TruncationRecord:
+    """Physically remove the masked slices of every layer where some bond has ``min_dead_fraction`` or more of
+    its slices masked; returns what was resized (for :func:`comera_lightning.optim.slice_optimizer_state`)."""
+    record = TruncationRecord()
+    for layer in layers:
+        dead = max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
+        if dead >= min_dead_fraction:
+            record.extend(layer.truncate_())
+    return record
 
 
 def compressible_target_size(size: float, other_parameters: float, ratio: float) -> float:
@@ -171,7 +207,7 @@ def plan_rank_cuts(
     Args:
         importances: per bond, one non-negative value per slice (masked slices are ignored).
         masks: per bond, the boolean active mask.
-        slice_parameters: per bond, the parameters one slice holds (:func:`bond_weights`).
+        slice_parameters: per bond, the parameters one slice holds (:meth:`TTLayer.slice_parameters`).
         parameters_to_remove: how many parameters the cuts should free (<= 0: none).
         max_cut_fraction: the per-call bound on a bond's share of active slices, in (0, 1].
 

@@ -1,14 +1,18 @@
-"""Optimiser parameter groups for CoMERA: cores, gates and everything else learn at different rates."""
+"""Optimisers for CoMERA: parameter groups (cores, gates and the rest learn at different rates) and
+optimiser state that follows a physical truncation."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
+import torch
 from torch import nn
 
+from .nn.base import TruncationRecord
 from .nn.tensorize import tt_layers
+from .tt.rank import select_rank_slices
 
-__all__ = ["comera_parameter_groups"]
+__all__ = ["comera_parameter_groups", "slice_optimizer_state"]
 
 
 def comera_parameter_groups(
@@ -35,3 +39,15 @@ def comera_parameter_groups(
         {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
     ]
     return [g for g in groups if g["params"]]
+
+
+def slice_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], record: TruncationRecord) -> None:
+    """Slice every per-parameter state tensor (e.g. ``exp_avg``) of the truncated parameters alike."""
+    for optimizer in optimizers:
+        for param, selection in record:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() == param.dim() and value.shape != param.shape:
+                    state[key] = select_rank_slices(value, selection)

@@ -27,7 +27,6 @@ import torch
 from ..nn.base import TruncationRecord, TTLayer
 from ..objectives import (
     ObjectiveWeights,
-    bond_weights,
     early_stage_weights,
     late_stage_weights,
     plan_rank_cuts,
@@ -127,35 +126,27 @@ class ScheduledLateStage(LateStagePolicy):
         importance: str = "taylor",
         saliency_smoothing: float = 0.95,
     ) -> None:
-        if not 0.0 < ramp_fraction <= 1.0:
-            raise ValueError(f"ramp_fraction must be in (0, 1], got {ramp_fraction}")
-        if ramp_steps is not None and ramp_steps < 1:
-            raise ValueError(f"ramp_steps must be >= 1 or None, got {ramp_steps}")
-        if cut_every_n_steps < 1:
-            raise ValueError(f"cut_every_n_steps must be >= 1, got {cut_every_n_steps}")
-        if not 0.0 < max_cut_fraction <= 1.0:
-            raise ValueError(f"max_cut_fraction must be in (0, 1], got {max_cut_fraction}")
-        if not (math.isfinite(loss_tolerance) and loss_tolerance >= 0):
-            raise ValueError(f"loss_tolerance must be >= 0 and finite, got {loss_tolerance}")
+        for name, value, ok, rule in (
+            ("ramp_fraction", ramp_fraction, 0.0 < ramp_fraction <= 1.0, "in (0, 1]"),
+            ("ramp_steps", ramp_steps, ramp_steps is None or ramp_steps >= 1, ">= 1 or None"),
+            ("cut_every_n_steps", cut_every_n_steps, cut_every_n_steps >= 1, ">= 1"),
+            ("max_cut_fraction", max_cut_fraction, 0.0 < max_cut_fraction <= 1.0, "in (0, 1]"),
+            ("loss_tolerance", loss_tolerance, math.isfinite(loss_tolerance) and loss_tolerance >= 0, ">= 0 and finite"),
+            ("penalty_weight", penalty_weight, penalty_weight is None
+             or (math.isfinite(penalty_weight) and penalty_weight >= 0), ">= 0 and finite or None"),
+            ("importance", repr(importance), importance in ("taylor", "norm"), "'taylor' or 'norm'"),
+            ("saliency_smoothing", saliency_smoothing, 0.0 <= saliency_smoothing < 1.0, "in [0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value}")
         if max_pause_steps is not None and max_pause_steps < cut_every_n_steps:
             raise ValueError(
                 f"max_pause_steps ({max_pause_steps}) must be >= cut_every_n_steps ({cut_every_n_steps}) or None"
             )
-        if penalty_weight is not None and not (math.isfinite(penalty_weight) and penalty_weight >= 0):
-            raise ValueError(f"penalty_weight must be >= 0 and finite or None, got {penalty_weight}")
-        if importance not in ("taylor", "norm"):
-            raise ValueError(f"importance must be 'taylor' or 'norm', got {importance!r}")
-        if not 0.0 <= saliency_smoothing < 1.0:
-            raise ValueError(f"saliency_smoothing must be in [0, 1), got {saliency_smoothing}")
-        self.importance = importance
-        self.saliency_smoothing = saliency_smoothing
-        self.ramp_fraction = ramp_fraction
-        self.ramp_steps = ramp_steps
-        self.cut_every_n_steps = cut_every_n_steps
-        self.max_cut_fraction = max_cut_fraction
-        self.loss_tolerance = loss_tolerance
+        self.ramp_fraction, self.ramp_steps, self.cut_every_n_steps = ramp_fraction, ramp_steps, cut_every_n_steps
+        self.max_cut_fraction, self.loss_tolerance, self.penalty_weight = max_cut_fraction, loss_tolerance, penalty_weight
         self.max_pause_steps = 4 * cut_every_n_steps if max_pause_steps is None else max_pause_steps
-        self.penalty_weight = penalty_weight
+        self.importance, self.saliency_smoothing = importance, saliency_smoothing
         # state (checkpointed)
         self.start_step: int | None = None
         self.start_size: float | None = None
@@ -248,7 +239,7 @@ class ScheduledLateStage(LateStagePolicy):
         masks, slice_params, owners = [], [], []
         for layer in layers:
             masks += layer.rank_masks
-            slice_params += bond_weights(layer.mode_sizes, layer.active_ranks)
+            slice_params += layer.slice_parameters()
             owners += [(layer, k) for k in range(layer.num_bonds)]
         cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction)
         count = 0

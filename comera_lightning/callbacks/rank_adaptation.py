@@ -20,22 +20,26 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..nn.base import TruncationRecord, TTLayer
 from ..nn.tensorize import tt_layers
 from ..objectives import (
     ObjectiveWeights,
-    bond_weights,
+    add_rank_objective_,
+    all_finite,
     compressible_target_size,
     early_stage_weights,
-    minimum_train_size,
-    rank_penalty,
+    rank_gates,
+    refresh_masks_,
+    truncate_dead_slices_,
 )
+from ..optim import slice_optimizer_state
 from .late_stage import LateStagePolicy, late_stage_policy
-from ..strategies.resize import after_truncation, check_truncation_supported
 
-__all__ = ["RankAdaptation"]
+__all__ = ["RankAdaptation", "after_truncation"]
 
 EARLY, LATE = 0, 1
 
@@ -88,48 +92,34 @@ class RankAdaptation(Callback):
     ) -> None:
         if penalty not in ("weighted", "mean"):
             raise ValueError(f"penalty must be 'weighted' or 'mean', got {penalty!r}")
-        if not (math.isfinite(gamma) and gamma >= 0):
-            raise ValueError(f"gamma must be >= 0 and finite, got {gamma}")
-        if target_compression is not None and not (math.isfinite(target_compression) and target_compression > 1.0):
-            raise ValueError(
-                f"target_compression must be > 1 (dense / compressed) and finite, got {target_compression}"
-            )
-        for name, value in (("late_start_epoch", late_start_epoch), ("late_start_step", late_start_step)):
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {value}")
-        for name, value in (("late_start_loss", late_start_loss), ("target_loss", target_loss)):
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number or None, got {value}")
-        if target_size is not None and target_size < 1:
-            raise ValueError(f"target_size must be a positive parameter count, got {target_size}")
-        if not 0.0 < target_size_ratio < 1.0:
-            raise ValueError(f"target_size_ratio must be in (0, 1), got {target_size_ratio}")
-        if threshold is not None and not 0.0 <= threshold < 1.0:
-            raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
-        if mask_every_n_steps < 1:
-            raise ValueError(f"mask_every_n_steps must be >= 1, got {mask_every_n_steps}")
-        if truncate_every_n_steps is not None and truncate_every_n_steps < 1:
-            raise ValueError(f"truncate_every_n_steps must be >= 1 or None, got {truncate_every_n_steps}")
-        if not 0.0 < min_dead_fraction <= 1.0:
-            raise ValueError(f"min_dead_fraction must be in (0, 1], got {min_dead_fraction}")
-        if not 0.0 <= loss_smoothing < 1.0:
-            raise ValueError(f"loss_smoothing must be in [0, 1), got {loss_smoothing}")
-        self.penalty = penalty
-        self.gamma = gamma
-        self.late_start_epoch = late_start_epoch
-        self.late_start_step = late_start_step
-        self.late_start_loss = late_start_loss
-        self.target_compression = target_compression
-        self.target_size_arg = target_size
-        self.target_size_ratio = target_size_ratio
-        self.target_loss_arg = target_loss
+        for name, value, ok, rule in (
+            ("gamma", gamma, math.isfinite(gamma) and gamma >= 0, ">= 0 and finite"),
+            ("target_compression", target_compression, target_compression is None or (
+                math.isfinite(target_compression) and target_compression > 1.0), "> 1 (dense / compressed) and finite"),
+            ("late_start_epoch", late_start_epoch, late_start_epoch is None or late_start_epoch >= 0, ">= 0 or None"),
+            ("late_start_step", late_start_step, late_start_step is None or late_start_step >= 0, ">= 0 or None"),
+            ("late_start_loss", late_start_loss, late_start_loss is None or math.isfinite(late_start_loss),
+             "a finite number or None"),
+            ("target_loss", target_loss, target_loss is None or math.isfinite(target_loss), "a finite number or None"),
+            ("target_size", target_size, target_size is None or target_size >= 1, "a positive parameter count"),
+            ("target_size_ratio", target_size_ratio, 0.0 < target_size_ratio < 1.0, "in (0, 1)"),
+            ("threshold", threshold, threshold is None or 0.0 <= threshold < 1.0, "in [0, 1) (gates start at 1)"),
+            ("mask_every_n_steps", mask_every_n_steps, mask_every_n_steps >= 1, ">= 1"),
+            ("truncate_every_n_steps", truncate_every_n_steps,
+             truncate_every_n_steps is None or truncate_every_n_steps >= 1, ">= 1 or None"),
+            ("min_dead_fraction", min_dead_fraction, 0.0 < min_dead_fraction <= 1.0, "in (0, 1]"),
+            ("loss_smoothing", loss_smoothing, 0.0 <= loss_smoothing < 1.0, "in [0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value}")
+        self.penalty, self.gamma, self.threshold = penalty, gamma, threshold
         self.late_stage = late_stage_policy(late_stage)
-        self.threshold = threshold
-        self.mask_every_n_steps = mask_every_n_steps
-        self.truncate_every_n_steps = truncate_every_n_steps
-        self.min_dead_fraction = min_dead_fraction
-        self.loss_key = loss_key
-        self.loss_smoothing = loss_smoothing
+        self.late_start_epoch, self.late_start_step = late_start_epoch, late_start_step
+        self.late_start_loss = late_start_loss
+        self.target_compression, self.target_size_arg = target_compression, target_size
+        self.target_size_ratio, self.target_loss_arg = target_size_ratio, target_loss
+        self.mask_every_n_steps, self.truncate_every_n_steps = mask_every_n_steps, truncate_every_n_steps
+        self.min_dead_fraction, self.loss_key, self.loss_smoothing = min_dead_fraction, loss_key, loss_smoothing
         # state (checkpointed)
         self.stage = EARLY
         self.target_size: float | None = None
@@ -154,6 +144,13 @@ class RankAdaptation(Callback):
             return True
         return self.late_start_loss is not None and self.loss_ema is not None and self.loss_ema <= self.late_start_loss
 
+    def needs_loss(self) -> bool:
+        """Whether to track ``loss_ema`` after this step (a host sync and, under DDP, an all-reduce per step):
+        in the late stage, and before it with a switch rule. Override it with :meth:`should_enter_late_stage`
+        when a custom rule reads ``loss_ema``; otherwise the loss is first read at the switch."""
+        switch_rule = (self.late_start_epoch, self.late_start_step, self.late_start_loss)
+        return self.stage == LATE or any(v is not None for v in switch_rule)
+
     def objective_weights(self, size: float) -> ObjectiveWeights:
         """Coefficients of task loss and penalty for the coming step."""
         if self.stage == EARLY or self.loss_ema is None:
@@ -172,8 +169,16 @@ class RankAdaptation(Callback):
 
     # --- hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.truncate_every_n_steps is not None:
-            check_truncation_supported(trainer.strategy)
+        strategy = trainer.strategy
+        # sharded strategies flatten parameters into fixed-size buffers (DeepSpeed is a DDPStrategy subclass)
+        resizable = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
+            strategy, DeepSpeedStrategy)
+        if stage == "fit" and self.truncate_every_n_steps is not None and not resizable:
+            raise ValueError(
+                f"physical rank truncation is not supported under {type(strategy).__name__} (sharded strategies "
+                f"flatten parameters into fixed-size buffers); use a DDP strategy, or keep masking only with "
+                f"RankAdaptation(truncate_every_n_steps=None)"
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         layers = self._layers(pl_module)
@@ -191,8 +196,7 @@ class RankAdaptation(Callback):
                 "the rank gates are not in any optimiser, so ranks cannot adapt; include all parameters "
                 "(or use comera_lightning.optim.comera_parameter_groups) in configure_optimizers"
             )
-        floor = sum(minimum_train_size(layer.mode_sizes) for layer in layers) + self._other_parameters
-        self._floor = floor
+        self._floor = floor = sum(layer.minimum_parameters() for layer in layers) + self._other_parameters
         dense = sum(layer.dense_parameters for layer in layers) + self._other_parameters
         wanted = self._requested_target_size(dense)
         if wanted is not None and wanted < floor:
@@ -214,52 +218,33 @@ class RankAdaptation(Callback):
         return None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        layers = self._layers(pl_module)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if all(p.grad is None for p in params):
             return  # the step was dropped (e.g. by DivergenceGuard): a penalty gradient alone would move the gates
-        in_optimizer = {id(p) for p in params}
-        gates, masks, weights = [], [], []
-        for layer in layers:
-            per_bond = bond_weights(layer.mode_sizes, layer.active_ranks)
-            for k, (gate, mask) in enumerate(zip(layer.gates, layer.rank_masks)):
-                if id(gate) in in_optimizer:
-                    gates.append(gate)
-                    masks.append(mask)
-                    weights.append(per_bond[k])
+        layers = self._layers(pl_module)
+        gates, masks, slice_parameters = rank_gates(layers, params)
         if not gates:
             return
-        gate_grads = [g.grad for g in gates if g.grad is not None]
-        if gate_grads and not bool(torch.stack([torch.isfinite(g).all() for g in gate_grads]).all()):
+        if not all_finite(g.grad for g in gates):
             # a diverged step (dropped by DivergenceGuard or the AMP GradScaler, or poisoning the model anyway):
             # adding to or rescaling its gradients would change nothing useful
             self._nonfinite_steps += 1
             return
         if self.stage == LATE:
             self.late_stage.observe(layers)
-        w = self.objective_weights(self.model_size(pl_module))
-        self._last_weights = w
-        with torch.enable_grad():
-            penalty = rank_penalty(gates, masks, weights if self.penalty == "weighted" else None)
-            penalty_grads = torch.autograd.grad(penalty, gates)
-        self._last_penalty = float(penalty.detach())
-        if w.task != 1.0:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(w.task)
-        for gate, grad in zip(gates, penalty_grads):
-            grad = grad * w.penalty
-            gate.grad = grad if gate.grad is None else gate.grad.add_(grad)
+        self._last_weights = weights = self.objective_weights(self.model_size(pl_module))
+        self._last_penalty = add_rank_objective_(params, gates, masks, weights,
+                                                 slice_parameters if self.penalty == "weighted" else None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self._last_step:  # accumulating: no optimiser step happened
             return
         self._last_step = step
-        self._update_loss(trainer, outputs)
+        if self.needs_loss():
+            self._update_loss(trainer, outputs)
         layers = self._layers(pl_module)
-        if not self._gates_finite(layers):
+        if not all_finite(g.detach() for layer in layers for g in layer.gates):
             # masks refreshed from NaN gates would kill every rank but one: leave masks and sizes alone
             if not self._warned_nonfinite:
                 rank_zero_warn(
@@ -270,9 +255,10 @@ class RankAdaptation(Callback):
                 self._warned_nonfinite = True
             return
         if step % self.mask_every_n_steps == 0:
-            for layer in layers:
-                layer.refresh_masks_(self.threshold)
+            refresh_masks_(layers, self.threshold)
         if self.stage == EARLY and self.should_enter_late_stage(trainer):
+            if self.loss_ema is None:
+                self._update_loss(trainer, outputs)  # a switch rule that did not ask for the loss before
             self._enter_late_stage(trainer, pl_module)
         elif self.stage == LATE and self.loss_ema is not None:
             self.late_stage.cut(step, self.loss_ema, self.model_size(pl_module), layers)
@@ -295,27 +281,15 @@ class RankAdaptation(Callback):
         if self.stage == EARLY and self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
             self._enter_late_stage(trainer, pl_module)
 
-    @staticmethod
-    def _gates_finite(layers: list[TTLayer]) -> bool:
-        gates = [g.detach() for layer in layers for g in layer.gates]
-        return not gates or bool(torch.stack([torch.isfinite(g).all() for g in gates]).all())
-
     # --- actions -------------------------------------------------------------------------------------
     def _update_loss(self, trainer: Trainer, outputs: Any) -> None:
-        # the loss costs a host sync per step: read it only when a decision may use it
-        policy_overridden = type(self).should_enter_late_stage is not RankAdaptation.should_enter_late_stage
-        needs_loss = self.stage == LATE or policy_overridden or self.late_start_loss is not None \
-            or self.late_start_step is not None or self.late_start_epoch is not None
-        if not needs_loss:
-            return
         loss = outputs.get(self.loss_key) if isinstance(outputs, dict) else outputs
         if not torch.is_tensor(loss):
             raise ValueError(
                 f"RankAdaptation needs the training loss but training_step returned {type(outputs).__name__}; "
                 f"return the loss tensor or a dict with key {self.loss_key!r} (set loss_key otherwise)"
             )
-        value = trainer.strategy.reduce(loss.detach().float(), reduce_op="mean")
-        value = float(value)
+        value = float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean"))
         if not math.isfinite(value):
             return  # a non-finite loss must not poison the decisions
         a = self.loss_smoothing
@@ -350,11 +324,7 @@ class RankAdaptation(Callback):
 
     def truncate(self, trainer: Trainer, pl_module: LightningModule) -> TruncationRecord:
         """Physically remove dead slices from every layer with enough of them; returns what changed."""
-        record = TruncationRecord()
-        for layer in self._layers(pl_module):
-            dead = max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
-            if dead >= self.min_dead_fraction:
-                record.extend(layer.truncate_())
+        record = truncate_dead_slices_(self._layers(pl_module), self.min_dead_fraction)
         if record:
             after_truncation(trainer, record)
             self.late_stage.after_truncation(record)
@@ -399,3 +369,21 @@ class RankAdaptation(Callback):
         self.switch_step = state_dict.get("switch_step")
         self.truncations = int(state_dict.get("truncations", 0))
         self.late_stage.load_state_dict(state_dict.get("late_stage", {}))
+
+
+def after_truncation(trainer: Trainer, record: TruncationRecord) -> None:
+    """Make optimiser state and the DDP wrapper match the parameters a truncation resized.
+
+    Parameters are resized in place (same objects, smaller ``.data``), but the optimiser's moments and the
+    DDP reducer's gradient buckets keep the old shapes. Must run on every process at the same step
+    (decisions are made from identical gate values).
+    """
+    if not record:
+        return
+    slice_optimizer_state(trainer.optimizers, record)
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+        # Dropping the old wrapper frees its reducer (and the autograd hooks it put on the parameters);
+        # a new one builds buckets of the new sizes. Parameters are identical on all ranks already.
+        strategy.model = strategy.lightning_module
+        strategy.configure_ddp()

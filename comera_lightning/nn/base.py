@@ -12,7 +12,9 @@ from ..tt.rank import (
     DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
+    bond_weights,
     leading_share,
+    minimum_train_size,
     refresh_mask,
     select_rank_slices,
     train_parameter_count,
@@ -103,6 +105,14 @@ class TTLayer(nn.Module):
     def allocated_parameters(self) -> int:
         """Core parameters currently stored (before truncation this includes masked slices)."""
         return train_parameter_count(self.mode_sizes, self.ranks)
+
+    def slice_parameters(self) -> list[float]:
+        """Parameters one active slice of each internal bond holds (the weighted rank penalty's bond weights)."""
+        return bond_weights(self.mode_sizes, self.active_ranks)
+
+    def minimum_parameters(self) -> int:
+        """Parameters left with every bond at rank 1: the floor of rank adaptation."""
+        return minimum_train_size(self.mode_sizes)
 
     @property
     def dense_parameters(self) -> int:  # pragma: no cover - abstract

@@ -14,7 +14,9 @@ from .rank import (
     DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
+    bond_weights,
     leading_share,
+    minimum_train_size,
     refresh_mask,
     select_rank_slices,
     train_parameter_count,
@@ -27,6 +29,6 @@ __all__ = [
     "init_cores", "max_ranks", "resolve_ranks", "tt_from_dense", "tt_to_dense", "ttm_from_dense", "ttm_to_dense",
     "default_num_modes", "factorize", "padded_modes", "validate_modes",
     "DEFAULT_THRESHOLD", "CoreSelection", "apply_gates", "refresh_mask", "select_rank_slices",
-    "train_parameter_count", "truncate_train",
+    "train_parameter_count", "bond_weights", "minimum_train_size", "truncate_train",
     "merge_ttm", "ttm_lookup", "ttm_lookup_chain",
 ]

@@ -19,6 +19,8 @@ __all__ = [
     "leading_share",
     "apply_gates",
     "train_parameter_count",
+    "bond_weights",
+    "minimum_train_size",
     "truncate_train",
     "select_rank_slices",
     "CoreSelection",
@@ -66,6 +68,18 @@ def apply_gates(
 def train_parameter_count(mode_sizes: Sequence[int], ranks: Sequence[int]) -> int:
     """Parameters of a train: ``sum_k r_{k-1} * s_k * r_k`` (``s_k = v_k * e_k`` for a TTM core)."""
     return sum(ranks[k] * s * ranks[k + 1] for k, s in enumerate(mode_sizes))
+
+
+def bond_weights(mode_sizes: Sequence[int], ranks: Sequence[int]) -> list[float]:
+    """Parameters one slice of every internal bond holds: a trailing slice of core ``k`` (``r_{k-1} * s_k``)
+    plus a leading slice of core ``k+1`` (``s_{k+1} * r_{k+1}``). The weighted rank penalty's bond weights."""
+    r = list(ranks)
+    return [float(r[k] * mode_sizes[k] + mode_sizes[k + 1] * r[k + 2]) for k in range(len(mode_sizes) - 1)]
+
+
+def minimum_train_size(mode_sizes: Sequence[int]) -> int:
+    """Size of a train whose every bond is down to rank 1: the floor of what rank adaptation reaches."""
+    return int(sum(mode_sizes))
 
 
 @dataclass(frozen=True)

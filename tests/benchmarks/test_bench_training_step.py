@@ -16,7 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_training_step as bts  # noqa: E402
 from comera_lightning.nn import tt_layers  # noqa: E402
-from comera_lightning.objectives import bond_weights, rank_penalty  # noqa: E402
+from comera_lightning.objectives import rank_penalty  # noqa: E402
+from comera_lightning.tt import bond_weights  # noqa: E402
 
 TINY = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)
 GALORE_TINY = {"rank": 8, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}

@@ -18,7 +18,7 @@ from comera_lightning.callbacks import CudaGraphs, RankAdaptation
 from comera_lightning.callbacks import cuda_graphs as cg
 from comera_lightning.callbacks.cuda_graph_backends import CudaGraphBackend
 from comera_lightning.nn import tt_layers
-from comera_lightning.strategies.resize import after_truncation
+from comera_lightning.callbacks.rank_adaptation import after_truncation
 
 REPO = Path(__file__).resolve().parents[2]
 

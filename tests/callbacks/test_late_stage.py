@@ -13,14 +13,8 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.objectives import (
-    bond_weights,
-    compressible_target_size,
-    minimum_train_size,
-    plan_rank_cuts,
-    scheduled_size,
-    slice_importance,
-)
+from comera_lightning.objectives import compressible_target_size, plan_rank_cuts, scheduled_size, slice_importance
+from comera_lightning.tt import bond_weights, minimum_train_size
 
 
 def _trainer(tmp_path, callbacks, max_steps=40) -> Trainer:

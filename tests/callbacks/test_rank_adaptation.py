@@ -12,7 +12,8 @@ from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.objectives import bond_weights, rank_penalty
+from comera_lightning.objectives import rank_penalty
+from comera_lightning.tt import bond_weights
 
 
 def _trainer(tmp_path, callbacks, max_steps=40, **kwargs) -> Trainer:

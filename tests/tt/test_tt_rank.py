@@ -11,6 +11,8 @@ from comera_lightning.tt import (
     DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
+    bond_weights,
+    minimum_train_size,
     refresh_mask,
     select_rank_slices,
     train_parameter_count,
@@ -74,6 +76,18 @@ def test_train_parameter_count_by_hand():
     assert train_parameter_count([4, 3, 2, 5], [1, 3, 3, 3, 1]) == 72
     # TTM core sizes are v*e: (16*4, 20*4, 10*8, 10*6) with ranks [1,32,32,32,1]
     assert train_parameter_count([64, 80, 80, 60], [1, 32, 32, 32, 1]) == 64 * 32 + 32 * 80 * 32 * 2 + 32 * 60
+
+
+def test_bond_weights_are_what_one_slice_holds_and_the_floor_is_rank_one():
+    modes, ranks = [4, 3, 2, 5], [1, 3, 2, 4, 1]
+    # bond 0: r0*s0 + s1*r2 = 1*4 + 3*2; bond 1: 3*3 + 2*4; bond 2: 2*2 + 5*1
+    assert bond_weights(modes, ranks) == [10.0, 17.0, 9.0]
+    for k, weight in enumerate(bond_weights(modes, ranks)):
+        smaller = list(ranks)
+        smaller[k + 1] -= 1
+        assert train_parameter_count(modes, ranks) - train_parameter_count(modes, smaller) == weight
+    assert minimum_train_size(modes) == train_parameter_count(modes, [1] * 5) == 14
+    assert bond_weights([7], [1, 1]) == []
 
 
 def test_truncate_train_selections():

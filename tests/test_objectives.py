@@ -1,0 +1,125 @@
+"""The per-step functions of the rank objective and the layers' format-dependent sizes, in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from comera_lightning import TTEmbedding, TTLinear
+from comera_lightning.objectives import (
+    ObjectiveWeights,
+    add_rank_objective_,
+    all_finite,
+    rank_gates,
+    rank_penalty,
+    refresh_masks_,
+    truncate_dead_slices_,
+)
+from comera_lightning.tt import bond_weights, minimum_train_size, train_parameter_count
+
+F64 = torch.float64
+
+
+def _layers() -> list:
+    torch.manual_seed(0)
+    linear = TTLinear(12, 10, 4, in_modes=[3, 4], out_modes=[2, 5]).to(F64)
+    embedding = TTEmbedding(24, 6, rank=3, vocab_modes=[4, 6], dim_modes=[2, 3]).to(F64)
+    with torch.no_grad():
+        for layer in (linear, embedding):
+            for gate in layer.gates:
+                gate.uniform_(0.5, 1.5)
+    return [linear, embedding]
+
+
+def test_layer_sizes_follow_the_active_ranks():
+    for layer in _layers():
+        assert layer.slice_parameters() == bond_weights(layer.mode_sizes, layer.active_ranks)
+        assert layer.minimum_parameters() == minimum_train_size(layer.mode_sizes)
+        layer.remove_slices_(0, [0])
+        # one slice of a bond holds what removing it frees
+        ranks = layer.active_ranks
+        before = train_parameter_count(layer.mode_sizes, [r + (k == 1) for k, r in enumerate(ranks)])
+        assert before - layer.active_parameters() == layer.slice_parameters()[0]
+        assert layer.minimum_parameters() == train_parameter_count(layer.mode_sizes, [1] * len(ranks))
+
+
+def test_rank_gates_lists_every_bond_or_only_the_trainable_ones():
+    layers = _layers()
+    gates, masks, sizes = rank_gates(layers)
+    assert [id(g) for g in gates] == [id(g) for layer in layers for g in layer.gates]
+    assert [id(m) for m in masks] == [id(m) for layer in layers for m in layer.rank_masks]
+    assert sizes == [w for layer in layers for w in layer.slice_parameters()]
+    gates, _, sizes = rank_gates(layers, trainable=list(layers[1].parameters()))
+    assert [id(g) for g in gates] == [id(g) for g in layers[1].gates]
+    assert sizes == layers[1].slice_parameters()
+
+
+def test_all_finite():
+    assert all_finite([]) and all_finite([None])
+    assert all_finite([torch.ones(3, dtype=F64), None, torch.zeros(2)])
+    assert not all_finite([torch.ones(3, dtype=F64), torch.tensor([1.0, float("nan")], dtype=F64)])
+    assert not all_finite([torch.tensor([float("inf")], dtype=F64)])
+
+
+@pytest.mark.parametrize("weights, weighted", [(ObjectiveWeights(1.0, 0.3), True), (ObjectiveWeights(0.1, 1.01, 1.0), True),
+                                               (ObjectiveWeights(0.1, 1.01, 1.0), False)])
+def test_add_rank_objective_gives_the_gradient_of_the_weighted_sum(weights, weighted):
+    layers = _layers()
+    layers[0].remove_slices_(1, [2])
+    x, ids = torch.randn(5, 12, dtype=F64), torch.tensor([0, 7, 23, 7])
+
+    def task_loss(layers):
+        return layers[0](x).pow(2).sum() + layers[1](ids).pow(2).sum()
+
+    reference = copy.deepcopy(layers)
+    task_loss(layers).backward()
+    params = [p for layer in layers for p in layer.parameters()]
+    gates, masks, sizes = rank_gates(layers)
+    penalty = add_rank_objective_(params, gates, masks, weights, sizes if weighted else None)
+
+    ref_gates, ref_masks, ref_sizes = rank_gates(reference)
+    ref_penalty = rank_penalty(ref_gates, ref_masks, ref_sizes if weighted else None)
+    (weights.task * task_loss(reference) + weights.penalty * ref_penalty).backward()
+    assert penalty == pytest.approx(float(ref_penalty.detach()), rel=1e-12)
+    for p, q in zip(params, [p for layer in reference for p in layer.parameters()]):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_add_rank_objective_fills_missing_gate_gradients():
+    layers = _layers()
+    gates, masks, sizes = rank_gates(layers)
+    add_rank_objective_([], gates, masks, ObjectiveWeights(1.0, 2.0), sizes)
+    normaliser = sum(w * float(m.sum()) for w, m in zip(sizes, masks))
+    for gate, mask, w in zip(gates, masks, sizes):
+        torch.testing.assert_close(gate.grad, 2.0 * w * torch.sign(gate.detach()) * mask / normaliser)
+
+
+def test_refresh_masks_uses_the_given_or_each_layers_threshold():
+    layers = _layers()
+    with torch.no_grad():
+        for layer in layers:
+            layer.gates[0][:2] = torch.tensor([0.005, 0.2], dtype=F64)
+    refresh_masks_(layers)  # the layers' own threshold, 1e-2
+    assert [layer.rank_masks[0][:2].tolist() for layer in layers] == [[False, True]] * 2
+    refresh_masks_(layers, threshold=0.3)
+    assert [layer.rank_masks[0][:2].tolist() for layer in layers] == [[False, False]] * 2
+
+
+def test_truncate_dead_slices_only_where_enough_died_and_keeps_the_function():
+    linear, embedding = layers = _layers()
+    linear.remove_slices_(1, [1, 3])  # half of bond 1 of rank 4
+    embedding.remove_slices_(0, [2])  # a third of bond 0 of rank 3
+    x, ids = torch.randn(5, 12, dtype=F64), torch.tensor([0, 7, 23])
+    y, e = linear(x), embedding(ids)
+    ranks = embedding.ranks
+    record = truncate_dead_slices_(layers, min_dead_fraction=0.4)
+    assert {id(p) for p, _ in record} == {id(p) for p in [*linear.cores, *linear.gates]}
+    assert linear.ranks == linear.active_ranks and embedding.ranks == ranks
+    torch.testing.assert_close(linear(x), y, rtol=1e-12, atol=1e-14)
+    record = truncate_dead_slices_(layers, min_dead_fraction=0.3)
+    assert embedding.ranks == embedding.active_ranks != ranks and linear.ranks == linear.active_ranks
+    assert {id(p) for p, _ in record} == {id(p) for p in [*embedding.cores, *embedding.gates]}
+    torch.testing.assert_close(embedding(ids), e, rtol=1e-12, atol=1e-14)
+    assert not truncate_dead_slices_(layers, min_dead_fraction=0.01)
