@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import pkgutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -25,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .atomic import atomic_write
 from .nn.base import TTLayer
 from .nn.embedding import TTEmbedding
 from .nn.linear import TTLinear
@@ -81,7 +81,12 @@ def export_model(
         "size": {k: v for k, v in size_report(module).as_dict().items() if k != "layers"},
     }
     header[EXPORT_KEY] = json.dumps(record)
-    _atomic_save_file(state, out, header, overwrite)
+    try:
+        with atomic_write(out, overwrite=overwrite) as tmp:
+            save_file(state, str(tmp), metadata=header)
+    except FileExistsError:  # appeared while writing: refused like one that was there before
+        _check_output(out, overwrite)
+        raise
     return out
 
 
@@ -310,17 +315,3 @@ def _check_output(path: str | os.PathLike[str], overwrite: bool) -> Path:
         raise FileExistsError(f"export path {os.fspath(path)!r} exists; pass overwrite=True to replace it, or "
                               f"choose another path; nothing was written")
     return out
-
-
-def _atomic_save_file(state: dict[str, torch.Tensor], out: Path, header: dict[str, str], overwrite: bool) -> None:
-    """``save_file`` to a temporary file next to ``out``, then rename it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=header)
-        _check_output(out, overwrite)  # a file that appeared meanwhile is not replaced silently either
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

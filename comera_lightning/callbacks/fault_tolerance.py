@@ -1,33 +1,21 @@
-"""FaultTolerance: periodic, atomically written step checkpoints that a killed run resumes from exactly.
+"""FaultTolerance: periodic step checkpoints that a killed run resumes from exactly.
 
-A run killed at any instant (SIGKILL, pre-emption, a lost node) loses at most ``every_n_steps`` optimiser
-steps: every ``every_n_steps`` steps the callback writes ``step=<global step>.ckpt`` into ``dirpath`` and
-keeps the newest ``keep``. A checkpoint is written to a hidden temporary file in the same directory,
-flushed and fsync'ed, then renamed over the final name (``os.replace``, atomic on POSIX), and the directory
-is fsync'ed; a file that is not complete never carries a checkpoint's name. Lightning's own
-``TorchCheckpointIO`` is not atomic in that sense (it writes through an fsspec transaction that stages the
-file in the system temporary directory and ``shutil.move``s it into place, which degrades to a copy in
-place when that directory is on another file system, and it never fsyncs), so the callback swaps a plain
-``TorchCheckpointIO`` for :class:`AtomicCheckpointIO`: every checkpoint the trainer writes, ModelCheckpoint's
-included, becomes atomic.
+A Lightning ``ModelCheckpoint`` writes ``step=<global step>.ckpt`` every ``every_n_steps`` optimiser steps
+and keeps the newest ``keep`` (``monitor="step", mode="max"``). This subclass adds what Lightning lacks:
 
-What a resumed run gets back, and from where:
+* atomic, fsync'ed writes (:class:`~comera_lightning.checkpoint_io.AtomicCheckpointIO` replaces a plain
+  ``TorchCheckpointIO``, so every checkpoint the trainer writes is atomic);
+* every process's random streams (torch CPU/CUDA, numpy, ``random``, the training collate functions'
+  generators), all-gathered in ``state_dict`` and put back in ``on_train_start``. ``Trainer.save_checkpoint``
+  builds the checkpoint on every process, which makes the gather safe;
+* pruning at the start of fit, so a later resume finds this run's newest state: a fresh run removes the
+  folder's step checkpoints, a resumed one those its restored state does not track (an abandoned
+  continuation, orphans of a kill); stale temporary files go too;
+* MLflow tags on a resumed run, and :func:`find_resume_checkpoint` (the newest checkpoint that loads with
+  ``torch.load(weights_only=True)``, skipping with a warning any that does not).
 
-* weights, TT ranks (layers adopt the checkpoint's core shapes), gates and masks: the module state;
-* optimiser, LR scheduler, loop counters (epoch, step, batch in epoch): Lightning;
-* RankAdaptation's stage/targets/loss EMA, RankMonitor's history: their own callback state;
-* the data position inside the epoch and the MLM masking generator: the training loader's state
-  (:class:`~comera_lightning.data.common.ResumableDataLoader`);
-* the global random streams (torch CPU and CUDA, numpy, python ``random``) and the training collate
-  functions' generators (``collate_fn.state_dict()``, e.g. the MLM masks), per process: this callback
-  (the loader state holds rank zero's collate state only).
-  They are captured when the checkpoint is written (after every other callback's ``on_train_batch_end``:
-  this is a ``Checkpoint`` callback, which Lightning runs last) and put back in ``on_train_start``, after
-  restoring, set-up and the sanity check, immediately before training continues.
-
-Everything in the callback's state is a tensor or a primitive, so the checkpoints load with
-``torch.load(weights_only=True)``. :func:`find_resume_checkpoint` picks the newest complete checkpoint of a
-directory, skipping (with a warning naming it) any file that does not load that way.
+The rest of a resume is Lightning's (weights, optimiser, scheduler, loops), the callbacks' own state, and
+the training loader's (:class:`~comera_lightning.data.common.ResumableDataLoader`: the position in the epoch).
 """
 
 from __future__ import annotations
@@ -35,7 +23,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,13 +31,14 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from ..atomic import TEMP_SUFFIX
+from ..checkpoint_io import AtomicCheckpointIO
+
 __all__ = [
-    "AtomicCheckpointIO",
     "FaultTolerance",
-    "atomic_save",
     "capture_rng_state",
     "checkpoint_files",
     "find_resume_checkpoint",
@@ -58,64 +46,6 @@ __all__ = [
 ]
 
 CHECKPOINT_PATTERN = re.compile(r"^step=(\d+)\.ckpt$")
-_TEMP_SUFFIX = ".tmp"
-_WRITER_ONLY = -1  #: "world size" of a random state that holds the writing process's streams only
-
-
-# ---------------------------------------------------------------------------------------------- atomic files
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. a platform without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj)`` to ``path`` so that ``path`` is either absent/old or complete, never partial.
-
-    The bytes go to a hidden ``.<name>.<random>.tmp`` file in the same directory, which is flushed and
-    fsync'ed and then renamed onto ``path`` (``os.replace``); the directory is fsync'ed so the rename
-    survives a power loss too. On any error the temporary file is removed; a SIGKILL can leave one behind,
-    which no reader here takes for a checkpoint (see :func:`checkpoint_files`).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _is_local(path: str | os.PathLike[str]) -> bool:
-    text = str(path)
-    return "://" not in text or text.startswith("file://")
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local writes are atomic and durable (see :func:`atomic_save`).
-
-    Remote URLs (``s3://`` ...) go through Lightning's fsspec path unchanged. Loading is Lightning's.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local(path):
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        atomic_save(checkpoint, str(path).removeprefix("file://"))
 
 
 # ---------------------------------------------------------------------------------------------- random state
@@ -160,15 +90,10 @@ def restore_rng_state(state: dict[str, torch.Tensor], device: torch.device | Non
 
 
 # ---------------------------------------------------------------------------------------------- finding checkpoints
-def _step_of(path: Path) -> int:
-    match = CHECKPOINT_PATTERN.match(path.name)
-    return int(match.group(1)) if match else -1
-
-
 def checkpoint_files(dirpath: str | os.PathLike[str]) -> list[Path]:
-    """This callback's complete-by-name checkpoints in ``dirpath`` (``step=<n>.ckpt``), newest first.
+    """The step checkpoints in ``dirpath`` (``step=<n>.ckpt``), newest (highest step, then latest) first.
 
-    Hidden and temporary files never match. Newest is the highest step, then the latest modification.
+    Hidden and temporary files never match.
     """
     folder = Path(dirpath)
     if not folder.is_dir():
@@ -209,28 +134,24 @@ def find_resume_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- callback
-class FaultTolerance(Checkpoint):
+class FaultTolerance(ModelCheckpoint):
     """Write a resumable checkpoint every ``every_n_steps`` optimiser steps, atomically, keeping ``keep``.
 
     Resume with ``trainer.fit(..., ckpt_path=find_resume_checkpoint(dirpath), weights_only=True)`` (the
-    ``comera`` CLI: ``comera fit ... --resume auto``). At the start of fit the directory's step checkpoints
-    that are not part of this run's history are removed: all of them for a fresh run (no ``ckpt_path``),
-    those of a later step than the restored one for a resumed run (an abandoned continuation, or files that
-    did not load); so a later resume always finds this run's newest state. Stale temporary files go too.
-
-    Being a ``Checkpoint`` callback it runs after every other callback's ``on_train_batch_end`` (a state
-    saved halfway through another callback's step-end work could not be resumed exactly); like any
-    ``Checkpoint`` it cannot be combined with ``Trainer(enable_checkpointing=False)``, and Lightning then
-    adds no default ``ModelCheckpoint`` (the ``comera`` CLI adds one when the config has none).
+    ``comera`` CLI: ``comera fit ... --resume auto``). Like any ``ModelCheckpoint`` it runs after the other
+    callbacks' ``on_train_batch_end`` and cannot be combined with ``Trainer(enable_checkpointing=False)``;
+    when it is the first checkpoint callback it is ``trainer.checkpoint_callback`` (the ``comera`` CLI puts
+    a user ``ModelCheckpoint`` first). Its state, under the key ``FaultTolerance``, is in every checkpoint
+    the trainer writes, so resuming from any of them restores the random streams.
 
     Args:
         every_n_steps: checkpoint interval in optimiser steps (the most work a kill can lose); 0 disables
             writing (the random-state restore on resume still works).
         dirpath: where the step checkpoints go; ``None`` is ``<trainer.default_root_dir>/fault_tolerance``.
-            Use a directory that is the same for every launch of one experiment.
+            Use a folder that is the same for every launch of one experiment.
         keep: how many of the newest step checkpoints to keep (>= 1).
-        atomic_io: replace the trainer's plain ``TorchCheckpointIO`` by :class:`AtomicCheckpointIO` so that
-            every checkpoint it writes is atomic.
+        atomic_io: replace the trainer's plain ``TorchCheckpointIO`` by
+            :class:`~comera_lightning.checkpoint_io.AtomicCheckpointIO`.
     """
 
     def __init__(self, every_n_steps: int = 100, dirpath: str | None = None, keep: int = 2,
@@ -239,57 +160,61 @@ class FaultTolerance(Checkpoint):
             raise ValueError(f"every_n_steps must be >= 0 (0 disables), got {every_n_steps}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        # save_on_train_epoch_end: never defer a step checkpoint to the end of a validation
+        super().__init__(dirpath=dirpath, filename="step={step:09d}", monitor="step", mode="max", save_top_k=keep,
+                         auto_insert_metric_name=False, every_n_train_steps=every_n_steps, every_n_epochs=0,
+                         save_on_train_epoch_end=True)
         self.every_n_steps = int(every_n_steps)
-        self.dirpath = dirpath
         self.keep = int(keep)
         self.atomic_io = atomic_io
-        self.last_checkpoint: Path | None = None
         self.resumed_from: dict[str, Any] | None = None  #: {"step", "run_id"} of the checkpoint resumed from
-        self._last_step = -1
-        self._snapshot: dict[str, Any] | None = None
+        self._trainer: Trainer | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._current_run_id: str | None = None
-        self._restored_step = -1
+        self._restored_step: int | None = None
 
-    # --- paths ---------------------------------------------------------------------------------------
-    def resolve_dirpath(self, trainer: Trainer) -> Path:
-        return Path(self.dirpath) if self.dirpath is not None else Path(trainer.default_root_dir) / "fault_tolerance"
-
-    def checkpoint_path(self, trainer: Trainer, step: int) -> Path:
-        return self.resolve_dirpath(trainer) / f"step={step:09d}.ckpt"
+    @property
+    def state_key(self) -> str:
+        return type(self).__qualname__
 
     # --- hooks ---------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self.atomic_io and type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if self.dirpath is None:  # identical on every rank: the default root dir is
-            self.dirpath = str(self.resolve_dirpath(trainer))
+            self.dirpath = os.path.realpath(Path(trainer.default_root_dir) / "fault_tolerance")
+        with warnings.catch_warnings():  # a resumed run's folder is not empty, by design
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+        self._trainer = trainer
+        if stage == "fit" and self.atomic_io and type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        folder = self.resolve_dirpath(trainer)
+        folder = Path(self.dirpath)
         if not trainer.is_global_zero or not folder.is_dir():
             return
-        for tmp in folder.glob(f".step=*{_TEMP_SUFFIX}"):  # left behind by a killed writer
+        for tmp in folder.glob(f".step=*{TEMP_SUFFIX}"):  # left behind by a killed writer
             tmp.unlink(missing_ok=True)
-        if not self.every_n_steps or (trainer.ckpt_path is not None and self._restored_step < 0):
-            return
-        # a fresh run drops every old step checkpoint, a resumed one those newer than its starting point (an
-        # abandoned continuation, or files that did not load): a later resume must find this run's newest
-        start = -1 if trainer.ckpt_path is None else self._restored_step
-        stale = [path for path in checkpoint_files(folder) if _step_of(path) > start]
+        if not self.every_n_steps or (trainer.ckpt_path is not None and self._restored_step is None):
+            return  # off, or resumed from a checkpoint without this callback's state: leave the files alone
+        # what the restored state tracks is this run's history; anything else (a fresh run's predecessors,
+        # an abandoned continuation, files that did not load) would mislead a later resume
+        tracked = set()
+        if trainer.ckpt_path is not None:
+            tracked = {Path(p).resolve() for p in [*self.best_k_models, trainer.ckpt_path]}
+        stale = [path for path in checkpoint_files(folder) if path.resolve() not in tracked]
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
-            rank_zero_info(f"FaultTolerance: removed {len(stale)} step checkpoint(s) newer than step {start} "
+            rank_zero_info(f"FaultTolerance: removed {len(stale)} step checkpoint(s) that are not this run's "
                            f"from {folder}: {', '.join(p.name for p in stale)}")
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._restored_step = int(checkpoint.get("global_step", -1))
+        self._restored_step = None
+        if self.state_key in checkpoint.get("callbacks", {}):
+            self._restored_step = int(checkpoint.get("global_step", -1))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_step = trainer.global_step  # restored by now (it is not yet in on_fit_start)
+        super().on_train_start(trainer, pl_module)
         self._current_run_id = self._run_id(trainer) if trainer.is_global_zero else None
         if self._pending_rng is not None:
             self._restore_rng(trainer, self._pending_rng)
@@ -297,35 +222,13 @@ class FaultTolerance(Checkpoint):
         if self.resumed_from is not None:
             self._tag_resumed_run(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._last_step:  # gradient accumulation: no optimiser step happened
-            return
-        self._last_step = step
-        if self.every_n_steps and step % self.every_n_steps == 0:
-            self.save(trainer)
+    def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
+        # ModelCheckpoint never removes the file a run resumed from; here it is an old step like any other
+        return previous != current and Path(previous).resolve().parent == Path(self.dirpath).resolve()
 
-    # --- saving --------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer) -> Path:
-        """Write ``step=<global step>.ckpt`` now (every rank must call this) and prune old ones."""
-        path = self.checkpoint_path(trainer, trainer.global_step)
-        self._snapshot = self._gather_rng(trainer)
-        try:
-            trainer.save_checkpoint(path, weights_only=False)  # atomic through AtomicCheckpointIO; ends with a barrier
-        finally:
-            self._snapshot = None
-        if trainer.is_global_zero:
-            if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
-                rank_zero_warn("FaultTolerance: the trainer's checkpoint IO is not AtomicCheckpointIO; a kill "
-                               "while writing can leave a partial file (resume skips files that do not load)")
-            for old in checkpoint_files(path.parent)[self.keep:]:
-                old.unlink(missing_ok=True)
-        self.last_checkpoint = path
-        return path
-
+    # --- random state --------------------------------------------------------------------------------
     @staticmethod
-    def _collate_fns(trainer: Trainer) -> list[Any]:
+    def _collate_fns(trainer: Any) -> list[Any]:
         """Collate functions of the training loaders that keep random state in this process."""
         try:
             loaders = trainer.train_dataloader
@@ -343,8 +246,11 @@ class FaultTolerance(Checkpoint):
                 found.append(collate)
         return found
 
-    def _gather_rng(self, trainer: Trainer) -> dict[str, Any]:
+    def _gather_rng(self) -> dict[str, Any]:
         """Every process's random streams (global ones and its training collate functions'), by rank."""
+        trainer = self._trainer
+        if trainer is None:  # not attached to a trainer: this process's streams only
+            return {"world_size": 1, "ranks": [capture_rng_state()]}
         device = trainer.strategy.root_device
         local = capture_rng_state(device)
         for i, collate in enumerate(self._collate_fns(trainer)):
@@ -355,19 +261,12 @@ class FaultTolerance(Checkpoint):
         # all-gather every tensor (on the strategy's device, as NCCL wants), then split by rank; the keys and
         # shapes are the same in every process
         gathered = {k: trainer.strategy.all_gather(v.to(device)).cpu() for k, v in sorted(local.items())}
-        ranks = [{k: v[r].clone() for k, v in gathered.items()} for r in range(world)]
-        return {"world_size": world, "ranks": ranks}
+        return {"world_size": world, "ranks": [{k: v[r].clone() for k, v in gathered.items()} for r in range(world)]}
 
     def _restore_rng(self, trainer: Trainer, rng: dict[str, Any]) -> None:
         ranks = rng.get("ranks") or []
-        rank, saved_world = trainer.global_rank, int(rng.get("world_size", len(ranks)))
-        if saved_world == _WRITER_ONLY and ranks:  # written by another callback: the writing process's streams
-            if trainer.world_size > 1:
-                rank_zero_warn("FaultTolerance: this checkpoint was not written by FaultTolerance and holds the random "
-                               "state of rank 0 only; the other ranks continue from the seed")
-            if rank != 0:
-                return
-        elif saved_world != trainer.world_size or rank >= len(ranks):
+        rank = trainer.global_rank
+        if len(ranks) != trainer.world_size:
             rank_zero_warn(f"FaultTolerance: the checkpoint's random state is from {len(ranks)} process(es), this "
                            f"run has {trainer.world_size}; random streams continue from the seed instead")
             return
@@ -379,7 +278,9 @@ class FaultTolerance(Checkpoint):
             if part:
                 collate.load_state_dict({"rank": getattr(collate, "rank", rank), **part})
 
-    def _run_id(self, trainer: Trainer) -> str | None:
+    # --- MLflow tags ---------------------------------------------------------------------------------
+    @staticmethod
+    def _run_id(trainer: Trainer) -> str | None:
         for logger in trainer.loggers:
             run_id = getattr(logger, "run_id", None)
             if isinstance(run_id, str):
@@ -389,23 +290,23 @@ class FaultTolerance(Checkpoint):
     def _tag_resumed_run(self, trainer: Trainer) -> None:
         if not trainer.is_global_zero:
             return
+        assert self.resumed_from is not None
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             run_id = getattr(logger, "run_id", None)
             if isinstance(run_id, str) and hasattr(experiment, "set_tag"):
-                assert self.resumed_from is not None
                 experiment.set_tag(run_id, "comera.resumed_from_step", str(self.resumed_from["step"]))
                 if self.resumed_from.get("run_id"):
                     experiment.set_tag(run_id, "comera.resumed_from_run", str(self.resumed_from["run_id"]))
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        rng = self._snapshot
-        if rng is None:  # a checkpoint someone else triggered (ModelCheckpoint): this process's streams only
-            rng = {"world_size": _WRITER_ONLY, "ranks": [capture_rng_state()]}
-        return {"version": 1, "step": self._last_step, "run_id": self._current_run_id, "rng": rng}
+        return {**super().state_dict(), "version": 2, "run_id": self._current_run_id, "rng": self._gather_rng()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "best_model_path" in state_dict:  # absent from version 1 states
+            super().load_state_dict(state_dict)
         rng = state_dict.get("rng")
         self._pending_rng = rng if isinstance(rng, dict) else None
-        self.resumed_from = {"step": state_dict.get("step"), "run_id": state_dict.get("run_id")}
+        step = self._restored_step if self._restored_step is not None else state_dict.get("step")
+        self.resumed_from = {"step": step, "run_id": state_dict.get("run_id")}

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..atomic import atomic_write
 from .common import cache_key
 
 __all__ = [
@@ -140,15 +140,8 @@ def cached_bpe_tokenizer(
     if not any(items):
         raise ValueError(f"no training text to fit the {name!r} tokenizer on (all inputs are empty)")
     tokenizer = train_bpe_tokenizer(items, vocab_size, length=len(items), add_prefix_space=add_prefix_space)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        tokenizer.save(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(path) as tmp:
+        tokenizer.save(str(tmp))
     return path, True
 
 

@@ -1,6 +1,7 @@
 """Fault tolerance: a `comera fit` killed with SIGKILL resumes (`--resume auto`) and ends where an
 uninterrupted run ends; partial files are never resumed from; checkpoints are tensors and primitives only;
-random streams and the data position round-trip."""
+random streams (every DDP rank's) and the data position round-trip; FaultTolerance coexists with a user
+ModelCheckpoint; AtomicCheckpointIO works from `--trainer.plugins`."""
 
 from __future__ import annotations
 
@@ -19,15 +20,20 @@ import numpy as np
 import pytest
 import torch
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import TinyRegressor, regression_loader
+
+from comera_lightning.atomic import atomic_torch_save, atomic_write
 from comera_lightning.callbacks.fault_tolerance import (
     FaultTolerance,
-    atomic_save,
     capture_rng_state,
     checkpoint_files,
     find_resume_checkpoint,
     restore_rng_state,
 )
 from comera_lightning.data import MLMCollator, TensorDictDataset
+from comera_lightning.checkpoint_io import AtomicCheckpointIO
 from comera_lightning.data.common import ResumableDataLoader, rows_loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -202,7 +208,7 @@ def test_every_checkpoint_the_cli_wrote_loads_weights_only(killed_and_resumed):
 
 def test_partial_temporary_and_unsafe_files_are_never_picked(tmp_path):
     good = {"state_dict": {"w": torch.ones(3)}, "loops": {}, "global_step": 10, "epoch": 0}
-    atomic_save(good, tmp_path / "step=000000010.ckpt")
+    atomic_torch_save(good, tmp_path / "step=000000010.ckpt")
     blob = (tmp_path / "step=000000010.ckpt").read_bytes()
     (tmp_path / "step=000000020.ckpt").write_bytes(blob[: len(blob) - 100])  # killed mid-write, no atomic IO
     (tmp_path / ".step=000000030.ckpt.abcd.tmp").write_bytes(blob)  # an atomic writer's unfinished file
@@ -216,7 +222,7 @@ def test_partial_temporary_and_unsafe_files_are_never_picked(tmp_path):
     for step in (20, 50, 60):
         assert f"step={step:09d}.ckpt" in named
     assert find_resume_checkpoint(tmp_path / "missing") is None
-    assert not list(tmp_path.glob(".step=000000010*"))  # atomic_save cleaned up after itself
+    assert not list(tmp_path.glob(".step=000000010*"))  # atomic_torch_save cleaned up after itself
 
 
 def _draws() -> tuple:
@@ -237,8 +243,8 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(3), np.random.seed(3), random.seed(3)
     np.random.randn(), random.gauss(0, 1)  # leave cached gaussians in both states
     callback = FaultTolerance(every_n_steps=1)
-    callback._snapshot = callback._gather_rng(_Trainer())
-    atomic_save({"callbacks": {"FaultTolerance": callback.state_dict()}}, tmp_path / "state.ckpt")
+    callback._trainer = _Trainer()  # what setup() attaches; state_dict() captures the streams through it
+    atomic_torch_save({"callbacks": {"FaultTolerance": callback.state_dict()}}, tmp_path / "state.ckpt")
     expected = _draws()
     assert _draws() != expected  # the streams moved on
     loaded = torch.load(tmp_path / "state.ckpt", weights_only=True)["callbacks"]["FaultTolerance"]
@@ -342,3 +348,105 @@ def test_collator_state_of_another_rank_is_ignored():
     c = _collator(rank=0)
     c.load_state_dict(state)
     assert torch.equal(c(ids)["labels"], a(ids)["labels"])
+
+
+def test_atomic_write_leaves_the_target_whole_on_failure_and_never_overwrites_when_told(tmp_path):
+    target = tmp_path / "sub" / "file.bin"
+    with atomic_write(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".file.bin.")
+        tmp.write_bytes(b"old")
+    with pytest.raises(RuntimeError), atomic_write(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("killed mid-write")
+    with pytest.raises(FileExistsError), atomic_write(target, overwrite=False) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"old"
+    with atomic_write(tmp_path / "fresh.bin", overwrite=False) as tmp:
+        tmp.write_bytes(b"new")
+    assert (tmp_path / "fresh.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file.bin", "fresh.bin", "sub"]  # no temporary left
+
+
+def _fit(root: Path, callbacks: list, max_steps: int, ckpt_path: Path | None = None, model=None, loader=None,
+         **trainer_kw) -> Trainer:
+    trainer = Trainer(max_steps=max_steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu", default_root_dir=root, **trainer_kw)
+    trainer.fit(model or TinyRegressor(), loader, ckpt_path=ckpt_path, weights_only=True)
+    return trainer
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_step_checkpoints_beside_a_user_model_checkpoint_and_pruning_on_resume(tmp_path):
+    steps, user_dir = tmp_path / "ft", tmp_path / "user"
+    user = ModelCheckpoint(dirpath=user_dir, save_last=True)
+    trainer = _fit(tmp_path, [user, FaultTolerance(every_n_steps=2, dirpath=str(steps), keep=2)], max_steps=6,
+                   loader=regression_loader())
+    assert trainer.checkpoint_callback is user  # the first checkpoint callback stays the user's
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert _names(steps) == ["step=000000004.ckpt", "step=000000006.ckpt"]
+    assert "last.ckpt" in _names(user_dir)
+    for path in [*steps.iterdir(), *user_dir.iterdir()]:  # every checkpoint carries the random streams
+        rng = torch.load(path, weights_only=True)["callbacks"]["FaultTolerance"]["rng"]
+        assert rng["world_size"] == 1 and "torch" in rng["ranks"][0]
+
+    # a resume from step 4: step 6 is an abandoned continuation (removed at the start), and the file resumed
+    # from is pruned like any other once newer ones exist (ModelCheckpoint alone would keep it)
+    resumed = FaultTolerance(every_n_steps=2, dirpath=str(steps), keep=2)
+    _fit(tmp_path, [resumed], max_steps=10, ckpt_path=steps / "step=000000004.ckpt", loader=regression_loader())
+    assert resumed.resumed_from == {"step": 4, "run_id": None}
+    assert _names(steps) == ["step=000000008.ckpt", "step=000000010.ckpt"]
+
+    # a fresh run clears the folder's old step checkpoints
+    _fit(tmp_path, [FaultTolerance(every_n_steps=3, dirpath=str(steps), keep=2)], max_steps=3,
+         loader=regression_loader())
+    assert _names(steps) == ["step=000000003.ckpt"]
+
+
+class NoisyRegressor(TinyRegressor):
+    """Every rank draws input noise from its own torch stream, so the weights depend on every rank's stream."""
+
+    def setup(self, stage: str) -> None:
+        torch.manual_seed(100 + self.global_rank)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x + 0.1 * torch.randn_like(x)).float(), y)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        # its own generator: creating an iterator must not draw from the streams under test
+        rows = regression_loader(n=64).dataset
+        return torch.utils.data.DataLoader(rows, batch_size=16, generator=torch.Generator().manual_seed(0))
+
+
+def test_resume_under_ddp_spawn_restores_every_ranks_random_stream(tmp_path):
+    kw = dict(strategy="ddp_spawn", devices=2, model=NoisyRegressor())
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _fit(tmp_path, [FaultTolerance(every_n_steps=2, dirpath=str(full), keep=3)], max_steps=6, **kw)
+    assert _names(full) == ["step=000000002.ckpt", "step=000000004.ckpt", "step=000000006.ckpt"]
+    rng = torch.load(full / "step=000000004.ckpt", weights_only=True)["callbacks"]["FaultTolerance"]["rng"]
+    assert rng["world_size"] == 2 and not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
+    # 2 batches a rank per epoch, the same every epoch: a checkpoint at an epoch's end resumes exactly
+    kw["model"] = NoisyRegressor()
+    _fit(tmp_path, [FaultTolerance(every_n_steps=2, dirpath=str(resumed))], max_steps=6,
+         ckpt_path=full / "step=000000004.ckpt", **kw)
+    ref, res = (torch.load(d / "step=000000006.ckpt", weights_only=True) for d in (full, resumed))
+    _assert_same(res["state_dict"], ref["state_dict"])
+    _assert_same(res["optimizer_states"], ref["optimizer_states"])
+    _assert_same(res["callbacks"]["FaultTolerance"]["rng"], ref["callbacks"]["FaultTolerance"]["rng"])
+
+
+def test_atomic_checkpoint_io_from_the_cli_plugins(tmp_path, monkeypatch):
+    from comera_lightning.cli import ComeraCLI
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cli = ComeraCLI(args=["fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY, "--trainer.max_steps=2",
+                          "--fault_tolerance.every_n_steps=1", "--fault_tolerance.atomic_io=false",
+                          "--trainer.plugins=comera_lightning.checkpoint_io.AtomicCheckpointIO"])
+    assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO  # the plugin, not FaultTolerance
+    ft = [c for c in cli.trainer.callbacks if isinstance(c, FaultTolerance)]
+    assert len(ft) == 1 and cli.trainer.checkpoint_callback is not ft[0]
+    assert [p.name for p in checkpoint_files(ft[0].dirpath)] == ["step=000000002.ckpt", "step=000000001.ckpt"]

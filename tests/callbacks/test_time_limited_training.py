@@ -3,22 +3,17 @@ RankAdaptation whose switch rule is an overridden policy (e.g. a wall-clock one)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from tiny import TinyRegressor, regression_loader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
-from tiny import TinyRegressor, regression_loader  # noqa: E402
-
-from comera_lightning.callbacks import RankAdaptation  # noqa: E402
-from comera_lightning.lit.base import ComeraTask  # noqa: E402
-from comera_lightning.nn import TTLinear  # noqa: E402
+from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.lit.base import ComeraTask
+from comera_lightning.nn import TTLinear
 
 
 class _TinyTask(ComeraTask):

@@ -1,0 +1,88 @@
+"""Atomic, durable file writes: a file carries its final name only once it is complete and on disk.
+
+Every writer in the package (checkpoints, data caches, tokenizers, exports, prediction files) goes
+through :func:`atomic_write`: the bytes go to a hidden temporary file in the target's folder, which is
+fsync'ed and then renamed onto the target (``os.replace``, atomic on POSIX); the folder is fsync'ed so
+the rename survives a power loss too. A killed writer can leave a hidden ``.<name>.<random>.tmp`` file
+behind, never a partial file under the target's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TEMP_SUFFIX", "atomic_torch_save", "atomic_write", "fsync_dir"]
+
+TEMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """fsync a folder so renames in it are durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a hidden temporary path beside ``path``; on a clean exit it becomes ``path``, durably.
+
+    Write the whole file to the yielded path (by name: ``torch.save(obj, tmp)``, ``tokenizer.save(tmp)``).
+    On exit the file is fsync'ed and renamed onto ``path``, then the folder is fsync'ed; on an exception
+    the temporary file is removed and ``path`` is untouched.
+
+    Args:
+        path: the target file; its folder is created when missing.
+        overwrite: with ``False`` an existing ``path`` is never replaced, not even one created while
+            writing (the file is hard-linked into place): ``FileExistsError``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    try:
+        os.link(tmp, path)  # fails if path exists, atomically
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: check, then rename (a small race remains)
+        if path.exists():
+            raise FileExistsError(f"{str(path)!r} exists") from None
+        os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` through :func:`atomic_write`."""
+    with atomic_write(path) as tmp:
+        torch.save(obj, tmp)
