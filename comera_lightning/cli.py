@@ -211,8 +211,9 @@ class ComeraCLI(LightningCLI):
             if not any(isinstance(c, Checkpoint) for c in configured):
                 # Lightning adds a default ModelCheckpoint only when no Checkpoint callback is present: keep it
                 callbacks = [*callbacks, ModelCheckpoint()]
-            # after ModelCheckpoint, so trainer.checkpoint_callback stays the ModelCheckpoint; with
-            # every_n_steps 0 it writes nothing but still restores the random state of a resumed run
+            # last: FaultTolerance is a ModelCheckpoint too, and trainer.checkpoint_callback (the first one)
+            # must stay the user's; with every_n_steps 0 it writes nothing but still restores the random
+            # state of a resumed run
             callbacks = [*callbacks, fault_tolerance]
         trainer = super()._instantiate_trainer(config, callbacks)
         for logger in trainer.loggers:
