@@ -4,6 +4,7 @@ quickstart by name, finds the callback fragments and answers to ``python -m come
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +26,11 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A venv holding only the built wheel; the dependencies come from the test environment's
     site-packages through a ``.pth`` file (which does not run the checkout's editable-install hook)."""
     root = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root / "dist"), str(REPO)],
+    # build from a copy: setuptools' build/ folder in the checkout could carry stale modules into the wheel
+    source = root / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".*", "build", "dist", "runs", "mlruns", "mlflow.db", "benchmarks", "docs", "tests", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root / "dist"), str(source)],
                    check=True, cwd=root)
     wheel = next((root / "dist").glob("comera_lightning-*.whl"))
     venv = root / "venv"
