@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..tt.rank import (
-    DEFAULT_THRESHOLD,
     CoreSelection,
     apply_gates,
     bond_weights,

@@ -28,7 +28,7 @@ __all__ = [
     "PLANS", "PlanCost", "chain_merge", "plan_costs", "plan_tt_linear", "tt_linear",
     "init_cores", "max_ranks", "resolve_ranks", "tt_from_dense", "tt_to_dense", "ttm_from_dense", "ttm_to_dense",
     "default_num_modes", "factorize", "padded_modes", "validate_modes",
-    "DEFAULT_THRESHOLD", "CoreSelection", "apply_gates", "refresh_mask", "select_rank_slices",
+    "DEFAULT_THRESHOLD", "CoreSelection", "apply_gates", "leading_share", "refresh_mask", "select_rank_slices",
     "train_parameter_count", "bond_weights", "minimum_train_size", "truncate_train",
     "merge_ttm", "ttm_lookup", "ttm_lookup_chain",
 ]

@@ -143,7 +143,6 @@ class _CutLog(ScheduledLateStage):
 
 def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
     model = TinyRegressor()
-    dense = size_report(model).dense_equivalent_parameters
     policy = _CutLog(ramp_steps=40, cut_every_n_steps=4, max_cut_fraction=0.25, loss_tolerance=1e9)
     callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=6.0, late_stage=policy,
                               threshold=0.0, truncate_every_n_steps=8, min_dead_fraction=0.1)
