@@ -723,6 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 layer, batch 4, scaling at d_model 256,512 with 1 layer and batch 2, "
                              "2 repeats")
+    parser.add_argument("--min-total-s", type=float, default=None,
+                        help="clean timed seconds per candidate and batch at least (default 40, quick 0)")
     parser.add_argument("--batch", type=_positive_int, default=None,
                         help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)")
     parser.add_argument("--layers", type=_positive_int, default=None,
@@ -775,13 +777,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
               f"batches {batches}, {repeats} rounds, {torch.get_num_threads()} threads", flush=True)
         results: dict[int, dict] = {}
+        min_total_s = args.min_total_s if args.min_total_s is not None else (0.0 if quick else 40.0)
         svd_extra = None
         profiles: dict[str, dict] = {}
         for b in batches:
             print(f"batch {b}:", flush=True)
             res, cands = run_batch(shape, b, repeats, args.max_other_load, args.wait_quiet,
                                    refresh_samples if b == 1 else 0, min_sample_s=0.01 if quick else 1.0,
-                                   min_total_s=0.0 if quick else 40.0)
+                                   min_total_s=min_total_s)
             finish_batch(res, svd_extra)
             svd_extra = res["candidates"].get(GALORE, {}).get("refresh_extra_s", svd_extra)
             results[b] = res

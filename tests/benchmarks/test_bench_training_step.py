@@ -200,6 +200,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
     rc = bts.main(["--batch", "2", "--layers", "1", "--repeats", "1", "--refresh-samples", "1", "--profile", "always",
+                   "--min-total-s", "0",
                    "--d-models", "64", "--scaling-layers", "1", "--scaling-batch", "1", "--max-other-load", "1",
                    "--out-dir", str(tmp_path)])
     assert rc == 0
@@ -232,7 +233,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
 def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setitem(sys.modules, "galore_torch", None)
-    assert bts.main(["--part", "step", "--batch", "1", "--repeats", "1", "--profile", "never",
+    assert bts.main(["--part", "step", "--batch", "1", "--repeats", "1", "--profile", "never", "--min-total-s", "0",
                      "--max-other-load", "1", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "skipped" in out and "pip install -e .[galore]" in out
