@@ -36,16 +36,17 @@ the ``index`` field tells where each row belongs. Non-finite numbers are written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
+
+from ..atomic import atomic_write
 
 __all__ = ["PredictionWriter", "prediction_records"]
 
@@ -134,7 +135,7 @@ class PredictionWriter(BasePredictionWriter):
         self.overwrite = overwrite
         self.path: Path | None = None  #: the file of this process, once prediction started
         self.records_written = 0
-        self._tmp: Path | None = None
+        self._writing: contextlib.ExitStack | None = None  #: the open temporary file, in atomic_write
         self._file: IO[str] | None = None
 
     # ------------------------------------------------------------------ paths
@@ -172,10 +173,9 @@ class PredictionWriter(BasePredictionWriter):
             self.path = self.resolve_path(trainer)
             self._refuse_existing(self.path)
         self._discard()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self._tmp = Path(tmp)
-        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._writing = contextlib.ExitStack()
+        tmp = self._writing.enter_context(atomic_write(self.path, overwrite=self.overwrite))
+        self._file = self._writing.enter_context(open(tmp, "w", encoding="utf-8"))
         self.records_written = 0
 
     def write_on_batch_end(
@@ -202,18 +202,15 @@ class PredictionWriter(BasePredictionWriter):
         self.records_written += len(lines)
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Flush, fsync and rename the temporary file into place."""
-        if self._file is None or self._tmp is None or self.path is None:
+        """Close the temporary file and move it into place (fsync'ed, atomic)."""
+        if self._writing is None or self.path is None:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
+        writing, self._writing, self._file = self._writing, None, None
         try:
-            self._refuse_existing(self.path)  # created by someone else while predicting
-            os.replace(self._tmp, self.path)
-        finally:
-            self._discard()
+            writing.close()
+        except FileExistsError:  # created by someone else while predicting
+            self._refuse_existing(self.path)
+            raise
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._discard()
@@ -223,9 +220,6 @@ class PredictionWriter(BasePredictionWriter):
 
     def _discard(self) -> None:
         """Close and delete the temporary file, if any (never the output file)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
-            self._tmp = None
+        if self._writing is not None:
+            writing, self._writing, self._file = self._writing, None, None
+            writing.__exit__(RuntimeError, RuntimeError("prediction did not finish"), None)

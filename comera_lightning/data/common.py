@@ -12,7 +12,6 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -282,17 +281,10 @@ def fingerprint_files(root: str | os.PathLike[str], rel_paths: Iterable[str]) ->
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file next to ``path`` and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """:func:`comera_lightning.atomic.atomic_torch_save` (imported on use: this module also loads on its own)."""
+    from ..atomic import atomic_torch_save as save
+
+    save(obj, path)
 
 
 def load_tensor_cache(path: str | os.PathLike[str]) -> dict[str, Any] | None:
