@@ -89,7 +89,8 @@ def _module_class():
             self.size, self.log_loss = size, log_loss
             self.model = MaskedLanguageModel(
                 vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff,
-                num_layers=size.layers, max_len=size.seq, dropout=0.0, tt_embeddings=False, rank=size.rank,
+                num_layers=size.layers, max_len=size.seq, dropout=0.0, layer_config=dict(tt_embeddings=False,
+                                                                                         rank=size.rank),
             )
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -119,8 +119,9 @@ def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
     return Shape(
         vocab_size=model["vocab_size"], d_model=model["d_model"], num_heads=model["num_heads"], d_ff=model["d_ff"],
         num_layers=model["num_layers"], seq_len=seq_len, num_classes=model["num_classes"],
-        dropout=model["dropout"], rank=model["rank"], embedding_rank=model["embedding_rank"],
-        dense_layers=model["dense_layers"], lr_cores=model["lr_cores"], lr_gates=model["lr_gates"],
+        dropout=model["dropout"], rank=model["layer_config"]["rank"],
+        embedding_rank=model["layer_config"]["embedding_rank"], dense_layers=model["layer_config"]["dense_layers"],
+        lr_cores=model["lr_cores"], lr_gates=model["lr_gates"],
         lr_other=model["lr_other"],
     )
 
@@ -137,8 +138,9 @@ def build_model(shape: Shape, tt: bool, seed: int = 0) -> SequenceClassifier:
     torch.manual_seed(seed)
     model = SequenceClassifier(
         shape.vocab_size, shape.num_classes, shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers,
-        shape.seq_len, dropout=shape.dropout, tt_linears=tt, tt_embeddings=tt, rank=shape.rank,
-        embedding_rank=shape.embedding_rank, dense_layers=shape.dense_layers,
+        shape.seq_len, dropout=shape.dropout,
+        layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank,
+                          dense_layers=shape.dense_layers),
     )
     return model.train()
 

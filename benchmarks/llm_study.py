@@ -55,7 +55,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from bench_training_step import GALORE_MISSING, RankAdaptationWork, _galore_states, _import_galore  # noqa: E402
-from quality_study import _quiet_lightning, _ranks, _recorder_class, _size, _timed_rank_adaptation  # noqa: E402
+from quality_study import (  # noqa: E402
+    _quiet_lightning, _ranks, _recorder_class, _size, _timed_rank_adaptation, with_layer_options,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "llm_cpu.yaml"
@@ -102,8 +104,9 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> LLMSpec:
     spec = LLMSpec(task, data, rank, steps=steps, budget_s=180.0, val_every=int(trainer["val_check_interval"]),
                    limit_val_batches=trainer.get("limit_val_batches"), late_fraction=late_fraction)
     if quick:
-        spec.task_kwargs.update(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=32, rank=8,
-                                embedding_rank=8, min_features=16, warmup_steps=2)
+        spec.task_kwargs.update(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=32,
+                                warmup_steps=2)
+        spec.task_kwargs["layer_config"] = dict(rank=8, embedding_rank=8, min_features=16)
         spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8, max_files=30, max_sequences=400)
         spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
         spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches, spec.widths = 6, 2.0, 3, 2, []
@@ -159,7 +162,7 @@ def build_task(spec: LLMSpec, method: str, task_kwargs: dict[str, Any] | None = 
     tt = method == "comera"
     torch.manual_seed(spec.seed)
     if method != "galore":
-        return CausalLM(**kwargs, tt_linears=tt, tt_embeddings=tt)
+        return CausalLM(**with_layer_options(kwargs, tt_linears=tt, tt_embeddings=tt))
 
     class GaLoreCausalLM(CausalLM):
         """CausalLM whose optimiser is GaLoreAdamW, with the same warmup (the config's constant schedule)."""
@@ -172,7 +175,7 @@ def build_task(spec: LLMSpec, method: str, task_kwargs: dict[str, Any] | None = 
                 optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, 1, "constant"))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    return GaLoreCausalLM(**kwargs, tt_linears=False, tt_embeddings=False)
+    return GaLoreCausalLM(**with_layer_options(kwargs, tt_linears=False, tt_embeddings=False))
 
 
 def run_one(spec: LLMSpec, method: str, protocol: str, dm, *, max_other_load: float = 0.15,

@@ -29,7 +29,7 @@ from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import size_report
 
 PAPER = dict(vocab_size=30522, num_classes=3, d_model=768, num_heads=12, d_ff=3072, num_layers=6, max_len=128,
-             type_vocab_size=2, rank=30, embedding_rank=32)
+             type_vocab_size=2, layer_config=dict(rank=30, embedding_rank=32))
 
 # layer type -> regex on the qualified module name
 LAYER_TYPES = {
@@ -63,7 +63,7 @@ HAND = [
 
 def build(tt: bool) -> nn.Module:
     torch.manual_seed(0)
-    return SequenceClassifier(**PAPER, tt_linears=tt, tt_embeddings=tt)
+    return SequenceClassifier(**dict(PAPER, layer_config=dict(PAPER["layer_config"], tt_linears=tt, tt_embeddings=tt)))
 
 
 def collect() -> dict:

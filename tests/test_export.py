@@ -22,8 +22,8 @@ from comera_lightning.lit import MaskedLM
 from comera_lightning.nn import tt_layers
 
 VOCAB = 256
-SMALL = dict(d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=12, dropout=0.0, rank=4, embedding_rank=4,
-             min_features=16)
+SMALL = dict(d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=12, dropout=0.0,
+             layer_config=dict(rank=4, embedding_rank=4, min_features=16))
 
 
 def _batch(seed: int = 0) -> dict[str, torch.Tensor]:

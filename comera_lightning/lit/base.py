@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from typing import Any, Literal
 
@@ -72,6 +74,15 @@ class ComeraTask(LightningModule):
             )
         self.weight_decay, self.warmup_steps, self.schedule = weight_decay, warmup_steps, schedule
         self.optimizer_init, self.lr_scheduler_init = optimizer, lr_scheduler
+
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """Lightning's, with dataclass arguments (a ``LayerConfig``) stored as plain dicts, so that checkpoints load
+        with ``torch.load(weights_only=True)`` and the task rebuilds from them."""
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame or inspect.currentframe().f_back, logger=logger)
+        for hparams in (self._hparams, self._hparams_initial):
+            for key, value in hparams.items():
+                if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    hparams[key] = dataclasses.asdict(value)
 
     def configure_optimizers(self):
         groups = comera_parameter_groups(self, self.lr_cores, self.lr_gates, self.lr_other, self.weight_decay)

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
-from ..models import DecoderLM
+from ..models import DecoderLM, LayerConfig
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -73,6 +73,7 @@ class CausalLM(ComeraTask):
         self.generate_max_new_tokens, self.generate_top_k = generate_max_new_tokens, generate_top_k
         self.generate_temperature, self.generate_seed = generate_temperature, generate_seed
         self.print_samples = print_samples
+        LayerConfig.refuse_flat_options(model_kwargs)
         self.model = DecoderLM(vocab_size=vocab_size, **model_kwargs)
         self.val_perplexity, self.test_perplexity = Perplexity(ignore_index=IGNORE), Perplexity(ignore_index=IGNORE)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()

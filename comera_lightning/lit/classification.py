@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..models import SequenceClassifier
+from ..models import LayerConfig, SequenceClassifier
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -26,7 +26,7 @@ class SequenceClassification(ComeraTask):
         num_classes: 3 for MNLI.
         lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
             :class:`ComeraTask`.
-        model_kwargs: the encoder's architecture (``d_model``, ``num_layers``, ``rank``, ``tt_linears``, ...),
+        model_kwargs: the encoder's architecture (``d_model``, ``num_layers``, ``layer_config``, ...),
             see :class:`comera_lightning.models.SequenceClassifier`.
     """
 
@@ -48,6 +48,7 @@ class SequenceClassification(ComeraTask):
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.num_classes = num_classes
+        LayerConfig.refuse_flat_options(model_kwargs)
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, **model_kwargs)
         self.train_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")

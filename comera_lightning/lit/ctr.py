@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
-from ..models import DLRM
+from ..models import DLRM, LayerConfig
 from .base import ComeraTask
 
 __all__ = ["ClickThrough"]
@@ -24,7 +24,7 @@ class ClickThrough(ComeraTask):
     Args:
         lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
             :class:`ComeraTask`.
-        model_kwargs: the DLRM's architecture (``table_sizes``, ``embedding_dim``, ``rank``, ...), see
+        model_kwargs: the DLRM's architecture (``table_sizes``, ``embedding_dim``, ``layer_config``, ...), see
             :class:`comera_lightning.models.DLRM`.
     """
 
@@ -42,6 +42,7 @@ class ClickThrough(ComeraTask):
     ) -> None:
         super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
         self.save_hyperparameters()
+        LayerConfig.refuse_flat_options(model_kwargs)
         self.model = DLRM(**model_kwargs)
         self.val_auc = BinaryAUROC()
         self.val_logloss = MeanMetric()

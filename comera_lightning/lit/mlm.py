@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..models import MaskedLanguageModel
+from ..models import LayerConfig, MaskedLanguageModel
 from ..nn.base import capturing_graph
 from .base import ComeraTask
 from .checks import check_id_ranges
@@ -55,6 +55,7 @@ class MaskedLM(ComeraTask):
         self.save_hyperparameters(ignore=["predict_top_k"])
         self.vocab_size = vocab_size
         self.predict_top_k = predict_top_k
+        LayerConfig.refuse_flat_options(model_kwargs)
         self.model = MaskedLanguageModel(vocab_size=vocab_size, **model_kwargs)
         # metric states are not saved in checkpoints: adding the test metrics keeps old checkpoints loadable
         self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=IGNORE)

@@ -1,7 +1,7 @@
 """Model zoo: plain ``nn.Module`` models built from comera layers, every linear and embedding switchable
 between TT and dense (so dense baselines run the same code).
 
-* :class:`LayerFactory`: the per-layer TT-or-dense decision.
+* :class:`LayerConfig`, :class:`LayerFactory`: the per-layer TT-or-dense decision and rank.
 * :class:`TransformerEncoder`, :class:`SequenceClassifier` (MNLI), :class:`MaskedLanguageModel`: BERT-style.
 * :class:`DecoderLM`: LLaMA-style causal LM (RMSNorm, rotary, SwiGLU), for next-token pre-training.
 * :class:`DLRM`: click-through-rate model with TT-matrix embedding tables.
@@ -9,7 +9,7 @@ between TT and dense (so dense baselines run the same code).
 
 from .decoder import DecoderLM
 from .dlrm import DLRM
-from .factory import LayerFactory
+from .factory import LayerConfig, LayerFactory
 from .transformer import (
     MaskedLanguageModel,
     SequenceClassifier,
@@ -19,6 +19,7 @@ from .transformer import (
 )
 
 __all__ = [
-    "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM", "DLRM",
+    "LayerConfig", "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM",
+    "DLRM",
     "paper_linear_modes", "paper_embedding_modes",
 ]

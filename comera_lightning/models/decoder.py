@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import TTEmbedding
-from .factory import LayerFactory
+from .factory import LayerConfig, LayerFactory
 
 __all__ = ["DecoderLM", "RMSNorm", "apply_rotary", "rotary_tables"]
 
@@ -139,8 +139,9 @@ class DecoderLM(nn.Module):
             and head are initialised with std ``d_model ** -0.5`` so the first logits are of order one.
         rope_theta: rotary base.
         norm_eps: RMSNorm epsilon.
-        tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers, min_features:
-            see :class:`LayerFactory`.
+        layer_config: which linears and embeddings are TT and their ranks (:class:`LayerConfig`); layer names are
+            ``embed_tokens``, ``layers.{i}.attention.{q,k,v,o}_proj``, ``layers.{i}.mlp.{gate,up,down}_proj``
+            and ``lm_head``.
     """
 
     def __init__(
@@ -155,13 +156,7 @@ class DecoderLM(nn.Module):
         tie_embeddings: bool = False,
         rope_theta: float = 10000.0,
         norm_eps: float = 1e-6,
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
+        layer_config: LayerConfig | None = None,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -173,8 +168,7 @@ class DecoderLM(nn.Module):
             raise ValueError("vocab_size, d_model, d_ff, num_layers and max_len must be >= 1")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        factory = LayerFactory(tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers,
-                               min_features)
+        factory = LayerFactory(layer_config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.head_dim, self.rope_theta = d_model // num_heads, float(rope_theta)
         self.tie_embeddings = bool(tie_embeddings)

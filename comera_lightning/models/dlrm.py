@@ -10,13 +10,15 @@ lot within a batch); small tables and small linears stay dense.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .factory import LayerFactory
+from .factory import LayerConfig, LayerFactory
 
 __all__ = ["DLRM"]
 
@@ -36,10 +38,8 @@ class DLRM(nn.Module):
         bottom_mlp: widths of the bottom MLP; the last must equal ``embedding_dim``.
         top_mlp: hidden widths of the top MLP (a final layer to 1 logit is added).
         interaction: ``"dot"`` (pairwise dot products, as DLRM/CoMERA) or ``"cat"`` (concatenation).
-        tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers: see
-            :class:`LayerFactory`.
-        min_features: linears with a smaller side stay dense.
-        min_embedding_rows: tables with fewer rows stay dense.
+        layer_config: which linears and tables are TT and their ranks (:class:`LayerConfig`). Without a config,
+            tables of fewer than 1000 rows stay dense unless ``min_embedding_rows`` says otherwise.
     """
 
     def __init__(
@@ -50,14 +50,7 @@ class DLRM(nn.Module):
         bottom_mlp: Sequence[int] = (512, 256, 16),
         top_mlp: Sequence[int] = (512, 256),
         interaction: str = "dot",
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
-        min_embedding_rows: int = 1000,
+        layer_config: LayerConfig | None = None,
     ) -> None:
         super().__init__()
         table_sizes, bottom_mlp, top_mlp = [int(s) for s in table_sizes], list(bottom_mlp), list(top_mlp)
@@ -68,8 +61,10 @@ class DLRM(nn.Module):
                              f"interacted with the embeddings), got bottom_mlp={bottom_mlp}")
         if interaction not in _INTERACTIONS:
             raise ValueError(f"interaction must be one of {_INTERACTIONS}, got {interaction!r}")
-        factory = LayerFactory(tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers,
-                               min_features, min_embedding_rows)
+        config = LayerConfig.of(layer_config)
+        if config.min_embedding_rows is None:
+            config = dataclasses.replace(config, min_embedding_rows=1000)
+        factory = LayerFactory(config)
         self.num_dense, self.embedding_dim, self.interaction = num_dense, embedding_dim, interaction
         self.table_sizes = table_sizes
 

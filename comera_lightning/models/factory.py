@@ -1,33 +1,50 @@
-"""``LayerFactory``: one place that decides, layer by layer, whether a model gets a TT or a dense layer.
+"""``LayerConfig`` and ``LayerFactory``: one place that decides, layer by layer, whether a model gets a TT or a
+dense layer, and at which rank.
 
-The model zoo builds every linear and embedding through a factory, so a dense baseline is the same
-code with ``tt_linears=False, tt_embeddings=False``, and single layers can be kept dense by a regex on
-their qualified names (``dense_layers=r"classifier|pooler"``). Callers pass the name the module will
-have in the final model (``model.get_submodule(name)``), so patterns mean what they say; the factory
-records every decision in :attr:`LayerFactory.layers`.
+Every model of the zoo takes one :class:`LayerConfig` (``layer_config=``) and builds every linear and embedding
+through a :class:`LayerFactory` made from it, so a dense baseline is the same code with
+``LayerConfig(tt_linears=False, tt_embeddings=False)``; single layers stay dense by a regex on their qualified
+names (``dense_layers="classifier|pooler"``) or get their own rank (``layer_ranks={"lm_head": 128}``). The
+config is a plain dataclass, so it reads the same in Python and in YAML::
+
+    model:
+      init_args:
+        layer_config: {rank: 32, embedding_rank: 32, dense_layers: classifier, layer_ranks: {lm_head: 96}}
+
+Callers pass the name the module will have in the final model (``model.get_submodule(name)``), so patterns
+mean what they say; the factory records every decision in :attr:`LayerFactory.layers`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
 
 from torch import nn
 
 from ..nn import TTEmbedding, TTLinear
 
-__all__ = ["LayerFactory"]
+__all__ = ["LayerConfig", "LayerFactory"]
 
 
-class LayerFactory:
-    """Builds :class:`TTLinear` / :class:`TTEmbedding` or their dense ``torch.nn`` twins.
+def _compile(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"{what} is not a valid regular expression: {pattern!r} ({err})") from err
+
+
+@dataclass
+class LayerConfig:
+    """Which linears and embeddings are tensor trains, and at which rank.
 
     A linear becomes TT when ``tt_linears`` is set, ``min(in_features, out_features) >= min_features``
     and its name does not match ``dense_layers``. An embedding becomes TT when ``tt_embeddings`` is set,
     it has at least ``min_embedding_rows`` rows (default ``min_features``) and its name does not match.
     Rows, not the embedding width, decide for tables: a DLRM table of 10^6 x 16 is worth compressing.
 
-    Args:
+    Attributes:
         tt_linears: build eligible linears as :class:`TTLinear`.
         tt_embeddings: build eligible embeddings as :class:`TTEmbedding`.
         rank: internal rank of every TT linear (clamped to what its modes allow).
@@ -35,36 +52,80 @@ class LayerFactory:
         rank_threshold: gate magnitude at or below which a rank slice is switched off.
         dense_layers: regex searched in each layer's qualified name; matching layers stay dense.
         min_features: linears with a smaller side (and, by default, tables with fewer rows) stay dense.
-        min_embedding_rows: row threshold for embeddings when it should differ from ``min_features``.
+        min_embedding_rows: row threshold for embeddings when it should differ from ``min_features``
+            (``None``: the model's choice, which is ``min_features`` except for :class:`DLRM`'s 1000).
+        layer_ranks: ``{regex: rank}``; the first pattern (in order) found in a TT layer's qualified name
+            sets its rank instead of ``rank`` / ``embedding_rank``. Output heads over a vocabulary are the
+            usual candidates: they lose the most when cut to the blocks' rank.
     """
 
-    def __init__(
-        self,
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
-        min_embedding_rows: int | None = None,
-    ) -> None:
-        if min_features < 1:
-            raise ValueError(f"min_features must be >= 1, got {min_features}")
-        if min_embedding_rows is not None and min_embedding_rows < 1:
-            raise ValueError(f"min_embedding_rows must be >= 1 or None, got {min_embedding_rows}")
-        self.tt_linears = bool(tt_linears)
-        self.tt_embeddings = bool(tt_embeddings)
-        self.rank = int(rank)
-        self.embedding_rank = int(embedding_rank)
-        self.rank_threshold = float(rank_threshold)
-        self.dense_layers = dense_layers or None
-        try:
-            self._dense_re = re.compile(dense_layers) if dense_layers else None
-        except re.error as err:
-            raise ValueError(f"dense_layers is not a valid regular expression: {dense_layers!r} ({err})") from err
-        self.min_features = int(min_features)
-        self.min_embedding_rows = self.min_features if min_embedding_rows is None else int(min_embedding_rows)
+    tt_linears: bool = True
+    tt_embeddings: bool = True
+    rank: int = 30
+    embedding_rank: int = 32
+    rank_threshold: float = 0.01
+    dense_layers: str | None = None
+    min_features: int = 64
+    min_embedding_rows: int | None = None
+    layer_ranks: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_features < 1:
+            raise ValueError(f"layer_config.min_features must be >= 1, got {self.min_features}")
+        if self.min_embedding_rows is not None and self.min_embedding_rows < 1:
+            raise ValueError(f"layer_config.min_embedding_rows must be >= 1 or None, got {self.min_embedding_rows}")
+        for name in ("rank", "embedding_rank"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"layer_config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dense_layers:
+            _compile(self.dense_layers, "layer_config.dense_layers")
+        for pattern, rank in (self.layer_ranks or {}).items():
+            _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
+            if int(rank) < 1:
+                raise ValueError(f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1, got {rank}")
+
+    @classmethod
+    def of(cls, config: LayerConfig | Mapping[str, Any] | None) -> LayerConfig:
+        """``config`` as a config: a config as it is, a mapping (YAML, checkpoint hyper-parameters) checked key
+        by key, ``None`` the defaults."""
+        if isinstance(config, cls):
+            return config
+        if config is None:
+            return cls()
+        if not isinstance(config, Mapping):
+            raise TypeError(f"layer_config must be a LayerConfig or a mapping of its fields, got "
+                            f"{type(config).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"unknown layer_config option(s) {unknown}; LayerConfig takes {sorted(known)}")
+        return cls(**config)
+
+    @classmethod
+    def refuse_flat_options(cls, model_kwargs: Mapping[str, Any]) -> None:
+        """Fail with the fix when a model gets the options that now live in ``layer_config`` as flat arguments
+        (configs and checkpoints written before the options were grouped)."""
+        flat = sorted(set(model_kwargs) & {f.name for f in fields(cls)})
+        if flat:
+            raise ValueError(
+                f"{flat} are layer options: pass them inside layer_config (YAML: 'layer_config: {{{flat[0]}: ...}}', "
+                f"CLI: --model.layer_config.{flat[0]}=..., Python: layer_config=LayerConfig({flat[0]}=...)); a "
+                f"checkpoint saved with the flat options needs them moved under hyper_parameters['layer_config']"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (what checkpoints and YAML hold)."""
+        return asdict(self)
+
+
+class LayerFactory:
+    """Builds :class:`TTLinear` / :class:`TTEmbedding` or their dense ``torch.nn`` twins, as ``config`` decides
+    (see :class:`LayerConfig`; a mapping of its fields or ``None`` for the defaults work too)."""
+
+    def __init__(self, config: LayerConfig | Mapping[str, Any] | None = None) -> None:
+        self.config = LayerConfig.of(config)
+        self._dense_re = _compile(self.config.dense_layers, "dense_layers") if self.config.dense_layers else None
+        self._rank_res = [(_compile(p, "layer_ranks"), int(r)) for p, r in (self.config.layer_ranks or {}).items()]
         #: qualified name -> "tt" or "dense", in build order
         self.layers: dict[str, str] = {}
 
@@ -79,6 +140,10 @@ class LayerFactory:
         """Whether ``dense_layers`` keeps the layer called ``name`` dense."""
         return self._dense_re is not None and self._dense_re.search(name) is not None
 
+    def rank_of(self, name: str, default: int) -> int:
+        """The rank of the TT layer ``name``: its first matching ``layer_ranks`` entry, else ``default``."""
+        return next((rank for pattern, rank in self._rank_res if pattern.search(name)), default)
+
     def linear(
         self,
         name: str,
@@ -91,17 +156,14 @@ class LayerFactory:
     ) -> nn.Module:
         """A :class:`TTLinear` or ``nn.Linear`` for the layer ``name``; modes and ``tt_kwargs`` only
         matter for the TT case."""
-        tt = (
-            self.tt_linears
-            and min(in_features, out_features) >= self.min_features
-            and not self.forced_dense(name)
-        )
+        config = self.config
+        tt = config.tt_linears and min(in_features, out_features) >= config.min_features and not self.forced_dense(name)
         self._record(name, tt)
         if not tt:
             return nn.Linear(in_features, out_features, bias=bias)
         return TTLinear(
-            in_features, out_features, self.rank, in_modes=in_modes, out_modes=out_modes, bias=bias,
-            rank_threshold=self.rank_threshold, **tt_kwargs,
+            in_features, out_features, self.rank_of(name, config.rank), in_modes=in_modes, out_modes=out_modes,
+            bias=bias, rank_threshold=config.rank_threshold, **tt_kwargs,
         )
 
     def embedding(
@@ -116,23 +178,16 @@ class LayerFactory:
     ) -> nn.Module:
         """A :class:`TTEmbedding` or ``nn.Embedding`` for the layer ``name``; modes and ``tt_kwargs``
         (e.g. ``deduplicate=True``) only matter for the TT case."""
-        tt = (
-            self.tt_embeddings
-            and num_embeddings >= self.min_embedding_rows
-            and not self.forced_dense(name)
-        )
+        config = self.config
+        min_rows = config.min_features if config.min_embedding_rows is None else config.min_embedding_rows
+        tt = config.tt_embeddings and num_embeddings >= min_rows and not self.forced_dense(name)
         self._record(name, tt)
         if not tt:
             return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         return TTEmbedding(
-            num_embeddings, embedding_dim, self.embedding_rank, vocab_modes=vocab_modes, dim_modes=dim_modes,
-            padding_idx=padding_idx, rank_threshold=self.rank_threshold, **tt_kwargs,
+            num_embeddings, embedding_dim, self.rank_of(name, config.embedding_rank), vocab_modes=vocab_modes,
+            dim_modes=dim_modes, padding_idx=padding_idx, rank_threshold=config.rank_threshold, **tt_kwargs,
         )
 
     def __repr__(self) -> str:
-        return (
-            f"LayerFactory(tt_linears={self.tt_linears}, tt_embeddings={self.tt_embeddings}, rank={self.rank}, "
-            f"embedding_rank={self.embedding_rank}, rank_threshold={self.rank_threshold}, "
-            f"dense_layers={self.dense_layers!r}, min_features={self.min_features}, "
-            f"min_embedding_rows={self.min_embedding_rows})"
-        )
+        return f"LayerFactory({self.config!r})"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .factory import LayerFactory
+from .factory import LayerConfig, LayerFactory
 
 __all__ = ["TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "paper_linear_modes",
            "paper_embedding_modes"]
@@ -138,8 +138,8 @@ class TransformerEncoder(nn.Module):
         type_vocab_size: rows of the token-type (segment) embedding.
         dropout: on embeddings, attention probabilities and both residual branches.
         padding_idx: word-embedding row that stays zero (None: no padding row).
-        tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers, min_features:
-            see :class:`LayerFactory`.
+        layer_config: which linears and embeddings are TT and their ranks (:class:`LayerConfig`; default TT
+            everywhere at rank 30, embeddings 32).
         name_prefix: qualified name of this encoder inside a parent model (e.g. ``"encoder."``), so
             ``dense_layers`` patterns see the names the parent's ``named_modules()`` shows.
     """
@@ -155,13 +155,7 @@ class TransformerEncoder(nn.Module):
         type_vocab_size: int = 2,
         dropout: float = 0.1,
         padding_idx: int | None = 0,
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
+        layer_config: LayerConfig | None = None,
         name_prefix: str = "",
     ) -> None:
         super().__init__()
@@ -171,8 +165,7 @@ class TransformerEncoder(nn.Module):
             raise ValueError("vocab_size, d_model, d_ff, num_layers, max_len and type_vocab_size must be >= 1")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        factory = LayerFactory(tt_linears, tt_embeddings, rank, embedding_rank, rank_threshold, dense_layers,
-                               min_features)
+        factory = LayerFactory(layer_config)
         self.d_model = d_model
         self.embeddings = _Embeddings(factory, f"{name_prefix}embeddings.", vocab_size, d_model, max_len,
                                       type_vocab_size, dropout, padding_idx)
@@ -207,18 +200,6 @@ class TransformerEncoder(nn.Module):
         return x
 
 
-def _encoder_kwargs(locals_: dict) -> dict:
-    names = ["vocab_size", "d_model", "num_heads", "d_ff", "num_layers", "max_len", "type_vocab_size", "dropout",
-             "padding_idx", "tt_linears", "tt_embeddings", "rank", "embedding_rank", "rank_threshold",
-             "dense_layers", "min_features"]
-    return {name: locals_[name] for name in names}
-
-
-def _head_factory(kwargs: dict) -> LayerFactory:
-    return LayerFactory(kwargs["tt_linears"], kwargs["tt_embeddings"], kwargs["rank"], kwargs["embedding_rank"],
-                        kwargs["rank_threshold"], kwargs["dense_layers"], kwargs["min_features"])
-
-
 class SequenceClassifier(nn.Module):
     """The paper's MNLI model: encoder, BERT pooler (dense + tanh on ``[CLS]``), dropout, classifier.
 
@@ -238,20 +219,14 @@ class SequenceClassifier(nn.Module):
         type_vocab_size: int = 2,
         dropout: float = 0.1,
         padding_idx: int | None = 0,
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
+        layer_config: LayerConfig | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        kwargs = _encoder_kwargs(locals())
-        self.encoder = TransformerEncoder(**kwargs, name_prefix="encoder.")
-        factory = _head_factory(kwargs)
+        factory = LayerFactory(layer_config)
+        self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
+                                          dropout, padding_idx, factory.config, name_prefix="encoder.")
         self.pooler = _linear(factory, "pooler", d_model, d_model)
         self.dropout = nn.Dropout(dropout)
         self.classifier = _linear(factory, "classifier", d_model, num_classes)
@@ -302,18 +277,12 @@ class MaskedLanguageModel(nn.Module):
         type_vocab_size: int = 2,
         dropout: float = 0.1,
         padding_idx: int | None = 0,
-        tt_linears: bool = True,
-        tt_embeddings: bool = True,
-        rank: int = 30,
-        embedding_rank: int = 32,
-        rank_threshold: float = 0.01,
-        dense_layers: str | None = None,
-        min_features: int = 64,
+        layer_config: LayerConfig | None = None,
     ) -> None:
         super().__init__()
-        kwargs = _encoder_kwargs(locals())
-        self.encoder = TransformerEncoder(**kwargs, name_prefix="encoder.")
-        factory = _head_factory(kwargs)
+        factory = LayerFactory(layer_config)
+        self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
+                                          dropout, padding_idx, factory.config, name_prefix="encoder.")
         self.head = _MLMHead(factory, "head.", d_model, vocab_size)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 

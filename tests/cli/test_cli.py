@@ -17,8 +17,10 @@ from comera_lightning.nn import tt_layers
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 TINY_ENCODER = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
-                "--model.max_len=16", "--model.vocab_size=512", "--model.rank=4", "--model.embedding_rank=4",
-                "--model.min_features=16", "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8"]
+                "--model.max_len=16", "--model.vocab_size=512", "--model.layer_config.rank=4",
+                "--model.layer_config.embedding_rank=4",
+                "--model.layer_config.min_features=16", "--data.vocab_size=512", "--data.seq_len=16",
+                "--data.batch_size=8"]
 TINY_TRAINER = ["--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.limit_train_batches=6",
                 "--trainer.limit_val_batches=2", "--trainer.val_check_interval=null",
                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -42,7 +44,8 @@ def _callbacks_config(folder: Path, **adaptation: float) -> Path:
 def _tiny_overrides(name: str, data_dir: Path) -> list[str]:
     if name == "dlrm_criteo.yaml":
         return [f"--model.table_sizes={TINY_DLRM_TABLES}", f"--data.table_sizes={TINY_DLRM_TABLES}",
-                "--model.bottom_mlp=[32, 16]", "--model.top_mlp=[32]", "--model.rank=4", "--model.embedding_rank=4",
+                "--model.bottom_mlp=[32, 16]", "--model.top_mlp=[32]", "--model.layer_config.rank=4",
+                "--model.layer_config.embedding_rank=4",
                 "--data.synthetic=true", "--data.num_samples=2000", "--data.batch_size=128",
                 f"--config={_callbacks_config(data_dir, target_compression=2.0)}"]
     overrides = list(TINY_ENCODER)

@@ -16,8 +16,8 @@ from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import tt_layers
 
-TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32, rank=8, embedding_rank=8,
-            min_features=16)
+TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32,
+            layer_config=dict(rank=8, embedding_rank=8, min_features=16))
 
 
 def _tree(root: Path, n_files: int = 8) -> Path:
@@ -110,3 +110,18 @@ def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_rel
     ids = datamodule.val_dataset.tensors["input_ids"][:2].long()
     task.eval(), reloaded.eval()
     torch.testing.assert_close(reloaded.model(ids), task.model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_config_is_stored_plain_and_flat_options_are_refused_with_the_fix(tmp_path):
+    from comera_lightning.models import LayerConfig
+
+    task = CausalLM(**dict(TINY, layer_config=LayerConfig(rank=8, min_features=16, layer_ranks={"lm_head": 12})))
+    assert task.hparams["layer_config"] == LayerConfig(rank=8, min_features=16, layer_ranks={"lm_head": 12}).to_dict()
+    assert max(task.model.lm_head.ranks) == 12 and max(task.model.layers[0].mlp.up_proj.ranks) == 8
+    path = tmp_path / "hparams.pt"
+    torch.save({"hyper_parameters": dict(task.hparams)}, path)
+    rebuilt = CausalLM(**torch.load(path, weights_only=True)["hyper_parameters"])  # plain values only
+    assert rebuilt.model.lm_head.ranks == task.model.lm_head.ranks
+    flat = {k: v for k, v in TINY.items() if k != "layer_config"}
+    with pytest.raises(ValueError, match=r"\['rank'\] are layer options: pass them inside layer_config"):
+        CausalLM(**flat, rank=8)

@@ -7,7 +7,8 @@ import torch
 
 from comera_lightning.lit import ClickThrough, MaskedLM, SequenceClassification
 
-ENCODER = dict(d_model=32, num_heads=2, d_ff=48, num_layers=1, max_len=16, rank=4, embedding_rank=4, min_features=16)
+ENCODER = dict(d_model=32, num_heads=2, d_ff=48, num_layers=1, max_len=16,
+               layer_config=dict(rank=4, embedding_rank=4, min_features=16))
 
 
 def test_masked_lm_returns_top_k_per_masked_position():
@@ -64,8 +65,8 @@ def test_sequence_classification_predicts_unlabelled_examples():
 def test_click_through_returns_click_probabilities():
     torch.manual_seed(0)
     sizes = [20] * 26
-    task = ClickThrough(table_sizes=sizes, bottom_mlp=[16, 8], top_mlp=[16], embedding_dim=8, rank=2,
-                        embedding_rank=2, min_features=8, min_embedding_rows=10).eval()
+    task = ClickThrough(table_sizes=sizes, bottom_mlp=[16, 8], top_mlp=[16], embedding_dim=8,
+                        layer_config=dict(rank=2, embedding_rank=2, min_features=8, min_embedding_rows=10)).eval()
     batch = {"dense": torch.rand(5, 13), "sparse": torch.randint(0, 20, (5, 26)),
              "labels": torch.tensor([0.0, 1, 0, 0, 1])}
     with torch.no_grad():

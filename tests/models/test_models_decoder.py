@@ -14,8 +14,9 @@ from comera_lightning.models.decoder import RMSNorm, apply_rotary, rotary_tables
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.nn.base import TTLayer
 
-TINY_DECODER = dict(vocab_size=97, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=16, rank=4,
-                    embedding_rank=4, min_features=16)
+LAYERS = dict(rank=4, embedding_rank=4, min_features=16)
+TINY_DECODER = dict(vocab_size=97, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=16, layer_config=LAYERS)
+DENSE = dict(LAYERS, tt_linears=False, tt_embeddings=False)
 
 
 def _kinds(model: nn.Module) -> dict[str, str]:
@@ -67,7 +68,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 
 def test_attention_block_matches_explicit_causal_softmax_float64():
-    model = DecoderLM(**dict(TINY_DECODER, tt_linears=False, tt_embeddings=False, num_layers=1)).double()
+    model = DecoderLM(**dict(TINY_DECODER, layer_config=DENSE, num_layers=1)).double()
     attention = model.layers[0].attention
     batch, seq_len, heads, head_dim = 2, 7, 4, 8
     x = torch.randn(batch, seq_len, 32, dtype=torch.float64)
@@ -88,7 +89,7 @@ def test_attention_block_matches_explicit_causal_softmax_float64():
 
 @pytest.mark.parametrize("tt", [True, False])
 def test_future_tokens_never_change_past_logits(tt):
-    model = DecoderLM(**dict(TINY_DECODER, tt_linears=tt, tt_embeddings=tt)).double().eval()
+    model = DecoderLM(**dict(TINY_DECODER, layer_config=dict(LAYERS, tt_linears=tt, tt_embeddings=tt))).double().eval()
     ids = torch.randint(0, 97, (2, 12))
     changed = ids.clone()
     changed[:, 8:] = torch.randint(0, 97, (2, 4))
@@ -98,7 +99,7 @@ def test_future_tokens_never_change_past_logits(tt):
 
 
 def test_swiglu_mlp_matches_reference():
-    model = DecoderLM(**dict(TINY_DECODER, tt_linears=False, tt_embeddings=False, num_layers=1)).double()
+    model = DecoderLM(**dict(TINY_DECODER, layer_config=DENSE, num_layers=1)).double()
     mlp = model.layers[0].mlp
     x = torch.randn(3, 32, dtype=torch.float64)
     reference = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
@@ -110,7 +111,7 @@ def test_swiglu_mlp_matches_reference():
 def test_tt_model_equals_dense_model_with_its_reconstructed_weights(tie):
     torch.manual_seed(0)
     tt = DecoderLM(**dict(TINY_DECODER, tie_embeddings=tie)).double()
-    dense = DecoderLM(**dict(TINY_DECODER, tie_embeddings=tie, tt_linears=False, tt_embeddings=False)).double()
+    dense = DecoderLM(**dict(TINY_DECODER, tie_embeddings=tie, layer_config=DENSE)).double()
     dense_params = dict(dense.named_modules())
     with torch.no_grad():
         for name, module in tt.named_modules():
@@ -124,7 +125,7 @@ def test_tt_model_equals_dense_model_with_its_reconstructed_weights(tie):
 
 
 def test_layer_names_kinds_and_dense_layers():
-    model = DecoderLM(**dict(TINY_DECODER, dense_layers=r"lm_head|mlp\.down_proj"))
+    model = DecoderLM(**dict(TINY_DECODER, layer_config=dict(LAYERS, dense_layers=r"lm_head|mlp\.down_proj")))
     kinds = _kinds(model)
     assert kinds == model.layer_kinds
     assert kinds["embed_tokens"] == "tt" and kinds["lm_head"] == "dense"
@@ -134,13 +135,14 @@ def test_layer_names_kinds_and_dense_layers():
             "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert all(getattr(m, "bias", None) is None for m in model.modules() if isinstance(m, (nn.Linear, TTLinear)))
-    dense = DecoderLM(**dict(TINY_DECODER, tt_linears=False, tt_embeddings=False))
+    dense = DecoderLM(**dict(TINY_DECODER, layer_config=DENSE))
     assert set(dense.layer_kinds.values()) == {"dense"} and dense.layer_kinds.keys() == kinds.keys()
 
 
 @pytest.mark.parametrize("tt", [True, False])
 def test_tied_embeddings_share_the_table_and_get_gradients(tt):
-    model = DecoderLM(**dict(TINY_DECODER, tie_embeddings=True, tt_linears=tt, tt_embeddings=tt))
+    model = DecoderLM(**dict(TINY_DECODER, tie_embeddings=True, layer_config=dict(LAYERS, tt_linears=tt,
+                                                                                  tt_embeddings=tt)))
     assert model.lm_head is None and "lm_head" not in model.layer_kinds
     ids = torch.randint(0, 97, (2, 5))
     logits = model(ids)

@@ -11,7 +11,8 @@ from comera_lightning.nn import TTEmbedding, TTLinear
 
 # 26 Criteo-like tables: a few large ones (TT), the rest small (dense)
 TABLES = [5000, 3, 1200, 10, 7, 2048] + [4 + t for t in range(20)]
-SMALL = dict(table_sizes=TABLES, embedding_dim=8, bottom_mlp=[64, 8], top_mlp=[64, 32], rank=4, embedding_rank=4)
+SMALL = dict(table_sizes=TABLES, embedding_dim=8, bottom_mlp=[64, 8], top_mlp=[64, 32],
+             layer_config=dict(rank=4, embedding_rank=4))
 
 
 def _batch(model, batch=6):
@@ -59,9 +60,9 @@ def test_dot_interaction_matches_a_loop():
 
 
 def test_dense_twin_and_dense_layers():
-    dense = DLRM(**SMALL, tt_linears=False, tt_embeddings=False)
+    dense = DLRM(**dict(SMALL, layer_config=dict(rank=4, tt_linears=False, tt_embeddings=False)))
     assert set(dense.layer_kinds.values()) == {"dense"}
-    partial = DLRM(**SMALL, dense_layers=r"^embeddings\.0$")
+    partial = DLRM(**dict(SMALL, layer_config=dict(rank=4, embedding_rank=4, dense_layers=r"^embeddings\.0$")))
     assert type(partial.embeddings[0]) is nn.Embedding and isinstance(partial.embeddings[2], TTEmbedding)
     d, s = _batch(dense)
     assert dense(d, s).shape == partial(d, s).shape == (6,)

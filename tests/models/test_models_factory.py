@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from comera_lightning.models import LayerFactory
+from comera_lightning.models import LayerConfig, LayerFactory
 from comera_lightning.nn import TTEmbedding, TTLinear
 
 
 def test_defaults_build_tt_for_large_layers_and_dense_for_small():
-    f = LayerFactory(rank=5, embedding_rank=6, rank_threshold=0.05)
+    f = LayerFactory(LayerConfig(rank=5, embedding_rank=6, rank_threshold=0.05))
     big = f.linear("big", 64, 96)
     small = f.linear("small", 64, 10)
     table = f.embedding("table", 100, 8, padding_idx=0)
@@ -24,7 +24,7 @@ def test_defaults_build_tt_for_large_layers_and_dense_for_small():
 
 
 def test_switches_off_give_dense_layers_with_the_same_interface():
-    f = LayerFactory(tt_linears=False, tt_embeddings=False)
+    f = LayerFactory(LayerConfig(tt_linears=False, tt_embeddings=False))
     lin = f.linear("a", 128, 128, bias=False, in_modes=[8, 16], out_modes=[16, 8])
     emb = f.embedding("b", 500, 64, padding_idx=3, vocab_modes=[25, 20], dim_modes=[8, 8], deduplicate=True)
     assert type(lin) is nn.Linear and lin.bias is None
@@ -33,16 +33,16 @@ def test_switches_off_give_dense_layers_with_the_same_interface():
 
 
 def test_linears_and_embeddings_switch_independently():
-    f = LayerFactory(tt_linears=False, tt_embeddings=True)
+    f = LayerFactory(LayerConfig(tt_linears=False, tt_embeddings=True))
     assert type(f.linear("l", 128, 128)) is nn.Linear
     assert isinstance(f.embedding("e", 128, 128), TTEmbedding)
-    f = LayerFactory(tt_linears=True, tt_embeddings=False)
+    f = LayerFactory(LayerConfig(tt_linears=True, tt_embeddings=False))
     assert isinstance(f.linear("l", 128, 128), TTLinear)
     assert type(f.embedding("e", 128, 128)) is nn.Embedding
 
 
 def test_dense_layers_regex_is_searched_in_the_name():
-    f = LayerFactory(dense_layers=r"attention\.(query|key)$|^head")
+    f = LayerFactory(LayerConfig(dense_layers=r"attention\.(query|key)$|^head"))
     kinds = {name: f.linear(name, 64, 64) for name in
              ["layers.0.attention.query", "layers.0.attention.key", "layers.0.attention.value", "head.dense",
               "x.head"]}
@@ -52,7 +52,7 @@ def test_dense_layers_regex_is_searched_in_the_name():
 
 
 def test_explicit_modes_and_tt_kwargs_reach_the_tt_layer():
-    f = LayerFactory(rank=3)
+    f = LayerFactory(LayerConfig(rank=3))
     lin = f.linear("l", 96, 64, in_modes=[4, 24], out_modes=[8, 8])
     emb = f.embedding("e", 1000, 16, vocab_modes=[10, 10, 10], dim_modes=[4, 2, 2], deduplicate=True)
     assert lin.in_modes == [4, 24] and lin.out_modes == [8, 8]
@@ -60,7 +60,7 @@ def test_explicit_modes_and_tt_kwargs_reach_the_tt_layer():
 
 
 def test_min_embedding_rows_separates_tables_from_linears():
-    f = LayerFactory(min_features=64, min_embedding_rows=1000)
+    f = LayerFactory(LayerConfig(min_features=64, min_embedding_rows=1000))
     assert type(f.embedding("small", 999, 16)) is nn.Embedding
     assert isinstance(f.embedding("large", 1000, 16), TTEmbedding)
     assert isinstance(f.linear("l", 64, 64), TTLinear)
@@ -68,12 +68,36 @@ def test_min_embedding_rows_separates_tables_from_linears():
 
 def test_bad_arguments_and_reused_names_fail_loudly():
     with pytest.raises(ValueError, match="regular expression"):
-        LayerFactory(dense_layers="(")
+        LayerConfig(dense_layers="(")
     with pytest.raises(ValueError, match="min_features"):
-        LayerFactory(min_features=0)
+        LayerConfig(min_features=0)
+    with pytest.raises(ValueError, match=r"layer_ranks\['lm_head'\] must be a rank >= 1"):
+        LayerConfig(layer_ranks={"lm_head": 0})
+    with pytest.raises(ValueError, match="regular expression"):
+        LayerConfig(layer_ranks={"(": 8})
+    with pytest.raises(ValueError, match=r"unknown layer_config option\(s\) \['rnak'\]"):
+        LayerFactory({"rnak": 4})
+    with pytest.raises(TypeError, match="LayerConfig or a mapping"):
+        LayerFactory(4)
     f = LayerFactory()
     f.linear("a", 8, 8)
     with pytest.raises(ValueError, match="already used"):
         f.embedding("a", 8, 8)
     with pytest.raises(ValueError, match="qualified name"):
         f.linear("", 8, 8)
+
+
+def test_layer_ranks_give_single_layers_their_own_rank_first_match_wins():
+    f = LayerFactory({"rank": 4, "embedding_rank": 5, "layer_ranks": {"lm_head": 12, "head|embed": 7}})
+    head, block, embed = f.linear("lm_head", 64, 256), f.linear("layers.0.fc1", 64, 64), f.embedding("embed", 256, 64)
+    assert max(head.ranks) == 12 and max(block.ranks) == 4 and max(embed.ranks) == 7
+    assert f.rank_of("x.head", 3) == 7 and f.rank_of("other", 3) == 3
+
+
+def test_a_mapping_and_a_config_build_the_same_layers_and_round_trip():
+    config = LayerConfig(rank=6, dense_layers="b", layer_ranks={"a": 9})
+    assert LayerConfig.of(config.to_dict()) == config and LayerConfig.of(config) is config
+    assert LayerConfig.of(None) == LayerConfig()
+    from_dict, from_config = LayerFactory(config.to_dict()), LayerFactory(config)
+    assert from_dict.linear("a", 64, 64).ranks == from_config.linear("a", 64, 64).ranks
+    assert type(from_dict.linear("b", 64, 64)) is type(from_config.linear("b", 64, 64)) is nn.Linear

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from comera_lightning.models import MaskedLanguageModel, SequenceClassifier, TransformerEncoder
+from comera_lightning.models import LayerConfig, MaskedLanguageModel, SequenceClassifier, TransformerEncoder
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.nn.base import TTLayer
 
-from models_reference import TINY
+from models_reference import TINY, tiny_with
 
 MODELS = [TransformerEncoder, SequenceClassifier, MaskedLanguageModel]
 
@@ -39,7 +40,7 @@ def _batch(batch=3, seq=10, vocab=TINY["vocab_size"]):
 @pytest.mark.parametrize("tt", [True, False])
 def test_output_shapes(tt):
     ids, mask, types = _batch()
-    kw = dict(TINY, tt_linears=tt, tt_embeddings=tt)
+    kw = tiny_with(tt_linears=tt, tt_embeddings=tt)
     assert TransformerEncoder(**kw)(ids, mask, types).shape == (3, 10, 32)
     assert SequenceClassifier(**kw, num_classes=5)(ids, mask, types).shape == (3, 5)
     assert MaskedLanguageModel(**kw)(ids, mask).shape == (3, 10, TINY["vocab_size"])
@@ -75,7 +76,7 @@ def test_tiny_model_layout():
 @pytest.mark.parametrize("cls", MODELS)
 def test_dense_layers_regex_hits_exactly_the_intended_modules(cls):
     pattern = r"layers\.1\.attention\.(query|value)$|layers\.0\.fc2$|word_embeddings|head\.decoder"
-    tt_model, model = cls(**TINY), cls(**TINY, dense_layers=pattern)
+    tt_model, model = cls(**TINY), cls(**tiny_with(dense_layers=pattern))
     intended = {n for n, k in tt_model.layer_kinds.items() if k == "tt" and re.search(pattern, n)}
     assert intended  # the pattern must hit something in every model
     assert {n for n, k in _kinds(model).items() if k == "dense"} == (
@@ -92,7 +93,7 @@ def test_dense_layers_regex_hits_exactly_the_intended_modules(cls):
 
 
 def test_dense_twin_has_no_tt_layer_and_the_same_layer_names():
-    tt, dense = SequenceClassifier(**TINY), SequenceClassifier(**TINY, tt_linears=False, tt_embeddings=False)
+    tt, dense = SequenceClassifier(**TINY), SequenceClassifier(**tiny_with(tt_linears=False, tt_embeddings=False))
     assert set(dense.layer_kinds) == set(tt.layer_kinds)
     assert set(dense.layer_kinds.values()) == {"dense"}
     assert not any(isinstance(m, TTLayer) for m in dense.modules())
@@ -102,8 +103,8 @@ def test_dense_twin_has_no_tt_layer_and_the_same_layer_names():
 
 
 def test_only_linears_or_only_embeddings():
-    lin_only = _kinds(TransformerEncoder(**TINY, tt_embeddings=False))
-    emb_only = _kinds(TransformerEncoder(**TINY, tt_linears=False))
+    lin_only = _kinds(TransformerEncoder(**tiny_with(tt_embeddings=False)))
+    emb_only = _kinds(TransformerEncoder(**tiny_with(tt_linears=False)))
     assert {n for n, k in lin_only.items() if k == "tt"} == {n for n in lin_only if "embeddings" not in n}
     assert {n for n, k in emb_only.items() if k == "tt"} == {"embeddings.word_embeddings",
                                                               "embeddings.position_embeddings"}
@@ -112,7 +113,7 @@ def test_only_linears_or_only_embeddings():
 # --- padding mask ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tt", [True, False])
 def test_padding_mask_hides_padded_tokens(tt):
-    model = SequenceClassifier(**TINY, tt_linears=tt, tt_embeddings=tt).eval()
+    model = SequenceClassifier(**tiny_with(tt_linears=tt, tt_embeddings=tt)).eval()
     encoder = model.encoder
     ids, mask, types = _batch()
     changed = ids.clone()
@@ -152,7 +153,7 @@ def _loss_and_grads(model, autocast: bool):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("cls", [SequenceClassifier, MaskedLanguageModel])
 def test_every_parameter_gets_a_finite_gradient(cls, autocast):
-    model = cls(**TINY, dense_layers=r"layers\.0\.attention\.key$")  # a dense projection among TT ones
+    model = cls(**tiny_with(dense_layers=r"layers\.0\.attention\.key$"))  # a dense projection among TT ones
     out, loss = _loss_and_grads(model, autocast)
     if autocast:
         assert out.dtype == torch.bfloat16
@@ -164,7 +165,7 @@ def test_every_parameter_gets_a_finite_gradient(cls, autocast):
 
 
 def test_dense_twin_trains_too():
-    model = SequenceClassifier(**TINY, tt_linears=False, tt_embeddings=False)
+    model = SequenceClassifier(**tiny_with(tt_linears=False, tt_embeddings=False))
     _loss_and_grads(model, autocast=True)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -201,12 +202,15 @@ def test_state_dict_round_trip_after_truncation():
 
 
 @pytest.mark.parametrize("cls", MODELS)
-def test_constructors_take_primitives_only(cls):
+def test_constructors_take_primitives_and_the_plain_layer_config_only(cls):
     for name, param in inspect.signature(cls).parameters.items():
         assert param.default is inspect.Parameter.empty or param.default is None or isinstance(
             param.default, (bool, int, float, str)), f"{cls.__name__}.{name}"
-        assert re.fullmatch(r"(int|float|bool|str)( \| None)?", str(param.annotation)), (
+        assert re.fullmatch(r"(int|float|bool|str|LayerConfig)( \| None)?", str(param.annotation)), (
             f"{cls.__name__}.{name}: {param.annotation}")
+    # the config itself holds only what YAML writes
+    for field in dataclasses.fields(LayerConfig):
+        assert re.fullmatch(r"(int|float|bool|str|dict\[str, int\])( \| None)?", str(field.type)), field
 
 
 # --- the paper's configuration (constructed, never run) ------------------------------------------------------------

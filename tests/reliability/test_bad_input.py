@@ -27,7 +27,8 @@ from comera_lightning.lit import checks as checks_module
 
 TINY = ["--model=SequenceClassification", "--data=MNLIDataModule", "--model.d_model=16", "--model.num_heads=2",
         "--model.d_ff=32", "--model.num_layers=1", "--model.max_len=16", "--model.vocab_size=300",
-        "--model.rank=4", "--model.embedding_rank=4", "--model.min_features=16", "--data.vocab_size=300",
+        "--model.layer_config.rank=4", "--model.layer_config.embedding_rank=4",
+        "--model.layer_config.min_features=16", "--data.vocab_size=300",
         "--data.seq_len=16", "--data.batch_size=8", "--trainer.max_steps=2", "--trainer.limit_train_batches=2",
         "--trainer.limit_val_batches=1", "--trainer.val_check_interval=null", "--trainer.logger=false",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -87,19 +88,20 @@ def test_token_ids_outside_the_vocabulary():
     with pytest.raises(TypeError, match="expects integer token ids"):
         embedding(torch.tensor([1.0]))
 
-    small = dict(d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=16, rank=4, embedding_rank=4,
-                 min_features=16)
+    small = dict(d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=16)
+    layers = dict(rank=4, embedding_rank=4, min_features=16)
     ids = torch.randint(0, 300, (2, 8))
     labels = torch.full((2, 8), -100)
     labels[:, 2] = 5
     vocabulary = r"outside \[0, 300\); the model's vocabulary has 300 ids: set model.vocab_size to at least"
     for tt in (True, False):  # a TT word embedding and a dense one fail alike
-        mlm = MaskedLM(vocab_size=300, tt_embeddings=tt, **small)
+        mlm = MaskedLM(vocab_size=300, layer_config=dict(layers, tt_embeddings=tt), **small)
         with pytest.raises(IndexError, match=rf"input_ids holds 300, {vocabulary}"):
             mlm.training_step({"input_ids": ids.index_fill(1, torch.tensor([3]), 300), "labels": labels}, 0)
         with pytest.raises(IndexError, match=rf"labels \(besides -100, the ignored .*\) holds 999, {vocabulary}"):
             mlm.training_step({"input_ids": ids, "labels": labels.index_fill(1, torch.tensor([2]), 999)}, 0)
-        classifier = SequenceClassification(vocab_size=300, num_classes=3, tt_embeddings=tt, **small)
+        classifier = SequenceClassification(vocab_size=300, num_classes=3, layer_config=dict(layers,
+                                                                                             tt_embeddings=tt), **small)
         with pytest.raises(IndexError, match=rf"input_ids holds -1, {vocabulary}"):
             classifier.training_step({"input_ids": ids.index_fill(1, torch.tensor([0]), -1),
                                       "labels": torch.tensor([0, 1])}, 0)
@@ -149,7 +151,7 @@ def test_late_stage_policy_arguments(cls, kwargs, message):
 
 def test_impossible_target_compression_fails_before_training(tmp_path):
     model = SequenceClassification(vocab_size=300, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=16,
-                                   rank=4, embedding_rank=4, min_features=16)
+                                   layer_config=dict(rank=4, embedding_rank=4, min_features=16))
     trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu",
                       callbacks=[RankAdaptation(target_compression=1e6)])
@@ -269,7 +271,8 @@ def test_checkpoint_of_another_architecture(fitted, tmp_path, monkeypatch, capsy
     before = _fingerprint(foreign)
     for override, message in [
         ("--model.d_model=32", r"with other shapes \(checkpoint vs model\), e.g. .*\(16,\) vs \(32,\)"),
-        ("--model.tt_linears=false", r"missing from the checkpoint, e.g. .*weight.*not in this model, e.g. .*cores"),
+        ("--model.layer_config.tt_linears=false",
+         r"missing from the checkpoint, e.g. .*weight.*not in this model, e.g. .*cores"),
     ]:
         with pytest.raises(ValueError, match=r"the checkpoint does not fit this SequenceClassification: it is from a "
                                              rf"different architecture \(.*{message}.*\)\. Build the model with the "
@@ -294,7 +297,7 @@ def test_checkpoint_of_another_architecture(fitted, tmp_path, monkeypatch, capsy
     with pytest.raises(ValueError, match=r"checkpoint has 4 cores under cores but this layer has 3"):
         TTLinear(64, 64, rank=4, in_modes=[64], out_modes=[8, 8]).load_state_dict(source.state_dict())
     # a truncated checkpoint with the right modes still loads (ranks are adopted, not an architecture change)
-    resumed = ComeraCLI(args=["validate", *args, "--model.rank=2", f"--ckpt_path={good}"])
+    resumed = ComeraCLI(args=["validate", *args, "--model.layer_config.rank=2", f"--ckpt_path={good}"])
     assert resumed.trainer.callback_metrics
 
 
@@ -375,7 +378,7 @@ def test_read_only_output_folder_fails_before_training(tmp_path, monkeypatch):
 
         monkeypatch.setattr(checks_module.os, "access", access)
     model = SequenceClassification(vocab_size=300, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=16,
-                                   rank=4, embedding_rank=4, min_features=16)
+                                   layer_config=dict(rank=4, embedding_rank=4, min_features=16))
     batches = [{"input_ids": torch.randint(0, 300, (4, 8)), "labels": torch.randint(0, 3, (4,))}] * 2
     cases = [
         (dict(default_root_dir=readonly / "runs"),
