@@ -392,8 +392,8 @@ def main() -> None:
     # the rank logging per step: how many values one step sends
     keys_per_step = len(monitor.collect_metrics(trainer, size_report(model)))
     result = {
-        "model": {k: model_kwargs[k] for k in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers", "rank",
-                                                "embedding_rank", "min_features")},
+        "model": {k: model_kwargs[k] for k in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers",
+                                                "layer_config")},
         "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
         "total_steps": trainer.global_step, "block": args.block, "warmup_steps": warm,
         "rank_monitor_values_per_step": keys_per_step, "budgets": budgets,
@@ -411,7 +411,8 @@ def main() -> None:
         return "-" if x is None else format(x, spec)
 
     print(f"\nquickstart model (d_model {model_kwargs['d_model']}, {model_kwargs['num_layers']} layers, rank "
-          f"{model_kwargs['rank']}), batch {args.batch_size} x {args.seq_len}; {trainer.global_step} steps in "
+          f"{model_kwargs['layer_config']['rank']}), batch {args.batch_size} x {args.seq_len}; "
+          f"{trainer.global_step} steps in "
           f"{fit_seconds:.0f} s; RankMonitor sends {keys_per_step} values a step; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     print("| mode | steps | step ms (median) | wall overhead vs off (paired median) | main-thread CPU overhead "
