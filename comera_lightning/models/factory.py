@@ -57,6 +57,10 @@ class LayerConfig:
         layer_ranks: ``{regex: rank}``; the first pattern (in order) found in a TT layer's qualified name
             sets its rank instead of ``rank`` / ``embedding_rank``. Output heads over a vocabulary are the
             usual candidates: they lose the most when cut to the blocks' rank.
+        low_rank_linears: regex; TT linears whose name matches get one mode per side, i.e. two cores
+            ``(1, in, r) (r, out, 1)``: a rank-``r`` product ``W = A B`` with CoMERA's gate on its one bond.
+            For layers whose index has no tensor structure: splitting a vocabulary's token ids into digits
+            (the default modes) ties unrelated tokens together, and an output head suffers most from it.
     """
 
     tt_linears: bool = True
@@ -68,6 +72,7 @@ class LayerConfig:
     min_features: int = 64
     min_embedding_rows: int | None = None
     layer_ranks: dict[str, int] | None = None
+    low_rank_linears: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_features < 1:
@@ -79,6 +84,8 @@ class LayerConfig:
                 raise ValueError(f"layer_config.{name} must be >= 1, got {getattr(self, name)}")
         if self.dense_layers:
             _compile(self.dense_layers, "layer_config.dense_layers")
+        if self.low_rank_linears:
+            _compile(self.low_rank_linears, "layer_config.low_rank_linears")
         for pattern, rank in (self.layer_ranks or {}).items():
             _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
             if int(rank) < 1:
@@ -125,6 +132,8 @@ class LayerFactory:
     def __init__(self, config: LayerConfig | Mapping[str, Any] | None = None) -> None:
         self.config = LayerConfig.of(config)
         self._dense_re = _compile(self.config.dense_layers, "dense_layers") if self.config.dense_layers else None
+        self._low_rank_re = _compile(self.config.low_rank_linears, "low_rank_linears") if self.config.low_rank_linears \
+            else None
         self._rank_res = [(_compile(p, "layer_ranks"), int(r)) for p, r in (self.config.layer_ranks or {}).items()]
         #: qualified name -> "tt" or "dense", in build order
         self.layers: dict[str, str] = {}
@@ -161,6 +170,11 @@ class LayerFactory:
         self._record(name, tt)
         if not tt:
             return nn.Linear(in_features, out_features, bias=bias)
+        if self._low_rank_re is not None and self._low_rank_re.search(name):
+            if in_modes is not None or out_modes is not None:
+                raise ValueError(f"layer {name!r} matches low_rank_linears but its model gives it modes "
+                                 f"{in_modes} x {out_modes}: leave it out of low_rank_linears")
+            in_modes, out_modes = [in_features], [out_features]
         return TTLinear(
             in_features, out_features, self.rank_of(name, config.rank), in_modes=in_modes, out_modes=out_modes,
             bias=bias, rank_threshold=config.rank_threshold, **tt_kwargs,

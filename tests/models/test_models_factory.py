@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from comera_lightning.models import LayerConfig, LayerFactory
@@ -101,3 +102,23 @@ def test_a_mapping_and_a_config_build_the_same_layers_and_round_trip():
     from_dict, from_config = LayerFactory(config.to_dict()), LayerFactory(config)
     assert from_dict.linear("a", 64, 64).ranks == from_config.linear("a", 64, 64).ranks
     assert type(from_dict.linear("b", 64, 64)) is type(from_config.linear("b", 64, 64)) is nn.Linear
+
+
+def test_low_rank_linears_are_a_gated_product_of_two_factors_in_float64():
+    f = LayerFactory({"rank": 6, "min_features": 8, "low_rank_linears": "head$", "layer_ranks": {"head": 5}})
+    head, block = f.linear("lm_head", 24, 40, bias=False), f.linear("fc", 64, 64)
+    assert (head.in_modes, head.out_modes, head.ranks) == ([24], [40], [1, 5, 1])
+    assert len(block.in_modes) > 1  # the others keep their tensor modes
+    head = head.double()
+    with torch.no_grad():
+        head.gates[0].uniform_(0.5, 1.5)  # the gate scales the bond: W = A diag(g) B
+    a, b = head.cores[0][0], head.cores[1][..., 0]  # (24, 5), (5, 40)
+    x = torch.randn(3, 24, dtype=torch.float64, requires_grad=True)
+    expected = x @ (a * head.gates[0]) @ b
+    torch.testing.assert_close(head(x), expected)
+    grad = torch.randn(3, 40, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(head(x), x, grad)
+    (dx_ref,) = torch.autograd.grad(expected, x, grad)
+    torch.testing.assert_close(dx, dx_ref)
+    with pytest.raises(ValueError, match="matches low_rank_linears but its model gives it modes"):
+        f.linear("x.head", 64, 64, in_modes=[8, 8], out_modes=[8, 8])
