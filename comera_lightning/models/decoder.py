@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import TTEmbedding
+from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
 __all__ = ["DecoderLM", "RMSNorm", "apply_rotary", "rotary_tables"]
@@ -142,6 +143,8 @@ class DecoderLM(nn.Module):
         layer_config: which linears and embeddings are TT and their ranks (:class:`LayerConfig`); layer names are
             ``embed_tokens``, ``layers.{i}.attention.{q,k,v,o}_proj``, ``layers.{i}.mlp.{gate,up,down}_proj``
             and ``lm_head``.
+        activation_checkpointing: recompute each block in the backward pass instead of keeping its
+            activations (see :class:`TransformerEncoder`).
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class DecoderLM(nn.Module):
         rope_theta: float = 10000.0,
         norm_eps: float = 1e-6,
         layer_config: LayerConfig | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -172,6 +176,7 @@ class DecoderLM(nn.Module):
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.head_dim, self.rope_theta = d_model // num_heads, float(rope_theta)
         self.tie_embeddings = bool(tie_embeddings)
+        self.activation_checkpointing = bool(activation_checkpointing)
         embed_std = d_model ** -0.5 if tie_embeddings else 1.0
         # text repeats tokens: each distinct id is looked up once (see TransformerEncoder)
         self.embed_tokens = factory.embedding("embed_tokens", vocab_size, d_model, deduplicate=True,
@@ -202,7 +207,7 @@ class DecoderLM(nn.Module):
         cos, sin = self._rotary(input_ids.shape[1], input_ids.device)
         x = self.drop(self.embed_tokens(input_ids))
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = run_block(layer, self.activation_checkpointing, x, cos, sin)
         return self.norm(x)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

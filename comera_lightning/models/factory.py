@@ -205,3 +205,4 @@ class LayerFactory:
 
     def __repr__(self) -> str:
         return f"LayerFactory({self.config!r})"
+

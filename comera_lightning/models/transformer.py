@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
 __all__ = ["TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "paper_linear_modes",
@@ -140,6 +141,9 @@ class TransformerEncoder(nn.Module):
         padding_idx: word-embedding row that stays zero (None: no padding row).
         layer_config: which linears and embeddings are TT and their ranks (:class:`LayerConfig`; default TT
             everywhere at rank 30, embeddings 32).
+        activation_checkpointing: in training, keep only each block's input and recompute the block in the
+            backward pass (``torch.utils.checkpoint``, same dropout masks): activation memory of one block
+            instead of all, for about one more forward pass of compute. Gradients are unchanged.
         name_prefix: qualified name of this encoder inside a parent model (e.g. ``"encoder."``), so
             ``dense_layers`` patterns see the names the parent's ``named_modules()`` shows.
     """
@@ -156,6 +160,7 @@ class TransformerEncoder(nn.Module):
         dropout: float = 0.1,
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
+        activation_checkpointing: bool = False,
         name_prefix: str = "",
     ) -> None:
         super().__init__()
@@ -166,7 +171,7 @@ class TransformerEncoder(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         factory = LayerFactory(layer_config)
-        self.d_model = d_model
+        self.d_model, self.activation_checkpointing = d_model, bool(activation_checkpointing)
         self.embeddings = _Embeddings(factory, f"{name_prefix}embeddings.", vocab_size, d_model, max_len,
                                       type_vocab_size, dropout, padding_idx)
         self.layers = nn.ModuleList(
@@ -196,7 +201,7 @@ class TransformerEncoder(nn.Module):
             key_mask = key_mask[:, None, None, :]  # (B, 1, 1, T): broadcast over heads and queries
         x = self.embeddings(input_ids, token_type_ids)
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = run_block(layer, self.activation_checkpointing, x, key_mask)
         return x
 
 
@@ -220,13 +225,15 @@ class SequenceClassifier(nn.Module):
         dropout: float = 0.1,
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         factory = LayerFactory(layer_config)
         self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
-                                          dropout, padding_idx, factory.config, name_prefix="encoder.")
+                                          dropout, padding_idx, factory.config, activation_checkpointing,
+                                          name_prefix="encoder.")
         self.pooler = _linear(factory, "pooler", d_model, d_model)
         self.dropout = nn.Dropout(dropout)
         self.classifier = _linear(factory, "classifier", d_model, num_classes)
@@ -278,11 +285,13 @@ class MaskedLanguageModel(nn.Module):
         dropout: float = 0.1,
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         factory = LayerFactory(layer_config)
         self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
-                                          dropout, padding_idx, factory.config, name_prefix="encoder.")
+                                          dropout, padding_idx, factory.config, activation_checkpointing,
+                                          name_prefix="encoder.")
         self.head = _MLMHead(factory, "head.", d_model, vocab_size)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 

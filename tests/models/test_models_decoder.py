@@ -172,3 +172,19 @@ def test_bf16_autocast_forward_and_backward():
         logits = model(ids)
     assert torch.isfinite(logits.float()).all()
     F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+
+
+def test_activation_checkpointing_gives_the_same_gradients_in_float64():
+    torch.manual_seed(0)
+    plain = DecoderLM(**dict(TINY_DECODER, dropout=0.1)).double().train()
+    checkpointed = DecoderLM(**dict(TINY_DECODER, dropout=0.1, activation_checkpointing=True)).double().train()
+    checkpointed.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 97, (3, 12))
+    grads = []
+    for model in (plain, checkpointed):
+        torch.manual_seed(1)
+        model(ids).logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-12, atol=1e-12, msg=name)

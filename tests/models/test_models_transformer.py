@@ -236,3 +236,23 @@ def test_paper_modes_and_ranks():
     # other sizes fall back to automatic modes
     small = TransformerEncoder(vocab_size=1000, d_model=256, num_heads=4, d_ff=1024, num_layers=1)
     assert small.layers[0].fc1.in_modes != [12, 8, 8]
+
+
+@pytest.mark.parametrize("cls", [SequenceClassifier, MaskedLanguageModel])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_in_float64(cls):
+    torch.manual_seed(0)
+    plain = cls(**TINY).double().train()  # dropout 0.1: the recomputed masks must be the same
+    checkpointed = cls(**TINY, activation_checkpointing=True).double().train()
+    checkpointed.load_state_dict(plain.state_dict())
+    ids, mask, types = _batch()
+    results = []
+    for model in (plain, checkpointed):
+        torch.manual_seed(1)
+        loss = model(ids, mask, types).square().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-12, atol=1e-12, msg=name)
