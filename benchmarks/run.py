@@ -51,6 +51,9 @@ COMPARISONS: dict[str, Comparison] = {
     "llm": Comparison("llm_study", (),
                       "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, "
                       "same tokens and same wall-clock; perplexity, parameters, step time and peak memory up to d_model 1024"),
+    "activation-memory": Comparison("bench_activation_memory", (),
+                                    "six-encoder peak training memory and step time with and without activation "
+                                    "checkpointing, dense vs CoMERA, batch 32 x 128"),
     "cuda-graphs": Comparison("bench_cuda_graphs", (),
                               "captured vs eager training step on a CUDA GPU (skipped without one)"),
 }
