@@ -8,10 +8,8 @@ steps, and every block runs in one of these modes, interleaved (so the machine's
 
 * ``off``: no logger, RankMonitor skipped (the baseline);
 * ``monitor``: RankMonitor computing its values every step, no logger (RankMonitor's own cost);
-* ``resilient``: :class:`comera_lightning.loggers.ResilientMLFlowLogger` with its defaults (``sender="auto"``):
-  buffered, sent by a thread which, at this logging rate, hands over to a sender process within about 10 s
-  (MLflow's SQLAlchemy work then runs outside the training process and its GIL);
-* ``thread``: the same logger with ``sender="thread"`` (sent by a thread of the training process);
+* ``resilient``: :class:`comera_lightning.loggers.ResilientMLFlowLogger` with its defaults: buffered, sent in
+  batches by a thread of the training process;
 * ``sync``: Lightning's plain ``MLFlowLogger`` (one synchronous ``log_batch`` per call: the old default);
 * ``async`` (only if asked with ``--modes``): ``MLFlowLogger(synchronous=False)``, MLflow's own async queue.
 
@@ -20,9 +18,8 @@ It reports (a) the process RSS sampled every ``--rss-every`` steps: start, end, 
 in KB per 100 steps after ``--warmup`` steps, and (b) the step time of each mode against the ``off`` blocks next
 to it (paired per block: block medians, median of the ratios), the same for the training thread's CPU time per
 step (``time.thread_time``: insensitive to other users' load; with ``--threads 1`` the training thread does all
-the compute), with the main-thread time spent in logger calls and in
-RankMonitor, and the CPU time of the sender thread and of the sender process. It also samples the sender
-process's RSS, and counts the points of one rank key and of ``train/loss`` in every store (one per logged step).
+the compute), with the main-thread time spent in logger calls and in RankMonitor, and the CPU time of the sender
+thread. It counts the points of one rank key and of ``train/loss`` in every store (one per logged step).
 
     python benchmarks/bench_logging_load.py [--steps 2000] [--sync-steps 150] [--block 50] [--modes off,resilient]
 
@@ -59,20 +56,18 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 
 # --- memory -------------------------------------------------------------------------------------------
-def rss_kb(pid: int | None = None) -> int | None:
-    """Resident set size of this process (or ``pid``) in KB (psutil if installed, else /proc/<pid>/statm)."""
+def rss_kb() -> int | None:
+    """Resident set size of this process in KB (psutil if installed, else /proc/self/statm)."""
     try:
         import psutil
 
-        return psutil.Process(pid).memory_info().rss // 1024
+        return psutil.Process().memory_info().rss // 1024
     except ImportError:
         try:
-            with open(f"/proc/{pid or 'self'}/statm") as f:
+            with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
         except OSError:
             return None
-    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: the sender process is not running
-        return None
 
 
 def slope_per_100(points: list[tuple[int, int]]) -> float:
@@ -186,7 +181,6 @@ class BlockScheduler(Callback):
         self.blocks: list[dict] = []  # {"mode", "start_step", "times": [...]}
         self.steps_by_mode: dict[str, list[int]] = {mode: [] for mode in budgets}
         self.rss: list[tuple[int, int]] = []
-        self.sender_rss: list[tuple[int, int]] = []  # the resilient logger's sender process
         self._last = None
         self._last_cpu = 0.0
 
@@ -209,11 +203,6 @@ class BlockScheduler(Callback):
         self.steps_by_mode[self.blocks[-1]["mode"]].append(step)
         if step % self.rss_every == 0:
             self.rss.append((step, self.blocks[-1]["rss_start_kb"] if step % self.block == 0 else rss_kb()))
-            for logger in self.loggers.get("resilient", []):
-                pid = logger.sender_stats["pid"]
-                kb = rss_kb(pid) if pid else None
-                if kb:
-                    self.sender_rss.append((step, kb))
         self._last, self._last_cpu = now, cpu
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -251,10 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000, help="steps of each of off and resilient (default 2000)")
     parser.add_argument("--sync-steps", type=int, default=150, help="steps of sync/async (slow: fewer by default)")
-    parser.add_argument("--modes", default="off,monitor,resilient,thread,sync",
-                        help="comma list of off,monitor,resilient,thread,sync,async")
+    parser.add_argument("--modes", default="off,monitor,resilient,sync",
+                        help="comma list of off,monitor,resilient,sync,async")
     parser.add_argument("--monitor-steps", type=int, default=300, help="steps of the monitor mode")
-    parser.add_argument("--thread-steps", type=int, default=200, help="steps of the thread mode")
     parser.add_argument("--block", type=int, default=50, help="steps per interleaved block")
     parser.add_argument("--warmup", type=int, default=300, help="steps left out of the timing and the RSS slope")
     parser.add_argument("--rss-every", type=int, default=25)
@@ -269,11 +257,11 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = {"off", "monitor", "resilient", "thread", "sync", "async"}
+    known = {"off", "monitor", "resilient", "sync", "async"}
     if "off" not in modes or not set(modes) <= known:
         parser.error(f"--modes must include off and only name {', '.join(sorted(known))}")
-    budgets = {m: {"sync": args.sync_steps, "async": args.sync_steps, "monitor": args.monitor_steps,
-                   "thread": args.thread_steps}.get(m, args.steps) for m in modes}
+    budgets = {m: {"sync": args.sync_steps, "async": args.sync_steps, "monitor": args.monitor_steps}.get(m, args.steps)
+               for m in modes}
     total = sum(budgets.values())
     total = -(-total // args.block) * args.block
     wall_start = time.perf_counter()
@@ -294,10 +282,9 @@ def main() -> None:
             continue
         uri = f"sqlite:///{store_dir / f'{mode}.db'}"
         uris[mode] = uri
-        if mode in ("resilient", "thread"):
+        if mode == "resilient":
             logger = ResilientMLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri,
-                                           local_dir=str(store_dir / "runs"),
-                                           sender="thread" if mode == "thread" else "auto")
+                                           local_dir=str(store_dir / "runs"))
         else:
             logger = MLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri,
                                   synchronous=False if mode == "async" else None)
@@ -327,14 +314,6 @@ def main() -> None:
               "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               "slope_kb_per_100_steps_after_warmup": slope_per_100(rss_warm),
               "samples": scheduler.rss}
-    # the sender process starts when the logger hands over to it: leave out its first 100 steps (importing mlflow)
-    sender_start = scheduler.sender_rss[0][0] if scheduler.sender_rss else 0
-    sender_warm = [p for p in scheduler.sender_rss if p[0] >= max(warm, sender_start + 100)]
-    if scheduler.sender_rss:
-        memory["sender_process"] = {
-            "rss_first_kb": scheduler.sender_rss[0][1], "rss_last_kb": scheduler.sender_rss[-1][1],
-            "rss_max_kb": max(kb for _, kb in scheduler.sender_rss),
-            "slope_kb_per_100_steps_after_warmup": slope_per_100(sender_warm), "samples": scheduler.sender_rss}
     growth: dict[str, float] = {}  # RSS growth over each mode's own blocks (after warm-up)
     for block, following in zip(scheduler.blocks, scheduler.blocks[1:] + [None]):
         end = following["rss_start_kb"] if following is not None else block.get("rss_end_kb")
@@ -373,20 +352,14 @@ def main() -> None:
             # RankMonitor logs every step of its blocks, plus once at the start and the end of the fit
             entry["rank_points_in_store"] = count_points(uris[mode], logger.run_id, rank_key)
             entry["train_loss_points_in_store"] = count_points(uris[mode], logger.run_id, "train/loss")
-            if mode in ("resilient", "thread"):
-                stats = logger.sender_stats
-                entry["sender"] = stats["sender"]
-                steady = (stats["cpu_s"] or 0.0) - (stats["startup_cpu_s"] or 0.0)
-                entry["sender_process_cpu_ms_per_step"] = 1e3 * steady / max(steps_logged, 1)  # without its start
-                entry["sender_process_startup_cpu_s"] = stats["startup_cpu_s"]
+            if mode == "resilient":
                 entry["sender_cpu_ms_per_step"] = 1e3 * timers.sender_cpu.get(mode, 0.0) / max(steps_logged, 1)
                 entry["sender_wall_ms_per_step"] = 1e3 * timers.sender_wall.get(mode, 0.0) / max(steps_logged, 1)
                 entry["sender_flushes"] = timers.sender_flushes.get(mode, 0)
                 off_cpu = per_mode["off"]["main_thread_cpu_ms_per_step_median"]
                 if off_cpu and entry["main_thread_cpu_overhead_paired_median_pct"] is not None:
-                    extra = entry["sender_process_cpu_ms_per_step"] + entry["sender_cpu_ms_per_step"]
                     entry["total_cpu_overhead_pct"] = (entry["main_thread_cpu_overhead_paired_median_pct"]
-                                                       + 100 * extra / off_cpu)
+                                                       + 100 * entry["sender_cpu_ms_per_step"] / off_cpu)
                 entry["degraded"] = logger.degraded
         per_mode[mode] = entry
     # the rank logging per step: how many values one step sends
@@ -416,20 +389,20 @@ def main() -> None:
           f"{fit_seconds:.0f} s; RankMonitor sends {keys_per_step} values a step; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     print("| mode | steps | step ms (median) | wall overhead vs off (paired median) | main-thread CPU overhead "
-          "(paired median) | logger calls ms/step (main thread) | RankMonitor ms/step (own work) | sender CPU "
-          "ms/step (thread / process) | RSS KB / 100 own steps | rank points stored |")
+          "(paired median) | logger calls ms/step (main thread) | RankMonitor ms/step (own work) | sender thread CPU "
+          "ms/step | RSS KB / 100 own steps | rank points stored |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, e in per_mode.items():
         print(f"| {mode} | {e['steps']} | {fmt(e['step_ms_median'], '.2f')} | "
               f"{fmt(e.get('overhead_paired_median_pct'), '+.1f') + ' %' if mode != 'off' else '-'} | "
               f"{fmt(e.get('main_thread_cpu_overhead_paired_median_pct'), '+.1f') + ' %' if mode != 'off' else '-'} | "
               f"{fmt(e.get('log_calls_ms_per_step'), '.2f')} | {fmt(e.get('rank_monitor_ms_per_step'), '.2f')} | "
-              f"{fmt(e.get('sender_cpu_ms_per_step'), '.2f')} / {fmt(e.get('sender_process_cpu_ms_per_step'), '.2f')} | "
+              f"{fmt(e.get('sender_cpu_ms_per_step'), '.2f')} | "
               f"{e['rss_growth_kb_per_100_own_steps']:+.1f} | "
               f"{e.get('rank_points_in_store', '-')} |")
     for mode, e in per_mode.items():
         if e.get("total_cpu_overhead_pct") is not None:
-            print(f"\n{mode}: CPU per step, training thread + sender thread and process (without its start), vs off: "
+            print(f"\n{mode}: CPU per step, training thread + sender thread, vs off: "
                   f"{e['total_cpu_overhead_pct']:+.1f} % (RankMonitor's own work: "
                   f"{100 * e['rank_monitor_ms_per_step'] / per_mode['off']['main_thread_cpu_ms_per_step_median']:.1f} %)")
     m = memory
@@ -438,11 +411,6 @@ def main() -> None:
           f"{m['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    if "sender_process" in m:
-        sp = m["sender_process"]
-        print(f"sender process RSS (KB): first {sp['rss_first_kb']:,}, last {sp['rss_last_kb']:,}, max "
-              f"{sp['rss_max_kb']:,}; slope after its first 100 steps: "
-              f"{sp['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps")
     print(f"wrote {args.out}")
     if args.store_dir is None:
         shutil.rmtree(store_dir, ignore_errors=True)

@@ -9,11 +9,10 @@ against a tracking server that is down, MLflow's HTTP client retries each reques
 This logger is a drop-in MLFlowLogger (same arguments, ``isinstance(logger, MLFlowLogger)`` holds) that
 
 * **buffers metrics and sends them off the training loop**, in ``log_batch`` calls of up to 1000 values
-  (MLflow's limit) every ``flush_interval_s`` seconds: the training loop only appends to a list. A daemon
-  thread sends; when that costs it more than 2 % of a core (a local sqlite store and per-step logging of many
-  values: MLflow's SQLAlchemy store spends about 0.1 ms of Python per value, and in a thread of the training
-  process that holds the GIL and slowed every step by 19-37 % on a busy 2-core machine), a small sender process
-  (``comera_lightning/_mlflow_sender.py``, mlflow only) takes over. For http(s) servers the thread suffices;
+  (MLflow's limit) every ``flush_interval_s`` seconds from a daemon thread: the training loop only appends to a
+  list. MLflow's own asynchronous logging (``MLFlowLogger(synchronous=False)``) queues one request per call
+  instead: with 63 values a step to a local sqlite store it cost the training thread 0.82 ms a step against
+  0.07 ms here, and the step 81 % against 5 % (``benchmarks/bench_logging_load.py``, docs/results.md);
 * **bounds HTTP retries and timeouts** for http(s) tracking URIs (``http_max_retries``, ``http_timeout_s``,
   backoff factor 1; these set MLflow's ``MLFLOW_HTTP_REQUEST_*`` environment variables for the process
   unless they are already set, which then win): a dead server costs a few seconds once, not minutes a call;
@@ -52,13 +51,8 @@ import io
 import json
 import logging
 import os
-import pickle
 import re
-import select
 import shutil
-import struct
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -128,12 +122,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
             the Trainer's ``default_root_dir``).
         flush_interval_s: send buffered metrics at least this often (seconds). ``0`` with
             ``sender="inline"`` sends every ``log_metrics`` call at once, like MLFlowLogger.
-        sender: who sends the metrics: ``"process"`` (a child process fed by a daemon thread; POSIX only),
-            ``"thread"`` (a daemon thread), ``"inline"`` (the training loop, every ``flush_interval_s``), or
-            ``"auto"``: a thread, which hands over to a process (for local stores, not on Windows) once sending
-            has cost it more than 2 % of a core over at least 10 s (e.g. per-step logging of many values to
-            sqlite); ordinary logging rates never start a process. Params, tags, artifacts and the run itself
-            always go from the calling thread.
+        sender: who sends the metrics: ``"thread"`` (a daemon thread) or ``"inline"`` (the training loop,
+            every ``flush_interval_s``). Params, tags, artifacts and the run itself always go from the calling
+            thread.
         max_buffered: metric values held in memory at most; beyond, the oldest go to ``metrics.csv`` and are
             sent from there (memory stays flat whatever the store's speed).
         retry_interval_s: first wait before trying a failed store again; doubles up to ten minutes.
@@ -164,7 +155,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         synchronous: Optional[bool] = None,
         local_dir: Optional[str] = None,
         flush_interval_s: float = 2.0,
-        sender: Literal["auto", "process", "thread", "inline"] = "auto",
+        sender: Literal["thread", "inline"] = "thread",
         max_buffered: int = 100_000,
         retry_interval_s: float = 30.0,
         http_timeout_s: Optional[int] = 5,
@@ -175,12 +166,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
         if flush_interval_s < 0 or retry_interval_s <= 0 or max_buffered < 1:
             raise ValueError("flush_interval_s must be >= 0, retry_interval_s > 0 and max_buffered >= 1")
-        if sender not in ("auto", "process", "thread", "inline"):
-            raise ValueError(f"sender must be 'auto', 'process', 'thread' or 'inline', got {sender!r}")
-        may_escalate = False
-        if sender == "auto":  # a thread, and the process once the sending costs more than 2 % of a core
-            remote = tracking_uri.startswith(("http://", "https://", "databricks"))
-            sender, may_escalate = "thread", not remote and sys.platform != "win32"
+        if sender not in ("thread", "inline"):
+            raise ValueError(f"sender must be 'thread' or 'inline', got {sender!r}")
         if tracking_uri.startswith(("http://", "https://")):
             _bound_http_requests(http_timeout_s, http_max_retries)
         super().__init__(experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
@@ -198,10 +185,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self.system_metrics_interval_s = float(system_metrics_interval_s)
         self._local_dir = os.path.abspath(local_dir) if local_dir else None
         self.flush_interval_s = float(flush_interval_s)
-        self.sender = sender  # how metrics are sent now
-        self._may_escalate = may_escalate
-        self._thread_cpu_s = 0.0  # CPU the sender thread spent in MLflow calls, while it may escalate
-        self._first_send: Optional[float] = None
+        self.sender = sender
         self.max_buffered = int(max_buffered)
         self.retry_interval_s = float(retry_interval_s)
         self._local_run_id = f"offline-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -232,13 +216,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self._thread: Optional[threading.Thread] = None
         self._guarded = _GuardedClient(self)
         self._atexit_registered = False
-        self._process: Optional[_SenderProcess] = None
         self._system_monitor: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_net_lock", "_state_lock", "_wake", "_stop", "_thread", "_guarded", "_atexit_registered",
-                    "_process", "_system_monitor"):
+                    "_system_monitor"):
             state.pop(key, None)
         return state
 
@@ -307,15 +290,6 @@ class ResilientMLFlowLogger(MLFlowLogger):
         """The local folder that received what could not be sent, once there was something."""
         return self._fallback
 
-    @property
-    def sender_stats(self) -> dict[str, Any]:
-        """``{"sender", "pid", "cpu_s", "startup_cpu_s"}``: how metrics are sent now; the sender process's pid,
-        CPU seconds (all its incarnations) and how many of them went into starting."""
-        process = self._process
-        return {"sender": self.sender, "pid": process.pid if process is not None else None,
-                "cpu_s": process.cpu_s if process is not None else None,
-                "startup_cpu_s": process.startup_cpu_s if process is not None else None}
-
     # --- Lightning's logging API ---------------------------------------------------------------------
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
@@ -362,7 +336,6 @@ class ResilientMLFlowLogger(MLFlowLogger):
         if self._degraded:
             self._next_retry = 0.0  # one last attempt to reach the store before the run ends
         self.flush()
-        self._close_process()
         status = _STATUS.get(status, status)
         with self._net_lock:
             if not self._degraded and self._run_id is not None:
@@ -431,42 +404,11 @@ class ResilientMLFlowLogger(MLFlowLogger):
                         "values it is sending may be missing.")
 
     def _send_rows(self, rows: list[tuple]) -> None:
-        """One ``log_batch`` of ``(key, value, timestamp_ms, step)`` rows, through the sender process if any."""
-        if self.sender == "process":
-            if self._process is None:
-                self._process = _SenderProcess(self._tracking_uri, reply_timeout_s=120.0)
-            try:
-                self._process.log_batch(self._run_id, rows)
-                self._start_failures = 0
-                return
-            except _SenderStartError as err:
-                self._start_failures = getattr(self, "_start_failures", 0) + 1
-                if self._start_failures < 3:  # killed while starting? a later retry starts a new one
-                    raise ConnectionError(f"the MLflow sender process did not start: {err}") from err
-                # it cannot run here: send from this thread from now on
-                log.warning(f"ResilientMLFlowLogger: no sender process ({err}); sending metrics from a thread.")
-                self.sender = "thread"
+        """One ``log_batch`` of ``(key, value, timestamp_ms, step)`` rows."""
         from mlflow.entities import Metric
 
-        start = time.thread_time()
         metrics = [Metric(key=k, value=v, timestamp=t, step=s) for k, v, t, s in rows]
         self._mlflow_client.log_batch(self._run_id, metrics=metrics, **self._log_batch_kwargs)
-        if self._may_escalate and self.sender == "thread":
-            now = time.monotonic()
-            if self._first_send is None:
-                self._first_send = now
-            self._thread_cpu_s += time.thread_time() - start
-            elapsed = now - self._first_send
-            if elapsed >= 10.0 and self._thread_cpu_s > 0.02 * elapsed:
-                self._may_escalate = False
-                self.sender = "process"
-                log.info(f"ResilientMLFlowLogger: sending took {100 * self._thread_cpu_s / elapsed:.0f} % of a core "
-                         "in the training process; a sender process takes over.")
-
-    def _close_process(self) -> None:
-        with self._net_lock:
-            if self._process is not None:
-                self._process.close()
 
     # --- failure handling ----------------------------------------------------------------------------
     def _guarded_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -511,8 +453,6 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 self._connect()
             else:
                 self._mlflow_client.get_run(self._run_id)
-                if self.sender == "process" and self._process is not None:
-                    self._process.get_run(self._run_id)
             self._upload_kept()
         except Exception:  # noqa: BLE001 - still down: try again later, no new warning
             self._retry_delay = min(2 * self._retry_delay, _MAX_RETRY_DELAY_S)
@@ -698,115 +638,6 @@ class ResilientMLFlowLogger(MLFlowLogger):
         return safe
 
 
-class _SenderStartError(RuntimeError):
-    """The sender process could not be started (or could not import mlflow / open the store client)."""
-
-
-class _SenderProcess:
-    """The trainer's side of ``_mlflow_sender.py``: request/reply over pipes, from the sender thread only.
-
-    A store failure comes back as ``RuntimeError("<type>: <message>")``; a dead, hung or unstartable process
-    as ``ConnectionError`` (the next call starts a new one) or :class:`_SenderStartError`.
-    """
-
-    SCRIPT = Path(__file__).with_name("_mlflow_sender.py")
-
-    def __init__(self, tracking_uri: str, reply_timeout_s: float = 120.0, start_timeout_s: float = 120.0) -> None:
-        self.tracking_uri = tracking_uri
-        self.reply_timeout_s = reply_timeout_s
-        self.start_timeout_s = start_timeout_s
-        self.proc: Optional[subprocess.Popen] = None
-        self._cpu_done = 0.0  # CPU seconds of processes that ended
-        self._cpu_now = 0.0
-        self.startup_cpu_s = 0.0  # of which starting (importing mlflow, opening the store client)
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def cpu_s(self) -> float:
-        return self._cpu_done + self._cpu_now
-
-    def log_batch(self, run_id: str, rows: list[tuple]) -> None:
-        self._call({"op": "log_batch", "run_id": run_id, "rows": rows})
-
-    def get_run(self, run_id: str) -> None:
-        self._call({"op": "get_run", "run_id": run_id})
-
-    def _start(self) -> None:
-        try:
-            self.proc = subprocess.Popen([sys.executable, str(self.SCRIPT), self.tracking_uri], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, bufsize=0, close_fds=True)
-            reply = self._receive(self.start_timeout_s)
-        except (OSError, EOFError, TimeoutError) as err:
-            self.close()
-            raise _SenderStartError(str(err)) from err
-        if not reply.get("ok"):
-            self.close()
-            raise _SenderStartError(f"{reply.get('type')}: {reply.get('error')}")
-        self.startup_cpu_s += self._cpu_now
-
-    def _call(self, request: dict) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            view = memoryview(struct.pack(">I", len(data)) + data)
-            while view:
-                view = view[self.proc.stdin.write(view) :]
-            reply = self._receive(self.reply_timeout_s)
-        except (OSError, EOFError, TimeoutError) as err:
-            self.close()
-            raise ConnectionError(f"the MLflow sender process failed: {err}") from err
-        if not reply.get("ok"):
-            raise RuntimeError(f"{reply.get('type')}: {reply.get('error')}")
-
-    def _receive(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        header = self._read(4, deadline)
-        reply = pickle.loads(self._read(struct.unpack(">I", header)[0], deadline))
-        self._cpu_now = float(reply.get("cpu_s") or 0.0)
-        return reply
-
-    def _read(self, n: int, deadline: float) -> bytes:
-        fd, chunks, got = self.proc.stdout.fileno(), [], 0
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no reply from the sender process (pid {self.proc.pid})")
-            if not select.select([fd], [], [], left)[0]:
-                continue
-            chunk = os.read(fd, n - got)
-            if not chunk:
-                raise EOFError(f"the sender process (pid {self.proc.pid}) exited")
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-
-    def close(self) -> None:
-        """Ask the process to stop (5 s), then kill it."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                data = pickle.dumps({"op": "stop"})
-                proc.stdin.write(struct.pack(">I", len(data)) + data)
-                proc.stdin.close()
-                proc.wait(timeout=5.0)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        self._cpu_done += self._cpu_now
-        self._cpu_now = 0.0
-
-
 def _sender_loop(ref: weakref.ref) -> None:
     """The background sender: flush every ``flush_interval_s`` or when woken, until stopped."""
     while True:
@@ -836,7 +667,6 @@ def _flush_at_exit(ref: weakref.ref) -> None:
     if logger._buffer:
         logger._stop_thread()
         logger.flush()
-    logger._close_process()
 
 
 def _bound_http_requests(timeout_s: Optional[int], max_retries: Optional[int]) -> None:

@@ -11,8 +11,6 @@
   uploads to a store afterwards.
 * An outage in the middle of a run (the client made to fail, no server needed): the values logged during
   it are kept and sent once the store answers again.
-* The sender process (used for heavy logging to a local store) killed mid-run: a new one takes over and
-  every value reaches the store.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from comera_lightning.cli import ComeraCLI
 from comera_lightning.loggers import ResilientMLFlowLogger, TrackingDegradedWarning, upload_fallback
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SERVER_START_TIMEOUT_S = 120.0  # a cold start imports mlflow twice (CLI, then the uvicorn worker): ~15 s on 2 busy cores
 
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
@@ -273,25 +271,3 @@ def test_outage_mid_run_is_kept_and_caught_up(workdir):
     assert reader.get_run(logger.run_id).info.status == "FINISHED"
 
 
-def test_sender_process_killed_mid_run_loses_nothing(workdir):
-    store = f"sqlite:///{workdir / 'mlflow.db'}"
-    logger = ResilientMLFlowLogger(experiment_name="crash", tracking_uri=store, local_dir=str(workdir / "runs"),
-                                   sender="process", flush_interval_s=0.05, retry_interval_s=0.05)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(10):
-            logger.log_metrics({"x": float(step)}, step=step)
-        deadline = time.monotonic() + 90
-        while not logger.sender_stats["cpu_s"] and time.monotonic() < deadline:  # the process has answered
-            time.sleep(0.05)
-        pid = logger.sender_stats["pid"]
-        assert pid is not None and pid != os.getpid()
-        os.kill(pid, signal.SIGKILL)
-        for step in range(10, 30):
-            logger.log_metrics({"x": float(step)}, step=step)
-            time.sleep(0.02)
-        logger.finalize("success")
-    assert len([w for w in caught if issubclass(w.category, TrackingDegradedWarning)]) <= 1
-    assert not logger.degraded and logger.sender_stats["pid"] is None  # caught up, process closed
-    history = MlflowClient(store).get_metric_history(logger.run_id, "x")
-    assert sorted(m.step for m in history) == list(range(30))
