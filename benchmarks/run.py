@@ -51,6 +51,9 @@ COMPARISONS: dict[str, Comparison] = {
     "llm": Comparison("llm_study", (),
                       "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, "
                       "same tokens and same wall-clock; perplexity, parameters, step time and peak memory up to d_model 1024"),
+    "rank-padding": Comparison("bench_rank_padding", (),
+                               "TTLinear half_merge with and without the padded bottleneck rank vs nn.Linear, the "
+                               "paper's shapes at 4096 rows"),
     "activation-memory": Comparison("bench_activation_memory", (),
                                     "six-encoder peak training memory and step time with and without activation "
                                     "checkpointing, dense vs CoMERA, batch 32 x 128"),

@@ -316,3 +316,44 @@ def test_tt_linear_function_direct_apply():
         weight = dense_reference(cores, 2)
         torch.testing.assert_close(TTLinearFunction.apply(x, None, plan, (3, 2), *cores), x @ weight)
         torch.testing.assert_close(TTLinearFunction.apply(x, bias, plan, (3, 2), *cores), x @ weight + bias)
+
+
+# --- the padded bottleneck of half_merge (a BLAS-friendly rank on the CPU) ----------------------------------
+def test_bottleneck_padding_rule():
+    from comera_lightning.tt.contract import bottleneck_padding
+
+    assert [bottleneck_padding(r, "cpu") for r in (8, 16, 17, 24, 25, 26, 30, 31, 32, 46, 63)] == \
+        [0, 0, 0, 0, 0, 6, 2, 1, 0, 2, 1]
+    assert bottleneck_padding(30, "cuda") == 0
+
+
+def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(monkeypatch):
+    import comera_lightning.tt.contract as contract
+
+    in_modes, out_modes = (6, 8), (8, 6)
+    cores, ranks = random_train(in_modes, out_modes, 30)
+    assert ranks[len(in_modes)] == 30 and contract.bottleneck_padding(30, "cpu") == 2
+    gates, masks = random_gates(ranks)
+    x = torch.randn(5, 48, dtype=F64, requires_grad=True)
+    bias = torch.randn(48, dtype=F64, requires_grad=True)
+    upstream = torch.randn(5, 48, dtype=F64)
+    params = [x, bias, *cores, *gates]
+
+    def run():
+        y = tt_linear(x, apply_gates(cores, gates, masks), in_modes, plan="half_merge", bias=bias)
+        return y, torch.autograd.grad((y * upstream).sum(), params)
+
+    y, grads = run()
+    weight = dense_reference(gate_by_hand(cores, gates, masks), len(in_modes))
+    y_ref = x @ weight + bias
+    grads_ref = torch.autograd.grad((y_ref * upstream).sum(), params)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.shape == g_ref.shape
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+    monkeypatch.setattr(contract, "bottleneck_padding", lambda rank, device_type: 0)
+    y_unpadded, grads_unpadded = run()
+    torch.testing.assert_close(y, y_unpadded, rtol=1e-13, atol=1e-13)
+    for g, g_unpadded in zip(grads, grads_unpadded):
+        torch.testing.assert_close(g, g_unpadded, rtol=1e-13, atol=1e-13)

@@ -1,0 +1,26 @@
+"""bench_rank_padding: the smoke run times the three candidates, and its switch really turns the padding off."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_rank_padding as bench  # noqa: E402
+import comera_lightning.tt.contract as contract  # noqa: E402
+
+
+def test_padding_off_switches_the_rule_off_and_restores_it():
+    assert contract.bottleneck_padding(30, "cpu") == 2
+    with bench.padding_off():
+        assert contract.bottleneck_padding(30, "cpu") == 0
+    assert contract.bottleneck_padding(30, "cpu") == 2
+
+
+def test_quick_run_writes_all_candidates(tmp_path, capsys):
+    assert bench.main(["--quick", "--threads", "1", "--max-other-load", "1.0", "--out-dir", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "rank_padding.json").read_text())
+    assert res["padding"] == 2 and set(res["results"][0]["median_s"]) == {"padded", "unpadded", "nn.Linear"}
+    assert "unpadded / padded" in capsys.readouterr().out
