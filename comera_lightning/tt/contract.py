@@ -354,13 +354,19 @@ class TTLinearFunction(torch.autograd.Function):
 
 
 def bottleneck_padding(rank: int, device_type: str) -> int:
-    """Zero slices to add to the bottleneck rank of ``half_merge`` on a CPU: up to the next multiple of 16 when
-    it is at most 6 away. The six skinny GEMMs of a step at 4096 x 768 rows take 11.3 ms at rank 32 against
-    12.8-16.7 ms at ranks 26-31 (and likewise at 48 and 64) with MKL on this project's CPU, while ranks
-    just above a multiple of 16 are cheaper unpadded (``benchmarks/bench_tt_linear.py``, docs/results.md)."""
-    if device_type != "cpu" or rank <= 16 or rank % 16 < 10:
+    """Zero slices to add to the bottleneck rank of ``half_merge`` on a CPU, up to the next multiple of 16.
+
+    MKL's skinny GEMMs are far from monotonic in the rank. The six GEMMs of a step at 4096 x 768 rows take
+    18-49 ms at ranks 2-11 and 7-11 ms at rank 16. They take 12.8-16.7 ms at ranks 26-31 and 11.3 ms at 32,
+    and the same pattern repeats below 48 and 64. Ranks 17-24 are cheaper unpadded (9-10 ms), and rank 1 runs
+    as a matrix-vector product (3 ms). So: pad ranks 2-15 to 16, and larger ranks when they are at most 6 below
+    a multiple of 16 (``benchmarks/bench_rank_padding.py``, docs/results.md). Truncated layers land on exactly
+    these small ranks."""
+    if device_type != "cpu" or rank <= 1:
         return 0
-    return 16 - rank % 16
+    if rank < 16 or rank % 16 >= 10:
+        return -rank % 16
+    return 0
 
 
 def _matmul_bias(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -322,21 +322,23 @@ def test_tt_linear_function_direct_apply():
 def test_bottleneck_padding_rule():
     from comera_lightning.tt.contract import bottleneck_padding
 
-    assert [bottleneck_padding(r, "cpu") for r in (8, 16, 17, 24, 25, 26, 30, 31, 32, 46, 63)] == \
-        [0, 0, 0, 0, 0, 6, 2, 1, 0, 2, 1]
+    assert [bottleneck_padding(r, "cpu") for r in (1, 2, 8, 11, 15, 16, 17, 24, 25, 26, 30, 31, 32, 46, 63)] == \
+        [0, 14, 8, 5, 1, 0, 0, 0, 0, 6, 2, 1, 0, 2, 1]
     assert bottleneck_padding(30, "cuda") == 0
 
 
-def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(monkeypatch):
+@pytest.mark.parametrize("in_modes, out_modes, rank, padding", [((6, 8), (8, 6), 30, 2), ((4, 4), (4, 4), 5, 11)])
+def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(monkeypatch, in_modes, out_modes, rank,
+                                                                             padding):
     import comera_lightning.tt.contract as contract
 
-    in_modes, out_modes = (6, 8), (8, 6)
-    cores, ranks = random_train(in_modes, out_modes, 30)
-    assert ranks[len(in_modes)] == 30 and contract.bottleneck_padding(30, "cpu") == 2
+    cores, ranks = random_train(in_modes, out_modes, rank)
+    assert ranks[len(in_modes)] == rank and contract.bottleneck_padding(rank, "cpu") == padding
     gates, masks = random_gates(ranks)
-    x = torch.randn(5, 48, dtype=F64, requires_grad=True)
-    bias = torch.randn(48, dtype=F64, requires_grad=True)
-    upstream = torch.randn(5, 48, dtype=F64)
+    M, N = math.prod(in_modes), math.prod(out_modes)
+    x = torch.randn(5, M, dtype=F64, requires_grad=True)
+    bias = torch.randn(N, dtype=F64, requires_grad=True)
+    upstream = torch.randn(5, N, dtype=F64)
     params = [x, bias, *cores, *gates]
 
     def run():
