@@ -39,9 +39,12 @@ default (so the dense d_model-2048 model, 168M parameters, stays affordable); la
 768/3072 shapes get the project's automatic modes (``LayerFactory`` -> ``TTLinear`` / ``TTEmbedding``
 ``padded_modes``), recorded in the JSON.
 
+``--packed-dropout`` builds every candidate with ``packed_dropout=True`` (cheaper CPU dropout masks,
+``comera_lightning.nn.dropout``; the same on all sides, so attention runs the same code everywhere).
+
 Output: markdown tables with the ratios and the issue's target verdicts on stdout; JSON (machine, settings,
 every sample, memory breakdowns, profiles) and PNGs in ``--out-dir``: ``training_step.{json,png}`` and
-``training_scaling.{json,png}``.
+``training_scaling.{json,png}`` (``training_step_packed_dropout.*`` etc. with ``--packed-dropout``).
 
     python benchmarks/bench_training_step.py                       # both parts, about 10 min on 2 quiet cores
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
@@ -106,6 +109,7 @@ class Shape:
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_other: float = 5e-5
+    packed_dropout: bool = False
 
 
 def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
@@ -138,7 +142,7 @@ def build_model(shape: Shape, tt: bool, seed: int = 0) -> SequenceClassifier:
     torch.manual_seed(seed)
     model = SequenceClassifier(
         shape.vocab_size, shape.num_classes, shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers,
-        shape.seq_len, dropout=shape.dropout,
+        shape.seq_len, dropout=shape.dropout, packed_dropout=shape.packed_dropout,
         layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank,
                           dense_layers=shape.dense_layers),
     )
@@ -744,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                         help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
+    parser.add_argument("--packed-dropout", action="store_true",
+                        help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="seconds to wait for a quiet machine per comparison")
@@ -759,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
-    paper = paper_shape()
+    paper = replace(paper_shape(), packed_dropout=args.packed_dropout)
+    stem = "_packed_dropout" if args.packed_dropout else ""
     layers = args.layers or (1 if quick else paper.num_layers)
     batch = args.batch or (4 if quick else 32)
     repeats = args.repeats or (2 if quick else 3)
@@ -809,8 +816,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                    "batches": batches, "galore": GALORE_SETTINGS,
                                                                    "refresh_samples": refresh_samples},
                    "results": {str(b): r for b, r in results.items()}, "verdicts": checks, "profiles": profiles}
-        path = harness.write_json(args.out_dir / "training_step.json", payload)
-        png = plot_step(results, args.out_dir / "training_step.png", shape)
+        path = harness.write_json(args.out_dir / f"training_step{stem}.json", payload)
+        png = plot_step(results, args.out_dir / f"training_step{stem}.png", shape)
         print(f"\nwrote {path} and {png} ({time.perf_counter() - started:.0f} s so far)", flush=True)
 
     if args.part in ("scaling", "all"):
@@ -822,8 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": harness.machine_info(),
                    "settings": {**settings, "d_models": d_models, "layers": scaling_layers, "batch": scaling_batch},
                    "rows": rows}
-        path = harness.write_json(args.out_dir / "training_scaling.json", payload)
-        png = plot_scaling(rows, args.out_dir / "training_scaling.png")
+        path = harness.write_json(args.out_dir / f"training_scaling{stem}.json", payload)
+        png = plot_scaling(rows, args.out_dir / f"training_scaling{stem}.png")
         print(f"\nwrote {path} and {png}")
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import TTEmbedding
+from ..nn.dropout import attention, dropout_layer
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
@@ -73,9 +74,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class _CausalSelfAttention(nn.Module):
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float,
+                 packed_dropout: bool) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
+        self.packed_dropout = packed_dropout
         self.q_proj = factory.linear(f"{prefix}q_proj", d_model, d_model, bias=False)
         self.k_proj = factory.linear(f"{prefix}k_proj", d_model, d_model, bias=False)
         self.v_proj = factory.linear(f"{prefix}v_proj", d_model, d_model, bias=False)
@@ -92,9 +95,8 @@ class _CausalSelfAttention(nn.Module):
         v = heads(self.v_proj(x))
         # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        attended = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                             packed_masks=self.packed_dropout)
         return self.o_proj(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -113,13 +115,14 @@ class _DecoderLayer(nn.Module):
     """Pre-norm block: ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
 
     def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, d_ff: int,
-                 dropout: float, norm_eps: float) -> None:
+                 dropout: float, norm_eps: float, packed_dropout: bool) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(d_model, norm_eps)
-        self.attention = _CausalSelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout)
+        self.attention = _CausalSelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout,
+                                              packed_dropout)
         self.mlp_norm = RMSNorm(d_model, norm_eps)
         self.mlp = _SwiGLU(factory, f"{prefix}mlp.", d_model, d_ff)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout, packed_dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
@@ -145,6 +148,7 @@ class DecoderLM(nn.Module):
             and ``lm_head``.
         activation_checkpointing: recompute each block in the backward pass instead of keeping its
             activations (see :class:`TransformerEncoder`).
+        packed_dropout: cheaper dropout masks on a CPU (see :class:`TransformerEncoder`).
     """
 
     def __init__(
@@ -161,6 +165,7 @@ class DecoderLM(nn.Module):
         norm_eps: float = 1e-6,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
+        packed_dropout: bool = False,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -183,9 +188,9 @@ class DecoderLM(nn.Module):
                                               init_std=embed_std)
         if isinstance(self.embed_tokens, nn.Embedding) and tie_embeddings:
             nn.init.normal_(self.embed_tokens.weight, std=embed_std)
-        self.drop = nn.Dropout(dropout)
+        self.drop = dropout_layer(dropout, packed_dropout)
         self.layers = nn.ModuleList(
-            _DecoderLayer(factory, f"layers.{i}.", d_model, num_heads, d_ff, dropout, norm_eps)
+            _DecoderLayer(factory, f"layers.{i}.", d_model, num_heads, d_ff, dropout, norm_eps, packed_dropout)
             for i in range(num_layers)
         )
         self.norm = RMSNorm(d_model, norm_eps)

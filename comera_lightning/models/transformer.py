@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.dropout import attention, dropout_layer
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
@@ -52,7 +53,7 @@ class _Embeddings(nn.Module):
     """Word + learned position + token-type embeddings, then LayerNorm and dropout."""
 
     def __init__(self, factory: LayerFactory, prefix: str, vocab_size: int, d_model: int, max_len: int,
-                 type_vocab_size: int, dropout: float, padding_idx: int | None) -> None:
+                 type_vocab_size: int, dropout: float, padding_idx: int | None, packed_dropout: bool) -> None:
         super().__init__()
         vocab_modes, dim_modes = paper_embedding_modes(vocab_size, d_model)
         self.word_embeddings = factory.embedding(
@@ -65,7 +66,7 @@ class _Embeddings(nn.Module):
         self.position_embeddings = factory.embedding(f"{prefix}position_embeddings", max_len, d_model)
         self.token_type_embeddings = factory.embedding(f"{prefix}token_type_embeddings", type_vocab_size, d_model)
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout, packed_dropout)
         self.max_len = max_len
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -84,9 +85,11 @@ class _Embeddings(nn.Module):
 class _SelfAttention(nn.Module):
     """Multi-head self-attention with separate q/k/v/output projections and a key padding mask."""
 
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float,
+                 packed_dropout: bool) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
+        self.packed_dropout = packed_dropout
         self.query = _linear(factory, f"{prefix}query", d_model, d_model)
         self.key = _linear(factory, f"{prefix}key", d_model, d_model)
         self.value = _linear(factory, f"{prefix}value", d_model, d_model)
@@ -101,9 +104,8 @@ class _SelfAttention(nn.Module):
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=key_mask, dropout_p=self.dropout if self.training else 0.0
-        )
+        attended = attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout if self.training else 0.0,
+                             packed_masks=self.packed_dropout)
         return self.output(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -111,14 +113,14 @@ class _EncoderLayer(nn.Module):
     """Post-LN block: ``x = LN(x + attn(x)); x = LN(x + fc2(gelu(fc1(x))))``."""
 
     def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, d_ff: int,
-                 dropout: float) -> None:
+                 dropout: float, packed_dropout: bool) -> None:
         super().__init__()
-        self.attention = _SelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout)
+        self.attention = _SelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout, packed_dropout)
         self.attention_norm = nn.LayerNorm(d_model)
         self.fc1 = _linear(factory, f"{prefix}fc1", d_model, d_ff)
         self.fc2 = _linear(factory, f"{prefix}fc2", d_ff, d_model)
         self.ffn_norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout, packed_dropout)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention_norm(x + self.dropout(self.attention(x, key_mask)))
@@ -144,6 +146,9 @@ class TransformerEncoder(nn.Module):
         activation_checkpointing: in training, keep only each block's input and recompute the block in the
             backward pass (``torch.utils.checkpoint``, same dropout masks): activation memory of one block
             instead of all, for about one more forward pass of compute. Gradients are unchanged.
+        packed_dropout: on a CPU, draw dropout masks four lanes per random number and keep them as bytes
+            (:mod:`comera_lightning.nn.dropout`): the same distribution as ``nn.Dropout`` (``p`` rounded to
+            1/65536), other masks, a cheaper step. Attention dropout then runs SDPA's math path itself.
         name_prefix: qualified name of this encoder inside a parent model (e.g. ``"encoder."``), so
             ``dense_layers`` patterns see the names the parent's ``named_modules()`` shows.
     """
@@ -161,6 +166,7 @@ class TransformerEncoder(nn.Module):
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
+        packed_dropout: bool = False,
         name_prefix: str = "",
     ) -> None:
         super().__init__()
@@ -173,9 +179,9 @@ class TransformerEncoder(nn.Module):
         factory = LayerFactory(layer_config)
         self.d_model, self.activation_checkpointing = d_model, bool(activation_checkpointing)
         self.embeddings = _Embeddings(factory, f"{name_prefix}embeddings.", vocab_size, d_model, max_len,
-                                      type_vocab_size, dropout, padding_idx)
+                                      type_vocab_size, dropout, padding_idx, packed_dropout)
         self.layers = nn.ModuleList(
-            _EncoderLayer(factory, f"{name_prefix}layers.{i}.", d_model, num_heads, d_ff, dropout)
+            _EncoderLayer(factory, f"{name_prefix}layers.{i}.", d_model, num_heads, d_ff, dropout, packed_dropout)
             for i in range(num_layers)
         )
         self.layer_kinds: dict[str, str] = dict(factory.layers)
@@ -226,6 +232,7 @@ class SequenceClassifier(nn.Module):
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
+        packed_dropout: bool = False,
     ) -> None:
         super().__init__()
         if num_classes < 1:
@@ -233,9 +240,9 @@ class SequenceClassifier(nn.Module):
         factory = LayerFactory(layer_config)
         self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
                                           dropout, padding_idx, factory.config, activation_checkpointing,
-                                          name_prefix="encoder.")
+                                          packed_dropout, name_prefix="encoder.")
         self.pooler = _linear(factory, "pooler", d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout, packed_dropout)
         self.classifier = _linear(factory, "classifier", d_model, num_classes)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 
@@ -286,12 +293,13 @@ class MaskedLanguageModel(nn.Module):
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
+        packed_dropout: bool = False,
     ) -> None:
         super().__init__()
         factory = LayerFactory(layer_config)
         self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
                                           dropout, padding_idx, factory.config, activation_checkpointing,
-                                          name_prefix="encoder.")
+                                          packed_dropout, name_prefix="encoder.")
         self.head = _MLMHead(factory, "head.", d_model, vocab_size)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_training_step as bts  # noqa: E402
 from comera_lightning.nn import tt_layers  # noqa: E402
+from comera_lightning.nn.dropout import PackedDropout  # noqa: E402
 from comera_lightning.objectives import rank_penalty  # noqa: E402
 from comera_lightning.tt import bond_weights  # noqa: E402
 
@@ -55,6 +57,14 @@ def test_scaling_shape_and_its_validation():
     assert (shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers) == (512, 8, 2048, 2)
     with pytest.raises(ValueError, match="multiple of 64"):
         bts.scaling_shape(100, 2, TINY)
+
+
+def test_packed_dropout_reaches_every_candidate(batch):
+    shape = replace(TINY, dropout=0.1, packed_dropout=True)
+    for cand in (bts.dense_adamw(shape, *batch), bts.comera(shape, *batch)):
+        assert any(isinstance(m, PackedDropout) for m in cand.model.modules())
+        assert math.isfinite(float(cand.step()))
+    assert not any(isinstance(m, PackedDropout) for m in bts.build_model(TINY, tt=True).modules())
 
 
 def test_dense_and_comera_candidates_train_with_finite_losses(batch):

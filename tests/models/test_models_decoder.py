@@ -174,10 +174,12 @@ def test_bf16_autocast_forward_and_backward():
     F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
 
 
-def test_activation_checkpointing_gives_the_same_gradients_in_float64():
+@pytest.mark.parametrize("packed_dropout", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients_in_float64(packed_dropout):
     torch.manual_seed(0)
-    plain = DecoderLM(**dict(TINY_DECODER, dropout=0.1)).double().train()
-    checkpointed = DecoderLM(**dict(TINY_DECODER, dropout=0.1, activation_checkpointing=True)).double().train()
+    options = dict(TINY_DECODER, dropout=0.1, packed_dropout=packed_dropout)
+    plain = DecoderLM(**options).double().train()
+    checkpointed = DecoderLM(**options, activation_checkpointing=True).double().train()
     checkpointed.load_state_dict(plain.state_dict())
     ids = torch.randint(0, 97, (3, 12))
     grads = []

@@ -238,11 +238,12 @@ def test_paper_modes_and_ranks():
     assert small.layers[0].fc1.in_modes != [12, 8, 8]
 
 
+@pytest.mark.parametrize("packed_dropout", [False, True])
 @pytest.mark.parametrize("cls", [SequenceClassifier, MaskedLanguageModel])
-def test_activation_checkpointing_gives_the_same_loss_and_gradients_in_float64(cls):
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_in_float64(cls, packed_dropout):
     torch.manual_seed(0)
-    plain = cls(**TINY).double().train()  # dropout 0.1: the recomputed masks must be the same
-    checkpointed = cls(**TINY, activation_checkpointing=True).double().train()
+    plain = cls(**TINY, packed_dropout=packed_dropout).double().train()  # dropout 0.1: the recomputed masks must be the same
+    checkpointed = cls(**TINY, activation_checkpointing=True, packed_dropout=packed_dropout).double().train()
     checkpointed.load_state_dict(plain.state_dict())
     ids, mask, types = _batch()
     results = []
