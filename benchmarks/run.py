@@ -54,6 +54,9 @@ COMPARISONS: dict[str, Comparison] = {
     "rank-padding": Comparison("bench_rank_padding", (),
                                "TTLinear half_merge with and without the padded bottleneck rank vs nn.Linear, the "
                                "paper's shapes at 4096 rows"),
+    "dropout": Comparison("bench_dropout", (),
+                          "packed dropout masks vs torch's dropout at the six-encoder's dropout sites (hidden states "
+                          "and attention probabilities), batch 32 x 128"),
     "activation-memory": Comparison("bench_activation_memory", (),
                                     "six-encoder peak training memory and step time with and without activation "
                                     "checkpointing, dense vs CoMERA, batch 32 x 128"),

@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedDropout", "attention", "drop_mask", "dropout_layer", "packed_dropout"]
+__all__ = ["PackedDropout", "attention", "dropout_layer", "keep_mask", "packed_dropout"]
 
 _LANE_LEVELS = 1 << 16
 _LANES_PER_DRAW = 4
 
 
-def drop_mask(shape: Sequence[int], p: float, device: torch.device | str | None = None,
+def keep_mask(shape: Sequence[int], p: float, device: torch.device | str | None = None,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, float]:
-    """A ``bool`` mask of ``shape``, True where an element is dropped, and the scale for the kept ones.
+    """A ``bool`` mask of ``shape``, True where an element is kept, and the scale for the kept ones.
 
     Each element is dropped with probability ``round(p * 65536) / 65536``; the scale is ``1 / (1 - that)``.
     """
@@ -43,22 +43,27 @@ def drop_mask(shape: Sequence[int], p: float, device: torch.device | str | None 
     words = torch.empty(-(-numel // _LANES_PER_DRAW), dtype=torch.int64, device=device)
     words.random_(-(1 << 63), None, generator=generator)  # the full 64-bit range: four uniform 16-bit lanes
     lanes = words.view(torch.int16)[:numel].view(tuple(shape))
-    return lanes < drop_levels - _LANE_LEVELS // 2, _LANE_LEVELS / (_LANE_LEVELS - drop_levels)
+    return lanes >= drop_levels - _LANE_LEVELS // 2, _LANE_LEVELS / (_LANE_LEVELS - drop_levels)
 
 
-class _ZeroAndScale(torch.autograd.Function):
-    """``x`` with the masked elements zeroed and the rest scaled; the backward pass applies the same map."""
+def _mask_and_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    # one pass: addcmul casts the bool mask inside its loop (x * keep, then a scalar multiply, is two)
+    return torch.addcmul(x.new_zeros(()), x, keep, value=scale)
+
+
+class _KeepAndScale(torch.autograd.Function):
+    """``x`` times ``scale`` where ``keep``, zero elsewhere; the backward pass applies the same map."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dropped: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(dropped)
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
         ctx.scale = scale
-        return x.masked_fill(dropped, 0).mul_(scale)
+        return _mask_and_scale(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (dropped,) = ctx.saved_tensors
-        return grad.masked_fill(dropped, 0).mul_(ctx.scale), None, None
+        (keep,) = ctx.saved_tensors
+        return _mask_and_scale(grad, keep, ctx.scale), None, None
 
 
 def packed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -67,8 +72,8 @@ def packed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Te
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
-    dropped, scale = drop_mask(x.shape, p, device=x.device)
-    return _ZeroAndScale.apply(x, dropped, scale)
+    keep, scale = keep_mask(x.shape, p, device=x.device)
+    return _KeepAndScale.apply(x, keep, scale)
 
 
 class PackedDropout(nn.Dropout):
@@ -89,20 +94,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
 
     Attention dropout already sends SDPA to its unfused math path (scores, softmax, dropout, product); this is
     that path with :func:`packed_dropout` on the probabilities. Without dropout, or elsewhere, it is SDPA itself.
-    ``attn_mask`` is a boolean mask (True = attend) broadcastable to ``(..., L, S)``.
+    ``attn_mask`` is a boolean mask (True = attend) broadcastable to ``(..., L, S)``; a query whose keys are all
+    masked gets zeros, as in SDPA.
     """
     if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                               dropout_p=dropout_p)
     if is_causal and attn_mask is not None:
         raise ValueError("attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
-    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+    # scaling q is half the work of scaling the scores when head_dim <= keys; an additive -inf bias costs
+    # the backward pass nothing, where masked_fill would mask the gradient too
+    scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+    has_key = None
     if is_causal:
         length, source = scores.shape[-2:]
-        attn_mask = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
+        scores.add_(torch.full((length, source), float("-inf"), dtype=scores.dtype, device=q.device).triu(1))
+    elif attn_mask is not None:
+        blocked = ~attn_mask
+        if not bool(attn_mask.any(dim=-1).all()):
+            # softmax over no key is NaN (and so are its gradients): such a query attends everywhere here and
+            # its probabilities are zeroed below, which SDPA's output is
+            has_key = attn_mask.any(dim=-1, keepdim=True)
+            blocked = blocked & has_key
+        scores.add_(torch.zeros(blocked.shape, dtype=scores.dtype, device=q.device).masked_fill(blocked,
+                                                                                               float("-inf")))
     probs = torch.softmax(scores, dim=-1)
-    if attn_mask is not None:  # a row with every key masked: zeros, as SDPA's safe softmax, not NaN
-        probs = probs.nan_to_num(0.0)
+    if has_key is not None:
+        probs = probs.masked_fill(~has_key, 0.0)
     return packed_dropout(probs, dropout_p) @ v

@@ -9,51 +9,51 @@ from torch import nn
 
 from comera_lightning.models import DecoderLM, SequenceClassifier
 from comera_lightning.nn import dropout as packed
-from comera_lightning.nn.dropout import PackedDropout, attention, drop_mask, dropout_layer, packed_dropout
+from comera_lightning.nn.dropout import PackedDropout, attention, dropout_layer, keep_mask, packed_dropout
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_drop_mask_drops_the_rounded_share_and_scales_to_keep_the_mean(p):
+def test_keep_mask_drops_the_rounded_share_and_scales_to_keep_the_mean(p):
     n = 400_003  # not a multiple of four lanes
-    dropped, scale = drop_mask((n,), p)
+    kept, scale = keep_mask((n,), p)
     effective = round(p * 65536) / 65536
-    assert dropped.dtype == torch.bool and dropped.shape == (n,)
+    assert kept.dtype == torch.bool and kept.shape == (n,)
     assert scale == pytest.approx(1 / (1 - effective), rel=1e-12)
     sigma = math.sqrt(effective * (1 - effective) / n)
-    assert abs(dropped.double().mean().item() - effective) < 5 * sigma
+    assert abs((~kept).double().mean().item() - effective) < 5 * sigma
 
 
-def test_drop_mask_lanes_are_independent_of_their_position_in_the_draw():
+def test_keep_mask_lanes_are_independent_of_their_position_in_the_draw():
     # a lane that always came from the same 16 bits of the word (say the sign half) would show here
-    dropped, _ = drop_mask((4, 200_000), 0.5)
-    by_lane = dropped.view(-1, 4).double().mean(0)  # consecutive elements share a draw
+    kept, _ = keep_mask((4, 200_000), 0.5)
+    by_lane = kept.view(-1, 4).double().mean(0)  # consecutive elements share a draw
     sigma = math.sqrt(0.25 / 200_000)
     assert (by_lane - 0.5).abs().max().item() < 5 * sigma
 
 
-def test_drop_mask_is_reproduced_by_the_seed_and_rejects_bad_probabilities():
+def test_keep_mask_is_reproduced_by_the_seed_and_rejects_bad_probabilities():
     torch.manual_seed(7)
-    first, _ = drop_mask((3, 5, 7), 0.3)
+    first, _ = keep_mask((3, 5, 7), 0.3)
     torch.manual_seed(7)
-    again, _ = drop_mask((3, 5, 7), 0.3)
+    again, _ = keep_mask((3, 5, 7), 0.3)
     assert torch.equal(first, again)
     for bad in (-0.1, 1.0, 1.5):
         with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\)"):
-            drop_mask((4,), bad)
+            keep_mask((4,), bad)
 
 
 def test_packed_dropout_zeroes_the_mask_and_scales_the_rest_in_value_and_gradient():
     x = torch.randn(6, 33, dtype=torch.float64, requires_grad=True)
     torch.manual_seed(3)
-    dropped, scale = drop_mask(x.shape, 0.25)
+    kept, scale = keep_mask(x.shape, 0.25)
     torch.manual_seed(3)
     out = packed_dropout(x, 0.25)
-    expected = torch.where(dropped, torch.zeros_like(x), x * scale)
+    expected = torch.where(kept, x * scale, torch.zeros_like(x))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     weights = torch.randn_like(x)
     (out * weights).sum().backward()
-    torch.testing.assert_close(x.grad, torch.where(dropped, 0.0, weights * scale), rtol=0, atol=1e-15)
-    assert torch.autograd.gradcheck(lambda t: packed._ZeroAndScale.apply(t, dropped, scale), (x.detach().requires_grad_(),))
+    torch.testing.assert_close(x.grad, torch.where(kept, weights * scale, 0.0), rtol=0, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda t: packed._KeepAndScale.apply(t, kept, scale), (x.detach().requires_grad_(),))
 
 
 def test_packed_dropout_is_the_identity_in_eval_or_at_zero_and_unbiased_in_training():
@@ -72,7 +72,7 @@ def test_packed_dropout_leaves_other_devices_to_torch(monkeypatch):
     def no_packing(*args, **kwargs):
         raise AssertionError("packed masks drawn off the CPU")
 
-    monkeypatch.setattr(packed, "drop_mask", no_packing)
+    monkeypatch.setattr(packed, "keep_mask", no_packing)
     out = packed_dropout(torch.empty(4, 4, device="meta"), 0.5)
     assert out.device.type == "meta"
 
@@ -101,9 +101,9 @@ def test_attention_math_path_equals_sdpa_when_nothing_is_dropped(causal):
 def test_attention_drops_probabilities_with_the_packed_mask():
     q, k, v = _qkv()
     torch.manual_seed(11)
-    dropped, scale = drop_mask((2, 3, 9, 9), 0.2)
+    kept, scale = keep_mask((2, 3, 9, 9), 0.2)
     probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1)
-    expected = torch.where(dropped, 0.0, probs * scale) @ v
+    expected = torch.where(kept, probs * scale, 0.0) @ v
     torch.manual_seed(11)
     ours = attention(q, k, v, dropout_p=0.2, packed_masks=True)
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
@@ -112,12 +112,15 @@ def test_attention_drops_probabilities_with_the_packed_mask():
 
 
 def test_attention_row_with_every_key_masked_gives_zeros_and_both_masks_are_refused():
-    q, k, v = _qkv(batch=1)
-    nothing = torch.zeros(1, 1, 1, 9, dtype=torch.bool)
-    out = attention(q, k, v, attn_mask=nothing, dropout_p=0.1, packed_masks=True)
-    assert torch.equal(out, torch.zeros_like(out))
+    q, k, v = _qkv(batch=2)
+    key_mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    key_mask[0] = False
+    key_mask[1, ..., 6:] = False
+    out = attention(q, k, v, attn_mask=key_mask, dropout_p=0.1, packed_masks=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().sum() > 0
+    assert all(torch.isfinite(g).all() for g in _grads(out, (q, k, v)))
     with pytest.raises(ValueError, match="either attn_mask or is_causal"):
-        attention(q, k, v, attn_mask=nothing, is_causal=True, dropout_p=0.1, packed_masks=True)
+        attention(q, k, v, attn_mask=key_mask, is_causal=True, dropout_p=0.1, packed_masks=True)
 
 
 def test_models_with_packed_dropout_compute_the_default_model_outside_training():
