@@ -253,7 +253,7 @@ class TTLinearFunction(torch.autograd.Function):
         p = len(in_modes)
         in_cores, out_cores = cores[:p], cores[p:]
         compute = x.dtype
-        ctx.plan, ctx.in_modes, ctx.num_in = plan, in_modes, p
+        ctx.plan, ctx.in_modes, ctx.num_in, ctx.bias_slot = plan, in_modes, p, False
         if plan == "dense":
             in_prefixes, out_prefixes = chain_merge(in_cores), chain_merge(out_cores)
             left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
@@ -272,7 +272,16 @@ class TTLinearFunction(torch.autograd.Function):
             left = torch.nn.functional.pad(saved_in[-1].to(compute), (0, pad))
             right = torch.nn.functional.pad(saved_out[-1].reshape(rank, -1).to(compute), (0, 0, 0, pad))
             hidden = x @ left
-            y = _matmul_bias(hidden, right, bias)
+            ctx.bias_slot = bias is not None and pad > 0
+            if ctx.bias_slot:
+                # the first zero slice carries the bias: a column of ones in the hidden state and the bias as
+                # that row of R. The GEMM adds it without addmm's broadcast copy of the bias into the (B, N)
+                # output, and the backward GEMM for R sums grad_y into that row: the bias gradient for free.
+                hidden[:, rank] = 1
+                right[rank] = bias
+                y = hidden @ right
+            else:
+                y = _matmul_bias(hidden, right, bias)
             saved_in, saved_out = saved_in + [left], saved_out + [right]
             ctx.counts = (len(saved_in), len(saved_out))
             ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
@@ -302,7 +311,8 @@ class TTLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         p, plan, in_modes = ctx.num_in, ctx.plan, ctx.in_modes
         need_x = ctx.needs_input_grad[0]
-        grad_bias = grad_y.sum(0) if ctx.needs_input_grad[1] else None
+        bias_slot = ctx.bias_slot
+        grad_bias = grad_y.sum(0) if ctx.needs_input_grad[1] and not bias_slot else None
         saved = ctx.saved_tensors
         x = saved[0]
         if plan == "dense":
@@ -334,7 +344,10 @@ class TTLinearFunction(torch.autograd.Function):
         if plan in ("half_merge", "sweep_in_merge_out"):
             right = saved_out[-1]
             grad_hidden = grad_y @ right.transpose(0, 1)
-            grad_right = (hidden.transpose(0, 1) @ grad_y)[:rank].to(out_cores[0].dtype)
+            grad_right_padded = hidden.transpose(0, 1) @ grad_y
+            if bias_slot and ctx.needs_input_grad[1]:
+                grad_bias = grad_right_padded[rank]
+            grad_right = grad_right_padded[:rank].to(out_cores[0].dtype)
             g_out, _ = _chain_merge_backward(out_cores, saved_out[:-1], grad_right, False)
         else:
             out_compute = [c.to(compute) for c in out_cores]

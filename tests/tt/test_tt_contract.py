@@ -359,3 +359,23 @@ def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(mon
     torch.testing.assert_close(y, y_unpadded, rtol=1e-13, atol=1e-13)
     for g, g_unpadded in zip(grads, grads_unpadded):
         torch.testing.assert_close(g, g_unpadded, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("bias_grad", [True, False, None])
+def test_bias_in_a_padded_slice_gives_the_reference_with_and_without_its_gradient(bias_grad):
+    # rank 5 pads to 16 on a CPU: the bias rides in the first zero slice (a ones column of the hidden state)
+    in_modes, out_modes = (4, 4), (4, 4)
+    cores, _ = random_train(in_modes, out_modes, 5)
+    x = torch.randn(7, 16, dtype=F64, requires_grad=True)
+    bias = None if bias_grad is None else torch.randn(16, dtype=F64, requires_grad=bias_grad)
+    y = tt_linear(x, cores, in_modes, plan="half_merge", bias=bias)
+    weight = dense_reference(cores, 2)
+    torch.testing.assert_close(y, x @ weight + (0 if bias is None else bias), rtol=1e-12, atol=1e-12)
+    upstream = torch.randn(7, 16, dtype=F64)
+    inputs = [x, *cores] + ([bias] if bias_grad else [])
+    grads = torch.autograd.grad((y * upstream).sum(), inputs)
+    torch.testing.assert_close(grads[0], upstream @ weight.T, rtol=1e-12, atol=1e-12)
+    if bias_grad:
+        torch.testing.assert_close(grads[-1], upstream.sum(0), rtol=1e-12, atol=1e-12)
+    empty = tt_linear(x[:0], cores, in_modes, plan="half_merge", bias=bias)
+    assert empty.shape == (0, 16)
