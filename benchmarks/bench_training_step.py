@@ -41,10 +41,13 @@ default (so the dense d_model-2048 model, 168M parameters, stays affordable); la
 
 ``--packed-dropout`` builds every candidate with ``packed_dropout=True`` (cheaper CPU dropout masks,
 ``comera_lightning.nn.dropout``; the same on all sides, so attention runs the same code everywhere).
+``--keep-freed-memory`` makes glibc's malloc keep freed memory for the whole process
+(``comera_lightning.callbacks.keep_freed_memory``), so steps stop page-faulting their activations in. Each
+candidate's minor page faults and system time over one step are reported either way.
 
 Output: markdown tables with the ratios and the issue's target verdicts on stdout; JSON (machine, settings,
 every sample, memory breakdowns, profiles) and PNGs in ``--out-dir``: ``training_step.{json,png}`` and
-``training_scaling.{json,png}`` (``training_step_packed_dropout.*`` etc. with ``--packed-dropout``).
+``training_scaling.{json,png}`` (``training_step_packed_dropout_keep_freed_memory.*`` etc. with the options).
 
     python benchmarks/bench_training_step.py                       # both parts, about 10 min on 2 quiet cores
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import sys
 import time
@@ -71,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harness
+from comera_lightning.callbacks.host_memory import keep_freed_memory
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.objectives import add_rank_objective_, all_finite, early_stage_weights, rank_gates, refresh_masks_
@@ -380,6 +385,15 @@ def measure_memory(cand: Candidate, inputs: Sequence[torch.Tensor]) -> dict:
                                tensors=[*cand.extra_tensors(), *inputs])
 
 
+def kernel_work(step: Callable[[], object]) -> dict:
+    """Minor page faults and user / system CPU seconds of one call of ``step`` (``getrusage``)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    step()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {"minor_faults": after.ru_minflt - before.ru_minflt, "user_s": after.ru_utime - before.ru_utime,
+            "system_s": after.ru_stime - before.ru_stime}
+
+
 def time_galore_refresh(cand: Candidate, samples: int) -> dict:
     """Extra time of GaLore's projection-refresh step: each refresh step minus a steady step right before."""
     steady, refresh = [], []
@@ -458,7 +472,7 @@ def run_batch(shape: Shape, batch: int, repeats: int, max_other_load: float, wai
         mem = measure_memory(c, (ids, labels))
         info = {k: v for k, v in c.info.items() if k != "refresh_step"}
         entry = {"skipped": None, "parameters": c.parameters, "median_s": timing.median(c.name),
-                 "min_s": timing.minimum(c.name), "memory": mem, **info}
+                 "min_s": timing.minimum(c.name), "memory": mem, "kernel": kernel_work(c.step), **info}
         if c.name == GALORE and refresh_samples > 0:
             entry["refresh"] = time_galore_refresh(c, refresh_samples)
         if c.name in (DENSE, GALORE):
@@ -563,7 +577,7 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
         rows = []
         for name, e in res["candidates"].items():
             if e.get("skipped"):
-                rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * 9])
+                rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * 10])
                 continue
             m = e["memory"]
             step = harness.ms(e["median_s"])
@@ -573,13 +587,14 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
             rows.append([name, f"{e['parameters']:,}", step, f"{e['tokens_per_s']:,.0f}", harness.mib(m["total"]),
                          harness.mib(m["parameters"]), harness.mib(m["gradients"]), harness.mib(persistent),
                          harness.mib(max(m["optimizer_state"] - persistent, 0)), harness.mib(m["activations"]),
-                         harness.mib(m["temporaries"]), harness.mib(m["other"] + m["buffers"])])
+                         harness.mib(m["temporaries"]), harness.mib(m["other"] + m["buffers"]),
+                         f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s"])
         note = quarter_note(res["candidates"])
         parts.append(f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
                      f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
                      + harness.table(["candidate", "trainable params", "step ms (median)", "tokens/s", "peak MiB",
                                       "params", "grads", "opt state", "opt-step work", "activations", "temporaries",
-                                      "other"], rows) + note)
+                                      "other", "page faults / system time"], rows) + note)
     batches = list(results)
     keys = list(next(iter(results.values()))["ratios"])
     rows = [[k, *(_fmt(results[b]["ratios"][k]) for b in batches)] for k in keys]
@@ -748,6 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                         help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc malloc keeps freed memory (comera_lightning.callbacks.keep_freed_memory)")
     parser.add_argument("--packed-dropout", action="store_true",
                         help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
@@ -767,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     paper = replace(paper_shape(), packed_dropout=args.packed_dropout)
     stem = "_packed_dropout" if args.packed_dropout else ""
+    if args.keep_freed_memory:
+        if not keep_freed_memory(True):
+            raise SystemExit("--keep-freed-memory needs glibc (mallopt)")
+        stem += "_keep_freed_memory"
     layers = args.layers or (1 if quick else paper.num_layers)
     batch = args.batch or (4 if quick else 32)
     repeats = args.repeats or (2 if quick else 3)
@@ -777,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     scaling_layers = args.scaling_layers or (1 if quick else 2)
     scaling_batch = args.scaling_batch or (2 if quick else 8)
     settings = {"quick": quick, "threads": torch.get_num_threads(), "repeats": repeats, "dtype": "float32",
+                "keep_freed_memory": args.keep_freed_memory,
                 "max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet, "argv": argv or sys.argv[1:]}
     started = time.perf_counter()
 
