@@ -57,6 +57,9 @@ COMPARISONS: dict[str, Comparison] = {
     "dropout": Comparison("bench_dropout", (),
                           "packed dropout masks vs torch's dropout at the six-encoder's dropout sites (hidden states "
                           "and attention probabilities), batch 32 x 128"),
+    "host-memory": Comparison("bench_host_memory", (),
+                              "six-encoder step with glibc's default malloc vs freed memory kept (KeepFreedMemory), "
+                              "dense and CoMERA, alternated in one process"),
     "activation-memory": Comparison("bench_activation_memory", (),
                                     "six-encoder peak training memory and step time with and without activation "
                                     "checkpointing, dense vs CoMERA, batch 32 x 128"),
