@@ -10,8 +10,10 @@ suffers more than its dense twin: its matrix products shrink, its activations do
 :func:`keep_freed_memory` sets glibc's ``M_MMAP_MAX`` to 0 (large blocks come from the heap as well) and
 ``M_TRIM_THRESHOLD`` to its maximum (freed memory stays with the process for the next step). Resident memory
 then stays at the peak of a step instead of breathing with each one, as PyTorch's caching allocator does on a
-GPU. The settings are process-wide and take effect for allocations made after the call. Other C libraries
-(musl, macOS, Windows) have no such settings: the call then reports that it did nothing.
+GPU. The settings are process-wide and take effect for allocations made after the call. One limit stays: a
+thread allocating from one of glibc's per-thread arenas gets blocks above 64 MiB (its heap size) by ``mmap``
+whatever the settings. Other C libraries (musl, macOS, Windows) have no such settings: the call then reports
+that it did nothing.
 """
 
 from __future__ import annotations
