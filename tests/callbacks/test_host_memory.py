@@ -20,24 +20,27 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 BLOCK = 40 * 2**20 // 4
 
 
-def faults_per_block(blocks: int = 4) -> float:
-    """Minor page faults per allocation of a BLOCK that is written and freed again."""
-    for _ in range(2):  # the heap may grow once after the switch
-        torch.empty(BLOCK).fill_(1.0)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def fewest_faults_per_block(blocks: int = 6) -> int:
+    """The fewest minor page faults of one allocation of a BLOCK, written and freed, over ``blocks`` in a row.
+
+    The fewest, not the mean: in a process whose heap is fragmented by earlier work the heap may still grow
+    once or twice before freed blocks are reused."""
+    counts = []
     for _ in range(blocks):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.empty(BLOCK).fill_(1.0)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / blocks
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return min(counts)
 
 
 @glibc
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     pages = BLOCK * 4 // resource.getpagesize()
     # glibc's default: every block is a fresh mapping (transparent huge pages fault less per page)
-    assert faults_per_block() > 0.1 * pages / 512
+    assert fewest_faults_per_block() > 0.1 * pages / 512
     try:
         assert keep_freed_memory(True)
-        assert faults_per_block() < 0.01 * pages
+        assert fewest_faults_per_block() < 0.01 * pages
     finally:
         assert keep_freed_memory(False)
 
