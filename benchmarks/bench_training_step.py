@@ -75,7 +75,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import harness
-from comera_lightning.callbacks.host_memory import keep_freed_memory
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.objectives import add_rank_objective_, all_finite, early_stage_weights, rank_gates, refresh_masks_
@@ -785,8 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     paper = replace(paper_shape(), packed_dropout=args.packed_dropout)
     stem = "_packed_dropout" if args.packed_dropout else ""
     if args.keep_freed_memory:
-        if not keep_freed_memory(True):
-            raise SystemExit("--keep-freed-memory needs glibc (mallopt)")
+        harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
     layers = args.layers or (1 if quick else paper.num_layers)
     batch = args.batch or (4 if quick else 32)

@@ -6,6 +6,11 @@ Run from the repository root::
     python benchmarks/bench_tt_linear.py --quick    # under a minute on a quiet machine
     python benchmarks/bench_tt_linear.py --repeats 9 --threads 2 --out-dir /tmp/tt   # tt_linear.json + .png
     python benchmarks/bench_tt_linear.py --wait-quiet 120   # on a shared machine: wait out other jobs
+    python benchmarks/bench_tt_linear.py --keep-freed-memory --shapes 768x3072 --rows 4096 --ranks 30
+
+``--keep-freed-memory`` runs every candidate with glibc's malloc keeping freed memory, as the
+``KeepFreedMemory`` callback does in training: without it every output above 32 MiB (768x3072 at 4096 rows
+is 48 MiB) is a fresh mapping that the kernel faults in and zeroes on every step.
 
 What one "step" is, for every candidate: forward on ``x (rows, in_features)`` (``x.requires_grad``),
 then ``torch.autograd.grad(y, [x, *parameters], g)`` with ``g`` a fixed random ``(rows, out)`` tensor,
@@ -524,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts (filter)")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks (filter)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
+                             "outputs above 32 MiB stop being page-faulted in on every step")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help=f"folder of {JSON_NAME} and {PNG_NAME} (default benchmarks/results)")
     parser.add_argument("--out", type=Path, default=None,
@@ -533,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.keep_freed_memory:
+        harness.keep_freed_memory_for_run()
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
     min_sample_s = (args.min_sample_ms if args.min_sample_ms is not None else (5.0 if args.quick else 10.0)) / 1e3
     min_case_s = args.min_case_s if args.min_case_s is not None else (1.0 if args.quick else 1.5)
@@ -556,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "keep_freed_memory": args.keep_freed_memory,
         "torch_opt_einsum_available": torch.backends.opt_einsum.is_available(),
         "torch_opt_einsum_strategy": torch.backends.opt_einsum.strategy,
         "repeats": repeats,

@@ -21,7 +21,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -279,6 +279,16 @@ def peak_memory(
 
 # ------------------------------------------------------------------------------------------------------
 # reporting
+
+
+def keep_freed_memory_for_run() -> None:
+    """``--keep-freed-memory``: glibc's malloc keeps freed memory for the rest of the process, as the
+    ``KeepFreedMemory`` callback does for a training run (``comera_lightning.callbacks.host_memory``), so large
+    outputs and activations stop being page-faulted in again on every step. Exits where that is impossible."""
+    from comera_lightning.callbacks.host_memory import keep_freed_memory
+
+    if not keep_freed_memory(True):
+        raise SystemExit("--keep-freed-memory needs glibc's malloc (mallopt); this C library has none")
 
 
 def machine_info() -> dict:

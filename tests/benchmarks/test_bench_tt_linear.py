@@ -81,3 +81,12 @@ def test_bad_arguments_are_clear_errors(argv, message, capsys):
         bench.main(["--quick", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_keep_freed_memory_is_applied_before_timing_and_recorded(tmp_path, monkeypatch, capsys):
+    applied = []
+    monkeypatch.setattr(bench.harness, "keep_freed_memory_for_run", lambda: applied.append(True))
+    assert bench.main([*ONE_CASE, "--keep-freed-memory", "--out-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert applied == [True]
+    assert json.loads((tmp_path / bench.JSON_NAME).read_text())["meta"]["keep_freed_memory"] is True

@@ -103,3 +103,11 @@ def test_run_lists_every_comparison_and_its_script_exists(capsys):
 def test_run_all_refuses_per_script_arguments():
     with pytest.raises(SystemExit):
         bench_run.main(["all", "--batch", "1"])
+
+
+def test_keep_freed_memory_without_glibc_is_a_clear_exit(monkeypatch):
+    from comera_lightning.callbacks import host_memory
+
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    with pytest.raises(SystemExit, match="needs glibc's malloc"):
+        harness.keep_freed_memory_for_run()
