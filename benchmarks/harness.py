@@ -351,10 +351,18 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
 
 
 def write_json(path: Path, payload: dict) -> Path:
-    """Write ``payload`` as indented JSON, creating the folder; returns the path."""
+    """Write ``payload`` as indented JSON, creating the folder (replaced whole: a kill mid-write leaves the old
+    file); returns the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(payload, indent=1, default=str))
+    partial.replace(path)
     return path
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file written by :func:`write_json`."""
+    return json.loads(Path(path).read_text())
 
 
 def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):

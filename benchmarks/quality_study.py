@@ -76,7 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-STUDIES = ("mlm", "pairs", "dlrm")
+STUDIES = ("mlm", "pairs", "dlrm", "lm")
+ALL_STUDIES = ("mlm", "pairs", "dlrm")  # what --study all runs (lm: llm_study.py has the decoder's own study)
 METHODS = ("dense", "comera", "comera-paper", "comera-norm")
 DEFAULT_METHODS = ("dense", "comera")
 PROTOCOLS = ("steps", "time", "matched")
@@ -204,7 +205,18 @@ def pairs_spec(quick: bool = False) -> StudySpec:
     return spec
 
 
-SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs_spec, "dlrm": dlrm_spec}
+def lm_spec(quick: bool = False) -> StudySpec:
+    """The decoder of ``configs/llm_cpu.yaml`` as a study (read by ``llm_study.spec_from_config``)."""
+    from llm_study import spec_from_config
+
+    s = spec_from_config(quick=quick)
+    return StudySpec("lm", s.task_kwargs, s.data_kwargs, s.rank_kwargs, steps=s.steps, budget_s=s.budget_s,
+                     val_every=s.val_every, limit_val_batches=s.limit_val_batches, metric="val/perplexity",
+                     secondary="val/loss", higher_is_better=False, late_fraction=s.late_fraction)
+
+
+SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs_spec, "dlrm": dlrm_spec,
+                                                 "lm": lm_spec}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -213,10 +225,10 @@ SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs
 
 def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     """The study's datamodule, prepared and set up once (every run then reads the very same tensors)."""
-    from comera_lightning.data import CodeMLMDataModule, CodePairsDataModule, CriteoDataModule
+    from comera_lightning.data import CodeLMDataModule, CodeMLMDataModule, CodePairsDataModule, CriteoDataModule
 
-    if spec.name in ("mlm", "pairs"):
-        cls = CodeMLMDataModule if spec.name == "mlm" else CodePairsDataModule
+    if spec.name in ("mlm", "pairs", "lm"):
+        cls = {"mlm": CodeMLMDataModule, "pairs": CodePairsDataModule, "lm": CodeLMDataModule}[spec.name]
         dm = cls(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
         dm.prepare_data()
     else:
@@ -227,13 +239,13 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
 
 def build_task(spec: StudySpec, method: str):
     """The LightningModule for ``method``: identical except TT (comera) or plain (dense) layers."""
-    from comera_lightning.lit import ClickThrough, MaskedLM, SequenceClassification
+    from comera_lightning.lit import CausalLM, ClickThrough, MaskedLM, SequenceClassification
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     tt = method.startswith("comera")
     torch.manual_seed(spec.seed)
-    cls = {"mlm": MaskedLM, "pairs": SequenceClassification, "dlrm": ClickThrough}[spec.name]
+    cls = {"mlm": MaskedLM, "pairs": SequenceClassification, "dlrm": ClickThrough, "lm": CausalLM}[spec.name]
     return cls(**with_layer_options(spec.task_kwargs, tt_linears=tt, tt_embeddings=tt))
 
 
@@ -244,6 +256,8 @@ def baseline_metrics(spec: StudySpec, dm) -> dict[str, float]:
     always predicting the most frequent training label. DLRM: log-loss of predicting the training click
     rate everywhere (AUC 0.5).
     """
+    if spec.name == "lm":
+        return {}  # llm_study.py reports the decoder's own references
     if spec.name == "pairs":
         train_labels = dm.train_dataset.tensors["labels"].long()
         mode = int(torch.bincount(train_labels).argmax())
@@ -424,10 +438,13 @@ def measure_step_ratio(spec: StudySpec, dm, *, max_other_load: float = 0.15, wai
 
 
 def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: float = 0.15,
-            wait_quiet_s: float = 0.0, max_steps_cap: int = 1_000_000, steps: int | None = None) -> dict[str, Any]:
+            wait_quiet_s: float = 0.0, max_steps_cap: int = 1_000_000, steps: int | None = None,
+            task: Any = None) -> dict[str, Any]:
     """Train one (method, protocol) run and return its measurements (see the module docstring).
 
     ``steps`` overrides ``spec.steps`` for a step-bounded run (the ``matched`` protocol's CoMERA run).
+    ``task`` trains that LightningModule instead of :func:`build_task`'s (``pareto_study.py``'s baselines);
+    a ``method`` starting with ``comera`` still adds the rank callbacks.
     """
     from lightning.pytorch import Trainer, seed_everything
 
@@ -439,7 +456,7 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, max_other_load: 
     if steps is not None:
         spec = replace(spec, steps=steps)
     seed_everything(spec.seed, verbose=False)
-    task = build_task(spec, method)
+    task = build_task(spec, method) if task is None else task
     at_start = _size(task)
     budget = spec.budget_s if protocol == "time" else None
     recorder = _recorder_class()(budget, max_other_load)
@@ -638,7 +655,7 @@ def markdown(result: dict[str, Any]) -> str:
     elif result["study"] == "pairs":
         lines.append(f"Floor: always predicting the most frequent label scores accuracy "
                      f"{base['majority_accuracy']:.4f} on the same {base['val_pairs']} pairs.")
-    else:
+    elif result["study"] == "dlrm":
         lines.append(f"Floor: predicting the training click rate ({base['train_click_rate']:.3f}) everywhere gives "
                      f"log-loss {base['constant_logloss']:.4f} and AUC 0.5 on the same {base['val_rows']} rows.")
     for protocol, s in result["summary"].items():
@@ -696,7 +713,7 @@ def make_specs(study: str, quick: bool = False, steps: int | None = None, budget
     """The specs ``--study`` selects, with command-line overrides applied and checked."""
     if study not in (*STUDIES, "all"):
         raise ValueError(f"unknown study {study!r}; use one of {(*STUDIES, 'all')}")
-    names = STUDIES if study == "all" else (study,)
+    names = ALL_STUDIES if study == "all" else (study,)
     specs = []
     for name in names:
         spec = SPECS[name](quick)

@@ -32,7 +32,7 @@ from .nn.base import TruncationRecord, TTLayer
 __all__ = [
     "rank_penalty", "rank_gates", "all_finite", "add_rank_objective_", "refresh_masks_", "truncate_dead_slices_",
     "ObjectiveWeights", "early_stage_weights", "late_stage_weights", "compressible_target_size", "scheduled_size",
-    "slice_importance", "plan_rank_cuts",
+    "slice_importance", "plan_rank_cuts", "layer_removal_caps",
 ]
 
 
@@ -195,6 +195,8 @@ def plan_rank_cuts(
     slice_parameters: Sequence[float],
     parameters_to_remove: float,
     max_cut_fraction: float,
+    groups: Sequence[int] | None = None,
+    group_caps: Sequence[float] | None = None,
 ) -> list[list[int]]:
     """Which active slices to cut so that about ``parameters_to_remove`` parameters go, cheapest first.
 
@@ -204,12 +206,19 @@ def plan_rank_cuts(
     (e.g. Taylor saliencies, in loss units). Each bond loses at most
     ``max(1, floor(max_cut_fraction * active))`` slices per call and always keeps one.
 
+    With ``groups`` (the layer of each bond) and ``group_caps`` (per layer, the parameters it may give up in
+    this call; :func:`layer_removal_caps`), the greedy pass takes a layer's slices only while that layer is
+    under its cap (the last slice may overshoot it); what the capped layers cannot give is then taken
+    cheapest first from every layer, so the target is still reached when a layer is down to rank 1.
+
     Args:
         importances: per bond, one non-negative value per slice (masked slices are ignored).
         masks: per bond, the boolean active mask.
         slice_parameters: per bond, the parameters one slice holds (:meth:`TTLayer.slice_parameters`).
         parameters_to_remove: how many parameters the cuts should free (<= 0: none).
         max_cut_fraction: the per-call bound on a bond's share of active slices, in (0, 1].
+        groups: per bond, the index of its layer into ``group_caps`` (None: one global ranking).
+        group_caps: per layer, the most parameters the first pass removes from it.
 
     Returns:
         per bond, the indices to cut (possibly empty).
@@ -218,6 +227,10 @@ def plan_rank_cuts(
         raise ValueError("importances, masks and slice_parameters must have one entry per bond")
     if not 0.0 < max_cut_fraction <= 1.0:
         raise ValueError(f"max_cut_fraction must be in (0, 1], got {max_cut_fraction}")
+    if (groups is None) != (group_caps is None):
+        raise ValueError("groups and group_caps go together: pass both (capped per layer) or neither (global)")
+    if groups is not None and len(groups) != len(masks):
+        raise ValueError(f"groups needs one layer index per bond: {len(groups)} for {len(masks)} bonds")
     cuts: list[list[int]] = [[] for _ in masks]
     if parameters_to_remove <= 0:
         return cuts
@@ -231,11 +244,44 @@ def plan_rank_cuts(
             continue
         cost = importance.detach().float()[active] / max(float(slice_parameters[k]), 1e-30)
         candidates += [(float(c), k, int(j)) for c, j in zip(cost, active)]
+    candidates.sort()
     freed = 0.0
-    for _, k, j in sorted(candidates):
+    if groups is not None:
+        freed_by_group = [0.0] * len(group_caps)
+        taken = set()
+        for _, k, j in candidates:
+            if freed >= parameters_to_remove:
+                return cuts
+            g = groups[k]
+            if len(cuts[k]) < allowance[k] and freed_by_group[g] < group_caps[g]:
+                cuts[k].append(j)
+                taken.add((k, j))
+                freed_by_group[g] += float(slice_parameters[k])
+                freed += float(slice_parameters[k])
+        candidates = [c for c in candidates if (c[1], c[2]) not in taken]
+    for _, k, j in candidates:
         if freed >= parameters_to_remove:
             break
         if len(cuts[k]) < allowance[k]:
             cuts[k].append(j)
             freed += float(slice_parameters[k])
     return cuts
+
+
+def layer_removal_caps(layer_sizes: Sequence[float], parameters_to_remove: float, layer_floor: float) -> list[float]:
+    """Per layer, the most parameters a cut may take so that no layer falls below ``layer_floor`` of a uniform share.
+
+    A uniform cut keeps the same fraction ``keep = 1 - parameters_to_remove / sum(layer_sizes)`` of every
+    layer; layer ``i`` may shrink to ``layer_floor * keep * layer_sizes[i]`` and no further in the capped pass
+    of :func:`plan_rank_cuts`. ``layer_floor = 0`` leaves the global ranking alone; ``1`` makes every layer
+    shrink by the same factor, the importances only choosing slices within a layer.
+
+    The global ranking drives whole layer kinds to rank 1 (the FFNs of the masked-LM, whose slices hold the
+    most parameters and so cost the least per parameter), which first-order saliencies misjudge: removing a
+    layer's last slices costs far more than their sum of saliencies says.
+    """
+    if not 0.0 <= layer_floor <= 1.0:
+        raise ValueError(f"layer_floor must be in [0, 1], got {layer_floor}")
+    total = float(sum(layer_sizes))
+    keep = min(max(1.0 - parameters_to_remove / total, 0.0), 1.0) if total > 0 else 1.0
+    return [float(size) * (1.0 - layer_floor * keep) for size in layer_sizes]

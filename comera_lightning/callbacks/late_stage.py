@@ -29,6 +29,7 @@ from ..objectives import (
     ObjectiveWeights,
     early_stage_weights,
     late_stage_weights,
+    layer_removal_caps,
     plan_rank_cuts,
     scheduled_size,
     slice_importance,
@@ -112,6 +113,11 @@ class ScheduledLateStage(LateStagePolicy):
             (:func:`~comera_lightning.objectives.slice_importance`) relative to its bond's mean, which needs
             no gradients. Either way a cut takes the slices with the least importance per parameter freed.
         saliency_smoothing: EMA factor of the Taylor saliency.
+        layer_floor: allocation across layers, in [0, 1]. A cut that leaves the model a fraction ``keep`` of
+            its TT size may leave no layer below ``layer_floor * keep`` of its own size (as long as other
+            layers can still give; :func:`~comera_lightning.objectives.layer_removal_caps`). ``0`` ranks
+            every slice globally, which starves whole layer kinds (the masked-LM's FFNs ended at rank 1);
+            ``1`` shrinks every layer by the same factor.
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class ScheduledLateStage(LateStagePolicy):
         penalty_weight: float | None = None,
         importance: str = "taylor",
         saliency_smoothing: float = 0.95,
+        layer_floor: float = 0.0,
     ) -> None:
         for name, value, ok, rule in (
             ("ramp_fraction", ramp_fraction, 0.0 < ramp_fraction <= 1.0, "in (0, 1]"),
@@ -136,6 +143,7 @@ class ScheduledLateStage(LateStagePolicy):
              or (math.isfinite(penalty_weight) and penalty_weight >= 0), ">= 0 and finite or None"),
             ("importance", repr(importance), importance in ("taylor", "norm"), "'taylor' or 'norm'"),
             ("saliency_smoothing", saliency_smoothing, 0.0 <= saliency_smoothing < 1.0, "in [0, 1)"),
+            ("layer_floor", layer_floor, 0.0 <= layer_floor <= 1.0, "in [0, 1]"),
         ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value}")
@@ -146,7 +154,7 @@ class ScheduledLateStage(LateStagePolicy):
         self.ramp_fraction, self.ramp_steps, self.cut_every_n_steps = ramp_fraction, ramp_steps, cut_every_n_steps
         self.max_cut_fraction, self.loss_tolerance, self.penalty_weight = max_cut_fraction, loss_tolerance, penalty_weight
         self.max_pause_steps = 4 * cut_every_n_steps if max_pause_steps is None else max_pause_steps
-        self.importance, self.saliency_smoothing = importance, saliency_smoothing
+        self.importance, self.saliency_smoothing, self.layer_floor = importance, saliency_smoothing, layer_floor
         # state (checkpointed)
         self.start_step: int | None = None
         self.start_size: float | None = None
@@ -241,7 +249,13 @@ class ScheduledLateStage(LateStagePolicy):
             masks += layer.rank_masks
             slice_params += layer.slice_parameters()
             owners += [(layer, k) for k in range(layer.num_bonds)]
-        cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction)
+        groups = caps = None
+        if self.layer_floor > 0:
+            groups = [i for i, layer in enumerate(layers) for _ in range(layer.num_bonds)]
+            caps = layer_removal_caps([layer.active_parameters() for layer in layers], size - self._goal,
+                                      self.layer_floor)
+        cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction,
+                              groups, caps)
         count = 0
         for (layer, k), indices in zip(owners, cuts):
             if indices:

@@ -61,6 +61,9 @@ class LayerConfig:
             ``(1, in, r) (r, out, 1)``: a rank-``r`` product ``W = A B`` with CoMERA's gate on its one bond.
             For layers whose index has no tensor structure: splitting a vocabulary's token ids into digits
             (the default modes) ties unrelated tokens together, and an output head suffers most from it.
+        low_rank_embeddings: regex; TT embeddings whose name matches become ``E = A B`` (``A``: rows x ``r``,
+            ``B``: ``r`` x width; ALBERT's factorised embedding) with the gate on the one bond, instead of a
+            TT-matrix over split token ids. With ``low_rank_linears``, the plain low-rank baseline.
     """
 
     tt_linears: bool = True
@@ -73,6 +76,7 @@ class LayerConfig:
     min_embedding_rows: int | None = None
     layer_ranks: dict[str, int] | None = None
     low_rank_linears: str | None = None
+    low_rank_embeddings: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_features < 1:
@@ -84,8 +88,9 @@ class LayerConfig:
                 raise ValueError(f"layer_config.{name} must be >= 1, got {getattr(self, name)}")
         if self.dense_layers:
             _compile(self.dense_layers, "layer_config.dense_layers")
-        if self.low_rank_linears:
-            _compile(self.low_rank_linears, "layer_config.low_rank_linears")
+        for name in ("low_rank_linears", "low_rank_embeddings"):
+            if getattr(self, name):
+                _compile(getattr(self, name), f"layer_config.{name}")
         for pattern, rank in (self.layer_ranks or {}).items():
             _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
             if int(rank) < 1:
@@ -134,6 +139,8 @@ class LayerFactory:
         self._dense_re = _compile(self.config.dense_layers, "dense_layers") if self.config.dense_layers else None
         self._low_rank_re = _compile(self.config.low_rank_linears, "low_rank_linears") if self.config.low_rank_linears \
             else None
+        self._low_rank_embedding_re = (_compile(self.config.low_rank_embeddings, "low_rank_embeddings")
+                                       if self.config.low_rank_embeddings else None)
         self._rank_res = [(_compile(p, "layer_ranks"), int(r)) for p, r in (self.config.layer_ranks or {}).items()]
         #: qualified name -> "tt" or "dense", in build order
         self.layers: dict[str, str] = {}
@@ -198,6 +205,11 @@ class LayerFactory:
         self._record(name, tt)
         if not tt:
             return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+        if self._low_rank_embedding_re is not None and self._low_rank_embedding_re.search(name):
+            if vocab_modes is not None or dim_modes is not None:
+                raise ValueError(f"embedding {name!r} matches low_rank_embeddings but its model gives it modes "
+                                 f"{vocab_modes} x {dim_modes}: leave it out of low_rank_embeddings")
+            vocab_modes, dim_modes = [num_embeddings, 1], [1, embedding_dim]
         return TTEmbedding(
             num_embeddings, embedding_dim, self.rank_of(name, config.embedding_rank), vocab_modes=vocab_modes,
             dim_modes=dim_modes, padding_idx=padding_idx, rank_threshold=config.rank_threshold, **tt_kwargs,

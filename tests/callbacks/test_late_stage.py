@@ -13,7 +13,9 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.objectives import compressible_target_size, plan_rank_cuts, scheduled_size, slice_importance
+from comera_lightning.objectives import (
+    compressible_target_size, layer_removal_caps, plan_rank_cuts, scheduled_size, slice_importance,
+)
 from comera_lightning.tt import bond_weights, minimum_train_size
 
 
@@ -112,6 +114,56 @@ def test_plan_rank_cuts_takes_least_important_first_within_the_bound():
     assert plan_rank_cuts([torch.tensor([1.0, 2.0])], [torch.ones(2, dtype=torch.bool)], [1.0], 1e9, 1.0) == [[0]]
     with pytest.raises(ValueError, match=r"max_cut_fraction must be in \(0, 1\]"):
         plan_rank_cuts(importances, masks, [1.0, 1.0], 1.0, 0.0)
+
+
+def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
+    # layer 0 (bond 0) holds big, cheap slices; layer 1 (bond 1) small, costly ones. Globally ranked, every
+    # cut comes from layer 0 until it is down to one slice.
+    importances = [torch.full((8,), 0.1), torch.full((8,), 1.0)]
+    masks = [torch.ones(8, dtype=torch.bool)] * 2
+    sizes_per_slice = [100.0, 10.0]
+    global_cuts = plan_rank_cuts(importances, masks, sizes_per_slice, 700.0, 1.0)
+    assert global_cuts == [list(range(7)), []]
+    # with a floor of 1 each layer gives its uniform share: half of 880 parameters each
+    layer_sizes = [800.0, 80.0]
+    caps = layer_removal_caps(layer_sizes, 440.0, 1.0)
+    assert caps == pytest.approx([400.0, 40.0])
+    capped = plan_rank_cuts(importances, masks, sizes_per_slice, 440.0, 1.0, groups=[0, 1], group_caps=caps)
+    assert len(capped[0]) == 4 and len(capped[1]) == 4
+    # a floor of 0 is the global ranking
+    assert layer_removal_caps(layer_sizes, 440.0, 0.0) == layer_sizes
+    # what a capped layer cannot give comes from the others: layer 1 is already at one active slice
+    masks_low = [torch.ones(8, dtype=torch.bool), torch.tensor([True] + [False] * 7)]
+    caps = layer_removal_caps([800.0, 10.0], 405.0, 1.0)
+    spill = plan_rank_cuts(importances, masks_low, sizes_per_slice, 405.0, 1.0, groups=[0, 1], group_caps=caps)
+    assert len(spill[0]) == 5 and spill[1] == []
+    with pytest.raises(ValueError, match="groups and group_caps go together"):
+        plan_rank_cuts(importances, masks, sizes_per_slice, 1.0, 1.0, groups=[0, 1])
+    with pytest.raises(ValueError, match="one layer index per bond"):
+        plan_rank_cuts(importances, masks, sizes_per_slice, 1.0, 1.0, groups=[0], group_caps=[1.0])
+    with pytest.raises(ValueError, match=r"layer_floor must be in \[0, 1\]"):
+        layer_removal_caps(layer_sizes, 1.0, 1.5)
+    with pytest.raises(ValueError, match=r"layer_floor must be in \[0, 1\]"):
+        ScheduledLateStage(layer_floor=-0.1)
+
+
+def test_layer_floor_stops_one_layer_collapsing_to_rank_one():
+    # two layers of different shapes, equal Taylor saliency everywhere: per parameter the wide layer's slices
+    # are the cheapest, so the global ranking takes them all first
+    def run(layer_floor):
+        torch.manual_seed(0)
+        layers = [TTLinear(64, 256, 8, in_modes=[64], out_modes=[256]), TTLinear(16, 16, 8, in_modes=[16], out_modes=[16])]
+        policy = ScheduledLateStage(ramp_steps=1, cut_every_n_steps=1, max_cut_fraction=1.0, layer_floor=layer_floor)
+        for layer in layers:
+            layer.gates[0].grad = torch.ones_like(layer.gates[0])
+        policy.observe(layers)
+        size = sum(layer.active_parameters() for layer in layers)
+        policy.start(0, size, size / 2, None)
+        policy.cut(1, 1.0, size, layers)
+        return [layer.active_ranks[1] for layer in layers]
+
+    assert run(0.0) == [3, 8]  # only the wide layer loses slices: the FFN-collapse pattern
+    assert run(1.0) == [4, 4]  # each layer keeps its uniform share
 
 
 def test_remove_slices_errors():

@@ -122,3 +122,25 @@ def test_low_rank_linears_are_a_gated_product_of_two_factors_in_float64():
     torch.testing.assert_close(dx, dx_ref)
     with pytest.raises(ValueError, match="matches low_rank_linears but its model gives it modes"):
         f.linear("x.head", 64, 64, in_modes=[8, 8], out_modes=[8, 8])
+
+
+def test_low_rank_embeddings_are_a_gated_product_of_two_factors_in_float64():
+    f = LayerFactory({"embedding_rank": 4, "min_features": 8, "low_rank_embeddings": "word"})
+    table, other = f.embedding("word_embeddings", 50, 12), f.embedding("position_embeddings", 64, 16)
+    assert (table.vocab_modes, table.dim_modes, table.ranks) == ([50, 1], [1, 12], [1, 4, 1])
+    assert len(other.vocab_modes) > 1  # the others keep their tensor modes
+    table = table.double()
+    with torch.no_grad():
+        table.gates[0].uniform_(0.5, 1.5)
+    a, b = table.cores[0][0, :, 0, :], table.cores[1][:, 0, :, 0]  # (50, 4), (4, 12)
+    ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
+    expected = ((a * table.gates[0]) @ b)[ids]
+    torch.testing.assert_close(table(ids), expected)
+    grad = torch.randn(2, 3, 12, dtype=torch.float64)
+    (da,) = torch.autograd.grad(table(ids), table.cores[0], grad)
+    (da_ref,) = torch.autograd.grad(((table.cores[0][0, :, 0, :] * table.gates[0]) @ b)[ids], table.cores[0], grad)
+    torch.testing.assert_close(da, da_ref)
+    with pytest.raises(ValueError, match="matches low_rank_embeddings but its model gives it modes"):
+        f.embedding("x.word", 64, 16, vocab_modes=[8, 8], dim_modes=[4, 4])
+    with pytest.raises(ValueError, match="layer_config.low_rank_embeddings is not a valid regular expression"):
+        LayerConfig(low_rank_embeddings="(")

@@ -1,0 +1,451 @@
+"""Quality at equal size: CoMERA against the models a user would train instead (a Pareto study).
+
+At small widths, comparing a compressed model with the full-width dense model measures capacity as much
+as the method. The question a user asks is: at the size I can afford, is CoMERA better than the model I
+would otherwise train? This study answers it with three families, each trained from the same seed on the
+same batches (the samplers and MLM masks depend only on the data seed) for the same number of steps:
+
+* ``dense:W``: the same architecture made narrower, d_model ``W`` (d_ff and heads scaled with it, the
+  head width kept), every layer a plain ``nn`` layer;
+* ``lowrank:R``: every eligible linear a plain product ``A B`` of rank ``R`` and the word embedding an
+  ALBERT-style factorised ``A B`` (``LayerConfig.low_rank_linears`` / ``low_rank_embeddings``), trained
+  from scratch with the gates frozen at 1: the GaLore paper's "low-rank" row;
+* ``comera:T``: the full-width CoMERA model (the study's TT ranks), RankAdaptation cutting towards
+  ``T``-times compression from ``late_fraction`` of the run on (``comera:T:floor=F``: with
+  ``ScheduledLateStage(layer_floor=F)``, the allocation across layers).
+
+Every point is placed at its active parameters at the end of training, as RankMonitor counts them
+(``size_report``: active TT core parameters plus every ordinary parameter, gates not counted). Tasks:
+``mlm`` (the quickstart's masked-LM, any corpus of source files via ``--corpus``) and ``lm`` (the decoder
+of ``configs/llm_cpu.yaml``). The step count and the late-stage schedule are the study's (``quality_study``'s
+specs: the quickstart's 2000 steps for MLM, llm_cpu's 1500 for the decoder) unless ``--steps`` says otherwise.
+
+One process runs one (task, corpus, seed) over its points, strictly one after the other, and rewrites its
+JSON after every run; a rerun with the same output skips the points already there, so a cut-off study
+resumes. ``--aggregate`` reads the JSONs of several seeds and writes the table (mean and min..max per
+point), the plot (metric against active parameters, log scale, the spread as error bars) and, for CoMERA,
+the equal-size comparison against each baseline curve (interpolated in log-parameters) and the largest
+compression within 1 point (MLM) / 5 % perplexity (decoder) of the full dense model.
+
+    python benchmarks/pareto_study.py --task mlm --seed 0 --threads 1
+    python benchmarks/pareto_study.py --task mlm --corpus site:sqlalchemy --seed 1 --threads 1
+    python benchmarks/pareto_study.py --task mlm --quick                        # smoke run, under a minute
+    python benchmarks/pareto_study.py --aggregate benchmarks/results/pareto/pareto_mlm_stdlib_s*.json \\
+        --out benchmarks/results/pareto/mlm_stdlib
+    bash benchmarks/pareto_seeds.sh                                             # the study of docs/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import sysconfig
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+import quality_study as qs  # noqa: E402
+
+TASKS = ("mlm", "lm")
+KINDS = ("dense", "lowrank", "comera")
+DEFAULT_POINTS = {
+    # the full dense model first (the reference of "free compression"), then each family across CoMERA's range
+    "mlm": ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
+            "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"],
+    "lm": ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
+           "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"],
+}
+QUICK_POINTS = ["dense:64", "dense:16", "lowrank:4", "comera:4", "comera:4:floor=1"]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One model of the study: a family and its size knob (width, rank or compression target).
+
+    CoMERA points take options: ``floor=F`` (``ScheduledLateStage(layer_floor=F)``; without it, the policy's
+    default at run time, recorded in the JSON) and ``head=R`` (the MLM's output decoder as a gated low-rank
+    product of rank ``R`` instead of a TT over split token ids).
+    """
+
+    kind: str
+    value: float
+    layer_floor: float | None = None
+    head_rank: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Point:
+        """``dense:W``, ``lowrank:R``, ``comera:T`` or ``comera:T:floor=F:head=R``."""
+        kind, _, rest = text.partition(":")
+        size, *options = rest.split(":") if rest else [""]
+        if kind not in KINDS or not size:
+            raise ValueError(f"point {text!r}: write dense:WIDTH, lowrank:RANK or comera:TARGET[:floor=F][:head=R]")
+        try:
+            value = float(size)
+        except ValueError:
+            raise ValueError(f"point {text!r}: {size!r} is not a number") from None
+        if value <= 0 or (kind != "comera" and value != int(value)):
+            raise ValueError(f"point {text!r}: widths and ranks are positive integers, targets positive numbers")
+        found: dict[str, float] = {}
+        for option in options:
+            key, _, number = option.partition("=")
+            if kind != "comera" or key not in ("floor", "head"):
+                raise ValueError(f"point {text!r}: only comera points take options, and only floor=F and head=R")
+            try:
+                found[key] = float(number)
+            except ValueError:
+                raise ValueError(f"point {text!r}: {key} needs a number, got {number!r}") from None
+        head = found.get("head")
+        return cls(kind, value, found.get("floor"), None if head is None else int(head))
+
+    @property
+    def name(self) -> str:
+        if self.kind != "comera":
+            return f"{self.kind}:{int(self.value)}"
+        return (f"comera:{self.value:g}" + ("" if self.layer_floor is None else f":floor={self.layer_floor:g}")
+                + ("" if self.head_rank is None else f":head={self.head_rank}"))
+
+    @property
+    def family(self) -> str:
+        """The curve the point belongs to: the kind, with a CoMERA point's options (a curve of their own)."""
+        return self.kind if self.kind != "comera" else ":".join(["comera", *self.name.split(":")[2:]])
+
+
+def corpus_root(corpus: str) -> str | None:
+    """``stdlib`` (None: the data modules' default), ``site:PACKAGE`` (an installed package's sources) or a path."""
+    if corpus == "stdlib":
+        return None
+    if corpus.startswith("site:"):
+        root = Path(sysconfig.get_paths()["purelib"]) / corpus[5:]
+        if not root.is_dir():
+            raise ValueError(f"corpus {corpus!r}: no installed package folder {root}; pip install it or give a path")
+        return str(root)
+    if not Path(corpus).expanduser().is_dir():
+        raise ValueError(f"corpus {corpus!r} is not a folder; use stdlib, site:PACKAGE or a folder of .py files")
+    return corpus
+
+
+def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool) -> qs.StudySpec:
+    """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
+    spec = qs.SPECS[task](quick)
+    spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps)
+    spec.data_kwargs = {**spec.data_kwargs, "root": corpus_root(corpus)}
+    spec.check()
+    return spec
+
+
+def task_kwargs(spec: qs.StudySpec, point: Point) -> dict[str, Any]:
+    """The model arguments of ``point``: the spec's model, narrowed (dense) or re-factorised (low-rank)."""
+    kwargs = dict(spec.task_kwargs)
+    layer = dict(kwargs.get("layer_config") or {})
+    if point.kind == "dense":
+        width = int(point.value)
+        head_dim = kwargs["d_model"] // kwargs["num_heads"]
+        kwargs.update(d_model=width, num_heads=max(1, width // head_dim),
+                      d_ff=max(1, round(kwargs["d_ff"] * width / kwargs["d_model"])))
+        layer.update(tt_linears=False, tt_embeddings=False)
+    elif point.kind == "lowrank":
+        rank = int(point.value)
+        layer.update(tt_linears=True, tt_embeddings=True, rank=rank, embedding_rank=rank, layer_ranks=None,
+                     low_rank_linears=".", low_rank_embeddings=".")
+    else:
+        layer.update(tt_linears=True, tt_embeddings=True)
+        if point.head_rank is not None:
+            if spec.name != "mlm":
+                raise ValueError(f"point {point.name}: head=R is for the MLM's decoder; the decoder LM's head is "
+                                 "set in configs/llm_cpu.yaml")
+            layer.update(low_rank_linears="head.decoder", layer_ranks={"head.decoder": point.head_rank})
+    kwargs["layer_config"] = layer
+    return kwargs
+
+
+def build_point(spec: qs.StudySpec, point: Point):
+    """(LightningModule, spec for ``run_one``, method name) of one point, seeded as the study is."""
+    from comera_lightning.callbacks import ScheduledLateStage
+    from comera_lightning.nn import tt_layers
+
+    from comera_lightning.lit import CausalLM, MaskedLM
+
+    torch.manual_seed(spec.seed)
+    task = {"mlm": MaskedLM, "lm": CausalLM}[spec.name](**task_kwargs(spec, point))
+    if point.kind == "lowrank":
+        for _, layer in tt_layers(task):
+            for gate in layer.gates:
+                gate.requires_grad_(False)  # a plain A B: nothing decides ranks, the gates stay at 1
+    run_spec = spec
+    if point.kind == "comera":
+        rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
+        rank["target_compression"] = point.value
+        rank["late_stage"] = ScheduledLateStage(**({} if point.layer_floor is None
+                                                   else {"layer_floor": point.layer_floor}))
+        run_spec = replace(spec, rank_kwargs=rank)
+    return task, run_spec, "comera" if point.kind == "comera" else "dense"
+
+
+def late_dip(run: dict[str, Any], late_start: int, higher_is_better: bool) -> float | None:
+    """How far the metric fell below its last value before the switch, at worst, after it (>= 0; None: no switch
+    within the validations). Perplexity dips are relative (a share), accuracy dips absolute."""
+    before = [v for v in run["validations"] if v["step"] <= late_start]
+    after = [v for v in run["validations"] if v["step"] > late_start]
+    if not before or not after:
+        return None
+    metric = run["metric"]
+    ref = before[-1]["metrics"][metric]
+    values = [v["metrics"][metric] for v in after]
+    return max(0.0, ref - min(values)) if higher_is_better else max(0.0, max(values) / ref - 1.0)
+
+
+def run_points(spec: qs.StudySpec, points: list[Point], out: Path, settings: dict[str, Any],
+               cache_dir: Path = qs.DEFAULT_CACHE) -> dict[str, Any]:
+    """Train every point not yet in ``out``'s JSON, rewriting it after each run; returns the study's JSON."""
+    previous = harness.read_json(out) if out.exists() else None
+    runs: dict[str, Any] = dict(previous["runs"]) if previous else {}
+    dm = qs.build_datamodule(spec, cache_dir)
+    late_start = int(round(spec.late_fraction * spec.steps))
+    result: dict[str, Any] = {}
+    for point in points:
+        if point.name in runs:
+            print(f"[{spec.name} s{spec.seed}] {point.name}: already in {out}, skipped", flush=True)
+            continue
+        task, run_spec, method = build_point(spec, point)
+        print(f"[{spec.name} s{spec.seed}] {point.name}: training {spec.steps} steps", flush=True)
+        run = qs.run_one(run_spec, method, "steps", dm, task=task)
+        record = {
+            "point": point.name, "kind": point.kind, "family": point.family, "value": point.value,
+            "layer_floor": run_spec.rank_kwargs["late_stage"].layer_floor if point.kind == "comera" else None,
+            "head_rank": point.head_rank, "metric": spec.metric,
+            "final_metric": run["final"]["metrics"].get(spec.metric),
+            "params_active": run["final"]["params_active"], "compression_ratio": run["final"]["compression_ratio"],
+            "params_dense_equivalent": run["final"]["params_dense_equivalent"],
+            "ranks_final": run["ranks_final"], "validations": run["validations"], "steps": run["steps"],
+            "train_s": run["train_s"], "median_step_s": run["median_step_s"], "other_load": run["other_load"],
+            "first_batch_hash": run["first_batch_hash"],
+        }
+        record["late_dip"] = late_dip(record, late_start, spec.higher_is_better) if point.kind == "comera" else None
+        runs[point.name] = record
+        print(f"    {spec.metric} {record['final_metric']:.4f} at {record['params_active']:,} active parameters "
+              f"({record['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s", flush=True)
+        result = {"task": spec.name, "seed": spec.seed, "spec": _jsonable(spec), "late_start_step": late_start,
+                  "higher_is_better": spec.higher_is_better, "machine": harness.machine_info(),
+                  "settings": settings, "runs": runs}
+        harness.write_json(out, result)
+    return result or previous
+
+
+def _jsonable(spec: qs.StudySpec) -> dict[str, Any]:
+    return {k: v for k, v in vars(spec).items() if k != "rank_kwargs"} | {
+        "rank_kwargs": {k: v for k, v in spec.rank_kwargs.items() if isinstance(v, (int, float, str, type(None)))}}
+
+
+# ------------------------------------------------------------------------------------------------------
+# aggregation over seeds
+
+
+def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per point: mean, min and max of the metric and the active parameters over the seeds; the CoMERA
+    comparisons at equal size; the free compression."""
+    if not studies:
+        raise ValueError("nothing to aggregate: no study JSON given")
+    tasks = {s["task"] for s in studies}
+    if len(tasks) != 1:
+        raise ValueError(f"the JSONs mix tasks {sorted(tasks)}; aggregate one task and corpus at a time")
+    higher = studies[0]["higher_is_better"]
+    names = list(dict.fromkeys(name for s in studies for name in s["runs"]))
+    points = {}
+    for name in names:
+        runs = [s["runs"][name] for s in studies if name in s["runs"]]
+        values = [r["final_metric"] for r in runs]
+        params = [r["params_active"] for r in runs]
+        dips = [r["late_dip"] for r in runs if r.get("late_dip") is not None]
+        points[name] = {
+            "family": runs[0]["family"], "kind": runs[0]["kind"], "seeds": [s["seed"] for s in studies
+                                                                            if name in s["runs"]],
+            "metric_mean": statistics.fmean(values), "metric_min": min(values), "metric_max": max(values),
+            "params_mean": statistics.fmean(params), "params_min": min(params), "params_max": max(params),
+            "compression_mean": statistics.fmean(r["compression_ratio"] for r in runs),
+            "late_dip_max": max(dips) if dips else None, "per_seed": values,
+        }
+    full = max((p for p in points.values() if p["kind"] == "dense"), key=lambda p: p["params_mean"], default=None)
+    dense_full_params = full["params_mean"] if full else None
+    comparisons = {}
+    for name, p in points.items():
+        if p["kind"] != "comera":
+            continue
+        row = {"params": p["params_mean"], "metric": p["metric_mean"]}
+        for family in ("dense", "lowrank"):
+            curve = sorted((q["params_mean"], q["metric_mean"]) for q in points.values() if q["family"] == family)
+            baseline = interpolate_log(curve, p["params_mean"])
+            row[f"{family}_at_same_size"] = baseline
+            row[f"vs_{family}"] = None if baseline is None else (
+                p["metric_mean"] - baseline if higher else baseline / p["metric_mean"] - 1.0)
+            # the per-seed check: every seed's CoMERA above that seed's baseline curve
+            row[f"seeds_above_{family}"] = _seeds_above(studies, name, family, higher)
+        if full is not None:
+            row["compression_vs_full_dense"] = dense_full_params / p["params_mean"]
+        comparisons[name] = row
+    free = None
+    if full is not None:
+        tolerance_ok = [(full["params_mean"] / p["params_mean"], name) for name, p in points.items()
+                        if p["kind"] == "comera" and _within(p["metric_mean"], full["metric_mean"], higher)]
+        free = max(tolerance_ok, default=None)
+    return {"task": studies[0]["task"], "higher_is_better": higher, "seeds": sorted(s["seed"] for s in studies),
+            "metric": next(iter(studies[0]["runs"].values()))["metric"], "points": points,
+            "full_dense": None if full is None else {"params": full["params_mean"], "metric": full["metric_mean"]},
+            "comparisons": comparisons,
+            "free_compression": None if free is None else {"compression": free[0], "point": free[1]},
+            "steps": studies[0]["spec"]["steps"], "late_start_step": studies[0]["late_start_step"]}
+
+
+def _within(value: float, reference: float, higher_is_better: bool) -> bool:
+    """Within 1 point of accuracy (0.01) or 5 % of perplexity of the reference."""
+    return value >= reference - 0.01 if higher_is_better else value <= reference * 1.05
+
+
+def interpolate_log(curve: list[tuple[float, float]], params: float) -> float | None:
+    """The baseline's metric at ``params``, linear in log-parameters between its two nearest points (None
+    outside the curve's range: no extrapolation)."""
+    for (p0, m0), (p1, m1) in zip(curve, curve[1:]):
+        if p0 <= params <= p1:
+            if p1 == p0:
+                return m0
+            t = (math.log(params) - math.log(p0)) / (math.log(p1) - math.log(p0))
+            return m0 + t * (m1 - m0)
+    return None
+
+
+def _seeds_above(studies: list[dict[str, Any]], name: str, family: str, higher: bool) -> str:
+    wins = total = 0
+    for s in studies:
+        if name not in s["runs"]:
+            continue
+        curve = sorted((r["params_active"], r["final_metric"]) for r in s["runs"].values() if r["family"] == family)
+        base = interpolate_log(curve, s["runs"][name]["params_active"])
+        if base is None:
+            continue
+        total += 1
+        value = s["runs"][name]["final_metric"]
+        wins += (value > base) if higher else (value < base)
+    return f"{wins}/{total}"
+
+
+def markdown(agg: dict[str, Any], title: str) -> str:
+    """The aggregate as markdown: every point, then CoMERA against the curves at equal size."""
+    m = agg["metric"]
+    lines = [f"### {title}", "",
+             f"{agg['steps']} steps per run, CoMERA's late stage from step {agg['late_start_step']}; seeds "
+             f"{agg['seeds']}; mean and min..max over the seeds.", ""]
+    rows = []
+    for name, p in sorted(agg["points"].items(), key=lambda kv: (kv[1]["family"], -kv[1]["params_mean"])):
+        rows.append([name, f"{p['params_mean']:,.0f}", f"{p['metric_mean']:.4f}",
+                     f"{p['metric_min']:.4f}..{p['metric_max']:.4f}", len(p["seeds"]),
+                     "-" if p["late_dip_max"] is None else f"{p['late_dip_max']:.4f}"])
+    lines += [harness.table(["model", "active params", m, "min..max", "seeds", "worst late dip"], rows), ""]
+    rows = []
+    for name, c in agg["comparisons"].items():
+        def fmt(key):
+            v = c[key]
+            return "outside the curve" if v is None else (f"{v:+.4f}" if agg["higher_is_better"] else f"{v:+.1%}")
+        rows.append([name, f"{c['params']:,.0f}", f"{c.get('compression_vs_full_dense', float('nan')):.1f}x",
+                     f"{c['metric']:.4f}", fmt("vs_dense"), c["seeds_above_dense"], fmt("vs_lowrank"),
+                     c["seeds_above_lowrank"]])
+    better = "CoMERA minus baseline" if agg["higher_is_better"] else "baseline / CoMERA - 1 (perplexity)"
+    lines += [harness.table(["CoMERA point", "active params", "vs full dense", m, f"vs dense-narrowed ({better})",
+                             "seeds above", "vs low-rank", "seeds above"], rows), ""]
+    free = agg["free_compression"]
+    tol = "1 point" if agg["higher_is_better"] else "5 % perplexity"
+    lines.append(f"Free compression (largest CoMERA compression within {tol} of the full dense model, "
+                 f"mean over seeds): " + ("none of the CoMERA points" if free is None
+                                          else f"{free['compression']:.1f}x ({free['point']})"))
+    return "\n".join(lines)
+
+
+def plot(agg: dict[str, Any], path: Path, title: str) -> Path:
+    """Metric against active parameters (log), one line per family, min..max over seeds as error bars."""
+    fig, axes = harness.new_figure(1, width=6.5, height=4.5)
+    ax = axes[0]
+    colours = {"dense": "tab:blue", "lowrank": "tab:green", "comera": "tab:red"}
+    families = dict.fromkeys(p["family"] for p in agg["points"].values())
+    for i, family in enumerate(families):
+        pts = sorted((p for p in agg["points"].values() if p["family"] == family), key=lambda p: p["params_mean"])
+        x = [p["params_mean"] for p in pts]
+        y = [p["metric_mean"] for p in pts]
+        err = [[p["metric_mean"] - p["metric_min"] for p in pts], [p["metric_max"] - p["metric_mean"] for p in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family,
+                    color=colours.get(family, f"C{i + 3}"))
+    ax.set_xscale("log")
+    ax.set_xlabel("active parameters at the end of training")
+    ax.set_ylabel(agg["metric"])
+    if not agg["higher_is_better"]:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    return harness.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------------
+# entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="mlm", choices=TASKS)
+    p.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps per run (default: the study's)")
+    p.add_argument("--points", nargs="+", default=None,
+                   help="dense:W, lowrank:R, comera:T[:floor=F] (default: the task's set, see DEFAULT_POINTS)")
+    p.add_argument("--quick", action="store_true", help="tiny models and a few steps: the plumbing only")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (1 when two studies share 2 cores)")
+    p.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR / "pareto")
+    p.add_argument("--cache-dir", type=Path, default=qs.DEFAULT_CACHE)
+    p.add_argument("--aggregate", nargs="+", type=Path, default=None, help="study JSONs of one task and corpus")
+    p.add_argument("--out", type=Path, default=None, help="with --aggregate: path stem of the .md/.json/.png")
+    p.add_argument("--title", default=None, help="with --aggregate: the table's and plot's title")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.aggregate:
+        if args.out is None:
+            parser.error("--aggregate needs --out (the path stem of the table, JSON and plot)")
+        agg = aggregate([harness.read_json(p) for p in args.aggregate])
+        title = args.title or f"{agg['task']}: CoMERA vs dense-narrowed vs low-rank"
+        text = markdown(agg, title)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        harness.write_json(args.out.with_suffix(".json"), agg)
+        args.out.with_suffix(".md").write_text(text + "\n")
+        plot(agg, args.out.with_suffix(".png"), title)
+        print(text)
+        return 0
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        points = [Point.parse(t) for t in (args.points or (QUICK_POINTS if args.quick else DEFAULT_POINTS[args.task]))]
+        spec = study_spec(args.task, args.corpus, args.seed, args.steps, args.quick)
+    except ValueError as err:
+        parser.error(str(err))
+    corpus = args.corpus.replace("site:", "").replace("/", "_").strip("_") or "corpus"
+    out = args.out_dir / f"pareto_{args.task}_{corpus}_s{args.seed}{'_quick' if args.quick else ''}.json"
+    qs._quiet_lightning()
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    run_points(spec, points, out, settings, args.cache_dir)
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
