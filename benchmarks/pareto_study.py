@@ -130,12 +130,18 @@ def corpus_root(corpus: str) -> str | None:
     return corpus
 
 
-def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool) -> qs.StudySpec:
-    """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run)."""
+def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool,
+               d_model: int | None = None) -> qs.StudySpec:
+    """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run) and
+    the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
     spec = qs.SPECS[task](quick)
     spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps)
+    if d_model is not None:
+        if d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}")
+        spec.task_kwargs = task_kwargs(spec, Point("dense", d_model)) | {"layer_config": spec.task_kwargs["layer_config"]}
     spec.data_kwargs = {**spec.data_kwargs, "root": corpus_root(corpus)}
     spec.check()
     return spec
@@ -400,6 +406,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="optimiser steps per run (default: the study's)")
+    p.add_argument("--d-model", type=int, default=None,
+                   help="width of the full model (CoMERA's and the widest dense point); default the study's 128")
     p.add_argument("--points", nargs="+", default=None,
                    help="dense:W, lowrank:R, comera:T[:floor=F] (default: the task's set, see DEFAULT_POINTS)")
     p.add_argument("--quick", action="store_true", help="tiny models and a few steps: the plumbing only")
@@ -435,11 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         points = [Point.parse(t) for t in (args.points or (QUICK_POINTS if args.quick else DEFAULT_POINTS[args.task]))]
-        spec = study_spec(args.task, args.corpus, args.seed, args.steps, args.quick)
+        spec = study_spec(args.task, args.corpus, args.seed, args.steps, args.quick, args.d_model)
     except ValueError as err:
         parser.error(str(err))
     corpus = args.corpus.replace("site:", "").replace("/", "_").strip("_") or "corpus"
-    out = args.out_dir / f"pareto_{args.task}_{corpus}_s{args.seed}{'_quick' if args.quick else ''}.json"
+    width = "" if args.d_model is None else f"_d{args.d_model}"
+    out = args.out_dir / f"pareto_{args.task}_{corpus}{width}_s{args.seed}{'_quick' if args.quick else ''}.json"
     qs._quiet_lightning()
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     run_points(spec, points, out, settings, args.cache_dir)

@@ -156,3 +156,12 @@ def test_end_to_end_resumes_and_aggregates(tmp_path, capsys):
         ps.main(["--aggregate", str(out)])  # no --out
     with pytest.raises(SystemExit):
         ps.main(["--points", "dense:x", "--quick"])
+
+
+def test_a_wider_study_scales_the_full_model():
+    wide = ps.study_spec("mlm", "stdlib", 0, 100, quick=False, d_model=256)
+    kwargs = wide.task_kwargs
+    assert (kwargs["d_model"], kwargs["num_heads"], kwargs["d_ff"], wide.steps) == (256, 8, 1024, 100)
+    assert kwargs["layer_config"].get("tt_linears", True)  # CoMERA's layers stay TT; dense points narrow from here
+    with pytest.raises(ValueError, match="d_model must be >= 1"):
+        ps.study_spec("mlm", "stdlib", 0, None, quick=False, d_model=0)
