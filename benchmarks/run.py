@@ -48,6 +48,9 @@ COMPARISONS: dict[str, Comparison] = {
     "quality": Comparison("quality_study", (),
                           "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, same steps and "
                           "same wall-clock"),
+    "pareto": Comparison("pareto_study", (),
+                         "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed vs low-rank "
+                         "at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)"),
     "llm": Comparison("llm_study", (),
                       "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, "
                       "same tokens and same wall-clock; perplexity, parameters, step time and peak memory up to d_model 1024"),
