@@ -268,13 +268,16 @@ def plan_rank_cuts(
     return cuts
 
 
-def layer_removal_caps(layer_sizes: Sequence[float], parameters_to_remove: float, layer_floor: float) -> list[float]:
+def layer_removal_caps(
+    layer_sizes: Sequence[float], reference_sizes: Sequence[float], parameters_to_remove: float, layer_floor: float
+) -> list[float]:
     """Per layer, the most parameters a cut may take so that no layer falls below ``layer_floor`` of a uniform share.
 
-    A uniform cut keeps the same fraction ``keep = 1 - parameters_to_remove / sum(layer_sizes)`` of every
-    layer; layer ``i`` may shrink to ``layer_floor * keep * layer_sizes[i]`` and no further in the capped pass
-    of :func:`plan_rank_cuts`. ``layer_floor = 0`` leaves the global ranking alone; ``1`` makes every layer
-    shrink by the same factor, the importances only choosing slices within a layer.
+    After the cut the layers hold ``keep = (sum(layer_sizes) - parameters_to_remove) / sum(reference_sizes)`` of
+    what they held at the reference (the late stage's start); a uniform allocation would leave layer ``i`` at
+    ``keep * reference_sizes[i]``, and the capped pass of :func:`plan_rank_cuts` takes it down to
+    ``layer_floor * keep * reference_sizes[i]`` and no further. ``layer_floor = 0`` leaves the global ranking
+    alone; ``1`` makes every layer shrink by the same factor, the importances only choosing slices within a layer.
 
     The global ranking drives whole layer kinds to rank 1 (the FFNs of the masked-LM, whose slices hold the
     most parameters and so cost the least per parameter), which first-order saliencies misjudge: removing a
@@ -282,6 +285,8 @@ def layer_removal_caps(layer_sizes: Sequence[float], parameters_to_remove: float
     """
     if not 0.0 <= layer_floor <= 1.0:
         raise ValueError(f"layer_floor must be in [0, 1], got {layer_floor}")
-    total = float(sum(layer_sizes))
-    keep = min(max(1.0 - parameters_to_remove / total, 0.0), 1.0) if total > 0 else 1.0
-    return [float(size) * (1.0 - layer_floor * keep) for size in layer_sizes]
+    if len(layer_sizes) != len(reference_sizes):
+        raise ValueError(f"one reference size per layer: {len(reference_sizes)} for {len(layer_sizes)} layers")
+    reference = float(sum(reference_sizes))
+    keep = max(float(sum(layer_sizes)) - parameters_to_remove, 0.0) / reference if reference > 0 else 1.0
+    return [max(float(size) - layer_floor * keep * float(ref), 0.0) for size, ref in zip(layer_sizes, reference_sizes)]

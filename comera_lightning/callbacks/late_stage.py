@@ -113,11 +113,12 @@ class ScheduledLateStage(LateStagePolicy):
             (:func:`~comera_lightning.objectives.slice_importance`) relative to its bond's mean, which needs
             no gradients. Either way a cut takes the slices with the least importance per parameter freed.
         saliency_smoothing: EMA factor of the Taylor saliency.
-        layer_floor: allocation across layers, in [0, 1]. A cut that leaves the model a fraction ``keep`` of
-            its TT size may leave no layer below ``layer_floor * keep`` of its own size (as long as other
-            layers can still give; :func:`~comera_lightning.objectives.layer_removal_caps`). ``0`` ranks
-            every slice globally, which starves whole layer kinds (the masked-LM's FFNs ended at rank 1);
-            ``1`` shrinks every layer by the same factor.
+        layer_floor: allocation across layers, in [0, 1]. When the cuts have left the TT layers a fraction
+            ``keep`` of their size at the switch, no layer is cut below ``layer_floor * keep`` of its own size
+            at the switch (as long as other layers can still give;
+            :func:`~comera_lightning.objectives.layer_removal_caps`). ``0`` ranks every slice globally, which
+            starves whole layer kinds (the masked-LM's FFNs ended at rank 1); ``1`` shrinks every layer by the
+            same factor.
     """
 
     def __init__(
@@ -163,6 +164,7 @@ class ScheduledLateStage(LateStagePolicy):
         self.last_cut_step: int | None = None
         self.loss_before_last_cut: float | None = None
         self.slices_cut = 0
+        self.layer_sizes_at_start: list[int] | None = None  # active parameters per layer at the first cut
         self.saliency: dict[str, torch.Tensor] = {}  # "<layer index>.<bond>" -> running |d * dL/dd|
         self._gate_keys: dict[int, str] = {}
         self._goal = float("nan")
@@ -250,10 +252,12 @@ class ScheduledLateStage(LateStagePolicy):
             slice_params += layer.slice_parameters()
             owners += [(layer, k) for k in range(layer.num_bonds)]
         groups = caps = None
+        sizes = [layer.active_parameters() for layer in layers]
+        if self.layer_sizes_at_start is None or len(self.layer_sizes_at_start) != len(sizes):
+            self.layer_sizes_at_start = sizes
         if self.layer_floor > 0:
             groups = [i for i, layer in enumerate(layers) for _ in range(layer.num_bonds)]
-            caps = layer_removal_caps([layer.active_parameters() for layer in layers], size - self._goal,
-                                      self.layer_floor)
+            caps = layer_removal_caps(sizes, self.layer_sizes_at_start, size - self._goal, self.layer_floor)
         cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction,
                               groups, caps)
         count = 0
@@ -273,10 +277,12 @@ class ScheduledLateStage(LateStagePolicy):
         return {"start_step": self.start_step, "start_size": self.start_size, "target_size": self.target_size,
                 "ramp": self.ramp, "last_cut_step": self.last_cut_step,
                 "loss_before_last_cut": self.loss_before_last_cut, "slices_cut": self.slices_cut,
+                "layer_sizes_at_start": self.layer_sizes_at_start,
                 "saliency": {k: v.clone() for k, v in self.saliency.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key in ("start_step", "start_size", "target_size", "ramp", "last_cut_step", "loss_before_last_cut"):
+        for key in ("start_step", "start_size", "target_size", "ramp", "last_cut_step", "loss_before_last_cut",
+                    "layer_sizes_at_start"):
             setattr(self, key, state_dict.get(key))
         self.slices_cut = int(state_dict.get("slices_cut", 0))
         self.saliency = {k: v.clone() for k, v in state_dict.get("saliency", {}).items()}

@@ -126,15 +126,15 @@ def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
     assert global_cuts == [list(range(7)), []]
     # with a floor of 1 each layer gives its uniform share: half of 880 parameters each
     layer_sizes = [800.0, 80.0]
-    caps = layer_removal_caps(layer_sizes, 440.0, 1.0)
+    caps = layer_removal_caps(layer_sizes, layer_sizes, 440.0, 1.0)
     assert caps == pytest.approx([400.0, 40.0])
     capped = plan_rank_cuts(importances, masks, sizes_per_slice, 440.0, 1.0, groups=[0, 1], group_caps=caps)
     assert len(capped[0]) == 4 and len(capped[1]) == 4
     # a floor of 0 is the global ranking
-    assert layer_removal_caps(layer_sizes, 440.0, 0.0) == layer_sizes
+    assert layer_removal_caps(layer_sizes, layer_sizes, 440.0, 0.0) == layer_sizes
     # what a capped layer cannot give comes from the others: layer 1 is already at one active slice
     masks_low = [torch.ones(8, dtype=torch.bool), torch.tensor([True] + [False] * 7)]
-    caps = layer_removal_caps([800.0, 10.0], 405.0, 1.0)
+    caps = layer_removal_caps([800.0, 10.0], [800.0, 10.0], 405.0, 1.0)
     spill = plan_rank_cuts(importances, masks_low, sizes_per_slice, 405.0, 1.0, groups=[0, 1], group_caps=caps)
     assert len(spill[0]) == 5 and spill[1] == []
     with pytest.raises(ValueError, match="groups and group_caps go together"):
@@ -142,7 +142,9 @@ def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
     with pytest.raises(ValueError, match="one layer index per bond"):
         plan_rank_cuts(importances, masks, sizes_per_slice, 1.0, 1.0, groups=[0], group_caps=[1.0])
     with pytest.raises(ValueError, match=r"layer_floor must be in \[0, 1\]"):
-        layer_removal_caps(layer_sizes, 1.0, 1.5)
+        layer_removal_caps(layer_sizes, layer_sizes, 1.0, 1.5)
+    with pytest.raises(ValueError, match="one reference size per layer"):
+        layer_removal_caps(layer_sizes, [1.0], 1.0, 0.5)
     with pytest.raises(ValueError, match=r"layer_floor must be in \[0, 1\]"):
         ScheduledLateStage(layer_floor=-0.1)
 
@@ -164,6 +166,32 @@ def test_layer_floor_stops_one_layer_collapsing_to_rank_one():
 
     assert run(0.0) == [3, 8]  # only the wide layer loses slices: the FFN-collapse pattern
     assert run(1.0) == [4, 4]  # each layer keeps its uniform share
+
+
+def test_layer_floor_holds_over_many_small_cuts():
+    # the floor is relative to the layers' sizes when the cuts began, not to their sizes before each cut: many
+    # small cuts must not add up to a collapse that no single cut would make
+    def run(layer_floor):
+        torch.manual_seed(0)
+        layers = [TTLinear(64, 256, 16, in_modes=[64], out_modes=[256]),
+                  TTLinear(16, 16, 16, in_modes=[16], out_modes=[16])]
+        policy = ScheduledLateStage(ramp_steps=40, cut_every_n_steps=1, max_cut_fraction=0.25, loss_tolerance=1e9,
+                                    layer_floor=layer_floor)
+        size = sum(layer.active_parameters() for layer in layers)
+        policy.start(0, size, size / 4, None)
+        for step in range(1, 41):
+            for layer in layers:
+                layer.gates[0].grad = torch.ones_like(layer.gates[0])
+            policy.observe(layers)
+            policy.cut(step, 1.0, sum(layer.active_parameters() for layer in layers), layers)
+        state = policy.state_dict()
+        assert state["layer_sizes_at_start"] == [16 * 320, 16 * 32]
+        return [layer.active_ranks[1] for layer in layers]
+
+    assert run(0.0) == [2, 16]  # the global ranking takes every cut from the wide layer
+    wide, narrow = run(1.0)
+    assert narrow <= 5 and wide >= 3  # both shrink to about a quarter: 16 -> 4 each
+    assert abs(wide - narrow) <= 1
 
 
 def test_remove_slices_errors():
