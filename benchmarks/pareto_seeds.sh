@@ -3,8 +3,8 @@
 # library, and SQLAlchemy's installed sources: a corpus the project never tuned on) and for the decoder LM, on two
 # lanes of one torch thread each (a 2-core machine), then the aggregates (tables, plots) per task and corpus.
 #   . .venv/bin/activate && bash benchmarks/pareto_seeds.sh [out-dir]     # about 1 h 45 min on 2 cores
-# STDLIB_SEEDS (default "0 1 2"), SQLA_SEEDS ("0 1") and LM_SEEDS ("0") pick the seeds; every MLM run is 1200 steps
-# (MLM_STEPS), every decoder run 1000 (LM_STEPS). Seed 0 of each corpus adds the one-seed diagnostics (a layer floor
+# STDLIB_SEEDS (default "0 1 2"), SQLA_SEEDS ("0 1") and LM_SEEDS ("0") pick the seeds, WIDTHS ("256") the wider
+# full models (seed 0, stdlib); every MLM run is 1200 steps (MLM_STEPS), every decoder run 1000 (LM_STEPS). Seed 0 of each corpus adds the one-seed diagnostics (a layer floor
 # of 1, the low-rank MLM head, the smallest dense and low-rank points). Reruns skip the points already in a seed's
 # JSON, so a cut-off study resumes where it stopped.
 set -uo pipefail
@@ -28,12 +28,23 @@ lm() {
     || echo "FAILED: lm seed $1"
 }
 
-lane_a() { for s in ${STDLIB_SEEDS-0 1 2}; do mlm stdlib "$s"; done; }
+width() {  # d_model: the full dense model and CoMERA cut from it, seed 0 (free compression against width)
+  $P --task mlm --corpus stdlib --seed 0 --steps "${MLM_STEPS:-1200}" --d-model "$1" \
+    --points "dense:$1" comera:5 comera:10 comera:20 >> "$OUT/log_mlm_stdlib_d$1_s0.txt" 2>&1 \
+    || echo "FAILED: mlm width $1"
+}
+
+stdlib=(${STDLIB_SEEDS-0 1 2})
+lane_a() {
+  for s in "${stdlib[@]:0:2}"; do mlm stdlib "$s"; done
+  for d in ${WIDTHS-256}; do width "$d"; done
+}
 lane_b() {
   local seeds=(${SQLA_SEEDS-0 1})
   [ ${#seeds[@]} -gt 0 ] && mlm site:sqlalchemy "${seeds[0]}"
   for s in ${LM_SEEDS-0}; do lm "$s"; done
   for s in "${seeds[@]:1}"; do mlm site:sqlalchemy "$s"; done
+  for s in "${stdlib[@]:2}"; do mlm stdlib "$s"; done
 }
 lane_a & lane_b & wait
 
@@ -44,4 +55,8 @@ ls "$OUT"/pareto_mlm_sqlalchemy_s?.json >/dev/null 2>&1 && $A "$OUT"/pareto_mlm_
   --out "$OUT/mlm_sqlalchemy" --title "MLM, SQLAlchemy sources: accuracy vs active parameters"
 ls "$OUT"/pareto_lm_stdlib_s?.json >/dev/null 2>&1 && $A "$OUT"/pareto_lm_stdlib_s?.json --out "$OUT/lm_stdlib" \
   --title "Decoder LM, standard library: perplexity vs active parameters"
+for d in ${WIDTHS-256}; do
+  ls "$OUT"/pareto_mlm_stdlib_d${d}_s?.json >/dev/null 2>&1 && $A "$OUT"/pareto_mlm_stdlib_d${d}_s?.json \
+    --out "$OUT/mlm_stdlib_d$d" --title "MLM, standard library, d_model $d"
+done
 exit 0
