@@ -287,8 +287,9 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
         row = {"params": p["params_mean"], "metric": p["metric_mean"]}
         for family in ("dense", "lowrank"):
             curve = sorted((q["params_mean"], q["metric_mean"]) for q in points.values() if q["family"] == family)
-            baseline = interpolate_log(curve, p["params_mean"])
+            baseline, larger = baseline_at(curve, p["params_mean"])
             row[f"{family}_at_same_size"] = baseline
+            row[f"{family}_is_larger"] = larger
             row[f"vs_{family}"] = None if baseline is None else (
                 p["metric_mean"] - baseline if higher else baseline / p["metric_mean"] - 1.0)
             # the per-seed check: every seed's CoMERA above that seed's baseline curve
@@ -326,13 +327,25 @@ def interpolate_log(curve: list[tuple[float, float]], params: float) -> float | 
     return None
 
 
+def baseline_at(curve: list[tuple[float, float]], params: float) -> tuple[float | None, bool]:
+    """(the baseline's metric at ``params``, whether it is the smallest baseline model instead).
+
+    Within the curve: :func:`interpolate_log`. Below it: the smallest baseline model's metric, a model with more
+    parameters than the point, so beating it is the stronger claim (as long as the curve improves with size).
+    Above it: None (a larger CoMERA model against a smaller baseline says nothing).
+    """
+    if curve and params < curve[0][0]:
+        return curve[0][1], True
+    return interpolate_log(curve, params), False
+
+
 def _seeds_above(studies: list[dict[str, Any]], name: str, family: str, higher: bool) -> str:
     wins = total = 0
     for s in studies:
         if name not in s["runs"]:
             continue
         curve = sorted((r["params_active"], r["final_metric"]) for r in s["runs"].values() if r["family"] == family)
-        base = interpolate_log(curve, s["runs"][name]["params_active"])
+        base, _ = baseline_at(curve, s["runs"][name]["params_active"])
         if base is None:
             continue
         total += 1
@@ -355,11 +368,14 @@ def markdown(agg: dict[str, Any], title: str) -> str:
     lines += [harness.table(["model", "active params", m, "min..max", "seeds", "worst late dip"], rows), ""]
     rows = []
     for name, c in agg["comparisons"].items():
-        def fmt(key):
-            v = c[key]
-            return "outside the curve" if v is None else (f"{v:+.4f}" if agg["higher_is_better"] else f"{v:+.1%}")
+        def fmt(family):
+            v = c[f"vs_{family}"]
+            if v is None:
+                return "above the curve"
+            text = f"{v:+.4f}" if agg["higher_is_better"] else f"{v:+.1%}"
+            return text + (" (vs its smallest, larger model)" if c[f"{family}_is_larger"] else "")
         rows.append([name, f"{c['params']:,.0f}", f"{c.get('compression_vs_full_dense', float('nan')):.1f}x",
-                     f"{c['metric']:.4f}", fmt("vs_dense"), c["seeds_above_dense"], fmt("vs_lowrank"),
+                     f"{c['metric']:.4f}", fmt("dense"), c["seeds_above_dense"], fmt("lowrank"),
                      c["seeds_above_lowrank"]])
     better = "CoMERA minus baseline" if agg["higher_is_better"] else "baseline / CoMERA - 1 (perplexity)"
     lines += [harness.table(["CoMERA point", "active params", "vs full dense", m, f"vs dense-narrowed ({better})",

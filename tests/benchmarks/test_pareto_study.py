@@ -84,6 +84,10 @@ def test_interpolation_in_log_parameters():
     assert ps.interpolate_log(curve, 1000.0) == pytest.approx(0.2)
     assert ps.interpolate_log(curve, 100.0) == pytest.approx(0.1)
     assert ps.interpolate_log(curve, 50.0) is None and ps.interpolate_log(curve, 20_000.0) is None
+    # below the curve: the smallest (larger) baseline model, flagged; above it: nothing to compare with
+    assert ps.baseline_at(curve, 50.0) == (0.1, True)
+    assert ps.baseline_at(curve, 1000.0) == (pytest.approx(0.2), False)
+    assert ps.baseline_at(curve, 20_000.0) == (None, False)
 
 
 def _study(seed, runs, task="mlm", higher=True):
@@ -112,6 +116,9 @@ def test_aggregate_compares_at_equal_size_and_finds_the_free_compression():
     assert agg["comparisons"]["comera:50"]["seeds_above_dense"] == "1/2"
     # within one point of the full dense model (0.51): comera:10 (0.50) at 1000 / 100 = 10x
     assert agg["free_compression"] == {"compression": pytest.approx(10.0), "point": "comera:10"}
+    tiny = ps.aggregate([_study(0, {"dense:64": (1000, 0.5), "dense:8": (10, 0.1), "comera:100": (5, 0.15)})])
+    assert tiny["comparisons"]["comera:100"]["dense_is_larger"] is True
+    assert "+0.0500 (vs its smallest, larger model)" in ps.markdown(tiny, "t")
     text = ps.markdown(agg, "t")
     assert "| comera:10 | 100 | 10.0x | 0.5000 | +0.2900 | 2/2 |" in text and "10.0x (comera:10)" in text
     with pytest.raises(ValueError, match="mix tasks"):
