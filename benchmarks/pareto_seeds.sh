@@ -15,7 +15,8 @@ python -c "import torch, comera_lightning" || { echo "activate the project's env
 MLM_POINTS="dense:128 comera:5 comera:10 comera:20 comera:50 comera:20:floor=0.5 comera:50:floor=0.5 dense:48 dense:32
  dense:16 dense:8 lowrank:24 lowrank:16 lowrank:8 lowrank:4"
 SEED0_POINTS="comera:20:floor=1 comera:20:head=64 dense:4 lowrank:2"
-LM_POINTS="dense:128 comera:5 comera:10 comera:20 dense:64 dense:32 dense:16 lowrank:24 lowrank:16 lowrank:8"
+LM_POINTS="dense:128 comera:5 comera:10 comera:20 dense:64 dense:32 dense:16 lowrank:24 lowrank:16 lowrank:8 dense:8
+ lowrank:4"
 P="python benchmarks/pareto_study.py --threads 1 --out-dir $OUT"
 
 mlm() {  # corpus seed
