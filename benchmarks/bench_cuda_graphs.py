@@ -1,4 +1,4 @@
-"""CUDA graphs (comera_lightning.callbacks.CudaGraphs) against eager training on one GPU: same result, how much faster.
+"""CUDA graphs (comera_lightning.training.CudaGraphs) against eager training on one GPU: same result, how much faster.
 
 What it measures, per model size and precision (fp32 ``32-true`` and ``bf16-mixed``):
 
@@ -199,7 +199,7 @@ def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
 
 def compare_training(size: Size, steps: int, precision: str, device: str, backend: str = "cuda") -> dict:
     """Train eagerly and with CudaGraphs from the same seed; return differences, counters and loop step times."""
-    from comera_lightning.callbacks import CudaGraphs
+    from comera_lightning.training import CudaGraphs
 
     graphs = CudaGraphs(backend=backend, warmup_steps=3)
     captured, start_c, cb_c = _fit(size, steps, precision, device, graphs)
@@ -227,7 +227,7 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
 
 def time_steps(size: Size, precision: str, repeats: int, max_other_load: float, wait_quiet: float) -> dict:
     """Bare step time (no Lightning loop), eager vs captured, interleaved; plus peak CUDA memory of each."""
-    from comera_lightning.callbacks import CudaGraphs
+    from comera_lightning.training import CudaGraphs
 
     cls = _module_class()
     batches = make_batches(size, 8, "cuda", seed=1)

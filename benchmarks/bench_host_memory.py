@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_training_step as bts  # noqa: E402
 import harness  # noqa: E402
-from comera_lightning.callbacks.host_memory import keep_freed_memory  # noqa: E402
+from comera_lightning.training.host_memory import keep_freed_memory  # noqa: E402
 
 MODES = ("glibc default", "kept")
 

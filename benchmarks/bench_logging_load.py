@@ -8,7 +8,7 @@ steps, and every block runs in one of these modes, interleaved (so the machine's
 
 * ``off``: no logger, RankMonitor skipped (the baseline);
 * ``monitor``: RankMonitor computing its values every step, no logger (RankMonitor's own cost);
-* ``resilient``: :class:`comera_lightning.loggers.ResilientMLFlowLogger` with its defaults: buffered, sent in
+* ``resilient``: :class:`comera_lightning.training.loggers.ResilientMLFlowLogger` with its defaults: buffered, sent in
   batches by a thread of the training process;
 * ``sync``: Lightning's plain ``MLFlowLogger`` (one synchronous ``log_batch`` per call: the old default);
 * ``async`` (only if asked with ``--modes``): ``MLFlowLogger(synchronous=False)``, MLflow's own async queue.
@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor
 from comera_lightning.lit.mlm import IGNORE, MaskedLM
-from comera_lightning.loggers import ResilientMLFlowLogger
+from comera_lightning.training.loggers import ResilientMLFlowLogger
 from comera_lightning.nn import size_report
 
 ROOT = Path(__file__).resolve().parents[1]

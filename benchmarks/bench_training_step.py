@@ -42,7 +42,7 @@ default (so the dense d_model-2048 model, 168M parameters, stays affordable); la
 ``--packed-dropout`` builds every candidate with ``packed_dropout=True`` (cheaper CPU dropout masks,
 ``comera_lightning.nn.dropout``; the same on all sides, so attention runs the same code everywhere).
 ``--keep-freed-memory`` makes glibc's malloc keep freed memory for the whole process
-(``comera_lightning.callbacks.keep_freed_memory``), so steps stop page-faulting their activations in. Each
+(``comera_lightning.training.host_memory.keep_freed_memory``), so steps stop page-faulting their activations in. Each
 candidate's minor page faults and system time over one step are reported either way.
 
 Output: markdown tables with the ratios and the issue's target verdicts on stdout; JSON (machine, settings,
@@ -763,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
     parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc malloc keeps freed memory (comera_lightning.callbacks.keep_freed_memory)")
+                        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory.keep_freed_memory)")
     parser.add_argument("--packed-dropout", action="store_true",
                         help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")

@@ -283,9 +283,9 @@ def peak_memory(
 
 def keep_freed_memory_for_run() -> None:
     """``--keep-freed-memory``: glibc's malloc keeps freed memory for the rest of the process, as the
-    ``KeepFreedMemory`` callback does for a training run (``comera_lightning.callbacks.host_memory``), so large
+    ``KeepFreedMemory`` callback does for a training run (``comera_lightning.training.host_memory``), so large
     outputs and activations stop being page-faulted in again on every step. Exits where that is impossible."""
-    from comera_lightning.callbacks.host_memory import keep_freed_memory
+    from comera_lightning.training.host_memory import keep_freed_memory
 
     if not keep_freed_memory(True):
         raise SystemExit("--keep-freed-memory needs glibc's malloc (mallopt); this C library has none")

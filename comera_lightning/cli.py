@@ -5,7 +5,7 @@
 
 Defaults that differ from plain LightningCLI:
 
-* the logger is MLflow (:class:`~comera_lightning.loggers.ResilientMLFlowLogger`: buffered, sent in the
+* the logger is MLflow (:class:`~comera_lightning.training.loggers.ResilientMLFlowLogger`: buffered, sent in the
   background, kept in a local fallback folder while the store is unreachable) on a local sqlite store
   (``sqlite:///mlflow.db`` in the working directory unless ``MLFLOW_TRACKING_URI`` is set), experiment
   ``comera``;
@@ -16,7 +16,7 @@ Defaults that differ from plain LightningCLI:
 * the comera callbacks resolve by short name (``class_path: RankAdaptation``) and a rich progress bar is
   used when the progress bar is on;
 * checkpoints load with ``weights_only=True`` (tensors and primitives only) unless ``--weights_only false``;
-* ``fit`` is fault tolerant: a :class:`~comera_lightning.callbacks.fault_tolerance.FaultTolerance` callback
+* ``fit`` is fault tolerant: a :class:`~comera_lightning.training.fault_tolerance.FaultTolerance` callback
   writes an atomic step checkpoint every ``--fault_tolerance.every_n_steps`` steps (default 100, 0 turns it
   off) into a directory that is the same for every launch of the same experiment:
   ``<default_root_dir>/fault_tolerance/<config name>-<hash of the resolved config>``; options that do not
@@ -49,15 +49,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
+from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
-from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
+from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
-from .callbacks.final_validation import FinalValidation
-from .callbacks.predictions import PredictionWriter
-from .callbacks.progress import StepProgressBar
+from .training.final_validation import FinalValidation
+from .training.predictions import PredictionWriter
+from .training.progress import StepProgressBar
 from .lit.base import ComeraTask
-from .loggers import ResilientMLFlowLogger
+from .training.loggers import ResilientMLFlowLogger
 from .lit.checks import check_checkpoint_file, check_output_dirs
 from .nn.tensorize import size_report
 
@@ -122,7 +123,7 @@ class ComeraCLI(LightningCLI):
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         defaults = {
             "logger": {
-                "class_path": "comera_lightning.loggers.ResilientMLFlowLogger",
+                "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
                 "init_args": {"experiment_name": EXPERIMENT, "tracking_uri": tracking_uri()},
             },
             "default_root_dir": "runs",

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .atomic import atomic_write
+from .training.atomic import atomic_write
 from .nn.base import TTLayer
 from .nn.embedding import TTEmbedding
 from .nn.linear import TTLinear

@@ -37,7 +37,7 @@ from ..objectives import (
     truncate_dead_slices_,
 )
 from ..optim import slice_optimizer_state
-from .late_stage import LateStagePolicy, late_stage_policy
+from ..late_stage import LateStagePolicy, late_stage_policy
 
 __all__ = ["RankAdaptation", "after_truncation"]
 
@@ -62,7 +62,7 @@ class RankAdaptation(Callback):
         target_loss: late-stage loss target ``L0``; None keeps the smoothed loss at the switch.
         late_stage: how the late stage reaches the size target: ``"scheduled"`` (bounded cuts of the least
             important slices on a schedule, the default chosen by measurement), ``"paper"`` (the research
-            code's switching rule) or a :class:`~comera_lightning.callbacks.late_stage.LateStagePolicy`.
+            code's switching rule) or a :class:`~comera_lightning.late_stage.LateStagePolicy`.
         threshold: gate magnitude at or below which a slice dies; None uses each layer's own.
         mask_every_n_steps: how often (optimiser steps) dead slices are masked.
         truncate_every_n_steps: how often layers are checked for physical truncation; None never truncates.
@@ -249,7 +249,7 @@ class RankAdaptation(Callback):
             if not self._warned_nonfinite:
                 rank_zero_warn(
                     f"RankAdaptation: rank gates are not finite after step {step}; masks and truncation are "
-                    "left unchanged. Training has diverged: add comera_lightning.callbacks.DivergenceGuard, "
+                    "left unchanged. Training has diverged: add comera_lightning.training.DivergenceGuard, "
                     "lower the learning rates or enable gradient clipping", category=UserWarning,
                 )
                 self._warned_nonfinite = True

@@ -281,8 +281,8 @@ def fingerprint_files(root: str | os.PathLike[str], rel_paths: Iterable[str]) ->
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """:func:`comera_lightning.atomic.atomic_torch_save` (imported on use: this module also loads on its own)."""
-    from ..atomic import atomic_torch_save as save
+    """:func:`comera_lightning.training.atomic.atomic_torch_save` (imported on use: this module also loads on its own)."""
+    from ..training.atomic import atomic_torch_save as save
 
     save(obj, path)
 

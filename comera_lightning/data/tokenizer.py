@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..training.atomic import atomic_write
 from .common import cache_key
 
 __all__ = [

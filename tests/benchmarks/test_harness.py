@@ -106,7 +106,7 @@ def test_run_all_refuses_per_script_arguments():
 
 
 def test_keep_freed_memory_without_glibc_is_a_clear_exit(monkeypatch):
-    from comera_lightning.callbacks import host_memory
+    from comera_lightning.training import host_memory
 
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)
     with pytest.raises(SystemExit, match="needs glibc's malloc"):

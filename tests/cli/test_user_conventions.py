@@ -12,7 +12,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from test_cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides, workdir  # noqa: F401  (fixture)
 
-from comera_lightning.callbacks import StepProgressBar
+from comera_lightning.training import StepProgressBar
 
 QUICKSTART = f"--config={CONFIGS / 'quickstart.yaml'}"
 
@@ -111,7 +111,7 @@ def test_system_metrics_are_an_option_of_the_logger(workdir):
 
 
 def test_system_metrics_interval_must_be_positive():
-    from comera_lightning.loggers import ResilientMLFlowLogger
+    from comera_lightning.training.loggers import ResilientMLFlowLogger
 
     with pytest.raises(ValueError, match="system_metrics_interval_s must be > 0"):
         ResilientMLFlowLogger(system_metrics_interval_s=0)

@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..nn.base import TruncationRecord, TTLayer
-from ..objectives import (
+from .nn.base import TruncationRecord, TTLayer
+from .objectives import (
     ObjectiveWeights,
     early_stage_weights,
     late_stage_weights,

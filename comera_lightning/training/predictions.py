@@ -46,7 +46,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from ..atomic import atomic_write
+from .atomic import atomic_write
 
 __all__ = ["PredictionWriter", "prediction_records"]
 
@@ -125,7 +125,7 @@ class PredictionWriter(BasePredictionWriter):
             ``predictions.jsonl`` in ``trainer.default_root_dir`` (``runs/`` under ``comera``).
         overwrite: replace an existing file; by default an existing file is refused, before predicting.
 
-    See the module docstring (:mod:`comera_lightning.callbacks.predictions`) for the record format, the
+    See the module docstring (:mod:`comera_lightning.training.predictions`) for the record format, the
     per-process files under DDP and the CLI/YAML usage.
     """
 

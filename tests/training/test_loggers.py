@@ -33,9 +33,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from comera_lightning.cli import ComeraCLI
-from comera_lightning.loggers import ResilientMLFlowLogger, TrackingDegradedWarning, upload_fallback
+from comera_lightning.training.loggers import ResilientMLFlowLogger, TrackingDegradedWarning, upload_fallback
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SERVER_START_TIMEOUT_S = 120.0  # a cold start imports mlflow twice (CLI, then the uvicorn worker): ~15 s on 2 busy cores
 
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
@@ -141,7 +141,7 @@ def workdir(tmp_path, monkeypatch):
 def _fit(workdir: Path, tracking_uri: str) -> ComeraCLI:
     """A tiny quickstart fit whose logger is a ResilientMLFlowLogger on ``tracking_uri``."""
     config = {"trainer": {**CALLBACKS, "logger": {
-        "class_path": "comera_lightning.loggers.ResilientMLFlowLogger",
+        "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
         "init_args": {"experiment_name": "comera", "tracking_uri": tracking_uri, "local_dir": str(workdir / "runs"),
                       "flush_interval_s": 0.5}}}}
     path = workdir / "tracking.yaml"

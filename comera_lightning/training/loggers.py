@@ -26,7 +26,7 @@ This logger is a drop-in MLFlowLogger (same arguments, ``isinstance(logger, MLFl
   ``artifacts/`` at their artifact paths, and ``run.json`` (URI, experiment, run, final status);
 * **catches up**: the sender tries the store again every ``retry_interval_s`` (doubling up to ten
   minutes); when it answers, it creates the run if it never existed and uploads what was kept. If the
-  process ends first, ``python -m comera_lightning.loggers upload <folder>`` (or :func:`upload_fallback`)
+  process ends first, ``python -m comera_lightning.training.loggers upload <folder>`` (or :func:`upload_fallback`)
   uploads the folder later.
 
 Checkpoints do not depend on MLflow: ``name``/``version`` fall back to ``offline``/``offline-<time>-<hex>``
@@ -625,7 +625,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         return (f"ResilientMLFlowLogger: the MLflow tracking store at {self._tracking_uri} was still failing at "
                 f"the end; {self._kept['metrics']} metric values ({not_sent} bytes of {self._fallback / METRICS_CSV} "
                 f"not uploaded), {len(self._pending_artifacts)} artifacts and the params are kept in {self._fallback}"
-                f"{other}. Upload them later with: python -m comera_lightning.loggers upload {self._fallback}")
+                f"{other}. Upload them later with: python -m comera_lightning.training.loggers upload {self._fallback}")
 
     def _safe_key(self, key: str) -> str:
         safe = self._key_cache.get(key)
@@ -779,7 +779,7 @@ def upload_fallback(folder: Union[str, Path], tracking_uri: Optional[str] = None
 def _main(argv: Optional[list[str]] = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m comera_lightning.loggers",
+    parser = argparse.ArgumentParser(prog="python -m comera_lightning.training.loggers",
                                      description="Upload a ResilientMLFlowLogger fallback folder to MLflow.")
     sub = parser.add_subparsers(dest="command", required=True)
     upload = sub.add_parser("upload", help="upload an mlflow_fallback folder")

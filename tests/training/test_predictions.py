@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-from comera_lightning.callbacks import PredictionWriter
-from comera_lightning.callbacks.predictions import prediction_records
+from comera_lightning.training import PredictionWriter
+from comera_lightning.training.predictions import prediction_records
 
 
 class _Scores(LightningModule):

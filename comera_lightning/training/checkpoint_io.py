@@ -3,12 +3,12 @@
 Lightning's own ``TorchCheckpointIO`` is not atomic in the crash sense: it writes through an fsspec
 transaction that stages the file in the system temporary folder and moves it into place (a copy in
 place when that folder is on another file system) and never fsyncs. This plugin writes local files with
-:func:`comera_lightning.atomic.atomic_write`, so a checkpoint name never holds a partial file::
+:func:`comera_lightning.training.atomic.atomic_write`, so a checkpoint name never holds a partial file::
 
     Trainer(plugins=[AtomicCheckpointIO()])
-    comera fit ... --trainer.plugins comera_lightning.checkpoint_io.AtomicCheckpointIO
+    comera fit ... --trainer.plugins comera_lightning.training.checkpoint_io.AtomicCheckpointIO
 
-:class:`~comera_lightning.callbacks.fault_tolerance.FaultTolerance` installs it by itself
+:class:`~comera_lightning.training.fault_tolerance.FaultTolerance` installs it by itself
 (``atomic_io=True``) when the trainer has a plain ``TorchCheckpointIO``.
 """
 

@@ -24,8 +24,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyRegressor, regression_loader
 
-from comera_lightning.atomic import atomic_torch_save, atomic_write
-from comera_lightning.callbacks.fault_tolerance import (
+from comera_lightning.training.atomic import atomic_torch_save, atomic_write
+from comera_lightning.training.fault_tolerance import (
     FaultTolerance,
     capture_rng_state,
     checkpoint_files,
@@ -33,7 +33,7 @@ from comera_lightning.callbacks.fault_tolerance import (
     restore_rng_state,
 )
 from comera_lightning.data import MLMCollator, TensorDictDataset
-from comera_lightning.checkpoint_io import AtomicCheckpointIO
+from comera_lightning.training.checkpoint_io import AtomicCheckpointIO
 from comera_lightning.data.common import ResumableDataLoader, rows_loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -446,7 +446,7 @@ def test_atomic_checkpoint_io_from_the_cli_plugins(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     cli = ComeraCLI(args=["fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY, "--trainer.max_steps=2",
                           "--fault_tolerance.every_n_steps=1", "--fault_tolerance.atomic_io=false",
-                          "--trainer.plugins=comera_lightning.checkpoint_io.AtomicCheckpointIO"])
+                          "--trainer.plugins=comera_lightning.training.checkpoint_io.AtomicCheckpointIO"])
     assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO  # the plugin, not FaultTolerance
     ft = [c for c in cli.trainer.callbacks if isinstance(c, FaultTolerance)]
     assert len(ft) == 1 and cli.trainer.checkpoint_callback is not ft[0]

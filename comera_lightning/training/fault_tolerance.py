@@ -3,7 +3,7 @@
 A Lightning ``ModelCheckpoint`` writes ``step=<global step>.ckpt`` every ``every_n_steps`` optimiser steps
 and keeps the newest ``keep`` (``monitor="step", mode="max"``). This subclass adds what Lightning lacks:
 
-* atomic, fsync'ed writes (:class:`~comera_lightning.checkpoint_io.AtomicCheckpointIO` replaces a plain
+* atomic, fsync'ed writes (:class:`~comera_lightning.training.checkpoint_io.AtomicCheckpointIO` replaces a plain
   ``TorchCheckpointIO``, so every checkpoint the trainer writes is atomic);
 * every process's random streams (torch CPU/CUDA, numpy, ``random``, the training collate functions'
   generators), all-gathered in ``state_dict`` and put back in ``on_train_start``. ``Trainer.save_checkpoint``
@@ -34,8 +34,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..atomic import TEMP_SUFFIX
-from ..checkpoint_io import AtomicCheckpointIO
+from .atomic import TEMP_SUFFIX
+from .checkpoint_io import AtomicCheckpointIO
 
 __all__ = [
     "FaultTolerance",
@@ -151,7 +151,7 @@ class FaultTolerance(ModelCheckpoint):
             Use a folder that is the same for every launch of one experiment.
         keep: how many of the newest step checkpoints to keep (>= 1).
         atomic_io: replace the trainer's plain ``TorchCheckpointIO`` by
-            :class:`~comera_lightning.checkpoint_io.AtomicCheckpointIO`.
+            :class:`~comera_lightning.training.checkpoint_io.AtomicCheckpointIO`.
     """
 
     def __init__(self, every_n_steps: int = 100, dirpath: str | None = None, keep: int = 2,

@@ -1,4 +1,4 @@
-"""Capture backends of the :class:`~comera_lightning.callbacks.CudaGraphs` callback: the only CUDA-specific code.
+"""Capture backends of the :class:`~comera_lightning.training.CudaGraphs` callback: the only CUDA-specific code.
 
 A backend captures a function (the training step's forward + backward, or the optimiser step) into a
 :class:`Graph` whose ``replay()`` recomputes its static ``outputs`` in place:

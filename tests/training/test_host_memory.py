@@ -11,8 +11,9 @@ import pytest
 from lightning.pytorch import Callback, Trainer
 from tiny import TinyRegressor, regression_loader
 
-from comera_lightning.callbacks import KeepFreedMemory, host_memory
-from comera_lightning.callbacks.host_memory import keep_freed_memory
+from comera_lightning.training import host_memory
+from comera_lightning.training import KeepFreedMemory
+from comera_lightning.training.host_memory import keep_freed_memory
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                            reason="mallopt is glibc's")
@@ -26,7 +27,7 @@ BLOCK = 40 * 2**20 // 4
 # mmap, so "the default faults" would depend on test order.
 MEASURE = f"""
 import resource, sys, torch
-from comera_lightning.callbacks.host_memory import keep_freed_memory
+from comera_lightning.training.host_memory import keep_freed_memory
 
 def fewest_faults_per_block(blocks=6):
     counts = []

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from comera_lightning import tensorize
-from comera_lightning.callbacks import DivergenceError, DivergenceGuard, RankAdaptation
+from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.training import DivergenceError, DivergenceGuard
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import comera_parameter_groups
 

@@ -12,7 +12,7 @@ deduplication are skipped while tracing, contraction plans are resolved outside 
 This callback is the experimental second route: it captures the optimiser step too, for any
 LightningModule trained with automatic optimisation, without changing it. It has not been run on a GPU
 yet (it warns so at setup); ``benchmarks/bench_cuda_graphs.py`` is the prepared first run. Its capture
-backends live in :mod:`comera_lightning.callbacks.cuda_graph_backends`.
+backends live in :mod:`comera_lightning.training.cuda_graph_backends`.
 
 How a step runs (``backend="cuda"``), inside Lightning's own loop and hooks:
 

@@ -1,0 +1,16 @@
+"""Training infrastructure that knows nothing of tensor trains: generic callbacks, the MLflow logger, atomic files.
+
+Any Lightning project can use these; CoMERA's own callbacks live in :mod:`comera_lightning.callbacks`.
+"""
+
+from .cuda_graphs import CudaGraphs
+from .divergence import DivergenceError, DivergenceGuard
+from .fault_tolerance import FaultTolerance
+from .final_validation import FinalValidation
+from .host_memory import KeepFreedMemory
+from .loggers import ResilientMLFlowLogger
+from .predictions import PredictionWriter
+from .progress import StepProgressBar
+
+__all__ = ["CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation",
+           "KeepFreedMemory", "PredictionWriter", "ResilientMLFlowLogger", "StepProgressBar"]
