@@ -3,16 +3,54 @@ optimiser state that follows a physical truncation."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Literal
 
 import torch
 from torch import nn
 
+from .config import GroupedOptions
 from .nn.base import TruncationRecord
 from .nn.tensorize import tt_layers
 from .tt.rank import select_rank_slices
 
-__all__ = ["comera_parameter_groups", "slice_optimizer_state"]
+__all__ = ["OptimConfig", "comera_parameter_groups", "slice_optimizer_state"]
+
+
+@dataclass(frozen=True)
+class OptimConfig(GroupedOptions):
+    """How a task learns: the learning rates of CoMERA's three parameter groups and the schedule.
+
+    One object per task (``model.init_args.optim`` in YAML, ``--model.optim.lr_gates 0.2`` on the command
+    line) rather than the same six arguments in every task's constructor.
+
+    Attributes:
+        lr_cores, lr_gates, lr_other: AdamW learning rates of the TT cores, the rank gates and every other
+            parameter (the paper: 1e-4, 1e-3, 5e-5).
+        weight_decay: for cores and other parameters (never for gates).
+        warmup_steps: linear LR warmup (optimiser steps).
+        schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to zero at the end
+            of training (``trainer.estimated_stepping_batches``).
+    """
+
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_other: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+    argument: ClassVar[str] = "optim"
+
+    def __post_init__(self) -> None:
+        for name in ("lr_cores", "lr_gates", "lr_other"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"optim.{name} must be > 0, got {getattr(self, name)}")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.schedule must be 'constant', 'linear' or 'cosine', got {self.schedule!r}")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError(f"optim.warmup_steps and optim.weight_decay must be >= 0, got {self.warmup_steps}, "
+                             f"{self.weight_decay}")
 
 
 def comera_parameter_groups(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI, instantiate_class
 
-from ..optim import comera_parameter_groups
+from ..optim import OptimConfig, comera_parameter_groups
 from .checks import check_output_dirs, check_state_dict_fits
 
 __all__ = ["ComeraTask", "warmup_decay_factor"]
@@ -33,46 +33,32 @@ class ComeraTask(LightningModule):
     """Base of the comera tasks: subclasses build ``self.model`` and implement the steps.
 
     Args:
-        lr_cores, lr_gates, lr_other: AdamW learning rates of the TT cores, the rank gates and every other
-            parameter (the paper: 1e-4, 1e-3, 5e-5).
-        weight_decay: for cores and other parameters (never for gates).
-        warmup_steps: linear LR warmup (optimiser steps).
-        schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to zero at the end
-            of training (``trainer.estimated_stepping_batches``).
+        optim: learning rates and schedule (:class:`~comera_lightning.optim.OptimConfig`, or a mapping of its
+            fields); ``None``: the task's :attr:`default_optim`.
         optimizer: ``{"class_path": ..., "init_args": {...}}`` of any ``torch.optim.Optimizer`` (the CLI's
             ``--optimizer``), built over the three parameter groups, whose learning rates and weight decay
             take precedence over the optimiser's own; ``None``: AdamW.
         lr_scheduler: the same for a scheduler (the CLI's ``--lr_scheduler``), used as LightningCLI uses it,
-            instead of the built-in warmup/decay (``warmup_steps`` must be 0 and ``schedule`` constant).
+            instead of the built-in warmup/decay (``optim.warmup_steps`` must be 0 and ``optim.schedule``
+            constant).
     """
+
+    default_optim: ClassVar[OptimConfig] = OptimConfig()
 
     def __init__(
         self,
-        lr_cores: float = 1e-4,
-        lr_gates: float = 1e-3,
-        lr_other: float = 5e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: Literal["constant", "linear", "cosine"] = "constant",
+        optim: OptimConfig | None = None,
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("lr_cores", lr_cores), ("lr_gates", lr_gates), ("lr_other", lr_other)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
-        if warmup_steps < 0 or weight_decay < 0:
-            raise ValueError(f"warmup_steps and weight_decay must be >= 0, got {warmup_steps}, {weight_decay}")
-        self.lr_cores, self.lr_gates, self.lr_other = lr_cores, lr_gates, lr_other
-        if lr_scheduler is not None and (warmup_steps > 0 or schedule != "constant"):
+        self.optim = self.default_optim if optim is None else OptimConfig.of(optim)
+        if lr_scheduler is not None and (self.optim.warmup_steps > 0 or self.optim.schedule != "constant"):
             raise ValueError(
                 f"lr_scheduler ({lr_scheduler.get('class_path')}) replaces the built-in warmup and decay, but "
-                f"warmup_steps={warmup_steps} and schedule={schedule!r} are set too: set model.warmup_steps 0 and "
-                "model.schedule constant, or drop --lr_scheduler"
+                f"optim.warmup_steps={self.optim.warmup_steps} and optim.schedule={self.optim.schedule!r} are set "
+                "too: set model.optim.warmup_steps 0 and model.optim.schedule constant, or drop --lr_scheduler"
             )
-        self.weight_decay, self.warmup_steps, self.schedule = weight_decay, warmup_steps, schedule
         self.optimizer_init, self.lr_scheduler_init = optimizer, lr_scheduler
 
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
@@ -85,7 +71,8 @@ class ComeraTask(LightningModule):
                     hparams[key] = dataclasses.asdict(value)
 
     def configure_optimizers(self):
-        groups = comera_parameter_groups(self, self.lr_cores, self.lr_gates, self.lr_other, self.weight_decay)
+        optim = self.optim
+        groups = comera_parameter_groups(self, optim.lr_cores, optim.lr_gates, optim.lr_other, optim.weight_decay)
         if self.optimizer_init is None:
             optimizer = torch.optim.AdamW(groups)
         else:
@@ -93,20 +80,20 @@ class ComeraTask(LightningModule):
         if self.lr_scheduler_init is not None:
             scheduler = instantiate_class(optimizer, self.lr_scheduler_init)
             return LightningCLI.configure_optimizers(self, optimizer, scheduler)
-        if self.warmup_steps == 0 and self.schedule == "constant":
+        if optim.warmup_steps == 0 and optim.schedule == "constant":
             return optimizer
         total = 1  # a constant schedule never reads it (time-limited runs have no step total)
-        if self.schedule != "constant":
+        if optim.schedule != "constant":
             estimated = self.trainer.estimated_stepping_batches
             if not math.isfinite(estimated):
                 raise ValueError(
-                    f"schedule={self.schedule!r} decays the learning rate to zero at the end of training, but this "
+                    f"optim.schedule={optim.schedule!r} decays the learning rate to zero at the end of training, but this "
                     "run has no step or epoch limit (only max_time, or max_epochs=-1): set trainer.max_steps or "
-                    "trainer.max_epochs, or use schedule='constant'"
+                    "trainer.max_epochs, or use optim.schedule='constant'"
                 )
             total = max(1, int(estimated))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, total, self.schedule)
+            optimizer, lambda step: warmup_decay_factor(step, optim.warmup_steps, total, optim.schedule)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -10,6 +10,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from ..models import DecoderLM, LayerConfig
+from ..optim import OptimConfig
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -32,8 +33,7 @@ class CausalLM(ComeraTask):
 
     Args:
         vocab_size: rows of the token embedding and outputs of the head; at least the tokenizer's size.
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
-            :class:`ComeraTask`.
+        optim, optimizer, lr_scheduler: see :class:`ComeraTask`.
         generate_max_new_tokens: tokens sampled per prompt in ``predict``.
         generate_top_k: sample among the ``k`` most likely tokens (None: all of them).
         generate_temperature: softmax temperature; ``0`` is greedy decoding.
@@ -45,12 +45,7 @@ class CausalLM(ComeraTask):
     def __init__(
         self,
         vocab_size: int = 8192,
-        lr_cores: float = 1e-4,
-        lr_gates: float = 1e-3,
-        lr_other: float = 5e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
+        optim: OptimConfig | None = None,
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         generate_max_new_tokens: int = 64,
@@ -60,7 +55,7 @@ class CausalLM(ComeraTask):
         print_samples: bool = True,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
+        super().__init__(optim, optimizer, lr_scheduler)
         if generate_max_new_tokens < 0:
             raise ValueError(f"generate_max_new_tokens must be >= 0, got {generate_max_new_tokens}")
         if generate_top_k is not None and generate_top_k < 1:
@@ -74,6 +69,7 @@ class CausalLM(ComeraTask):
         self.generate_temperature, self.generate_seed = generate_temperature, generate_seed
         self.print_samples = print_samples
         LayerConfig.refuse_flat_options(model_kwargs)
+        OptimConfig.refuse_flat_options(model_kwargs)
         self.model = DecoderLM(vocab_size=vocab_size, **model_kwargs)
         self.val_perplexity, self.test_perplexity = Perplexity(ignore_index=IGNORE), Perplexity(ignore_index=IGNORE)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()

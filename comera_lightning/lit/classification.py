@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import LayerConfig, SequenceClassifier
+from ..optim import OptimConfig
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -24,8 +25,7 @@ class SequenceClassification(ComeraTask):
     Args:
         vocab_size: rows of the word embedding; at least the tokenizer's size.
         num_classes: 3 for MNLI.
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
-            :class:`ComeraTask`.
+        optim, optimizer, lr_scheduler: see :class:`ComeraTask`.
         model_kwargs: the encoder's architecture (``d_model``, ``num_layers``, ``layer_config``, ...),
             see :class:`comera_lightning.models.SequenceClassifier`.
     """
@@ -34,21 +34,17 @@ class SequenceClassification(ComeraTask):
         self,
         vocab_size: int = 30522,
         num_classes: int = 3,
-        lr_cores: float = 1e-4,
-        lr_gates: float = 1e-3,
-        lr_other: float = 5e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
+        optim: OptimConfig | None = None,
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
+        super().__init__(optim, optimizer, lr_scheduler)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.num_classes = num_classes
         LayerConfig.refuse_flat_options(model_kwargs)
+        OptimConfig.refuse_flat_options(model_kwargs)
         self.model = SequenceClassifier(vocab_size=vocab_size, num_classes=num_classes, **model_kwargs)
         self.train_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")

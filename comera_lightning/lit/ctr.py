@@ -10,6 +10,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
 from ..models import DLRM, LayerConfig
+from ..optim import OptimConfig
 from .base import ComeraTask
 
 __all__ = ["ClickThrough"]
@@ -22,27 +23,24 @@ class ClickThrough(ComeraTask):
     returns click probabilities (see :meth:`predict_step`).
 
     Args:
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
-            :class:`ComeraTask`.
+        optim, optimizer, lr_scheduler: see :class:`ComeraTask`.
         model_kwargs: the DLRM's architecture (``table_sizes``, ``embedding_dim``, ``layer_config``, ...), see
             :class:`comera_lightning.models.DLRM`.
     """
 
+    default_optim = OptimConfig(lr_cores=1e-3, lr_gates=1e-3, lr_other=1e-3)
+
     def __init__(
         self,
-        lr_cores: float = 1e-3,
-        lr_gates: float = 1e-3,
-        lr_other: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
+        optim: OptimConfig | None = None,
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
+        super().__init__(optim, optimizer, lr_scheduler)
         self.save_hyperparameters()
         LayerConfig.refuse_flat_options(model_kwargs)
+        OptimConfig.refuse_flat_options(model_kwargs)
         self.model = DLRM(**model_kwargs)
         self.val_auc = BinaryAUROC()
         self.val_logloss = MeanMetric()

@@ -11,6 +11,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..models import LayerConfig, MaskedLanguageModel
 from ..nn.base import capturing_graph
+from ..optim import OptimConfig
 from .base import ComeraTask
 from .checks import check_id_ranges
 
@@ -27,8 +28,7 @@ class MaskedLM(ComeraTask):
 
     Args:
         vocab_size: rows of the word embedding and columns of the decoder; at least the tokenizer's size.
-        lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler: see
-            :class:`ComeraTask`.
+        optim, optimizer, lr_scheduler: see :class:`ComeraTask`.
         predict_top_k: how many of the most likely tokens :meth:`predict_step` returns per masked position.
         model_kwargs: the encoder's architecture, see :class:`comera_lightning.models.MaskedLanguageModel`.
     """
@@ -36,18 +36,13 @@ class MaskedLM(ComeraTask):
     def __init__(
         self,
         vocab_size: int = 8192,
-        lr_cores: float = 1e-4,
-        lr_gates: float = 1e-3,
-        lr_other: float = 5e-5,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
+        optim: OptimConfig | None = None,
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         predict_top_k: int = 5,
         **model_kwargs: Any,
     ) -> None:
-        super().__init__(lr_cores, lr_gates, lr_other, weight_decay, warmup_steps, schedule, optimizer, lr_scheduler)
+        super().__init__(optim, optimizer, lr_scheduler)
         if predict_top_k < 1:
             raise ValueError(f"predict_top_k must be >= 1, got {predict_top_k}")
         # an inference option, not saved: LightningCLI applies a checkpoint's hyperparameters over the command
@@ -56,6 +51,7 @@ class MaskedLM(ComeraTask):
         self.vocab_size = vocab_size
         self.predict_top_k = predict_top_k
         LayerConfig.refuse_flat_options(model_kwargs)
+        OptimConfig.refuse_flat_options(model_kwargs)
         self.model = MaskedLanguageModel(vocab_size=vocab_size, **model_kwargs)
         # metric states are not saved in checkpoints: adding the test metrics keeps old checkpoints loadable
         self.val_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=IGNORE)

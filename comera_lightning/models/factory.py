@@ -18,11 +18,12 @@ mean what they say; the factory records every decision in :attr:`LayerFactory.la
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
 
 from torch import nn
 
+from ..config import GroupedOptions
 from ..nn import TTEmbedding, TTLinear
 
 __all__ = ["LayerConfig", "LayerFactory"]
@@ -36,7 +37,7 @@ def _compile(pattern: str, what: str) -> re.Pattern:
 
 
 @dataclass
-class LayerConfig:
+class LayerConfig(GroupedOptions):
     """Which linears and embeddings are tensor trains, and at which rank.
 
     A linear becomes TT when ``tt_linears`` is set, ``min(in_features, out_features) >= min_features``
@@ -78,6 +79,8 @@ class LayerConfig:
     low_rank_linears: str | None = None
     low_rank_embeddings: str | None = None
 
+    argument: ClassVar[str] = "layer_config"
+
     def __post_init__(self) -> None:
         if self.min_features < 1:
             raise ValueError(f"layer_config.min_features must be >= 1, got {self.min_features}")
@@ -95,39 +98,6 @@ class LayerConfig:
             _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
             if int(rank) < 1:
                 raise ValueError(f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1, got {rank}")
-
-    @classmethod
-    def of(cls, config: LayerConfig | Mapping[str, Any] | None) -> LayerConfig:
-        """``config`` as a config: a config as it is, a mapping (YAML, checkpoint hyper-parameters) checked key
-        by key, ``None`` the defaults."""
-        if isinstance(config, cls):
-            return config
-        if config is None:
-            return cls()
-        if not isinstance(config, Mapping):
-            raise TypeError(f"layer_config must be a LayerConfig or a mapping of its fields, got "
-                            f"{type(config).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"unknown layer_config option(s) {unknown}; LayerConfig takes {sorted(known)}")
-        return cls(**config)
-
-    @classmethod
-    def refuse_flat_options(cls, model_kwargs: Mapping[str, Any]) -> None:
-        """Fail with the fix when a model gets the options that now live in ``layer_config`` as flat arguments
-        (configs and checkpoints written before the options were grouped)."""
-        flat = sorted(set(model_kwargs) & {f.name for f in fields(cls)})
-        if flat:
-            raise ValueError(
-                f"{flat} are layer options: pass them inside layer_config (YAML: 'layer_config: {{{flat[0]}: ...}}', "
-                f"CLI: --model.layer_config.{flat[0]}=..., Python: layer_config=LayerConfig({flat[0]}=...)); a "
-                f"checkpoint saved with the flat options needs them moved under hyper_parameters['layer_config']"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values only (what checkpoints and YAML hold)."""
-        return asdict(self)
 
 
 class LayerFactory:

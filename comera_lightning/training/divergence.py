@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["DivergenceGuard", "DivergenceError"]
 
-_FIX = ("lower the learning rates (model.lr_cores / lr_gates / lr_other), enable gradient clipping "
+_FIX = ("lower the learning rates (model.optim.lr_cores / lr_gates / lr_other), enable gradient clipping "
         "(trainer.gradient_clip_val, e.g. 1.0), add or lengthen LR warmup, and check the data for NaN/inf or "
         "out-of-range values")
 

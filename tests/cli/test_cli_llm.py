@@ -12,9 +12,7 @@ from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import size_report, tt_layers
 
-from test_cli import (  # noqa: F401  (workdir is a fixture)
-    CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree, workdir,
-)
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree
 
 LLM_CONFIGS = ["llm_cpu.yaml", "llm_60m.yaml", "llm_130m.yaml"]
 NO_LOGGER = ["--trainer.logger=false"]  # MLflow is covered by test_cli.py; here it would only cost time
@@ -50,8 +48,8 @@ def test_llm_cpu_fit_then_predict_samples_from_the_truncated_checkpoint(workdir,
     data = [f"--data.root={root}", "--data.max_files=null", "--data.max_sequences=null", "--data.val_fraction=0.25",
             "--data.num_prompts=2", "--data.prompt_len=6"]
     fitted = _run("fit", f"--config={config}", *TINY_ENCODER, *data, *TINY_TRAINER, *NO_LOGGER,
-                  "--trainer.max_steps=18", "--trainer.limit_train_batches=18", "--model.lr_gates=0.2",
-                  "--model.warmup_steps=0", f"--config={callbacks}")
+                  "--trainer.max_steps=18", "--trainer.limit_train_batches=18", "--model.optim.lr_gates=0.2",
+                  "--model.optim.warmup_steps=0", f"--config={callbacks}")
     adaptation = next(c for c in fitted.trainer.callbacks if isinstance(c, RankAdaptation))
     assert adaptation.truncations >= 1
     checkpoint = fitted.trainer.checkpoint_callback.last_model_path

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from test_cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides, workdir  # noqa: F401  (fixture)
 
 from comera_lightning.training import StepProgressBar
+from helpers.cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides
 
 QUICKSTART = f"--config={CONFIGS / 'quickstart.yaml'}"
 
@@ -76,21 +76,21 @@ def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
 
 
 def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(workdir):
-    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--model.warmup_steps=0",
+    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--model.optim.warmup_steps=0",
                "--optimizer=torch.optim.SGD", "--optimizer.momentum=0.9",
                "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
     optimizer = cli.trainer.optimizers[0]
     assert type(optimizer) is torch.optim.SGD
     model = cli.model
     assert sorted(g["initial_lr"] for g in optimizer.param_groups) == sorted(
-        [model.lr_cores, model.lr_gates, model.lr_other])
+        [model.optim.lr_cores, model.optim.lr_gates, model.optim.lr_other])
     assert all(g["momentum"] == 0.9 for g in optimizer.param_groups)
     scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 3
 
 
 def test_scheduler_with_builtin_warmup_is_refused(workdir):
-    with pytest.raises(ValueError, match="warmup_steps=100.*model.warmup_steps 0"):
+    with pytest.raises(ValueError, match="warmup_steps=100.*model.optim.warmup_steps 0"):
         _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER,
              "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
 

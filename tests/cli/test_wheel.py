@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
         "--model.vocab_size=512", "--model.layer_config.rank=4", "--model.layer_config.embedding_rank=4",
         "--model.layer_config.min_features=16",
-        "--model.warmup_steps=0", "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8",
+        "--model.optim.warmup_steps=0", "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8",
         "--data.max_files=10", "--data.max_sequences=200", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
         "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false"]

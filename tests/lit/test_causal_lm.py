@@ -15,6 +15,7 @@ from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankM
 from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import tt_layers
+from comera_lightning.optim import OptimConfig
 
 TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32,
             layer_config=dict(rank=8, embedding_rank=8, min_features=16))
@@ -77,7 +78,8 @@ def test_generate_greedy_topk_eos_and_reproducible_sampling():
 
 def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_reloads(datamodule, tmp_path, capsys):
     torch.manual_seed(0)
-    task = CausalLM(**TINY, lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2, schedule="cosine",
+    task = CausalLM(**TINY, optim=OptimConfig(lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2,
+                                               schedule="cosine"),
                     generate_max_new_tokens=4, generate_top_k=3, generate_temperature=1.0)
     adaptation = RankAdaptation(gamma=1.0, late_start_step=6, target_compression=3.0, truncate_every_n_steps=6,
                                 min_dead_fraction=0.1)
@@ -123,5 +125,5 @@ def test_layer_config_is_stored_plain_and_flat_options_are_refused_with_the_fix(
     rebuilt = CausalLM(**torch.load(path, weights_only=True)["hyper_parameters"])  # plain values only
     assert rebuilt.model.lm_head.ranks == task.model.lm_head.ranks
     flat = {k: v for k, v in TINY.items() if k != "layer_config"}
-    with pytest.raises(ValueError, match=r"\['rank'\] are layer options: pass them inside layer_config"):
+    with pytest.raises(ValueError, match=r"\['rank'\] are layer_config options: pass them inside layer_config"):
         CausalLM(**flat, rank=8)

@@ -43,7 +43,7 @@ MAX_STEPS = 60  # the tiny corpus gives 50 batches an epoch: the runs cross an e
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
         "--model.max_len=16", "--model.vocab_size=512", "--model.layer_config.rank=4",
         "--model.layer_config.embedding_rank=4",
-        "--model.layer_config.min_features=16", "--model.lr_gates=0.2", "--model.warmup_steps=0", "--model.dropout=0.1",
+        "--model.layer_config.min_features=16", "--model.optim.lr_gates=0.2", "--model.optim.warmup_steps=0", "--model.dropout=0.1",
         "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8", "--data.max_files=15",
         "--data.max_sequences=400", "--data.val_fraction=0.2",
         f"--trainer.max_steps={MAX_STEPS}", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=2",

@@ -41,7 +41,7 @@ SERVER_START_TIMEOUT_S = 120.0  # a cold start imports mlflow twice (CLI, then t
 TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
         "--model.vocab_size=512", "--model.layer_config.rank=4", "--model.layer_config.embedding_rank=4",
         "--model.layer_config.min_features=16",
-        "--model.lr_gates=0.2", "--model.warmup_steps=0",
+        "--model.optim.lr_gates=0.2", "--model.optim.warmup_steps=0",
         "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8", "--data.max_files=15",
         "--data.max_sequences=400", "--data.val_fraction=0.2",
         "--trainer.max_steps=8", "--trainer.max_epochs=1", "--trainer.limit_train_batches=8",

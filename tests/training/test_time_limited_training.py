@@ -14,11 +14,12 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.lit.base import ComeraTask
 from comera_lightning.nn import TTLinear
+from comera_lightning.optim import OptimConfig
 
 
 class _TinyTask(ComeraTask):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(lr_cores=1e-2, lr_gates=1e-2, lr_other=1e-2, **kwargs)
+    def __init__(self, **schedule) -> None:
+        super().__init__(OptimConfig(lr_cores=1e-2, lr_gates=1e-2, lr_other=1e-2, **schedule))
         self.model = nn.Sequential(TTLinear(16, 16, 4), nn.ReLU(), nn.Linear(16, 1))
 
     def training_step(self, batch, batch_idx):

@@ -1,0 +1,58 @@
+"""OptimConfig: one options object per task for the learning rates and schedule, stored plain in checkpoints."""
+
+import pytest
+import torch
+
+from comera_lightning.lit import CausalLM, ClickThrough, MaskedLM, SequenceClassification
+from comera_lightning.optim import OptimConfig
+
+TINY_ENCODER = dict(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=8)
+TASKS = {
+    "classification": (SequenceClassification, dict(TINY_ENCODER, num_classes=3)),
+    "mlm": (MaskedLM, TINY_ENCODER),
+    "causal_lm": (CausalLM, TINY_ENCODER),
+    "ctr": (ClickThrough, dict(num_dense=3, table_sizes=[1000, 1200], embedding_dim=4, bottom_mlp=[8, 4],
+                               top_mlp=[8])),
+}
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lr_gates=0.0), r"optim.lr_gates must be > 0"),
+    (dict(schedule="step"), r"optim.schedule must be 'constant', 'linear' or 'cosine'"),
+    (dict(warmup_steps=-1), r"optim.warmup_steps and optim.weight_decay must be >= 0"),
+])
+def test_bad_options_are_refused_with_their_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        OptimConfig(**bad)
+
+
+def test_a_mapping_is_checked_key_by_key():
+    assert OptimConfig.of({"lr_gates": 0.2}) == OptimConfig(lr_gates=0.2)
+    assert OptimConfig.of(None) == OptimConfig()
+    with pytest.raises(ValueError, match=r"unknown optim option\(s\) \['lr_gate'\]"):
+        OptimConfig.of({"lr_gate": 0.2})
+    with pytest.raises(TypeError, match="optim must be a OptimConfig or a mapping"):
+        OptimConfig.of(0.2)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_stores_optim_plain_rebuilds_from_it_and_refuses_flat_options(name, tmp_path):
+    task_class, architecture = TASKS[name]
+    task = task_class(**architecture, optim=OptimConfig(lr_cores=3e-3, lr_gates=0.2, warmup_steps=4))
+    assert task.hparams["optim"] == OptimConfig(lr_cores=3e-3, lr_gates=0.2, warmup_steps=4).to_dict()
+    path = tmp_path / "hparams.pt"
+    torch.save({"hyper_parameters": dict(task.hparams)}, path)
+    rebuilt = task_class(**torch.load(path, weights_only=True)["hyper_parameters"])  # plain values only
+    assert rebuilt.optim == task.optim
+    optimizer = rebuilt.configure_optimizers()["optimizer"]
+    lrs = {group["name"]: group["initial_lr"] for group in optimizer.param_groups}
+    assert lrs["gates"] == 0.2 and lrs["other"] == OptimConfig().lr_other
+    with pytest.raises(ValueError, match=r"\['lr_gates'\] are optim options: pass them inside optim .*"
+                                         r"--model.optim.lr_gates"):
+        task_class(**architecture, lr_gates=0.2)
+
+
+def test_a_task_without_optim_takes_its_own_defaults():
+    assert MaskedLM(**TINY_ENCODER).optim == OptimConfig()
+    ctr_task, ctr_architecture = TASKS["ctr"]
+    assert ctr_task(**ctr_architecture).optim == OptimConfig(lr_cores=1e-3, lr_gates=1e-3, lr_other=1e-3)
