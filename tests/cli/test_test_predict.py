@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,7 @@ import comera_lightning
 from comera_lightning.cli import EXPERIMENT, main
 from comera_lightning.data import MNLI_LABELS, CodeMLMDataModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli import CONFIGS, TINY_TRAINER, _tiny_overrides, workdir  # noqa: E402,F401
+from helpers.cli import CONFIGS, TINY_TRAINER, _tiny_overrides
 
 #: the shipped configs (in a checkout, or installed with the package)
 CONFIG_DIR = CONFIGS if (CONFIGS / "quickstart.yaml").is_file() else Path(comera_lightning.__file__).parent / "configs"

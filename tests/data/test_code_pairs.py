@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,61 +14,13 @@ from comera_lightning.data import CODE_PAIR_LABELS, CodePairsDataModule, extract
 from comera_lightning.data import code_pairs as code_pairs_mod
 from comera_lightning.data import tokenizer as tokenizer_mod
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
-from test_cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, workdir  # noqa: E402,F401
-
-SHARED_DOC = "Scale the value by the box factor."  # the same docstring in every file (a method)
-
-
-def _doc(i: int, j: int) -> str:
-    return f"Compute result {j} of module {i} from the given value."
-
-
-def _body(i: int, j: int) -> str:
-    return f"def func_{i}_{j}(value):\n    return value * {j} + {i} - {i * j + 7}"
-
-
-def _method_body(i: int) -> str:
-    return f"def method(self, value):\n    return value * self.factor + {i}"
-
-
-def _write_tree(root: Path, n_files: int = 10, n_funcs: int = 4) -> dict[tuple[str, str], tuple[str, str]]:
-    """A tree of documented functions; returns {(path, qualified name): (docstring, body)} of the usable ones."""
-    expected: dict[tuple[str, str], tuple[str, str]] = {}
-    for i in range(n_files):
-        rel = f"pkg{i % 2}/mod{i}.py"
-        parts = [f'"""Module {i}."""\n\nimport os\n']
-        for j in range(n_funcs):
-            head, ret = _body(i, j).split("\n")
-            parts.append(f'\n@staticmethod\n{head}\n    """{_doc(i, j)}"""\n\n{ret}\n')
-            expected[(rel, f"func_{i}_{j}")] = (_doc(i, j), _body(i, j))
-        head, ret = _method_body(i).split("\n")
-        parts.append(f'\nclass Box{i}:\n    {head}\n        """{SHARED_DOC}"""\n    {ret}\n')
-        expected[(rel, f"Box{i}.method")] = (SHARED_DOC, _method_body(i))
-        inner = f"def inner(x):\n    return x + value + {i}"
-        parts.append(f'\ndef wrapper_{i}(value):\n    """Wrap the value in a closure for module {i}."""\n'
-                     f'    def inner(x):\n        """Add module offset {i} to x."""\n        return x + value + {i}\n'
-                     '    return inner\n')
-        expected[(rel, f"wrapper_{i}")] = (
-            f"Wrap the value in a closure for module {i}.",
-            f'def wrapper_{i}(value):\n    def inner(x):\n        """Add module offset {i} to x."""\n'
-            f"        return x + value + {i}\n    return inner",
-        )
-        expected[(rel, f"wrapper_{i}.<locals>.inner")] = (f"Add module offset {i} to x.", inner)
-        parts.append('\ndef undocumented(x):\n    return x + 1 + 2\n')
-        parts.append('\ndef tiny(x):\n    """Does nothing at all, really."""\n    pass\n')
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(parts))
-    (root / "pkg0" / "broken.py").write_text('def f(:\n    """Never parsed by anyone."""\n    return 1 + 2 + 3\n')
-    (root / "notes.txt").write_text("not python")
-    return expected
-
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run
+from helpers.code_tree import write_tree
 
 @pytest.fixture
 def tree(tmp_path) -> tuple[Path, dict]:
     root = tmp_path / "src"
-    return root, _write_tree(root)
+    return root, write_tree(root)
 
 
 def _dm(root: Path, cache: Path, **kw) -> CodePairsDataModule:
@@ -258,7 +209,7 @@ def test_trees_without_usable_functions_fail_clearly(tmp_path):
 
     # documented functions, but only in one file: no other_module negatives anywhere
     lonely = tmp_path / "lonely"
-    _write_tree(lonely, n_files=1)
+    write_tree(lonely, n_files=1)
     with pytest.raises(ValueError, match="no code-pair examples"):
         _dm(lonely, tmp_path / "cache2").prepare_data()
 
@@ -276,7 +227,7 @@ def test_binary_files_are_skipped_like_in_the_mlm_corpus(tree, tmp_path):
 def test_cli_fits_on_a_small_tree(workdir):
     """The shipped config through the real `comera fit` entry point, at tiny sizes, validating by step."""
     root = workdir / "src"
-    _write_tree(root, n_files=12)
+    write_tree(root, n_files=12)
     cli = _run("fit", f"--config={CONFIGS / 'code_pairs.yaml'}", *TINY_ENCODER,
                f"--config={_callbacks_config(workdir, target_compression=3.0)}", *TINY_TRAINER,
                f"--data.root={root}", "--data.val_fraction=0.4", "--trainer.val_check_interval=3")

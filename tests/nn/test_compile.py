@@ -11,7 +11,7 @@ from torch import nn
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.tt import PLANS
 
-from nn_reference import F64, randomize_gates_
+from helpers.nn_reference import F64, randomize_gates_
 
 
 def _layers(kind: str) -> tuple[nn.Module, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ from comera_lightning.data import (
     write_synthetic_mnli,
 )
 from comera_lightning.data import common as common_mod
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_code_pairs import _write_tree  # noqa: E402
+from helpers.code_tree import write_tree
 
 MNLI_KW = dict(vocab_size=600, seq_len=32, batch_size=16)
 SMALL_TABLES = [100] * 26
@@ -142,7 +139,7 @@ def test_mnli_labelled_test_file_is_preferred_and_unlabelled_ones_are_skipped(mn
 # ------------------------------------------------------------------------------------------------ code pairs
 def test_code_pairs_test_and_predict_are_the_validation_examples(tmp_path, notices):
     root = tmp_path / "src"
-    _write_tree(root)
+    write_tree(root)
     dm = CodePairsDataModule(root=str(root), vocab_size=400, seq_len=64, batch_size=8, val_fraction=0.4,
                              cache_dir=str(tmp_path / "cache"))
     dm.setup("predict")

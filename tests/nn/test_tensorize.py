@@ -14,7 +14,7 @@ from comera_lightning.nn import (
     tt_layers,
 )
 
-from nn_reference import FULL_RANK
+from helpers.nn_reference import FULL_RANK
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ from comera_lightning.tt import (
     ttm_to_dense,
 )
 
-from tt_reference import F64, einsum_dense
+from helpers.tt_reference import F64, einsum_dense
 
 
 # --- max_ranks / resolve_ranks -----------------------------------------------------------------------------

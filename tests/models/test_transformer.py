@@ -14,7 +14,7 @@ from comera_lightning.models import LayerConfig, MaskedLanguageModel, SequenceCl
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.nn.base import TTLayer
 
-from models_reference import TINY, tiny_with
+from helpers.models_reference import TINY, tiny_with
 
 MODELS = [TransformerEncoder, SequenceClassifier, MaskedLanguageModel]
 

@@ -18,7 +18,7 @@ from comera_lightning.tt import (
 )
 from comera_lightning.tt.contract import TTLinearFunction
 
-from tt_reference import F64, FULL_RANK, MODE_CONFIGS, MODE_IDS, dense_reference, gate_by_hand, random_gates, random_train
+from helpers.tt_reference import F64, FULL_RANK, MODE_CONFIGS, MODE_IDS, dense_reference, gate_by_hand, random_gates, random_train
 
 RANKS = [1, FULL_RANK]
 RANK_IDS = ["rank1", "full"]

@@ -21,7 +21,7 @@ from comera_lightning.tt import (
     tt_to_dense,
 )
 
-from tt_reference import F64, random_train
+from helpers.tt_reference import F64, random_train
 
 
 def test_default_threshold_is_the_papers_tau():

@@ -10,7 +10,7 @@ import torch
 from comera_lightning.tt import merge_ttm, resolve_ranks, ttm_lookup, ttm_lookup_chain, ttm_to_dense
 from comera_lightning.tt.ttm import split_point
 
-from tt_reference import F64, FULL_RANK
+from helpers.tt_reference import F64, FULL_RANK
 
 TTM_CONFIGS = [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3]), ([2, 3, 2, 2], [2, 2, 1, 2])]
 TTM_IDS = ["1core", "2cores", "3cores", "4cores"]
