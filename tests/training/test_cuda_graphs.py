@@ -4,9 +4,6 @@ StaleGraphError where a real CUDA graph would silently replay old state)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torchmetrics
@@ -20,8 +17,6 @@ from comera_lightning.training import cuda_graphs as cg
 from comera_lightning.training.cuda_graph_backends import CudaGraphBackend
 from comera_lightning.nn import tt_layers
 from comera_lightning.callbacks.rank_adaptation import after_truncation
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class StaticRegressor(TinyRegressor):
@@ -324,7 +319,6 @@ def test_selectable_by_short_name_in_the_comera_cli():
 
 
 def test_benchmark_on_cpu_writes_a_skip_record(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_cuda_graphs
 
     assert bench_cuda_graphs.main(["--out-dir", str(tmp_path)]) == 0
@@ -336,7 +330,6 @@ def test_benchmark_on_cpu_writes_a_skip_record(tmp_path, capsys):
 
 
 def test_benchmark_replay_dry_run_checks_identity(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_cuda_graphs
 
     result = bench_cuda_graphs.compare_training(bench_cuda_graphs.TINY, steps=10, precision="32-true",
