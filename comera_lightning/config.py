@@ -8,7 +8,7 @@ hyper-parameters (``torch.load(weights_only=True)`` needs plain values), and nes
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, TypeVar
 
 __all__ = ["GroupedOptions"]
@@ -16,8 +16,13 @@ __all__ = ["GroupedOptions"]
 Options = TypeVar("Options", bound="GroupedOptions")
 
 
+@dataclass(frozen=True)
 class GroupedOptions:
-    """Mixin of a dataclass of options that travels under one argument name (:attr:`argument`)."""
+    """Base of a dataclass of options that travels under one argument name (:attr:`argument`).
+
+    A dataclass itself, with no fields: jsonargparse nests a dataclass's fields on the command line and in YAML
+    only when every class it inherits from is a dataclass (else it asks for a ``class_path``).
+    """
 
     argument: ClassVar[str]  # the constructor argument that takes the group, e.g. "layer_config"
 

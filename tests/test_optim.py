@@ -52,7 +52,16 @@ def test_every_task_stores_optim_plain_rebuilds_from_it_and_refuses_flat_options
         task_class(**architecture, lr_gates=0.2)
 
 
-def test_a_task_without_optim_takes_its_own_defaults():
+def test_a_task_without_optim_takes_its_own_defaults_also_under_a_partial_override():
     assert MaskedLM(**TINY_ENCODER).optim == OptimConfig()
     ctr_task, ctr_architecture = TASKS["ctr"]
     assert ctr_task(**ctr_architecture).optim == OptimConfig(lr_cores=1e-3, lr_gates=1e-3, lr_other=1e-3)
+    # one option on the command line keeps the task's other defaults
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(LightningModule, "model")
+    config = parser.parse_args(["--model=ClickThrough", "--model.table_sizes=[1000, 1200]", "--model.optim.lr_gates=0.2"])
+    task = parser.instantiate(config).model
+    assert task.optim == OptimConfig(lr_cores=1e-3, lr_gates=0.2, lr_other=1e-3)

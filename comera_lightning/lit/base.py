@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI, instantiate_class
+from typing_extensions import override
 
 from ..optim import OptimConfig, comera_parameter_groups
 from .checks import check_output_dirs, check_state_dict_fits
@@ -34,7 +35,7 @@ class ComeraTask(LightningModule):
 
     Args:
         optim: learning rates and schedule (:class:`~comera_lightning.optim.OptimConfig`, or a mapping of its
-            fields); ``None``: the task's :attr:`default_optim`.
+            fields, as checkpoints hold it).
         optimizer: ``{"class_path": ..., "init_args": {...}}`` of any ``torch.optim.Optimizer`` (the CLI's
             ``--optimizer``), built over the three parameter groups, whose learning rates and weight decay
             take precedence over the optimiser's own; ``None``: AdamW.
@@ -43,16 +44,14 @@ class ComeraTask(LightningModule):
             constant).
     """
 
-    default_optim: ClassVar[OptimConfig] = OptimConfig()
-
     def __init__(
         self,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig = OptimConfig(),
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.optim = self.default_optim if optim is None else OptimConfig.of(optim)
+        self.optim = OptimConfig.of(optim)
         if lr_scheduler is not None and (self.optim.warmup_steps > 0 or self.optim.schedule != "constant"):
             raise ValueError(
                 f"lr_scheduler ({lr_scheduler.get('class_path')}) replaces the built-in warmup and decay, but "
@@ -61,15 +60,32 @@ class ComeraTask(LightningModule):
             )
         self.optimizer_init, self.lr_scheduler_init = optimizer, lr_scheduler
 
+    @property
+    def attached_trainer(self) -> Trainer | None:
+        """The Trainer running this task, or ``None`` outside one (where ``self.trainer`` raises)."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
+    @property
+    def attached_datamodule(self) -> LightningDataModule | None:
+        """The running Trainer's datamodule, if any (its tokenizer's size and ``decode`` serve checks and
+        predictions)."""
+        return getattr(self.attached_trainer, "datamodule", None)
+
+    @override
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """Lightning's, with dataclass arguments (a ``LayerConfig``) stored as plain dicts, so that checkpoints load
         with ``torch.load(weights_only=True)`` and the task rebuilds from them."""
-        super().save_hyperparameters(*args, ignore=ignore, frame=frame or inspect.currentframe().f_back, logger=logger)
-        for hparams in (self._hparams, self._hparams_initial):
-            for key, value in hparams.items():
-                if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                    hparams[key] = dataclasses.asdict(value)
+        frame = frame or inspect.currentframe().f_back
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
+        plain = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type)
+                 else value for key, value in self.hparams.items()}
+        if plain != dict(self.hparams):
+            super().save_hyperparameters(plain, frame=frame, logger=logger)  # a mapping: saved as it is
 
+    @override
     def configure_optimizers(self):
         optim = self.optim
         groups = comera_parameter_groups(self, optim.lr_cores, optim.lr_gates, optim.lr_other, optim.weight_decay)
@@ -97,11 +113,13 @@ class ComeraTask(LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @override
     def setup(self, stage: str) -> None:
         """Before fitting, fail early when an output folder (checkpoints, logs) cannot be written."""
-        if stage == "fit" and self._trainer is not None:
+        if stage == "fit" and self.attached_trainer is not None:
             check_output_dirs(self.trainer)
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, with the keys that differ, a checkpoint of another architecture (TT ranks may differ);
         outside ``fit``, skip restoring callback state.
@@ -109,21 +127,22 @@ class ComeraTask(LightningModule):
         Only when the Trainer restores with strict loading (``--ckpt_path``); ``load_from_checkpoint(...,
         strict=False)`` outside a Trainer keeps Lightning's partial loading.
         """
-        if self._trainer is not None and self.trainer.state.fn != "fit":
+        if self.attached_trainer is not None and self.trainer.state.fn != "fit":
             # callback state (rank adaptation's stage, checkpoint bookkeeping) only matters for going on
             # training; restoring it for evaluation only warns about callbacks and folders that are absent
             checkpoint.pop("callbacks", None)
         state_dict = checkpoint.get("state_dict")
-        if self._trainer is not None and self.strict_loading and isinstance(state_dict, dict):
+        if self.attached_trainer is not None and self.strict_loading and isinstance(state_dict, dict):
             check_state_dict_fits(self, state_dict)
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the task's class path, so that :func:`comera_lightning.export.export_checkpoint` can rebuild it."""
         checkpoint["comera_task"] = f"{type(self).__module__}.{type(self).__qualname__}"
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Fail early when the datamodule's tokenizer has more ids than the model's embedding rows."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         data_vocab = getattr(datamodule, "vocab_size", None)
         if isinstance(data_vocab, int) and data_vocab > model_vocab:
             raise ValueError(

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
+from typing_extensions import override
 
 from ..models import DecoderLM, LayerConfig
 from ..optim import OptimConfig
@@ -45,7 +46,7 @@ class CausalLM(ComeraTask):
     def __init__(
         self,
         vocab_size: int = 8192,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig = OptimConfig(),
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         generate_max_new_tokens: int = 64,
@@ -74,6 +75,7 @@ class CausalLM(ComeraTask):
         self.val_perplexity, self.test_perplexity = Perplexity(ignore_index=IGNORE), Perplexity(ignore_index=IGNORE)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
 
+    @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.check_vocabulary(self.vocab_size)
@@ -102,6 +104,7 @@ class CausalLM(ComeraTask):
     def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1), ignore_index=IGNORE)
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits, labels = self._logits_and_labels(batch)
         loss = self._cross_entropy(logits, labels)
@@ -124,15 +127,19 @@ class CausalLM(ComeraTask):
         loss.reset()
         perplexity.reset()
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._log_evaluation("val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._log_evaluation("test")
 
@@ -196,6 +203,7 @@ class CausalLM(ComeraTask):
             self.model.train(was_training)
         return ids
 
+    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """Continue every prompt of the batch; one dict per prompt: ``index``, ``prompt_ids``, ``generated_ids``
         and, when the datamodule has ``decode``, ``prompt`` and ``completion`` (text)."""
@@ -203,7 +211,7 @@ class CausalLM(ComeraTask):
         generator = torch.Generator(device=self.device).manual_seed(self.generate_seed + batch_idx)
         out = self.generate(prompts, self.generate_max_new_tokens, self.generate_top_k, self.generate_temperature,
                             generator=generator)
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         decode = getattr(datamodule, "decode", None)
         index = batch.get("index", torch.arange(len(prompts)))
         samples = []
@@ -214,7 +222,7 @@ class CausalLM(ComeraTask):
                 sample["prompt"], sample["completion"] = decode(sample["prompt_ids"]), decode(sample["generated_ids"])
             samples.append(sample)
         if self.print_samples and "prompt" in (samples[0] if samples else {}) and (
-                self._trainer is None or self.trainer.is_global_zero):
+                self.attached_trainer is None or self.trainer.is_global_zero):
             for sample in samples:
                 print(f"--- prompt {sample['index']}:\n{sample['prompt']}\n--- continuation:\n{sample['completion']}")
         return samples

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from ..models import LayerConfig, SequenceClassifier
 from ..optim import OptimConfig
@@ -34,7 +35,7 @@ class SequenceClassification(ComeraTask):
         self,
         vocab_size: int = 30522,
         num_classes: int = 3,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig = OptimConfig(),
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
@@ -50,10 +51,12 @@ class SequenceClassification(ComeraTask):
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")  # not in checkpoints
 
+    @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.check_vocabulary(self.vocab_size)
 
+    @override
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._logits(batch, check_labels=False)
 
@@ -72,6 +75,7 @@ class SequenceClassification(ComeraTask):
         check_id_ranges(checks)
         return self.model(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self._logits(batch, check_labels=True)
         loss = F.cross_entropy(logits.float(), batch["labels"])
@@ -86,13 +90,16 @@ class SequenceClassification(ComeraTask):
         accuracy(logits, batch["labels"])
         self.log_dict({f"{stage}/loss": loss, f"{stage}/accuracy": accuracy}, prog_bar=True, sync_dist=True)
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Like validation, logged as ``test/loss`` and ``test/accuracy``."""
         self._evaluate(batch, "test")
 
+    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         """Per example: ``index`` (B,) long (when the batch has it: the example's number in the dataset),
         ``label`` (B,) long (the true label, when the batch has ``labels``), ``predicted`` (B,) long (the most
@@ -107,7 +114,7 @@ class SequenceClassification(ComeraTask):
             out["label"] = batch["labels"].long()
         out["predicted"] = predicted
         out["probabilities"] = probs
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         names = getattr(datamodule, "class_names", None)
         if isinstance(names, (list, tuple)) and len(names) == probs.shape[-1]:
             out["predicted_name"] = [str(names[i]) for i in predicted.tolist()]

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
+from typing_extensions import override
 
 from ..models import DLRM, LayerConfig
 from ..optim import OptimConfig
@@ -28,11 +29,9 @@ class ClickThrough(ComeraTask):
             :class:`comera_lightning.models.DLRM`.
     """
 
-    default_optim = OptimConfig(lr_cores=1e-3, lr_gates=1e-3, lr_other=1e-3)
-
     def __init__(
         self,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig = OptimConfig(lr_cores=1e-3, lr_gates=1e-3, lr_other=1e-3),
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         **model_kwargs: Any,
@@ -47,9 +46,11 @@ class ClickThrough(ComeraTask):
         self.test_auc = BinaryAUROC()  # metric states are not saved in checkpoints
         self.test_logloss = MeanMetric()
 
+    @override
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["dense"], batch["sparse"])
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = F.binary_cross_entropy_with_logits(self(batch).float(), batch["labels"])
         self.log("train/loss", loss, prog_bar=True)
@@ -68,19 +69,24 @@ class ClickThrough(ComeraTask):
         self.log(f"{stage}/logloss", logloss.compute(), prog_bar=True)
         logloss.reset()
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._evaluation_end("val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Like validation, logged as ``test/auc`` and ``test/logloss``."""
         self._evaluate(batch, "test")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._evaluation_end("test")
 
+    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         """Per example: ``index`` (B,) long (when the batch has it: the row's number in the dataset), ``label``
         (B,) long (the true click, when the batch has ``labels``) and ``click_probability`` (B,) float32."""

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from ..models import LayerConfig, MaskedLanguageModel
 from ..nn.base import capturing_graph
@@ -36,7 +37,7 @@ class MaskedLM(ComeraTask):
     def __init__(
         self,
         vocab_size: int = 8192,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig = OptimConfig(),
         optimizer: dict[str, Any] | None = None,
         lr_scheduler: dict[str, Any] | None = None,
         predict_top_k: int = 5,
@@ -59,6 +60,7 @@ class MaskedLM(ComeraTask):
         self.test_accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro", ignore_index=IGNORE)
         self.test_loss = MeanMetric()
 
+    @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.check_vocabulary(self.vocab_size)
@@ -84,6 +86,7 @@ class MaskedLM(ComeraTask):
         logits = self.model.head(hidden[selected])
         return F.cross_entropy(logits.float(), targets), logits, targets
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
@@ -102,19 +105,24 @@ class MaskedLM(ComeraTask):
         self.log_dict({f"{stage}/loss": mean, f"{stage}/perplexity": torch.exp(mean)}, prog_bar=True)
         mean_loss.reset()
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._evaluation_end("val")
 
+    @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Like validation, logged as ``test/mlm_accuracy``, ``test/loss`` and ``test/perplexity``."""
         self._evaluate(batch, "test")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._evaluation_end("test")
 
+    @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         """The ``predict_top_k`` most likely tokens at every masked position of the batch.
 
@@ -170,7 +178,7 @@ class MaskedLM(ComeraTask):
         return out
 
     def _datamodule_tokenizer(self) -> Any:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         try:
             tokenizer = getattr(datamodule, "tokenizer", None)
         except Exception:  # a datamodule whose tokenizer cannot be loaded: predict without decoded tokens
@@ -178,7 +186,7 @@ class MaskedLM(ComeraTask):
         return tokenizer if callable(getattr(tokenizer, "decode_batch", None)) else None
 
     def _datamodule_special_ids(self) -> Any:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self.attached_datamodule
         try:
             return getattr(datamodule, "special_ids", None)
         except Exception:

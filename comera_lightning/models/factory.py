@@ -36,7 +36,7 @@ def _compile(pattern: str, what: str) -> re.Pattern:
         raise ValueError(f"{what} is not a valid regular expression: {pattern!r} ({err})") from err
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerConfig(GroupedOptions):
     """Which linears and embeddings are tensor trains, and at which rank.
 
