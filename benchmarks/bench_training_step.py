@@ -129,8 +129,8 @@ def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
         num_layers=model["num_layers"], seq_len=seq_len, num_classes=model["num_classes"],
         dropout=model["dropout"], rank=model["layer_config"]["rank"],
         embedding_rank=model["layer_config"]["embedding_rank"], dense_layers=model["layer_config"]["dense_layers"],
-        lr_cores=model["lr_cores"], lr_gates=model["lr_gates"],
-        lr_other=model["lr_other"],
+        lr_cores=model["optim"]["lr_cores"], lr_gates=model["optim"]["lr_gates"],
+        lr_other=model["optim"]["lr_other"],
     )
 
 

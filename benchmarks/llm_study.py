@@ -104,8 +104,8 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> LLMSpec:
     spec = LLMSpec(task, data, rank, steps=steps, budget_s=180.0, val_every=int(trainer["val_check_interval"]),
                    limit_val_batches=trainer.get("limit_val_batches"), late_fraction=late_fraction)
     if quick:
-        spec.task_kwargs.update(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=32,
-                                warmup_steps=2)
+        spec.task_kwargs.update(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=32)
+        spec.task_kwargs["optim"] = {**spec.task_kwargs.get("optim", {}), "warmup_steps": 2}
         spec.task_kwargs["layer_config"] = dict(rank=8, embedding_rank=8, min_features=16)
         spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8, max_files=30, max_sequences=400)
         spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
@@ -147,8 +147,8 @@ def galore_optimizer(task, galore_rank: int):
     target_ids = {id(p) for p in targets}
     others = [p for p in task.parameters() if id(p) not in target_ids]
     settings = {"rank": galore_rank, "update_proj_gap": GALORE_GAP, "scale": GALORE_SCALE, "proj_type": "std"}
-    return GaLoreAdamW([{"params": others}, {"params": targets, **settings}], lr=task.lr_other,
-                       weight_decay=task.weight_decay, no_deprecation_warning=True)
+    return GaLoreAdamW([{"params": others}, {"params": targets, **settings}], lr=task.optim.lr_other,
+                       weight_decay=task.optim.weight_decay, no_deprecation_warning=True)
 
 
 def build_task(spec: LLMSpec, method: str, task_kwargs: dict[str, Any] | None = None):
@@ -169,10 +169,10 @@ def build_task(spec: LLMSpec, method: str, task_kwargs: dict[str, Any] | None = 
 
         def configure_optimizers(self):
             optimizer = galore_optimizer(self, max(1, self.model.d_model // 4))
-            if self.warmup_steps == 0:
+            if self.optim.warmup_steps == 0:
                 return optimizer
             scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: warmup_decay_factor(step, self.warmup_steps, 1, "constant"))
+                optimizer, lambda step: warmup_decay_factor(step, self.optim.warmup_steps, 1, "constant"))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     return GaLoreCausalLM(**with_layer_options(kwargs, tt_linears=False, tt_embeddings=False))
@@ -266,7 +266,8 @@ def _step_candidates(spec: LLMSpec, task_kwargs: dict[str, Any], batch: dict[str
         else:
             from comera_lightning.optim import comera_parameter_groups
 
-            optimizer = torch.optim.AdamW(comera_parameter_groups(task, task.lr_cores, task.lr_gates, task.lr_other))
+            optimizer = torch.optim.AdamW(comera_parameter_groups(task, task.optim.lr_cores, task.optim.lr_gates,
+                                                                       task.optim.lr_other))
             if method == "comera":  # RankAdaptation's per-step work, around optimizer.step()
                 work = RankAdaptationWork(task, optimizer, spec.rank_kwargs.get("gamma", 0.01))
                 pre_step, after = work.before_step, work.after_step

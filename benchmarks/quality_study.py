@@ -137,8 +137,8 @@ def with_layer_options(task_kwargs: dict[str, Any], **options: Any) -> dict[str,
 def mlm_spec(quick: bool = False) -> StudySpec:
     """The masked-LM study: the quickstart model and schedule (``--quick``: a smaller model and corpus)."""
     task = dict(vocab_size=2048, d_model=128, num_heads=4, d_ff=512, num_layers=2, max_len=64, dropout=0.0,
-                layer_config=dict(rank=32, embedding_rank=32, min_features=64), lr_cores=2e-3, lr_gates=5e-3,
-                lr_other=2e-3, warmup_steps=100)
+                layer_config=dict(rank=32, embedding_rank=32, min_features=64),
+                optim=dict(lr_cores=2e-3, lr_gates=5e-3, lr_other=2e-3, warmup_steps=100))
     data = dict(vocab_size=2048, seq_len=64, batch_size=32, max_files=400, max_sequences=20000)
     # quickstart.yaml's run: 2000 steps, late stage from step 800 towards 20x (gamma 0.005, truncation every 50
     # steps at 20% dead slices). A switch at 0.6 of the run ended 0.33 points lower and dipped 2 points, at 0.25
@@ -147,7 +147,8 @@ def mlm_spec(quick: bool = False) -> StudySpec:
     spec = StudySpec("mlm", task, data, rank, steps=2000, budget_s=120.0, val_every=200, limit_val_batches=16,
                      metric="val/mlm_accuracy", secondary="val/loss", higher_is_better=True, late_fraction=0.4)
     if quick:
-        spec.task_kwargs.update(vocab_size=512, d_model=64, d_ff=128, max_len=32, warmup_steps=5)
+        spec.task_kwargs.update(vocab_size=512, d_model=64, d_ff=128, max_len=32)
+        spec.task_kwargs["optim"].update(warmup_steps=5)
         spec.task_kwargs["layer_config"].update(rank=8, embedding_rank=8)
         spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=16, max_files=40, max_sequences=2000)
         spec.rank_kwargs.update(truncate_every_n_steps=5)
@@ -160,8 +161,8 @@ def dlrm_spec(quick: bool = False) -> StudySpec:
     # lr_gates 5e-3 as in the quickstart: with the config's 1e-3 an Adam step moves a gate by at most ~1e-3, so no
     # slice can reach the 0.01 threshold before step ~1000 (in a 1200-step trial the first cut came at 1050)
     task = dict(table_sizes=list(DLRM_TABLES), embedding_dim=16, bottom_mlp=[128, 64, 16], top_mlp=[128, 64],
-                layer_config=dict(rank=16, embedding_rank=16, min_embedding_rows=1000), lr_cores=1e-3, lr_gates=5e-3,
-                lr_other=1e-3)
+                layer_config=dict(rank=16, embedding_rank=16, min_embedding_rows=1000),
+                optim=dict(lr_cores=1e-3, lr_gates=5e-3, lr_other=1e-3))
     # about one epoch in the same-steps protocol, as CTR models are trained: with several epochs over 200k rows
     # the dense tables memorised their rows (validation AUC 0.72 -> 0.69 from epoch 4 to 6 in a trial)
     data = dict(synthetic=True, num_samples=1_000_000, table_sizes=list(DLRM_TABLES), batch_size=1024,
@@ -191,13 +192,14 @@ def pairs_spec(quick: bool = False) -> StudySpec:
     task = dict(vocab_size=2048, num_classes=3, d_model=128, num_heads=4, d_ff=512, num_layers=2, max_len=128,
                 dropout=0.1, layer_config=dict(rank=32, embedding_rank=32, min_features=64,
                                                dense_layers="position_embeddings|token_type_embeddings|classifier"),
-                lr_cores=1e-3, lr_gates=5e-3, lr_other=1e-3, warmup_steps=100)
+                optim=dict(lr_cores=1e-3, lr_gates=5e-3, lr_other=1e-3, warmup_steps=100))
     data = dict(vocab_size=2048, seq_len=128, batch_size=32)
     rank = dict(gamma=0.005, target_compression=20.0, truncate_every_n_steps=50, min_dead_fraction=0.2)
     spec = StudySpec("pairs", task, data, rank, steps=2000, budget_s=240.0, val_every=200, limit_val_batches=20,
                      metric="val/accuracy", secondary="val/loss", higher_is_better=True, late_fraction=0.4)
     if quick:
-        spec.task_kwargs.update(vocab_size=512, d_model=64, d_ff=128, num_layers=1, max_len=64, warmup_steps=5)
+        spec.task_kwargs.update(vocab_size=512, d_model=64, d_ff=128, num_layers=1, max_len=64)
+        spec.task_kwargs["optim"].update(warmup_steps=5)
         spec.task_kwargs["layer_config"].update(rank=8, embedding_rank=8)
         spec.data_kwargs.update(vocab_size=512, seq_len=64, batch_size=16, max_files=40)
         spec.rank_kwargs.update(truncate_every_n_steps=5, target_compression=None, target_size_ratio=0.5)
