@@ -135,6 +135,30 @@ class ComeraTask(LightningModule):
         if self.attached_trainer is not None and self.strict_loading and isinstance(state_dict, dict):
             check_state_dict_fits(self, state_dict)
 
+    def evaluate(self, batch: Any, stage: str) -> None:
+        """Update (and log) the ``stage`` metrics (``"val"`` or ``"test"``) with one batch."""
+        raise NotImplementedError(f"{type(self).__name__} has no evaluation: implement evaluate(batch, stage)")
+
+    def log_evaluation(self, stage: str) -> None:
+        """Log and reset what :meth:`evaluate` accumulated over the epoch (nothing by default)."""
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluate(batch, "val")
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log_evaluation("val")
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """Like validation, logged under ``test/``."""
+        self.evaluate(batch, "test")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self.log_evaluation("test")
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the task's class path, so that :func:`comera_lightning.export.export_checkpoint` can rebuild it."""

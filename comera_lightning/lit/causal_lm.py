@@ -111,7 +111,8 @@ class CausalLM(ComeraTask):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+    @override
+    def evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         logits, labels = self._logits_and_labels(batch)
         tokens = int((labels != IGNORE).sum())
         if tokens == 0:
@@ -119,29 +120,14 @@ class CausalLM(ComeraTask):
         getattr(self, f"{stage}_loss").update(self._cross_entropy(logits, labels), weight=tokens)
         getattr(self, f"{stage}_perplexity").update(logits.float(), labels)
 
-    def _log_evaluation(self, stage: str) -> None:
+    @override
+    def log_evaluation(self, stage: str) -> None:
         loss, perplexity = getattr(self, f"{stage}_loss"), getattr(self, f"{stage}_perplexity")
         if not perplexity.update_called:
             return
         self.log_dict({f"{stage}/loss": loss.compute(), f"{stage}/perplexity": perplexity.compute()}, prog_bar=True)
         loss.reset()
         perplexity.reset()
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._log_evaluation("val")
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._log_evaluation("test")
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()

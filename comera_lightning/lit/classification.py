@@ -83,21 +83,13 @@ class SequenceClassification(ComeraTask):
         self.log_dict({"train/loss": loss, "train/accuracy": self.train_accuracy}, prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+    @override
+    def evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         logits = self._logits(batch, check_labels=True)
         loss = F.cross_entropy(logits.float(), batch["labels"])
         accuracy = getattr(self, f"{stage}_accuracy")
         accuracy(logits, batch["labels"])
         self.log_dict({f"{stage}/loss": loss, f"{stage}/accuracy": accuracy}, prog_bar=True, sync_dist=True)
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Like validation, logged as ``test/loss`` and ``test/accuracy``."""
-        self._evaluate(batch, "test")
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:

@@ -56,7 +56,8 @@ class ClickThrough(ComeraTask):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+    @override
+    def evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         logits = self(batch).float()
         loss = F.binary_cross_entropy_with_logits(logits, batch["labels"])
         auc, logloss = getattr(self, f"{stage}_auc"), getattr(self, f"{stage}_logloss")
@@ -64,27 +65,11 @@ class ClickThrough(ComeraTask):
         logloss.update(loss, weight=batch["labels"].numel())
         self.log(f"{stage}/auc", auc, prog_bar=True)
 
-    def _evaluation_end(self, stage: str) -> None:
+    @override
+    def log_evaluation(self, stage: str) -> None:
         logloss = getattr(self, f"{stage}_logloss")
         self.log(f"{stage}/logloss", logloss.compute(), prog_bar=True)
         logloss.reset()
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._evaluation_end("val")
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Like validation, logged as ``test/auc`` and ``test/logloss``."""
-        self._evaluate(batch, "test")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._evaluation_end("test")
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:

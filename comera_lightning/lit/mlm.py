@@ -92,35 +92,20 @@ class MaskedLM(ComeraTask):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+    @override
+    def evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         loss, logits, labels = self._loss(batch)
         accuracy, mean_loss = getattr(self, f"{stage}_accuracy"), getattr(self, f"{stage}_loss")
         accuracy(logits, labels)
         mean_loss.update(loss, weight=labels.numel())
         self.log(f"{stage}/mlm_accuracy", accuracy, prog_bar=True)
 
-    def _evaluation_end(self, stage: str) -> None:
+    @override
+    def log_evaluation(self, stage: str) -> None:
         mean_loss = getattr(self, f"{stage}_loss")
         mean = mean_loss.compute()
         self.log_dict({f"{stage}/loss": mean, f"{stage}/perplexity": torch.exp(mean)}, prog_bar=True)
         mean_loss.reset()
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._evaluation_end("val")
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Like validation, logged as ``test/mlm_accuracy``, ``test/loss`` and ``test/perplexity``."""
-        self._evaluate(batch, "test")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._evaluation_end("test")
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from YAML and checkpoints' hyper-parameters stay plain data.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,6 +180,8 @@ class TransformerEncoder(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         factory = LayerFactory(layer_config)
         self.d_model, self.activation_checkpointing = d_model, bool(activation_checkpointing)
+        # what a task head on top builds with (the same dropout and layer decisions as the encoder's)
+        self.dropout_p, self.packed_dropout, self.layer_config = dropout, packed_dropout, factory.config
         self.embeddings = _Embeddings(factory, f"{name_prefix}embeddings.", vocab_size, d_model, max_len,
                                       type_vocab_size, dropout, padding_idx, packed_dropout)
         self.layers = nn.ModuleList(
@@ -218,31 +222,14 @@ class SequenceClassifier(nn.Module):
     Takes the :class:`TransformerEncoder` arguments plus ``num_classes``; returns logits ``(B, num_classes)``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        num_classes: int = 3,
-        d_model: int = 768,
-        num_heads: int = 12,
-        d_ff: int = 3072,
-        num_layers: int = 6,
-        max_len: int = 128,
-        type_vocab_size: int = 2,
-        dropout: float = 0.1,
-        padding_idx: int | None = 0,
-        layer_config: LayerConfig | None = None,
-        activation_checkpointing: bool = False,
-        packed_dropout: bool = False,
-    ) -> None:
+    def __init__(self, vocab_size: int, num_classes: int = 3, **encoder_kwargs: Any) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        factory = LayerFactory(layer_config)
-        self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
-                                          dropout, padding_idx, factory.config, activation_checkpointing,
-                                          packed_dropout, name_prefix="encoder.")
+        self.encoder = TransformerEncoder(vocab_size, **encoder_kwargs, name_prefix="encoder.")
+        factory, d_model = LayerFactory(self.encoder.layer_config), self.encoder.d_model
         self.pooler = _linear(factory, "pooler", d_model, d_model)
-        self.dropout = dropout_layer(dropout, packed_dropout)
+        self.dropout = dropout_layer(self.encoder.dropout_p, self.encoder.packed_dropout)
         self.classifier = _linear(factory, "classifier", d_model, num_classes)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 
@@ -277,30 +264,14 @@ class MaskedLanguageModel(nn.Module):
     The decoder is not tied to the word embedding (a TT embedding and a TT linear have different
     factors); it goes through the factory like every other linear, so it is TT by default.
     Layer names: ``encoder.<encoder names>``, ``head.dense``, ``head.decoder``.
-    Returns logits ``(B, T, vocab_size)``.
+    Returns logits ``(B, T, vocab_size)``. Takes the :class:`TransformerEncoder` arguments.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int = 768,
-        num_heads: int = 12,
-        d_ff: int = 3072,
-        num_layers: int = 6,
-        max_len: int = 128,
-        type_vocab_size: int = 2,
-        dropout: float = 0.1,
-        padding_idx: int | None = 0,
-        layer_config: LayerConfig | None = None,
-        activation_checkpointing: bool = False,
-        packed_dropout: bool = False,
-    ) -> None:
+    def __init__(self, vocab_size: int, **encoder_kwargs: Any) -> None:
         super().__init__()
-        factory = LayerFactory(layer_config)
-        self.encoder = TransformerEncoder(vocab_size, d_model, num_heads, d_ff, num_layers, max_len, type_vocab_size,
-                                          dropout, padding_idx, factory.config, activation_checkpointing,
-                                          packed_dropout, name_prefix="encoder.")
-        self.head = _MLMHead(factory, "head.", d_model, vocab_size)
+        self.encoder = TransformerEncoder(vocab_size, **encoder_kwargs, name_prefix="encoder.")
+        factory = LayerFactory(self.encoder.layer_config)
+        self.head = _MLMHead(factory, "head.", self.encoder.d_model, vocab_size)
         self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
 
     def forward(
