@@ -139,6 +139,7 @@ class CausalLM(ComeraTask):
         temperature: float = 1.0,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
         """Continue prompts token by token; returns ``(B, P + new)`` ids, the prompts included.
 
@@ -149,10 +150,12 @@ class CausalLM(ComeraTask):
             temperature: divides the logits before sampling; ``0`` (or ``top_k=1``) is greedy (argmax).
             eos_id: once a sequence emits it, it emits only ``eos_id``; generation stops when all have.
             generator: source of the sampling randomness (on the model's device).
+            use_cache: keep each layer's keys and values (:class:`~comera_lightning.models.KVCache`), so a new
+                token costs one position's work; ``False`` re-runs the whole sequence for every token (the same
+                logits, the reference the cache is tested against).
 
-        The model sees at most its ``max_len`` last tokens (no key/value cache: each new token re-runs the
-        window, fine for the small models and short samples this is meant for). Runs in eval mode and
-        restores the previous mode.
+        Each position attends to the ``max_len`` last tokens, a sliding window past the model's context (see
+        :class:`~comera_lightning.models.DecoderLM`). Runs in eval mode and restores the previous mode.
         """
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
@@ -167,10 +170,14 @@ class CausalLM(ComeraTask):
         was_training = self.model.training
         self.model.eval()
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        cache = self.model.new_cache() if use_cache else None
         try:
-            for _ in range(max_new_tokens):
-                window = ids[:, -self.model.max_len:]
-                logits = self.model.head(self.model.hidden_states(window)[:, -1]).float()
+            for step in range(max_new_tokens):
+                if cache is None:
+                    hidden = self.model.hidden_states(ids)
+                else:
+                    hidden = self.model.hidden_states(ids if step == 0 else ids[:, -1:], cache)
+                logits = self.model.head(hidden[:, -1]).float()
                 if temperature == 0 or top_k == 1:
                     token = logits.argmax(dim=-1)
                 else:

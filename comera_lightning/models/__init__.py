@@ -7,7 +7,7 @@ between TT and dense (so dense baselines run the same code).
 * :class:`DLRM`: click-through-rate model with TT-matrix embedding tables.
 """
 
-from .decoder import DecoderLM
+from .decoder import DecoderLM, KVCache
 from .dlrm import DLRM
 from .factory import LayerConfig, LayerFactory
 from .transformer import (
@@ -19,7 +19,7 @@ from .transformer import (
 )
 
 __all__ = [
-    "LayerConfig", "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM",
+    "LayerConfig", "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM", "KVCache",
     "DLRM",
     "paper_linear_modes", "paper_embedding_modes",
 ]

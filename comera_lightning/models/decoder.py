@@ -9,9 +9,18 @@ same code with ``tt_linears=False, tt_embeddings=False``.
 
 Layer names (what ``dense_layers`` matches): ``embed_tokens``, ``layers.{i}.attention.{q,k,v,o}_proj``,
 ``layers.{i}.mlp.{gate,up,down}_proj``, ``lm_head`` (absent when tied).
+
+Context. A position attends to itself and at most ``max_len - 1`` positions before it, in every layer: up to
+``max_len`` tokens this is plain causal attention (training never sees longer rows); past it, a sliding window
+(as Mistral's). Generation keeps each layer's keys and values of the last ``max_len - 1`` positions in a
+:class:`KVCache`, so a new token costs one position's work instead of a re-run of the window, and the logits
+equal those of :meth:`DecoderLM.forward` on the whole sequence. Rotary embeddings depend only on position
+differences, which the window keeps below ``max_len``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +31,7 @@ from ..nn.dropout import attention, dropout_layer
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
-__all__ = ["DecoderLM", "RMSNorm", "apply_rotary", "rotary_tables"]
+__all__ = ["DecoderLM", "KVCache", "RMSNorm", "apply_rotary", "rotary_tables"]
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +82,53 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x32 * cos.to(x32.dtype) + rotated * sin.to(x32.dtype)).to(x.dtype)
 
 
+@dataclass
+class KVCache:
+    """Keys and values of the positions a :class:`DecoderLM` has seen, per layer, for incremental decoding.
+
+    Pass one (empty) cache to :meth:`DecoderLM.hidden_states` with the prompt, then with each new token: the
+    model reads and extends it in place. It keeps the last ``window - 1`` positions, all a new token can
+    attend to, so its memory is bounded however long the generation runs.
+    """
+
+    window: int
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    seen: int = 0  # positions processed so far: the position of the next token
+
+    @property
+    def cached(self) -> int:
+        """How many past positions are held (the same in every layer)."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def extend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cached keys and values followed by the new ones ``(B, H, T, head_dim)``; keeps the
+        last ``window - 1`` of them for the next call."""
+        if layer < len(self.keys):
+            keys = torch.cat([self.keys[layer], keys], dim=2)
+            values = torch.cat([self.values[layer], values], dim=2)
+        keep = keys.shape[2] - min(keys.shape[2], self.window - 1)
+        past_keys, past_values = keys[:, :, keep:], values[:, :, keep:]
+        if layer < len(self.keys):
+            self.keys[layer], self.values[layer] = past_keys, past_values
+        else:
+            self.keys.append(past_keys)
+            self.values.append(past_values)
+        return keys, values
+
+
+def window_mask(query_start: int, queries: int, key_start: int, keys: int, window: int,
+                device: torch.device | None = None) -> torch.Tensor | None:
+    """Boolean mask ``(queries, keys)`` (True = attend) of causal attention within ``window`` positions, for
+    queries at positions ``query_start ..`` and keys at ``key_start ..``; ``None`` when it is plain causal
+    attention over the same positions (SDPA's ``is_causal``, its fast path)."""
+    if key_start == query_start and queries == keys and queries <= window:
+        return None
+    query_pos = torch.arange(query_start, query_start + queries, device=device)[:, None]
+    key_pos = torch.arange(key_start, key_start + keys, device=device)[None, :]
+    return (key_pos <= query_pos) & (query_pos - key_pos < window)
+
+
 class _CausalSelfAttention(nn.Module):
     def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float,
                  packed_dropout: bool) -> None:
@@ -84,7 +140,8 @@ class _CausalSelfAttention(nn.Module):
         self.v_proj = factory.linear(f"{prefix}v_proj", d_model, d_model, bias=False)
         self.o_proj = factory.linear(f"{prefix}o_proj", d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         batch, seq_len, d_model = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +152,10 @@ class _CausalSelfAttention(nn.Module):
         v = heads(self.v_proj(x))
         # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                             packed_masks=self.packed_dropout)
+        if cache is not None:
+            k, v = cache.extend(layer, k, v)
+        attended = attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                             dropout_p=self.dropout if self.training else 0.0, packed_masks=self.packed_dropout)
         return self.o_proj(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -124,8 +183,9 @@ class _DecoderLayer(nn.Module):
         self.mlp = _SwiGLU(factory, f"{prefix}mlp.", d_model, d_ff)
         self.dropout = dropout_layer(dropout, packed_dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin, mask, cache, layer))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -135,8 +195,8 @@ class DecoderLM(nn.Module):
     Args:
         vocab_size: rows of the token embedding and outputs of the head.
         d_model, num_heads, d_ff, num_layers: sizes (``d_model / num_heads`` even, for rotary pairs).
-        max_len: longest sequence the model is meant for; rotary tables are precomputed up to it
-            (longer inputs still work, their tables are computed on the fly).
+        max_len: the context: each position attends to at most ``max_len`` positions (itself included); longer
+            inputs run with a sliding window (see the module docstring). Rotary tables are precomputed up to it.
         dropout: on attention probabilities and both residual branches (LLaMA pre-training uses 0).
         tie_embeddings: the head reuses the token embedding (``logits = h E^T``). With a TT embedding
             the table is rebuilt from its cores once per forward (batch-free); either way both embedding
@@ -200,19 +260,41 @@ class DecoderLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.layer_kinds: dict[str, str] = dict(factory.layers)
 
-    def _rotary(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len <= self.rope_cos.shape[0]:
-            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        return rotary_tables(seq_len, self.head_dim, self.rope_theta, device=device, dtype=self.rope_cos.dtype)
+    def _rotary(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + length <= self.rope_cos.shape[0]:
+            return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
+        # float32 math as for the precomputed tables, so a position gets the same table on every path (a cached
+        # token and a full re-run agree exactly, also in float64)
+        cos, sin = rotary_tables(length, self.head_dim, self.rope_theta, offset=start, device=device)
+        return cos.to(self.rope_cos.dtype), sin.to(self.rope_sin.dtype)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states ``(B, T, d_model)`` of ``input_ids (B, T)``."""
+    def new_cache(self) -> KVCache:
+        """An empty :class:`KVCache` for this model's context."""
+        return KVCache(window=self.max_len)
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``(B, T, d_model)`` of ``input_ids (B, T)``.
+
+        With a ``cache`` (:meth:`new_cache`), ``input_ids`` continue the positions the cache has seen: they attend
+        to its keys and values as well as to each other, and the cache is extended with theirs.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        cos, sin = self._rotary(input_ids.shape[1], input_ids.device)
+        start, length = (cache.seen, input_ids.shape[1]) if cache is not None else (0, input_ids.shape[1])
+        cached = cache.cached if cache is not None else 0
+        if cache is not None and cache.keys and cache.keys[0].shape[0] != input_ids.shape[0]:
+            raise ValueError(f"the cache holds a batch of {cache.keys[0].shape[0]} sequences but input_ids has "
+                             f"{input_ids.shape[0]}: use one cache per batch (model.new_cache())")
+        cos, sin = self._rotary(start, length, input_ids.device)
+        mask = window_mask(start, length, start - cached, cached + length, self.max_len, input_ids.device)
         x = self.drop(self.embed_tokens(input_ids))
-        for layer in self.layers:
-            x = run_block(layer, self.activation_checkpointing, x, cos, sin)
+        for index, layer in enumerate(self.layers):
+            if cache is None:
+                x = run_block(layer, self.activation_checkpointing, x, cos, sin, mask)
+            else:
+                x = layer(x, cos, sin, mask, cache, index)
+        if cache is not None:
+            cache.seen += length
         return self.norm(x)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,18 @@ def test_generate_greedy_topk_eos_and_reproducible_sampling():
     assert task.generate(long_prompt, 2, temperature=0.0).shape == (1, 42)
 
 
+@pytest.mark.parametrize("prompt_len", [5, 40])
+def test_generate_with_the_cache_samples_what_the_full_re_run_samples_float64(prompt_len):
+    torch.manual_seed(0)
+    task = CausalLM(**TINY).double()
+    prompt = torch.randint(0, 400, (2, prompt_len))  # max_len is 32: within the context and past it
+    greedy = task.generate(prompt, 12, temperature=0.0)
+    assert torch.equal(greedy, task.generate(prompt, 12, temperature=0.0, use_cache=False))
+    sampled = [task.generate(prompt, 12, top_k=20, temperature=1.0, generator=torch.Generator().manual_seed(5),
+                             use_cache=use_cache) for use_cache in (True, False)]
+    assert torch.equal(*sampled)
+
+
 def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_reloads(datamodule, tmp_path, capsys):
     torch.manual_seed(0)
     task = CausalLM(**TINY, optim=OptimConfig(lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2,

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from comera_lightning.models import DecoderLM
 from comera_lightning.models.decoder import RMSNorm, apply_rotary, rotary_tables
-from comera_lightning.nn import TTEmbedding, TTLinear
+from comera_lightning.nn import TTEmbedding, TTLinear, tt_layers
 from comera_lightning.nn.base import TTLayer
 
 LAYERS = dict(rank=4, embedding_rank=4, min_features=16)
@@ -190,3 +190,49 @@ def test_activation_checkpointing_gives_the_same_gradients_in_float64(packed_dro
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+# --- the context window and the key/value cache ---------------------------------------------------------------
+def test_past_max_len_each_position_sees_the_window_of_max_len_tokens_float64():
+    # one layer: the logits at position t are those of the window ids[t - max_len + 1 .. t] run alone, since
+    # rotary scores depend only on relative positions (to the float32 precision of the rotary tables; attending
+    # to one token more or less would change the logits by order one)
+    model = DecoderLM(**dict(TINY_DECODER, num_layers=1)).double().eval()
+    ids = torch.randint(0, 97, (2, 40))
+    full = model(ids)
+    for t in (15, 16, 27, 39):
+        window = ids[:, max(0, t - 15):t + 1]
+        torch.testing.assert_close(full[:, t], model(window)[:, -1], rtol=1e-6, atol=1e-7)
+
+
+def _truncated_tt_decoder() -> DecoderLM:
+    torch.manual_seed(0)
+    model = DecoderLM(**TINY_DECODER).double().eval()
+    for _, layer in tt_layers(model):
+        layer.truncate_to_share_(0.5)
+    assert all(max(layer.ranks[1:-1]) <= 2 for _, layer in tt_layers(model))
+    return model
+
+
+@pytest.mark.parametrize("prompt_len", [5, 16, 23])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_cached_decoding_gives_the_logits_of_the_full_sequence_float64(prompt_len, chunk):
+    # prompts shorter than, equal to and longer than max_len (16); TT layers at truncated ranks
+    model = _truncated_tt_decoder()
+    ids = torch.randint(0, 97, (2, prompt_len + 21))
+    reference = model(ids)
+    cache = model.new_cache()
+    pieces = [model.head(model.hidden_states(ids[:, :prompt_len], cache))]
+    for start in range(prompt_len, ids.shape[1], chunk):
+        pieces.append(model.head(model.hidden_states(ids[:, start:start + chunk], cache)))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, rtol=1e-10, atol=1e-10)
+    assert cache.seen == ids.shape[1]
+    assert cache.cached == 15 and len(cache.keys) == 2  # bounded: the last max_len - 1 positions per layer
+
+
+def test_a_cache_belongs_to_one_batch():
+    model = DecoderLM(**TINY_DECODER).eval()
+    cache = model.new_cache()
+    model.hidden_states(torch.randint(0, 97, (2, 4)), cache)
+    with pytest.raises(ValueError, match="cache holds a batch of 2 sequences but input_ids has 3"):
+        model.hidden_states(torch.randint(0, 97, (3, 1)), cache)
