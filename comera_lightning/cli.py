@@ -47,6 +47,7 @@ from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser,
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
 from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
@@ -98,6 +99,7 @@ class ConfigArtifact(SaveConfigCallback):
     """Save the resolved config as ``config.yaml``: an MLflow artifact for MLflow loggers, a file in the
     log directory for the others (LightningCLI's behaviour)."""
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.already_saved:
             return
@@ -117,6 +119,38 @@ class ConfigArtifact(SaveConfigCallback):
         self.already_saved = True
 
 
+class ComeraArgumentParser(LightningArgumentParser):
+    """The ``comera`` CLI's parser: each subcommand's parser gets comera's arguments and defaults.
+
+    LightningCLI adds the parameters of ``Trainer.<subcommand>`` to that subcommand's parser with jsonargparse's
+    public :meth:`add_method_arguments`: the call that tells a parser which subcommand it serves.
+    """
+
+    @override
+    def add_method_arguments(self, class_type: type, method_name: str, nested_key: str | None = None,
+                             *args: Any, **kwargs: Any) -> list[str]:
+        added = super().add_method_arguments(class_type, method_name, nested_key, *args, **kwargs)
+        if nested_key is None and isinstance(class_type, type) and issubclass(class_type, Trainer):
+            _add_subcommand_arguments(self, method_name, added)
+        return added
+
+
+def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, method_arguments: list[str]) -> None:
+    """comera's defaults and arguments for ``subcommand``, whose ``Trainer`` method's parameters
+    (``method_arguments``) the parser has just received."""
+    if "weights_only" in method_arguments:
+        parser.set_defaults(weights_only=True)  # checkpoints hold tensors and primitives only
+    if subcommand == "predict":
+        parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
+    if subcommand == "fit":
+        parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
+        parser.add_argument(
+            "--resume", type=Literal["auto", "never"], default="never",
+            help="auto: continue from the newest complete checkpoint in fault_tolerance.dirpath (a fresh "
+                 "run when there is none); never: always start a fresh run",
+        )
+
+
 class ComeraCLI(LightningCLI):
     """LightningCLI with comera's defaults (see the module docstring)."""
 
@@ -131,6 +165,7 @@ class ComeraCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", defaults)
         kwargs.setdefault("save_config_callback", ConfigArtifact)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", ComeraArgumentParser)
         super().__init__(
             ComeraTask,
             LightningDataModule,
@@ -142,6 +177,7 @@ class ComeraCLI(LightningCLI):
             **kwargs,
         )
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # handed to the task as plain dicts; it builds them over its three parameter groups (ComeraTask)
         parser.add_optimizer_args((Optimizer,))
@@ -149,6 +185,7 @@ class ComeraCLI(LightningCLI):
         for key in ("optimizer", "lr_scheduler"):
             parser.link_arguments(key, f"model.init_args.{key}", compute_fn=_plain_dict)
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
         logger = config.get("trainer", {}).get("logger")
@@ -157,31 +194,15 @@ class ComeraCLI(LightningCLI):
         if init_args is not None and "run_name" in init_args and init_args.get("run_name") is None:
             init_args["run_name"] = self.run_name
 
-    def _parse_ckpt_path(self) -> None:
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:
-            check_checkpoint_file(ckpt_path)  # a clear error, before LightningCLI's own torch.load
-        super()._parse_ckpt_path()
-
-    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if "weights_only" in self._subcommand_method_arguments.get(subcommand, []):
-            parser.set_defaults(weights_only=True)  # checkpoints hold tensors and primitives only
-        if subcommand == "predict":
-            parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
+            # a clear error now, before LightningCLI loads the checkpoint for its hyperparameters (next step)
+            check_checkpoint_file(ckpt_path)
         if subcommand == "fit":
-            parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
-            parser.add_argument(
-                "--resume", type=Literal["auto", "never"], default="never",
-                help="auto: continue from the newest complete checkpoint in fault_tolerance.dirpath (a fresh "
-                     "run when there is none); never: always start a fresh run",
-            )
-        return parser
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        super().parse_arguments(parser, args)
-        if self.config.get("subcommand") == "fit":
             fit = self.config["fit"]
             if fit.get("fault_tolerance") is not None and fit["fault_tolerance"].get("dirpath") is None:
                 dumped = yaml.safe_load(self.parser.dump(self.config, skip_validation=True))["fit"]
@@ -189,21 +210,28 @@ class ComeraCLI(LightningCLI):
                 root = fit.get("trainer", {}).get("default_root_dir") or "."
                 fit["fault_tolerance"]["dirpath"] = str(Path(root) / FAULT_TOLERANCE_DIR / experiment_key(dumped))
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """LightningCLI's, with comera's callbacks added (see the module docstring) and, outside ``fit``, no
+        checkpointing; a ResilientMLFlowLogger's fallback folder goes next to the run's checkpoints."""
+        section = self.config_init.get(str(self.subcommand), self.config_init)  # run=False: no subcommand
+        config = {**(section.get("trainer") or {}), **kwargs}  # what LightningCLI builds the Trainer from
+        overrides = dict(kwargs)
+        configured = list(config.get("callbacks") or [])
         if self.subcommand != "fit":
             # evaluation writes no checkpoints: without ModelCheckpoint it also restores no checkpointing
             # state (whose folder belonged to the training run)
-            config = {**config, "enable_checkpointing": False,
-                      "callbacks": [c for c in config.get("callbacks") or [] if not isinstance(c, Checkpoint)]}
-        configured = list(config.get("callbacks") or []) + list(callbacks)
+            overrides["enable_checkpointing"] = config["enable_checkpointing"] = False
+            configured = [c for c in configured if not isinstance(c, Checkpoint)]
+        added: list[Callback] = []
         wants_bar = config.get("enable_progress_bar") is not False
         if wants_bar and not any(isinstance(c, ProgressBar) for c in configured) and _rich_available():
-            callbacks = [*callbacks, StepProgressBar()]
+            added.append(StepProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
-            callbacks = [*callbacks, FinalValidation()]
+            added.append(FinalValidation())
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured):
             root = config.get("default_root_dir") or "."
-            callbacks = [*callbacks, PredictionWriter(str(Path(root) / "predictions" / f"{self.run_name}.jsonl"))]
+            added.append(PredictionWriter(str(Path(root) / "predictions" / f"{self.run_name}.jsonl")))
         fault_tolerance = self._fault_tolerance()
         if fault_tolerance is not None and config.get("enable_checkpointing") is False:
             rank_zero_warn("comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
@@ -211,12 +239,14 @@ class ComeraCLI(LightningCLI):
         elif fault_tolerance is not None:
             if not any(isinstance(c, Checkpoint) for c in configured):
                 # Lightning adds a default ModelCheckpoint only when no Checkpoint callback is present: keep it
-                callbacks = [*callbacks, ModelCheckpoint()]
+                added.append(ModelCheckpoint())
             # last: FaultTolerance is a ModelCheckpoint too, and trainer.checkpoint_callback (the first one)
             # must stay the user's; with every_n_steps 0 it writes nothing but still restores the random
             # state of a resumed run
-            callbacks = [*callbacks, fault_tolerance]
-        trainer = super()._instantiate_trainer(config, callbacks)
+            added.append(fault_tolerance)
+        # a new list: LightningCLI appends its own callbacks (the config artifact) to the one it is given
+        overrides["callbacks"] = configured + added
+        trainer = super().instantiate_trainer(**overrides)
         for logger in trainer.loggers:
             if isinstance(logger, ResilientMLFlowLogger) and logger.local_dir is None:
                 logger.local_dir = trainer.default_root_dir  # fallback folder next to the run's checkpoints
@@ -325,12 +355,22 @@ def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None 
         lines.append(f"  compact model: {exported} (comera_lightning.export.load_exported)")
     for logger in trainer.loggers:
         if isinstance(logger, MLFlowLogger) and logger.run_id:
-            uri = logger._tracking_uri
-            name = f"{logger._run_name} ({logger.run_id})" if logger._run_name else logger.run_id
-            lines.append(f"  MLflow: run {name}, experiment {logger._experiment_name}, at {uri}")
+            uri, run, experiment = _mlflow_run(logger)
+            name = f"{run} ({logger.run_id})" if run else logger.run_id
+            lines.append(f"  MLflow: run {name}, experiment {experiment}, at {uri}")
             if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
                 lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
+
+
+def _mlflow_run(logger: MLFlowLogger) -> tuple[str, str | None, str]:
+    """``(tracking URI, run name, experiment name)`` of an MLflow logger whose run exists: a
+    ResilientMLFlowLogger knows them; another MLFlowLogger's client reads them from the store."""
+    if isinstance(logger, ResilientMLFlowLogger):
+        return logger.tracking_uri, logger.run_name, logger.experiment_name
+    client = logger.experiment
+    run_name = client.get_run(logger.run_id).info.run_name
+    return client.tracking_uri, run_name, client.get_experiment(logger.experiment_id).name
 
 
 def _rich_available() -> bool:

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
+from typing_extensions import override
+
+from ..training.internals import IndexSamplerHook
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",
@@ -437,7 +440,7 @@ class _ResumableIterator:
         return batch
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(IndexSamplerHook):
     """A DataLoader whose position inside an epoch survives a checkpoint (Lightning's ``_Stateful`` loader).
 
     Lightning 2.x saves ``state_dict()`` of every training loader that has one in the checkpoint's loop
@@ -464,9 +467,9 @@ class ResumableDataLoader(DataLoader):
         self._pending: tuple[int, int] | None = None
 
     # -- iteration
-    @property
-    def _index_sampler(self) -> Any:  # type: ignore[override]
-        return _SkipFirstBatches(self, super()._index_sampler)
+    @override
+    def wrap_index_sampler(self, index_sampler: Any) -> Any:
+        return _SkipFirstBatches(self, index_sampler)
 
     def _take_skip(self) -> int:
         skip, self._skip = self._skip, 0
@@ -494,6 +497,7 @@ class ResumableDataLoader(DataLoader):
         self._skip = skip
         return super().__iter__()
 
+    @override
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return _ResumableIterator(self)
 

@@ -89,6 +89,7 @@ from .cuda_graph_backends import (
     ReplayBackend,
     StaleGraphError,
 )
+from .internals import buffer_slots, carry_scheduler_mark, record_optimizer_step
 
 __all__ = ["CudaGraphCaptureError", "CudaGraphs", "StaleGraphError", "invalidate_cuda_graphs"]
 
@@ -163,7 +164,7 @@ class _Watch:
         self.n_state = len(optimizer.state)
         self.state_sizes = [len(st) for st in self.state_dicts]
         self.state_values = [v for st in self.state_dicts for v in st.values()]
-        self.buffer_keys = [(m._buffers, name) for m in module.modules() for name in m._buffers]
+        self.buffer_keys = buffer_slots(module)
         self.buffer_values = [d[name] for d, name in self.buffer_keys]
         self.plans = [(m, m.contraction_plan) for m in module.modules() if hasattr(m, "contraction_plan")]
 
@@ -441,8 +442,7 @@ class CudaGraphs(Callback):
         def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             return self._optimizer_step(closure, **kwargs)
 
-        if hasattr(self._original_step, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # keeps the scheduler's order check quiet
+        carry_scheduler_mark(step, self._original_step)  # keeps the LR scheduler's order check quiet
         optimizer.step = step
         self._reset_graphs()
 
@@ -627,7 +627,7 @@ class CudaGraphs(Callback):
             if unchanged:
                 self._graph_step.replay()
                 self.step_replays += 1
-                self._optimizer._opt_called = True  # what the LR scheduler's step wrapper would have recorded
+                record_optimizer_step(self._optimizer)  # what the LR scheduler's step wrapper would have recorded
                 return loss
             self.invalidate("a hook changed parameters, optimiser state or hyperparameters within the step")
         # warm-up, fallback, or a hook replaced/dropped gradients: exactly the eager optimiser step

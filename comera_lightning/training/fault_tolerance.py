@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from .atomic import TEMP_SUFFIX
 from .checkpoint_io import AtomicCheckpointIO
+from .internals import RemovalPolicyCheckpoint
 
 __all__ = [
     "FaultTolerance",
@@ -134,7 +135,7 @@ def find_resume_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- callback
-class FaultTolerance(ModelCheckpoint):
+class FaultTolerance(RemovalPolicyCheckpoint):
     """Write a resumable checkpoint every ``every_n_steps`` optimiser steps, atomically, keeping ``keep``.
 
     Resume with ``trainer.fit(..., ckpt_path=find_resume_checkpoint(dirpath), weights_only=True)`` (the
@@ -222,7 +223,8 @@ class FaultTolerance(ModelCheckpoint):
         if self.resumed_from is not None:
             self._tag_resumed_run(trainer)
 
-    def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
+    @override
+    def should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:
         # ModelCheckpoint never removes the file a run resumed from; here it is an old step like any other
         return previous != current and Path(previous).resolve().parent == Path(self.dirpath).resolve()
 

@@ -12,35 +12,44 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
+from typing_extensions import override
 
 __all__ = ["StepProgressBar"]
 
 
 class StepProgressBar(RichProgressBar):
-    """:class:`~lightning.pytorch.callbacks.RichProgressBar` showing ``step N/max_steps`` for step budgets."""
+    """:class:`~lightning.pytorch.callbacks.RichProgressBar` showing ``step N/max_steps`` for step budgets.
 
-    def _counts_steps(self) -> bool:
-        return self._trainer is not None and self.trainer.max_steps > 0
+    Lightning's bar is drawn first, then its training task is set (through rich's public ``Progress`` API)
+    to the step count and a ``Steps (epoch e)`` description.
+    """
 
     @property
+    @override
     def total_train_batches(self) -> int | float:
-        if self._counts_steps():
+        if self.trainer.max_steps > 0:
             return self.trainer.max_steps
         return super().total_train_batches
 
-    def _get_train_description(self, current_epoch: int) -> str:
-        if not self._counts_steps():
-            return super()._get_train_description(current_epoch)
-        return f"{'Steps':{len(self.validation_description)}} (epoch {current_epoch})"
-
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)  # resets the bar to 0 of the total
-        if self._counts_steps():
-            self._update(self.train_progress_bar_id, trainer.global_step)
+        self._show_steps(trainer)
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._counts_steps():
-            self._update(self.train_progress_bar_id, trainer.global_step)
+        self._show_steps(trainer)
+
+    def _show_steps(self, trainer: Trainer) -> None:
+        """Fill the training bar to ``trainer.global_step`` under a ``Steps (epoch e)`` description."""
+        task = self.train_progress_bar_id
+        if trainer.max_steps <= 0 or self.progress is None or not self.is_enabled or task is None:
+            return
+        description = f"{'Steps':{len(self.validation_description)}} (epoch {trainer.current_epoch})"
+        if self.theme.description:  # styled as Lightning styles the descriptions of the tasks it adds
+            description = f"[{self.theme.description}]{description}"
+        self.progress.update(task, completed=trainer.global_step, description=description, visible=True)
+        self.refresh()

@@ -1,0 +1,93 @@
+"""The private names of Lightning and torch that this package relies on, one small function or class each.
+
+The rest of the package uses public API only (Lightning, Fabric, MLflow, torch). What is here has no public
+equivalent; each entry says what it touches, why, and what to look at when an upgrade breaks it. Checked
+against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used).
+
+* ``ModelCheckpoint._should_remove_checkpoint`` (Lightning): :class:`RemovalPolicyCheckpoint`, for
+  ``training.fault_tolerance``;
+* ``DataLoader._index_sampler`` (torch.utils.data): :class:`IndexSamplerHook`, for ``data.common``;
+* ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
+* ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
+  ``training.cuda_graphs``;
+* ``optimizer._opt_called`` (torch.optim.lr_scheduler): :func:`record_optimizer_step`, for ``training.cuda_graphs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+__all__ = ["IndexSamplerHook", "RemovalPolicyCheckpoint", "buffer_slots", "carry_scheduler_mark",
+           "record_optimizer_step"]
+
+
+# --- Lightning ------------------------------------------------------------------------------------------
+class RemovalPolicyCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint whose choice to delete a superseded checkpoint file is :meth:`should_remove`.
+
+    Lightning decides in the private ``ModelCheckpoint._should_remove_checkpoint(trainer, previous,
+    current)`` (called for the top-k, last and best files alike), which among others never deletes the file
+    the run resumed from; there is no public option for that.
+    """
+
+    def should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:
+        """Whether ``previous``, superseded by ``current``, is deleted (default: Lightning's choice)."""
+        return super()._should_remove_checkpoint(trainer, previous, current)
+
+    def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
+        return self.should_remove(trainer, previous, current)
+
+
+# --- torch ----------------------------------------------------------------------------------------------
+class IndexSamplerHook(DataLoader):
+    """A DataLoader whose iterators draw their indices from :meth:`wrap_index_sampler`'s result.
+
+    Every DataLoader iterator (single- and multi-process) takes its indices from the private property
+    ``DataLoader._index_sampler`` (the batch sampler, or the sampler without automatic batching) when it is
+    created; wrapping it is the one place that changes which batches an epoch yields without changing the
+    ``sampler``/``batch_sampler`` that Lightning inspects and re-creates under DDP.
+    """
+
+    def wrap_index_sampler(self, index_sampler: Any) -> Any:
+        """What this loader's next iterator draws from, given the DataLoader's own index sampler."""
+        return index_sampler
+
+    @property
+    def _index_sampler(self) -> Any:  # type: ignore[override]
+        return self.wrap_index_sampler(super()._index_sampler)
+
+
+def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, Optional[torch.Tensor]], str]]:
+    """``(buffer dict, name)`` of every buffer of ``module`` and its submodules, ``None`` entries included.
+
+    ``Module._buffers`` is the dict a buffer lives in; ``slot[0].get(slot[1])`` reads one in a dict lookup,
+    which keeps :class:`~comera_lightning.training.cuda_graphs.CudaGraphs`' per-step staleness check in tens of
+    microseconds (``getattr(module, name)`` goes through ``Module.__getattr__``, and ``named_buffers`` skips
+    ``None``).
+    """
+    return [(m._buffers, name) for m in module.modules() for name in m._buffers]
+
+
+def carry_scheduler_mark(step: Callable[..., Any], original: Callable[..., Any]) -> None:
+    """Mark ``step``, which replaces ``original`` as ``optimizer.step``, as the LR scheduler's wrapper if
+    ``original`` was.
+
+    torch's ``LRScheduler`` wraps ``optimizer.step`` in a function marked ``_wrapped_by_lr_sched``; its first
+    ``step()`` warns that ``optimizer.step()`` was overridden when the mark is missing, and a scheduler created
+    later does not wrap a marked function again.
+    """
+    if hasattr(original, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+def record_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Record that ``optimizer`` stepped, as the LR scheduler's ``optimizer.step`` wrapper does
+    (``optimizer._opt_called``; without it the scheduler's first ``step()`` warns that it was called before
+    ``optimizer.step()``), for a step that replayed a CUDA graph instead of calling the wrapper."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
