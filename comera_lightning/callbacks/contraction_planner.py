@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from ..nn.linear import TTLinear
 from ..nn.tensorize import tt_layers
@@ -50,6 +51,7 @@ class ContractionPlanner(Callback):
         self._seen: dict[str, tuple[int, torch.device, torch.dtype]] = {}
         self._hooks: list[Any] = []
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         stale = [(name, layer) for name, layer in tt_layers(pl_module)
                  if isinstance(layer, TTLinear) and self._planned_ranks.get(name) != layer.ranks]
@@ -59,6 +61,7 @@ class ContractionPlanner(Callback):
             layer.set_contraction_plan(None)
             self._hooks.append(layer.register_forward_pre_hook(self._make_hook(name)))
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         for hook in self._hooks:
             hook.remove()
@@ -118,6 +121,7 @@ class ContractionPlanner(Callback):
             lines.append(f"  {name}: rows={entry['rows']} ranks={entry['ranks']} -> {entry['plan']}{extra}")
         return "\n".join(lines)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {}  # plans depend on the device and are re-made after a restart
 

@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from ..nn.base import TruncationRecord, TTLayer
 from ..nn.tensorize import tt_layers
@@ -168,6 +169,7 @@ class RankAdaptation(Callback):
         return sum(layer.active_parameters() for layer in self._layers(pl_module)) + self._other_parameters
 
     # --- hooks ---------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         # sharded strategies flatten parameters into fixed-size buffers (DeepSpeed is a DDPStrategy subclass)
@@ -180,6 +182,7 @@ class RankAdaptation(Callback):
                 f"RankAdaptation(truncate_every_n_steps=None)"
             )
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         layers = self._layers(pl_module)
         if not layers:
@@ -206,6 +209,7 @@ class RankAdaptation(Callback):
                 f"lower target_compression / raise target_size"
             )
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # here, unlike at fit start, a resumed run's global_step is already restored
         self._last_step = trainer.global_step
@@ -217,6 +221,7 @@ class RankAdaptation(Callback):
             return dense / self.target_compression
         return None
 
+    @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if all(p.grad is None for p in params):
@@ -236,6 +241,7 @@ class RankAdaptation(Callback):
         self._last_penalty = add_rank_objective_(params, gates, masks, weights,
                                                  slice_parameters if self.penalty == "weighted" else None)
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self._last_step:  # accumulating: no optimiser step happened
@@ -265,6 +271,7 @@ class RankAdaptation(Callback):
         if self.truncate_every_n_steps is not None and step % self.truncate_every_n_steps == 0:
             self.truncate(trainer, pl_module)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stage != LATE or self.target_size is None:
             return
@@ -277,6 +284,7 @@ class RankAdaptation(Callback):
                 category=UserWarning,
             )
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stage == EARLY and self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
             self._enter_late_stage(trainer, pl_module)
@@ -350,6 +358,7 @@ class RankAdaptation(Callback):
             metrics["comera/loss_ema"] = self.loss_ema
         return metrics
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "stage": self.stage,
@@ -361,6 +370,7 @@ class RankAdaptation(Callback):
             "late_stage": self.late_stage.state_dict(),
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stage = int(state_dict.get("stage", EARLY))
         self.target_size = state_dict.get("target_size")

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from ..nn.tensorize import SizeReport, size_report, tt_layers
 from .rank_adaptation import RankAdaptation
@@ -142,11 +143,13 @@ class RankMonitor(Callback):
                                                       int(report.dense_equivalent_parameters)])
 
     # --- hooks ---------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # a new fit starts a new history; a resumed one gets its history back from load_state_dict after this
         if stage == "fit":
             self._reset()
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._adaptations = [cb for cb in trainer.callbacks if isinstance(cb, RankAdaptation)]
         # a resumed fit restored the counter from its checkpoint: only later truncations are new
@@ -154,11 +157,13 @@ class RankMonitor(Callback):
         self._watch_events(trainer)
         self._log(trainer, pl_module)
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # a RankAdaptation listed after this callback truncated in its on_train_batch_end of the step that
         # global_step still names here
         self._watch_events(trainer)
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._watch_events(trainer)
@@ -166,6 +171,7 @@ class RankMonitor(Callback):
         if step != self._last_logged_step and step % self.log_every_n_steps == 0:
             self._log(trainer, pl_module)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._watch_events(trainer)
         # the loggers are still open here (they are finalised before on_fit_end)
@@ -274,10 +280,12 @@ class RankMonitor(Callback):
         return written
 
     # --- checkpoint state ----------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The history as ints, lists and dicts only (loads with ``torch.load(weights_only=True)``)."""
         return self.history
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the history of an interrupted fit; a checkpoint from an unknown format is ignored."""
         if not isinstance(state_dict, Mapping) or state_dict.get("format_version") != _FORMAT_VERSION:

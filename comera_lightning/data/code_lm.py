@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .code_mlm import _compact
 from .common import TensorDictDataset, atomic_torch_save, cache_key, load_tensor_cache, read_source_text, rows_loader
@@ -156,10 +157,12 @@ class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
         atomic_torch_save(data, path)
         return data
 
+    @override
     def prepare_data(self) -> None:
         """Train/cache the tokenizer and encode/cache both streams (Lightning calls this on local rank 0)."""
         self.streams()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached tokenizer and streams and pack them into rows (every stage builds both splits)."""
         if self.train_dataset is not None:
@@ -198,16 +201,19 @@ class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
         return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=False, seed=self.seed,
                            num_workers=self.num_workers)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled rows (order a function of seed and epoch), resumable mid-epoch."""
         rows = self._datasets("fit")[0]
         return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=True, seed=self.seed,
                            num_workers=self.num_workers)
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in order; ``[]`` when there is no validation file."""
         return self._eval_loader("validate")
 
+    @override
     def test_dataloader(self) -> DataLoader | list:
         """The validation rows again (the corpus is split into training and validation files only)."""
         return self._eval_loader("test")
@@ -220,6 +226,7 @@ class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
         picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
         return rows[picks, : self.prompt_len].long()
 
+    @override
     def predict_dataloader(self) -> DataLoader | list:
         """Prompts for sampling (:meth:`prompts`), batches of ``input_ids`` and ``index`` (the prompt number)."""
         prompts = self.prompts()

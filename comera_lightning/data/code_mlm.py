@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
+from typing_extensions import override
 
 from .common import (
     KeepIndex,
@@ -347,10 +348,12 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         atomic_torch_save(data, path)
         return data
 
+    @override
     def prepare_data(self) -> None:
         """Train/cache the tokenizer and encode/cache both splits (Lightning calls this on local rank 0)."""
         self._load_or_build_encoded()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached tokenizer and encoded rows and build the datasets.
 
@@ -394,6 +397,7 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         return rows_loader(dataset, batch_size=self.batch_size, collate_fn=self._collator(deterministic=not train),
                            train=train, seed=self.seed, num_workers=self.num_workers)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled rows (order a function of seed and epoch) with fresh BERT masks every epoch; resumable
         mid-epoch (position and mask generator are part of the checkpoint)."""
@@ -401,11 +405,13 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
             self.setup("fit")
         return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in order with masks fixed by (seed, row); ``[]`` when there is no validation file."""
         rows = self._eval_rows("validate")
         return self._loader(rows, train=False) if len(rows) else []
 
+    @override
     def test_dataloader(self) -> DataLoader | list:
         """The VALIDATION rows again, with the same masks: the corpus is split into training and validation
         files only, so ``comera test`` scores exactly the task validation scores (said once, at info level).
@@ -414,6 +420,7 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
         return self._loader(rows, train=False) if len(rows) else []
 
+    @override
     def predict_dataloader(self) -> DataLoader | list:
         """The validation rows with the same deterministic masks as :meth:`val_dataloader`, plus ``index``
         (the row number, long): batches ``input_ids`` (masked), ``attention_mask``, ``labels`` (the true id at

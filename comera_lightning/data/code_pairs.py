@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .code_mlm import stdlib_root
 from .common import (
@@ -468,10 +469,12 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         atomic_torch_save(data, path)
         return data
 
+    @override
     def prepare_data(self) -> None:
         """Train/cache the tokenizer and build/encode/cache both splits (Lightning calls this on local rank 0)."""
         self._load_or_build_encoded()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached tokenizer and encoded splits (building them when missing) and make the datasets.
 
@@ -493,20 +496,24 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
                            collate_fn=collate_fn or PairCollator(), train=train, seed=self.seed,
                            num_workers=self.num_workers)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled training pairs (order a function of seed and epoch), resumable mid-epoch."""
         return self._loader(train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         """Validation pairs in order (anchor by anchor, each anchor's three examples together)."""
         return self._loader(train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """The VALIDATION examples again, in the same order (there is no separate test split): ``comera test``
         scores them (said once at info level)."""
         uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
         return self._loader(train=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         """The validation examples as in :meth:`test_dataloader`, with ``index`` added (the example's number in
         :meth:`examples` ``("val")``, which gives its functions' paths and names)."""

@@ -325,6 +325,7 @@ class TensorDictDataset(Dataset):
         out["index"] = index
         return out
 
+    @override
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {name: t[0] for name, t in self.__getitems__([i]).items()}
 
@@ -386,6 +387,7 @@ class EpochShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
+    @override
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
         return iter(torch.randperm(self.num_samples, generator=g).tolist())

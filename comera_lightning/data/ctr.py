@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .common import (
     KeepIndex,
@@ -397,11 +398,13 @@ class CriteoDataModule(pl.LightningDataModule):
         key = cache_key({"files": stats, "table_sizes": self.table_sizes, "version": 1})
         return Path(self.cache_dir).expanduser() / "encoded" / f"criteo-{key}.pt"
 
+    @override
     def prepare_data(self) -> None:
         """Parse ``data_dir`` once into the cache (only with ``cache_dir``; local rank zero)."""
         if self.cache_dir is not None and not self.synthetic:
             self.load()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Generate or read the rows and split them in time order (training, validation, test); every stage
         builds all three (the rows are read once)."""
@@ -434,11 +437,13 @@ class CriteoDataModule(pl.LightningDataModule):
                            collate_fn=collate_fn or CTRCollator(), train=train, seed=self.seed,
                            num_workers=self.num_workers)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
         return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_dataset is None:
             self.setup("validate")
@@ -453,11 +458,13 @@ class CriteoDataModule(pl.LightningDataModule):
             uses_validation_rows_notice(self, stage, "test_fraction=0; set test_fraction= to hold out the last rows")
         return self.test_dataset  # type: ignore[return-value]
 
+    @override
     def test_dataloader(self) -> DataLoader | list:
         """The test rows in order (the last ``test_fraction``; the validation rows when it is 0); ``[]`` when empty."""
         rows = self._test_rows("test")
         return self._loader(rows, train=False) if len(rows) else []
 
+    @override
     def predict_dataloader(self) -> DataLoader | list:
         """The :meth:`test_dataloader` rows with ``index`` added (the row's number in that slice)."""
         rows = self._test_rows("predict")

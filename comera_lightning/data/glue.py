@@ -39,6 +39,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from .common import (
     KeepIndex,
@@ -542,6 +543,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         atomic_torch_save(data, path)
         return data
 
+    @override
     def prepare_data(self) -> None:
         """Train/cache the tokenizer and encode/cache the training and validation splits, and the test split
         when the trainer is testing or predicting (local rank 0)."""
@@ -550,6 +552,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         if _trainer_fn(self) in ("test", "predict"):
             self._encoded(self.resolved_test_split)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached encodings and build the datasets the stage needs: ``fit`` training and validation,
         ``validate`` validation, ``test``/``predict`` the test split (:attr:`resolved_test_split`), ``None`` all."""
@@ -574,9 +577,11 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return rows_loader(dataset, batch_size=self.batch_size, collate_fn=collate_fn or PairCollator(),
                            train=train, seed=self.seed, num_workers=self.num_workers)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader(self._dataset("train_dataset", "fit"), train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._dataset("val_dataset", "validate"), train=False)
 
@@ -587,10 +592,12 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 self, stage, f"{str(self.root)!r} has no other labelled split; set test_split= to choose one")
         return rows
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """Labelled pairs of :attr:`resolved_test_split`, in file order."""
         return self._loader(self._test_rows("test"), train=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         """The :meth:`test_dataloader` pairs with ``index`` (the row number in that split) added."""
         return self._loader(self._test_rows("predict"), train=False, collate_fn=KeepIndex(PairCollator()))

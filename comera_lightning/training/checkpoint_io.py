@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 from .atomic import atomic_torch_save
 
@@ -27,6 +28,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic and durable; remote URLs (``s3://`` ...) and
     loading are Lightning's."""
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         text = str(path)
         if storage_options is not None or ("://" in text and not text.startswith("file://")):

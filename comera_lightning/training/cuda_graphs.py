@@ -80,6 +80,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from typing_extensions import override
 
 from .cuda_graph_backends import (
     CudaGraphBackend,
@@ -140,13 +141,13 @@ _SUPPORTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecisio
 
 class _Watch:
     """The per-step staleness check, cheap enough to run twice a step (tens of microseconds for a six-layer
-    encoder; :meth:`CudaGraphs.state_key` builds the same fingerprint from scratch in milliseconds).
+    encoder; :meth:`CudaGraphs.graph_key` builds the same fingerprint from scratch in milliseconds).
 
     Recorded at capture, by identity where a replacement means a new address (optimiser state and its
     containers, param-group tensors, buffers), by storage address for parameters (truncation swaps ``.data``),
     by value for Python constants (hyperparameters, contraction plans, train mode). Not seen: a per-parameter
     state dict swapped for a new one inside the same ``optimizer.state`` (torch and this project only ever replace
-    the whole container, on ``load_state_dict``, or entries, on truncation); ``state_key`` does see it."""
+    the whole container, on ``load_state_dict``, or entries, on truncation); ``graph_key`` does see it."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.module, self.optimizer = module, optimizer
@@ -349,6 +350,7 @@ class CudaGraphs(Callback):
                              + "\nRemove the CudaGraphs callback to train eagerly.")
 
     # --- Lightning hooks ----------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -363,10 +365,12 @@ class CudaGraphs(Callback):
                            "graphs (pass backend='cuda' to make this an error).", category=UserWarning)
             self._warned_inactive = True
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._backend is not None:
             self.check_supported(trainer, pl_module)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._backend is None:
             return
@@ -377,15 +381,19 @@ class CudaGraphs(Callback):
         rank_zero_info(f"CudaGraphs: capturing the training step with the {self._backend.name} backend after "
                        f"{self.warmup_steps} eager steps")
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._uninstall()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._uninstall()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._uninstall()
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # keep checkpoints loadable by an eager run on any device: plain float learning rates, capturable off
         if not self.active:
@@ -461,8 +469,10 @@ class CudaGraphs(Callback):
         self._module = self._optimizer = None
 
     # --- the fingerprint of everything a graph bakes in ----------------------------------------------------
-    def state_key(self) -> tuple:
+    def graph_key(self) -> tuple:
         """What the captured graphs read by address or hold as constants, built from scratch (milliseconds).
+
+        (Not ``state_key``: that is the Callback property Lightning keys a callback's checkpoint state by.)
 
         The replay backend compares it on every replay (an independent check of the fast per-step
         :class:`_Watch`); also handy to debug unexpected re-captures.
@@ -595,7 +605,7 @@ class CudaGraphs(Callback):
             return [*out_tensors, *log_tensors, *(p.grad for p in grad_params)]
 
         preserve = list(module.buffers())
-        graph = self._backend.capture(forward_backward, preserve, self.state_key)
+        graph = self._backend.capture(forward_backward, preserve, self.graph_key)
         self._graph_fb = graph
         self.captures += 1
         n_out = self._n_outputs = meta["n_outputs"]
@@ -654,7 +664,7 @@ class CudaGraphs(Callback):
         grads = self._params()
 
         def key() -> tuple:  # the step graph also reads the gradients by address
-            return self.state_key(), tuple(id(p.grad) for p in grads)
+            return self.graph_key(), tuple(id(p.grad) for p in grads)
 
         self._graph_step = self._backend.capture(optimizer_step, preserve, key)
         self.step_captures += 1

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 __all__ = ["DivergenceGuard", "DivergenceError"]
 
@@ -79,15 +80,19 @@ class DivergenceGuard(Callback):
         self._scaler_handles_gradients = False
 
     # --- hooks ---------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._scaler_handles_gradients = getattr(trainer.precision_plugin, "scaler", None) is not None
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._loss_finite = self._bad_loss_value = None
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
 
+    @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if not self.check_loss:
             return
@@ -99,6 +104,7 @@ class DivergenceGuard(Callback):
                                                self._bad_loss_value)
             self._loss_finite = self._loss_finite & finite
 
+    @override
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -155,9 +161,11 @@ class DivergenceGuard(Callback):
         """For RankMonitor: how many optimiser steps were dropped so far."""
         return {"comera/skipped_steps": float(self.skipped_steps)}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))

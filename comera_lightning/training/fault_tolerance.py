@@ -175,10 +175,12 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         self._restored_step: int | None = None
 
     @property
+    @override
     def state_key(self) -> str:
         return type(self).__qualname__
 
     # --- hooks ---------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.dirpath is None:  # identical on every rank: the default root dir is
             self.dirpath = os.path.realpath(Path(trainer.default_root_dir) / "fault_tolerance")
@@ -189,6 +191,7 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         if stage == "fit" and self.atomic_io and type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = Path(self.dirpath)
         if not trainer.is_global_zero or not folder.is_dir():
@@ -209,11 +212,13 @@ class FaultTolerance(RemovalPolicyCheckpoint):
             rank_zero_info(f"FaultTolerance: removed {len(stale)} step checkpoint(s) that are not this run's "
                            f"from {folder}: {', '.join(p.name for p in stale)}")
 
+    @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._restored_step = None
         if self.state_key in checkpoint.get("callbacks", {}):
             self._restored_step = int(checkpoint.get("global_step", -1))
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._current_run_id = self._run_id(trainer) if trainer.is_global_zero else None
@@ -302,9 +307,11 @@ class FaultTolerance(RemovalPolicyCheckpoint):
                     experiment.set_tag(run_id, "comera.resumed_from_run", str(self.resumed_from["run_id"]))
 
     # --- state ---------------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "version": 2, "run_id": self._current_run_id, "rng": self._gather_rng()}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "best_model_path" in state_dict:  # absent from version 1 states
             super().load_state_dict(state_dict)

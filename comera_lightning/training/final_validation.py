@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 __all__ = ["FinalValidation"]
 
@@ -19,6 +20,7 @@ __all__ = ["FinalValidation"]
 class FinalValidation(Callback):
     """Validate (and checkpoint) on the last optimiser step of a ``max_steps`` run."""
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -24,6 +24,7 @@ import platform
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 __all__ = ["KeepFreedMemory", "keep_freed_memory"]
 
@@ -66,6 +67,7 @@ class KeepFreedMemory(Callback):
     def __init__(self) -> None:
         self.applied = False
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.applied = keep_freed_memory(True)
         if not self.applied:
@@ -73,6 +75,7 @@ class KeepFreedMemory(Callback):
             rank_zero_warn(f"KeepFreedMemory: this C library ({platform.system()}, {library}) has no mallopt; "
                            "training runs with the allocator's own behaviour. Remove the callback to silence this.")
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.applied:
             keep_freed_memory(False)

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 __all__ = ["IndexSamplerHook", "RemovalPolicyCheckpoint", "buffer_slots", "carry_scheduler_mark",
            "record_optimizer_step"]
@@ -40,6 +41,7 @@ class RemovalPolicyCheckpoint(ModelCheckpoint):
         """Whether ``previous``, superseded by ``current``, is deleted (default: Lightning's choice)."""
         return super()._should_remove_checkpoint(trainer, previous, current)
 
+    @override
     def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
         return self.should_remove(trainer, previous, current)
 
@@ -59,6 +61,7 @@ class IndexSamplerHook(DataLoader):
         return index_sampler
 
     @property
+    @override
     def _index_sampler(self) -> Any:  # type: ignore[override]
         return self.wrap_index_sampler(super()._index_sampler)
 

@@ -45,6 +45,7 @@ from typing import IO, Any, Mapping, Sequence
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
 
 from .atomic import atomic_write
 
@@ -160,6 +161,7 @@ class PredictionWriter(BasePredictionWriter):
             raise IsADirectoryError(f"PredictionWriter: output_path {str(path)!r} is a directory; name a file in it")
 
     # ------------------------------------------------------------------ hooks
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage != "predict":
@@ -168,6 +170,7 @@ class PredictionWriter(BasePredictionWriter):
         self._refuse_existing(path)  # before the model runs on anything
         self.path = path
 
+    @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.path is None:
             self.path = self.resolve_path(trainer)
@@ -178,6 +181,7 @@ class PredictionWriter(BasePredictionWriter):
         self._file = self._writing.enter_context(open(tmp, "w", encoding="utf-8"))
         self.records_written = 0
 
+    @override
     def write_on_batch_end(
         self,
         trainer: Trainer,
@@ -201,6 +205,7 @@ class PredictionWriter(BasePredictionWriter):
             self._file.write("\n".join(lines) + "\n")
         self.records_written += len(lines)
 
+    @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Close the temporary file and move it into place (fsync'ed, atomic)."""
         if self._writing is None or self.path is None:
@@ -212,9 +217,11 @@ class PredictionWriter(BasePredictionWriter):
             self._refuse_existing(self.path)
             raise
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._discard()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._discard()
 
