@@ -36,7 +36,7 @@ def measure(step, steps: int) -> dict:
     start = time.perf_counter()
     faults = system = 0.0
     for _ in range(steps):
-        k = bts.kernel_work(step)
+        k = harness.kernel_work(step)
         faults += k["minor_faults"]
         system += k["system_s"]
     return {"step_s": (time.perf_counter() - start) / steps, "minor_faults": faults / steps, "system_s": system / steps}

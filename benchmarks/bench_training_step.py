@@ -1,74 +1,44 @@
 """Training step of the six-encoder transformer: dense + AdamW vs dense + GaLore vs CoMERA, and how it scales.
 
-Part ``step`` builds the model of ``configs/mnli_6enc.yaml`` (``SequenceClassifier``: vocab 30522,
-d_model 768, 12 heads, d_ff 3072, 6 layers, seq 128, 3 classes, dropout 0.1, float32) four ways and times
-one full training step of each, interleaved round by round in one process (``harness.interleave``):
+Part ``step``: the model of ``configs/mnli_6enc.yaml`` (``SequenceClassifier``, d_model 768, 6 layers, seq 128)
+trained four ways, one full step each (zero_grad, forward, cross-entropy on random labels, backward,
+``optimizer.step()``), timed interleaved in one process (``harness.interleave``), at batch 1 and ``--batch``:
 
-- ``dense+AdamW``: every layer dense; ``torch.optim.AdamW``.
-- ``dense+GaLore``: every layer dense; ``galore_torch.GaLoreAdamW`` with the encoder's 2-D linear weights in a
-  GaLore group (rank 128, update_proj_gap 200, scale 0.25, proj_type std, as in the GaLore README) and every
-  other parameter in a plain group.
-- ``CoMERA r30``: TT linears (rank 30) and a TT word embedding (rank 32), ``dense_layers`` as in the config;
-  ``torch.optim.AdamW`` over ``comera_parameter_groups``, plus what ``RankAdaptation`` does every step, through
-  the same functions of ``comera_lightning.objectives``: the rank-penalty gradient added to the gates before
-  ``optimizer.step()``, the gate finiteness check and the mask refresh after it.
-- ``CoMERA 1/4``: a copy of that model with gate entries zeroed, masks refreshed, cores physically truncated
-  (``truncate_``) and AdamW state sliced, keeping the share of every bond that brings its trainable parameters
-  closest to a quarter of ``CoMERA r30``'s (or, when the layers truncation cannot touch already hold more
-  than a quarter, to a quarter of the TT layers' own parameters; the printout says which); same extras.
+- ``dense+AdamW``; ``dense+GaLore``: ``galore_torch.GaLoreAdamW`` with the encoder's 2-D linear weights projected
+  (rank 128, update_proj_gap 200, scale 0.25, as the GaLore README). Its projection refresh (an SVD per weight,
+  once every 200 steps) is left out of the interleaved rounds and timed at batch 1 against the steady step
+  before it; ratios use the amortised step ``steady + (refresh - steady) / 200``;
+- ``CoMERA r30``: TT linears (rank 30) and TT word embedding (rank 32), AdamW over ``comera_parameter_groups``
+  plus RankAdaptation's per-step work (the rank-penalty gradient, finiteness checks, the mask refresh);
+- ``CoMERA 1/4``: a copy physically truncated (``truncate_``, AdamW state sliced) to the share of every bond
+  that brings it closest to a quarter of CoMERA r30's parameters (or of its TT layers' own, when the layers
+  truncation cannot touch already hold more; the printout says which).
 
-A step is ``zero_grad`` + forward + cross-entropy on random labels + backward + ``optimizer.step()``; every
-candidate has taken one step before timing, so optimiser state exists. GaLore refreshes its projection
-(an SVD of every projected gradient) once every ``update_proj_gap`` steps: the interleaved rounds time
-steady-state steps only (the step counter is moved past a refresh), and the refresh step is timed
-separately at batch 1, each refresh step paired with a steady step right before it (its SVDs do not depend
-on the batch). Time ratios use GaLore's amortised step, ``steady + (refresh - steady) / 200``.
-Peak memory is measured by ``harness.peak_memory`` (torch's MemTracker: parameters, gradients, optimiser
-state, activations, temporaries) over one steady step; GaLore's projection matrices live outside its
-optimiser state, so they are tracked as extra tensors (category ``other``) and reported on their own too.
-Both batches run: 1 x 128 (the paper's GaLore comparison) and ``--batch`` x 128 (default 32, as the config).
+Peak memory: ``harness.peak_memory`` over one steady step (GaLore's projectors tracked under ``other``); page
+faults and system time per step (``getrusage``). When a target of issue 6 is missed, CoMERA is profiled against
+dense (realistic batch) or GaLore (batch 1), and a "why" line names the op types it did not make 2x cheaper.
 
-If a target of issue 6 is missed, the CoMERA and dense steps at the realistic batch are profiled
-(``torch.profiler``, ops by self CPU time), and when a batch-1 target is missed, CoMERA and GaLore at batch 1;
-the JSON gets the top ops and their shares, and the printout a "why" line: the time CoMERA still spends in
-op types it did not make at least 2x cheaper than the other candidate, which caps its speedup (Amdahl).
+Part ``scaling``: dense + AdamW vs CoMERA r30 against d_model {256, 512, 1024, 2048} (heads d/64, d_ff 4d,
+2 layers, batch 8; other shapes get the project's automatic modes, recorded in the JSON).
 
-Part ``scaling`` times dense + AdamW and CoMERA r30 (with the same per-step extras) against d_model
-{256, 512, 1024, 2048}: heads d_model/64, d_ff 4 d_model, seq 128, vocab 30522, 2 layers and batch 8 by
-default (so the dense d_model-2048 model, 168M parameters, stays affordable); layers other than the paper's
-768/3072 shapes get the project's automatic modes (``LayerFactory`` -> ``TTLinear`` / ``TTEmbedding``
-``padded_modes``), recorded in the JSON.
+``--packed-dropout`` builds every candidate with packed dropout masks; ``--keep-freed-memory`` keeps glibc's
+freed memory for the process. Output: tables and verdicts on stdout, ``training_step<options>.{json,png}`` and
+``training_scaling<options>.{json,png}`` in ``--out-dir``.
 
-``--packed-dropout`` builds every candidate with ``packed_dropout=True`` (cheaper CPU dropout masks,
-``comera_lightning.nn.dropout``; the same on all sides, so attention runs the same code everywhere).
-``--keep-freed-memory`` makes glibc's malloc keep freed memory for the whole process
-(``comera_lightning.training.host_memory.keep_freed_memory``), so steps stop page-faulting their activations in. Each
-candidate's minor page faults and system time over one step are reported either way.
-
-Output: markdown tables with the ratios and the issue's target verdicts on stdout; JSON (machine, settings,
-every sample, memory breakdowns, profiles) and PNGs in ``--out-dir``: ``training_step.{json,png}`` and
-``training_scaling.{json,png}`` (``training_step_packed_dropout_keep_freed_memory.*`` etc. with the options).
-
-    python benchmarks/bench_training_step.py                       # both parts, about 10 min on 2 quiet cores
+    python benchmarks/bench_training_step.py --part step --wait-quiet 60
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
-    python benchmarks/bench_training_step.py --part step --batch 16 --repeats 5 --threads 2
-    python benchmarks/bench_training_step.py --part scaling --d-models 256,512,1024 --wait-quiet 60
-
-GaLore needs the optional extra: ``pip install -e .[galore]`` (galore-torch 1.0); without it that candidate is
-reported as skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import resource
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -123,15 +93,13 @@ def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
     if not config.is_file():
         raise FileNotFoundError(f"{config} not found: run the benchmark from a checkout of the repository")
     parsed = yaml.safe_load(config.read_text())
-    model, seq_len = parsed["model"]["init_args"], parsed["data"]["init_args"]["seq_len"]
-    return Shape(
-        vocab_size=model["vocab_size"], d_model=model["d_model"], num_heads=model["num_heads"], d_ff=model["d_ff"],
-        num_layers=model["num_layers"], seq_len=seq_len, num_classes=model["num_classes"],
-        dropout=model["dropout"], rank=model["layer_config"]["rank"],
-        embedding_rank=model["layer_config"]["embedding_rank"], dense_layers=model["layer_config"]["dense_layers"],
-        lr_cores=model["optim"]["lr_cores"], lr_gates=model["optim"]["lr_gates"],
-        lr_other=model["optim"]["lr_other"],
-    )
+    model, layer, optim = (parsed["model"]["init_args"], parsed["model"]["init_args"]["layer_config"],
+                           parsed["model"]["init_args"]["optim"])
+    return Shape(vocab_size=model["vocab_size"], d_model=model["d_model"], num_heads=model["num_heads"],
+                 d_ff=model["d_ff"], num_layers=model["num_layers"], seq_len=parsed["data"]["init_args"]["seq_len"],
+                 num_classes=model["num_classes"], dropout=model["dropout"], rank=layer["rank"],
+                 embedding_rank=layer["embedding_rank"], dense_layers=layer["dense_layers"],
+                 lr_cores=optim["lr_cores"], lr_gates=optim["lr_gates"], lr_other=optim["lr_other"])
 
 
 def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
@@ -144,21 +112,20 @@ def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
 def build_model(shape: Shape, tt: bool, seed: int = 0) -> SequenceClassifier:
     """The classifier, dense (``tt=False``) or CoMERA (TT linears and TT word embedding), in train mode."""
     torch.manual_seed(seed)
-    model = SequenceClassifier(
-        shape.vocab_size, shape.num_classes, shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers,
-        shape.seq_len, dropout=shape.dropout, packed_dropout=shape.packed_dropout,
+    return SequenceClassifier(
+        vocab_size=shape.vocab_size, num_classes=shape.num_classes, d_model=shape.d_model, num_heads=shape.num_heads,
+        d_ff=shape.d_ff, num_layers=shape.num_layers, max_len=shape.seq_len, dropout=shape.dropout,
+        packed_dropout=shape.packed_dropout,
         layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank,
                           dense_layers=shape.dense_layers),
-    )
-    return model.train()
+    ).train()
 
 
 def make_batch(shape: Shape, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, shape.vocab_size, (batch, shape.seq_len), generator=gen)
-    labels = torch.randint(0, shape.num_classes, (batch,), generator=gen)
-    return ids, labels
+    return ids, torch.randint(0, shape.num_classes, (batch,), generator=gen)
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -167,7 +134,7 @@ def trainable_parameters(model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
-# candidates
+# candidates: one training setup each (also llm_study.py's, bench_activation_memory.py's, bench_host_memory.py's)
 
 
 @dataclass
@@ -180,25 +147,36 @@ class Candidate:
     step: Callable[[], torch.Tensor] | None = None
     skipped: str | None = None
     info: dict = field(default_factory=dict)
-    extra_tensors: Callable[[], list[torch.Tensor]] = list
+    extra_tensors: Callable[[], list[torch.Tensor]] = list  # tensors outside the optimiser state (projectors)
 
     @property
     def parameters(self) -> int | None:
+        """Trainable parameters of the model (None when skipped)."""
         return None if self.model is None else trainable_parameters(self.model)
 
+    def prime(self) -> Candidate:
+        """One step, so that optimiser state exists before anything is measured; records its loss."""
+        self.info["first_loss"] = float(self.step())
+        return self
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor,
-                before_step: Callable[[], None] | None = None,
-                after_step: Callable[[], None] | None = None) -> torch.Tensor:
-    optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(ids), labels)
-    loss.backward()
-    if before_step is not None:
-        before_step()
-    optimizer.step()
-    if after_step is not None:
-        after_step()
-    return loss.detach()
+
+def train_step(optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
+               before_step: Callable[[], None] | None = None,
+               after_step: Callable[[], None] | None = None) -> Callable[[], torch.Tensor]:
+    """A training step: zero_grad, ``loss()``, backward, ``before_step``, ``optimizer.step()``, ``after_step``."""
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        value = loss()
+        value.backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+        return value.detach()
+
+    return step
 
 
 class RankAdaptationWork:
@@ -224,16 +202,17 @@ class RankAdaptationWork:
             refresh_masks_(self.layers)
 
 
-def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> Candidate:
-    """Dense model + ``torch.optim.AdamW``; primed with one step."""
-    model = build_model(shape, tt=False, seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
-    cand = Candidate(DENSE, model, optimizer, lambda: _train_step(model, optimizer, ids, labels))
-    cand.info["first_loss"] = float(cand.step())
+def comera_candidate(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
+                     gamma: float = 0.01) -> Candidate:
+    """A CoMERA step: ``optimizer`` plus RankAdaptation's per-step work; primed."""
+    work = RankAdaptationWork(model, optimizer, gamma)
+    cand = Candidate(name, model, optimizer, train_step(optimizer, loss, work.before_step, work.after_step)).prime()
+    cand.info["ranks"] = {n: layer.ranks for n, layer in tt_layers(model)}
     return cand
 
 
-def _import_galore():
+def import_galore() -> tuple[type | None, str | None]:
+    """(``GaLoreAdamW``, None), or (None, why not and how to install it)."""
     try:
         from galore_torch import GaLoreAdamW
     except ImportError as err:
@@ -241,66 +220,81 @@ def _import_galore():
     return GaLoreAdamW, None
 
 
+def galore_optimizer(params: Iterable[nn.Parameter], targets: list[nn.Parameter], lr: float, weight_decay: float,
+                     settings: dict) -> torch.optim.Optimizer | None:
+    """``GaLoreAdamW`` with ``targets`` projected (``settings``) and the other ``params`` in a plain group
+    (None when galore-torch is missing)."""
+    cls, missing = import_galore()
+    if missing:
+        return None
+    target_ids = {id(p) for p in targets}
+    others = [p for p in params if id(p) not in target_ids]
+    return cls([{"params": others}, {"params": targets, **settings}], lr=lr, weight_decay=weight_decay,
+               no_deprecation_warning=True)
+
+
+def galore_candidate(name: str, model: nn.Module, targets: list[nn.Parameter], loss: Callable[[], torch.Tensor],
+                     lr: float, weight_decay: float, settings: dict) -> Candidate:
+    """A GaLore step: ``step`` at steady state (the projection refresh skipped), ``info['refresh_step']`` one
+    that refreshes every projection (SVD); primed (which computes the projectors). Skipped, with the install
+    command, when galore-torch is missing."""
+    optimizer = galore_optimizer(model.parameters(), targets, lr, weight_decay, settings)
+    if optimizer is None:
+        return Candidate(name, skipped=import_galore()[1])
+    gap = settings["update_proj_gap"]
+    states = lambda: [optimizer.state[p] for p in targets if optimizer.state.get(p)]  # noqa: E731
+    plain = train_step(optimizer, loss)
+
+    def steady() -> torch.Tensor:
+        # GaLore refreshes when its per-parameter counter is a multiple of the gap (before incrementing)
+        for state in states():
+            state["step"] += state["step"] % gap == 0
+        return plain()
+
+    def refresh() -> torch.Tensor:
+        for state in states():
+            state["step"] = (state["step"] // gap + 1) * gap
+        return plain()
+
+    def projectors() -> list[torch.Tensor]:
+        mats = [state["projector"].ortho_matrix for state in states()]
+        return [m for mat in mats for m in (mat if isinstance(mat, list) else [mat])]
+
+    cand = Candidate(name, model, optimizer, steady, extra_tensors=projectors)
+    cand.info["first_loss"] = float(plain())  # creates the projectors (SVD)
+    mats = projectors()
+    cand.info.update(settings=dict(settings), galore_parameters=sum(p.numel() for p in targets),
+                     galore_tensors=len(targets), refresh_step=refresh,
+                     projector_bytes=sum(t.numel() * t.element_size() for t in mats),
+                     # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
+                     projector_storage_bytes=sum(
+                         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}.values()))
+    return cand
+
+
+def classifier_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Cross-entropy of the classifier on one batch."""
+    return lambda: F.cross_entropy(model(ids), labels)
+
+
+def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> Candidate:
+    """Dense model + ``torch.optim.AdamW``; primed."""
+    model = build_model(shape, tt=False, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
+    return Candidate(DENSE, model, optimizer, train_step(optimizer, classifier_loss(model, ids, labels))).prime()
+
+
 def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
     """The encoder's 2-D linear weights (attention projections, fc1, fc2): what GaLore's README projects."""
     return [m.weight for m in model.encoder.layers.modules() if isinstance(m, nn.Linear)]
 
 
-def _galore_states(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[dict]:
-    return [optimizer.state[p] for p in params if optimizer.state.get(p)]
-
-
 def dense_galore(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
                  settings: dict | None = None) -> Candidate:
-    """Dense model + ``GaLoreAdamW``; ``step`` is a steady-state step, ``info['refresh_step']`` one that
-    refreshes every projection (SVD). Skipped, with the install command, when galore-torch is missing."""
-    GaLoreAdamW, missing = _import_galore()
-    if missing:
-        return Candidate(GALORE, skipped=missing)
-    settings = dict(GALORE_SETTINGS if settings is None else settings)
-    gap = settings["update_proj_gap"]
+    """Dense model + ``GaLoreAdamW`` (:func:`galore_candidate`)."""
     model = build_model(shape, tt=False, seed=seed)
-    targets = galore_targets(model)
-    target_ids = {id(p) for p in targets}
-    others = [p for p in model.parameters() if id(p) not in target_ids]
-    optimizer = GaLoreAdamW([{"params": others}, {"params": targets, **settings}], lr=shape.lr_other,
-                            weight_decay=0.0, no_deprecation_warning=True)
-
-    def skip_refresh() -> None:
-        # GaLore refreshes when its per-parameter counter is a multiple of the gap (before incrementing)
-        for state in _galore_states(optimizer, targets):
-            if state["step"] % gap == 0:
-                state["step"] += 1
-
-    def force_refresh() -> None:
-        for state in _galore_states(optimizer, targets):
-            state["step"] = (state["step"] // gap + 1) * gap
-
-    def steady() -> torch.Tensor:
-        skip_refresh()
-        return _train_step(model, optimizer, ids, labels)
-
-    def refresh() -> torch.Tensor:
-        force_refresh()
-        return _train_step(model, optimizer, ids, labels)
-
-    def projectors() -> list[torch.Tensor]:
-        mats = []
-        for state in _galore_states(optimizer, targets):
-            ortho = state["projector"].ortho_matrix
-            mats.extend(ortho if isinstance(ortho, list) else [ortho])
-        return mats
-
-    cand = Candidate(GALORE, model, optimizer, steady, extra_tensors=projectors)
-    cand.info.update(settings=settings, galore_parameters=sum(p.numel() for p in targets),
-                     galore_tensors=len(targets), refresh_step=refresh)
-    cand.info["first_loss"] = float(_train_step(model, optimizer, ids, labels))  # creates projectors (SVD)
-    mats = projectors()
-    cand.info["projector_bytes"] = sum(t.numel() * t.element_size() for t in mats)
-    # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
-    cand.info["projector_storage_bytes"] = sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}.values())
-    return cand
+    return galore_candidate(GALORE, model, galore_targets(model), classifier_loss(model, ids, labels), shape.lr_other,
+                            0.0, GALORE_SETTINGS if settings is None else settings)
 
 
 def comera(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0, gamma: float = 0.01,
@@ -308,14 +302,8 @@ def comera(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
     """CoMERA model + AdamW over ``comera_parameter_groups`` + RankAdaptation's per-step work; primed."""
     model = build_model(shape, tt=True, seed=seed) if model is None else model
     optimizer = torch.optim.AdamW(
-        comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0)
-    )
-    work = RankAdaptationWork(model, optimizer, gamma)
-    cand = Candidate(name, model, optimizer,
-                     lambda: _train_step(model, optimizer, ids, labels, work.before_step, work.after_step))
-    cand.info["first_loss"] = float(cand.step())
-    cand.info["ranks"] = {n: layer.ranks for n, layer in tt_layers(model)}
-    return cand
+        comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0))
+    return comera_candidate(name, model, optimizer, classifier_loss(model, ids, labels), gamma)
 
 
 def parameters_after_cut(model: nn.Module, keep: float) -> int:
@@ -336,13 +324,11 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
     parameters (cores and gates). Returns ``(keep, basis, target)`` with basis ``"total"`` or ``"tt"``.
     """
     total = trainable_parameters(model)
-    floor = parameters_after_cut(model, 0.0)
     tt_total = sum(p.numel() for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates])
-    fixed = total - tt_total
-    if fraction * total > floor:
+    if fraction * total > parameters_after_cut(model, 0.0):
         basis, target = "total", round(fraction * total)
     else:
-        basis, target = "tt", fixed + round(fraction * tt_total)
+        basis, target = "tt", total - tt_total + round(fraction * tt_total)
     best = min((k / 1000 for k in range(1, 1001)),
                key=lambda keep: (abs(parameters_after_cut(model, keep) - target), -keep))
     return best, basis, target
@@ -364,13 +350,11 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
     cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER)
     keep, basis, target = quarter_keep(model, fraction)
     cut(model, cand.optimizer, keep)
-    cand.info["first_loss"] = float(cand.step())
+    cand.prime()
     tt_ids = {id(p) for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]}
-    cand.info.update(
-        keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model),
-        tt_parameters=sum(p.numel() for p in model.parameters() if id(p) in tt_ids),
-        ranks={n: layer.ranks for n, layer in tt_layers(model)},
-    )
+    cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model),
+                     tt_parameters=sum(p.numel() for p in model.parameters() if id(p) in tt_ids),
+                     ranks={n: layer.ranks for n, layer in tt_layers(model)})
     return cand
 
 
@@ -378,19 +362,10 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
 # measuring
 
 
-def measure_memory(cand: Candidate, inputs: Sequence[torch.Tensor]) -> dict:
+def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
     """``harness.peak_memory`` of one step of ``cand`` (inputs and GaLore's projectors tracked too)."""
     return harness.peak_memory(cand.step, modules=[cand.model], optimizers=[cand.optimizer],
                                tensors=[*cand.extra_tensors(), *inputs])
-
-
-def kernel_work(step: Callable[[], object]) -> dict:
-    """Minor page faults and user / system CPU seconds of one call of ``step`` (``getrusage``)."""
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    step()
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    return {"minor_faults": after.ru_minflt - before.ru_minflt, "user_s": after.ru_utime - before.ru_utime,
-            "system_s": after.ru_stime - before.ru_stime}
 
 
 def time_galore_refresh(cand: Candidate, samples: int) -> dict:
@@ -401,77 +376,53 @@ def time_galore_refresh(cand: Candidate, samples: int) -> dict:
         cand.step()
         t1 = time.perf_counter()
         cand.info["refresh_step"]()
-        t2 = time.perf_counter()
         steady.append(t1 - t0)
-        refresh.append(t2 - t1)
+        refresh.append(time.perf_counter() - t1)
     extra = [max(r - s, 0.0) for r, s in zip(refresh, steady)]
     return {"steady_s": steady, "refresh_s": refresh, "extra_s": extra, "extra_median_s": statistics.median(extra)}
 
 
-def profile_step(step: Callable[[], object], top: int = 12) -> dict:
-    """Ops of one step by self CPU time (``torch.profiler``): total and the top ``top`` with their shares."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
-    total = sum(ops.values())
-    ranked = sorted(ops.items(), key=lambda kv: -kv[1])
-    return {"total_self_cpu_s": total, "ops_s": ops,
-            "top": [{"op": k, "self_cpu_s": v, "share": v / total} for k, v in ranked[:top]]}
-
-
-def explain(comera_profile: dict, dense_profile: dict | None, against: str = DENSE) -> str:
-    """A "why" line from the profiles: CoMERA's top ops, and the op types it did not make at least 2x
-    cheaper than ``against`` (their time alone caps the speedup at the other's total / their total)."""
+def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> str:
+    """A "why" line from two ``harness.profile_ops``: CoMERA's top ops, and the op types it did not make at least
+    2x cheaper than ``against`` (their time alone caps the speedup at the other's total / their total)."""
     top = ", ".join(f"{t['op']} {t['share']:.0%}" for t in comera_profile["top"][:4])
-    line = f"CoMERA step's top ops: {top}"
-    if dense_profile is None:
-        return line
-    c_ops, d_ops = comera_profile["ops_s"], dense_profile["ops_s"]
+    c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
     stuck_s = sum(stuck.values())
     worst = ", ".join(f"{k} {v * 1e3:.0f} ms (vs {d_ops.get(k, 0.0) * 1e3:.0f})"
                       for k, v in sorted(stuck.items(), key=lambda kv: -kv[1])[:4])
-    bound = dense_profile["total_self_cpu_s"] / max(stuck_s, 1e-12)
-    return (f"{line}. Op types CoMERA did not make >= 2x cheaper than {against} take {stuck_s * 1e3:.0f} ms of "
-            f"its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone cap the speedup over "
-            f"{against} at {bound:.1f}x ({against} profiled step: {dense_profile['total_self_cpu_s'] * 1e3:.0f} ms)")
+    bound = other_profile["total_self_cpu_s"] / max(stuck_s, 1e-12)
+    return (f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
+            f"{stuck_s * 1e3:.0f} ms of its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone "
+            f"cap the speedup over {against} at {bound:.1f}x ({against} profiled step: "
+            f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)")
 
 
-def _noise(timing: harness.Timing, slower: str, faster: str) -> dict:
-    paired = timing.paired_ratios(slower, faster)
-    return {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
-
-
-def run_batch(shape: Shape, batch: int, repeats: int, max_other_load: float, wait_quiet_s: float,
-              refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
-              min_sample_s: float = 1.0, min_total_s: float = 40.0) -> tuple[dict, dict]:
-    """All four candidates at one batch size: interleaved timing, peak memory; returns (results, candidates)."""
+def run_batch(shape: Shape, batch: int, refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
+              min_sample_s: float = 1.0, min_total_s: float = 40.0, **timing) -> tuple[dict, dict]:
+    """All four candidates at one batch size: interleaved timing (``timing``: :func:`harness.interleave`'s repeats,
+    max_other_load, wait_quiet_s), peak memory, kernel work; returns (results, candidates)."""
     ids, labels = make_batch(shape, batch, seed)
     t0 = time.perf_counter()
-    cands = [dense_adamw(shape, ids, labels, seed), dense_galore(shape, ids, labels, seed)]
     base = comera(shape, ids, labels, seed)
-    cands += [base, comera_quarter(base, shape, ids, labels)]
+    cands = [dense_adamw(shape, ids, labels, seed), dense_galore(shape, ids, labels, seed), base,
+             comera_quarter(base, shape, ids, labels)]
     log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     active = [c for c in cands if c.skipped is None]
     # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
     # short steps varied by 30 % from run to run, more than the differences being measured
-    timing = harness.interleave({c.name: c.step for c in active}, repeats=repeats, warmup=1,
-                                min_sample_s=min_sample_s, min_total_s=min_total_s, max_other_load=max_other_load,
-                                wait_quiet_s=wait_quiet_s, seed=seed)
+    timing = harness.interleave({c.name: c.step for c in active}, min_sample_s=min_sample_s, min_total_s=min_total_s,
+                                seed=seed, **timing)
     log(f"  timed ({timing.noise_cell()} clean rounds) at {time.perf_counter() - t0:.0f} s")
-    tokens = batch * shape.seq_len
-    out: dict = {"batch": batch, "tokens_per_step": tokens, "timing": timing.summary(), "candidates": {}}
+    out: dict = {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary(),
+                 "candidates": {}}
     for c in cands:
         if c.skipped:
             out["candidates"][c.name] = {"skipped": c.skipped}
             continue
-        mem = measure_memory(c, (ids, labels))
-        info = {k: v for k, v in c.info.items() if k != "refresh_step"}
         entry = {"skipped": None, "parameters": c.parameters, "median_s": timing.median(c.name),
-                 "min_s": timing.minimum(c.name), "memory": mem, "kernel": kernel_work(c.step), **info}
+                 "min_s": timing.minimum(c.name), "memory": measure_memory(c, (ids, labels)),
+                 "kernel": harness.kernel_work(c.step), **{k: v for k, v in c.info.items() if k != "refresh_step"}}
         if c.name == GALORE and refresh_samples > 0:
             entry["refresh"] = time_galore_refresh(c, refresh_samples)
         if c.name in (DENSE, GALORE):
@@ -481,46 +432,40 @@ def run_batch(shape: Shape, batch: int, repeats: int, max_other_load: float, wai
         out["candidates"][c.name] = entry
     log(f"  memory measured at {time.perf_counter() - t0:.0f} s")
     names = [c.name for c in active]
-    out["paired_ratio_noise"] = {f"{a}/{b}": _noise(timing, a, b) for a in names for b in names if a != b}
+    out["paired_ratio_noise"] = {}
+    for a in names:
+        for b in names:
+            if a != b:
+                paired = timing.paired_ratios(a, b)
+                out["paired_ratio_noise"][f"{a}/{b}"] = {"median": statistics.median(paired), "min": min(paired),
+                                                         "max": max(paired)}
     return out, {c.name: c for c in cands}
 
 
 def finish_batch(res: dict, svd_extra_s: float | None) -> None:
     """Amortised GaLore step, tokens/s and the ratios of one batch's results (in place)."""
     cands = res["candidates"]
-    g = cands.get(GALORE, {})
-    if not g.get("skipped") and g:
+    g = cands[GALORE]
+    if not g["skipped"]:
         extra = g.get("refresh", {}).get("extra_median_s", svd_extra_s)
         g["refresh_extra_s"] = extra
         g["refresh_extra_source"] = ("measured at this batch" if "refresh" in g else
                                      "measured at batch 1 (the SVDs do not depend on the batch)" if extra is not None
                                      else "not measured (--refresh-samples 0): amortised = steady")
-        gap = g["settings"]["update_proj_gap"]
-        g["amortised_s"] = g["median_s"] + (extra or 0.0) / gap
+        g["amortised_s"] = g["median_s"] + (extra or 0.0) / g["settings"]["update_proj_gap"]
     for entry in cands.values():
-        if not entry.get("skipped"):
+        if not entry["skipped"]:
             entry["tokens_per_s"] = res["tokens_per_step"] / entry.get("amortised_s", entry["median_s"])
-
-    def step_s(name: str) -> float | None:
-        e = cands.get(name, {})
-        return None if e.get("skipped") or not e else e.get("amortised_s", e["median_s"])
-
-    def mem(name: str) -> float | None:
-        e = cands.get(name, {})
-        return None if e.get("skipped") or not e else e["memory"]["total"]
-
-    def ratio(f: Callable[[str], float | None], a: str, b: str) -> float | None:
-        x, y = f(a), f(b)
-        return None if x is None or y is None else x / y
-
+    step = {n: None if e["skipped"] else e.get("amortised_s", e["median_s"]) for n, e in cands.items()}
+    mem = {n: None if e["skipped"] else e["memory"]["total"] for n, e in cands.items()}
     res["ratios"] = {
-        "time dense/CoMERA": ratio(step_s, DENSE, COMERA),
-        "memory dense/CoMERA": ratio(mem, DENSE, COMERA),
-        "time GaLore(amortised)/CoMERA": ratio(step_s, GALORE, COMERA),
-        "memory GaLore/CoMERA": ratio(mem, GALORE, COMERA),
-        "time CoMERA/CoMERA-1/4": ratio(step_s, COMERA, QUARTER),
-        "memory CoMERA/CoMERA-1/4": ratio(mem, COMERA, QUARTER),
-        "parameters CoMERA-1/4/CoMERA": (cands[QUARTER]["parameters"] / cands[COMERA]["parameters"]),
+        "time dense/CoMERA": harness.ratio(step[DENSE], step[COMERA]),
+        "memory dense/CoMERA": harness.ratio(mem[DENSE], mem[COMERA]),
+        "time GaLore(amortised)/CoMERA": harness.ratio(step[GALORE], step[COMERA]),
+        "memory GaLore/CoMERA": harness.ratio(mem[GALORE], mem[COMERA]),
+        "time CoMERA/CoMERA-1/4": harness.ratio(step[COMERA], step[QUARTER]),
+        "memory CoMERA/CoMERA-1/4": harness.ratio(mem[COMERA], mem[QUARTER]),
+        "parameters CoMERA-1/4/CoMERA": cands[QUARTER]["parameters"] / cands[COMERA]["parameters"],
     }
 
 
@@ -543,24 +488,19 @@ def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     return out
 
 
-def _fmt(x: float | None, f: Callable[[float], str] = harness.times) -> str:
-    return "skipped" if x is None else f(x)
-
-
 def quarter_note(cands: dict) -> str:
     """How CoMERA 1/4 was cut, and what its parameter count is a quarter of; GaLore's projector storage."""
     lines = []
-    q, c = cands.get(QUARTER), cands.get(COMERA)
-    if q and c and not q.get("skipped"):
-        tt_before = c["parameters"] - c["size_report"]["other_parameters"]
-        what = ("of all trainable parameters" if q["basis"] == "total" else
-                f"of the TT layers' parameters (cores + gates: {tt_before:,} -> {q['tt_parameters']:,}); a quarter of "
-                f"all {c['parameters']:,} is out of reach, {c['size_report']['other_parameters']:,} of them are in "
-                f"layers truncation does not touch (dense pooler, position embeddings, biases, norms)")
-        lines.append(f"CoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
-                     f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}.")
-    g = cands.get(GALORE)
-    if g and not g.get("skipped"):
+    q, c = cands[QUARTER], cands[COMERA]
+    tt_before = c["parameters"] - c["size_report"]["other_parameters"]
+    what = ("of all trainable parameters" if q["basis"] == "total" else
+            f"of the TT layers' parameters (cores + gates: {tt_before:,} -> {q['tt_parameters']:,}); a quarter of "
+            f"all {c['parameters']:,} is out of reach, {c['size_report']['other_parameters']:,} of them are in "
+            f"layers truncation does not touch (dense pooler, position embeddings, biases, norms)")
+    lines.append(f"CoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
+                 f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}.")
+    g = cands[GALORE]
+    if not g["skipped"]:
         lines.append(f"dense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms "
                      f"extra once per {g['settings']['update_proj_gap']} steps; its projectors hold "
                      f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for "
@@ -575,58 +515,77 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     for batch, res in results.items():
         rows = []
         for name, e in res["candidates"].items():
-            if e.get("skipped"):
+            if e["skipped"]:
                 rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * 10])
                 continue
             m = e["memory"]
-            step = harness.ms(e["median_s"])
-            if "amortised_s" in e:
-                step += f" (amortised {harness.ms(e['amortised_s'])})"
+            step = harness.ms(e["median_s"]) + (f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e
+                                                else "")
             persistent = m.get("optimizer_state_persistent", m["optimizer_state"])
-            rows.append([name, f"{e['parameters']:,}", step, f"{e['tokens_per_s']:,.0f}", harness.mib(m["total"]),
-                         harness.mib(m["parameters"]), harness.mib(m["gradients"]), harness.mib(persistent),
-                         harness.mib(max(m["optimizer_state"] - persistent, 0)), harness.mib(m["activations"]),
-                         harness.mib(m["temporaries"]), harness.mib(m["other"] + m["buffers"]),
+            rows.append([name, f"{e['parameters']:,}", step, f"{e['tokens_per_s']:,.0f}",
+                         *(harness.mib(v) for v in (m["total"], m["parameters"], m["gradients"], persistent,
+                                                    max(m["optimizer_state"] - persistent, 0), m["activations"],
+                                                    m["temporaries"], m["other"] + m["buffers"])),
                          f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s"])
-        note = quarter_note(res["candidates"])
         parts.append(f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
                      f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
                      + harness.table(["candidate", "trainable params", "step ms (median)", "tokens/s", "peak MiB",
                                       "params", "grads", "opt state", "opt-step work", "activations", "temporaries",
-                                      "other", "page faults / system time"], rows) + note)
-    batches = list(results)
+                                      "other", "page faults / system time"], rows) + quarter_note(res["candidates"]))
     keys = list(next(iter(results.values()))["ratios"])
-    rows = [[k, *(_fmt(results[b]["ratios"][k]) for b in batches)] for k in keys]
-    parts.append(harness.table(["ratio", *(f"batch {b}" for b in batches)], rows))
-    rows = [[c["target"], _fmt(c["measured"]), {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]]
-            for c in checks]
-    parts.append(harness.table(["target (issue 6)", "measured", "verdict"], rows))
+    ratio = lambda x: "skipped" if x is None else harness.times(x)  # noqa: E731
+    parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)],
+                               [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys]))
+    parts.append(harness.table(["target (issue 6)", "measured", "verdict"],
+                               [[c["target"], ratio(c["measured"]),
+                                 {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]] for c in checks]))
     return "\n\n".join(parts)
 
 
-def plot_step(results: dict[int, dict], path: Path, shape: Shape) -> Path:
+def plot_step(results: dict[int, dict], shape: Shape):
     """Bars: step time and peak memory per candidate, one bar per batch size (log scales)."""
     fig, (ax_t, ax_m) = harness.new_figure(2, 6.5, 4.2)
-    batches = list(results)
-    names = [n for n in next(iter(results.values()))["candidates"]]
-    width = 0.8 / len(batches)
-    for j, b in enumerate(batches):
-        cands = results[b]["candidates"]
-        xs = [i + (j - (len(batches) - 1) / 2) * width for i in range(len(names))]
-        t = [0 if cands[n].get("skipped") else cands[n].get("amortised_s", cands[n]["median_s"]) * 1e3 for n in names]
-        m = [0 if cands[n].get("skipped") else cands[n]["memory"]["total"] / 2**20 for n in names]
-        ax_t.bar(xs, t, width, label=f"batch {b}")
-        ax_m.bar(xs, m, width, label=f"batch {b}")
-    for ax, label in ((ax_t, "training step (ms, median; GaLore amortised)"), (ax_m, "peak memory (MiB, MemTracker)")):
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=15)
-        ax.set_yscale("log")
-        ax.set_ylabel(label)
-        ax.legend()
-        ax.grid(axis="y", alpha=0.3)
+    names = list(next(iter(results.values()))["candidates"])
+    value = lambda e, f: 0 if e["skipped"] else f(e)  # noqa: E731
+    harness.bars(ax_t, names, {f"batch {b}": [value(r["candidates"][n], lambda e: e.get("amortised_s", e["median_s"])
+                                                    * 1e3) for n in names] for b, r in results.items()},
+                 "training step (ms, median; GaLore amortised)")
+    harness.bars(ax_m, names, {f"batch {b}": [value(r["candidates"][n], lambda e: e["memory"]["total"] / 2**20)
+                                              for n in names] for b, r in results.items()},
+                 "peak memory (MiB, MemTracker)")
     fig.suptitle(f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
                  f"vocab {shape.vocab_size}), float32 CPU, {torch.get_num_threads()} threads")
-    return harness.save_figure(fig, path)
+    return fig
+
+
+def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], refresh_samples: int) -> dict:
+    """Every batch of the step part, profiles where a target is missed (or always); returns the JSON payload."""
+    results: dict[int, dict] = {}
+    svd_extra = None
+    profiles: dict[str, dict] = {}
+    for b in batches:
+        print(f"batch {b}:", flush=True)
+        res, cands = run_batch(shape, b, refresh_samples if b == 1 else 0, min_sample_s=0.01 if args.quick else 1.0,
+                               min_total_s=args.min_total_s, **harness.timing_options(args))
+        finish_batch(res, svd_extra)
+        svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
+        results[b] = res
+        # the realistic batch is profiled when any target is missed, batch 1 when one of its own is
+        missed = any(c["met"] is False and (b == batches[-1] or c["batch"] == b)
+                     for c in verdicts(results, batches[-1]))
+        if args.profile == "always" or (args.profile == "auto" and missed):
+            # batch 1's targets compare CoMERA with GaLore, the realistic batch's with dense
+            other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
+            print(f"  profiling the {COMERA} and {other} steps", flush=True)
+            prof = {"batch": b, "against": other, "comera": harness.profile_ops(cands[COMERA].step),
+                    "other": harness.profile_ops(cands[other].step)}
+            profiles[str(b)] = {**prof, "why": explain(prof["comera"], prof["other"], other)}
+        del cands
+    checks = verdicts(results, batches[-1])
+    print("\n" + step_tables(results, checks))
+    for prof in profiles.values():
+        print(f"\nwhy (profile at batch {prof['batch']}, vs {prof['against']}): {prof['why']}")
+    return {"results": results, "verdicts": checks, "profiles": profiles}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -638,38 +597,35 @@ def _modes(model: nn.Module) -> dict:
     for name, layer in tt_layers(model):
         short = name.split(".")[-1] if "layers." in name else name
         if isinstance(layer, TTLinear):
-            key = f"{short} {layer.in_features}x{layer.out_features}"
-            out.setdefault(key, {"in_modes": layer.in_modes, "out_modes": layer.out_modes, "ranks": layer.ranks})
+            out.setdefault(f"{short} {layer.in_features}x{layer.out_features}",
+                           {"in_modes": layer.in_modes, "out_modes": layer.out_modes, "ranks": layer.ranks})
         elif isinstance(layer, TTEmbedding):
             out.setdefault(short, {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes,
                                    "ranks": layer.ranks})
     return out
 
 
-def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: int, repeats: int,
-                max_other_load: float, wait_quiet_s: float, seed: int = 0,
-                log: Callable[[str], None] = print) -> list[dict]:
+def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed: int = 0,
+                log: Callable[[str], None] = print, **timing) -> list[dict]:
     """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory."""
     rows = []
     for d in d_models:
         shape = scaling_shape(d, num_layers, base)
         ids, labels = make_batch(shape, batch, seed)
         cands = [dense_adamw(shape, ids, labels, seed), comera(shape, ids, labels, seed)]
-        timing = harness.interleave({c.name: c.step for c in cands}, repeats=repeats, warmup=1, min_sample_s=0.5,
-                                    max_other_load=max_other_load, wait_quiet_s=wait_quiet_s, seed=seed)
-        row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing.summary(),
+        timing_ = harness.interleave({c.name: c.step for c in cands}, min_sample_s=0.5, seed=seed, **timing)
+        row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing_.summary(),
                "modes": _modes(cands[1].model), "candidates": {}}
         for c in cands:
-            row["candidates"][c.name] = {"parameters": c.parameters, "median_s": timing.median(c.name),
-                                         "tokens_per_s": batch * shape.seq_len / timing.median(c.name),
+            row["candidates"][c.name] = {"parameters": c.parameters, "median_s": timing_.median(c.name),
+                                         "tokens_per_s": batch * shape.seq_len / timing_.median(c.name),
                                          "memory": measure_memory(c, (ids, labels))}
-        row["time dense/CoMERA"] = timing.ratio(DENSE, COMERA)
+        row["time dense/CoMERA"] = timing_.ratio(DENSE, COMERA)
         row["memory dense/CoMERA"] = (row["candidates"][DENSE]["memory"]["total"]
                                       / row["candidates"][COMERA]["memory"]["total"])
-        log(f"  d_model {d}: dense {harness.ms(timing.median(DENSE))} ms, "
-            f"CoMERA {harness.ms(timing.median(COMERA))} ms ({timing.noise_cell()})")
+        log(f"  d_model {d}: dense {harness.ms(timing_.median(DENSE))} ms, "
+            f"CoMERA {harness.ms(timing_.median(COMERA))} ms ({timing_.noise_cell()})")
         rows.append(row)
-        del cands
     return rows
 
 
@@ -688,7 +644,7 @@ def scaling_table(rows: list[dict]) -> str:
                           "rounds"], body)
 
 
-def plot_scaling(rows: list[dict], path: Path) -> Path:
+def plot_scaling(rows: list[dict]):
     """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
     fig, (ax_t, ax_m) = harness.new_figure(2, 5.5, 4.2)
     ds = [r["d_model"] for r in rows]
@@ -698,8 +654,7 @@ def plot_scaling(rows: list[dict], path: Path) -> Path:
     for ax, label in ((ax_t, "training step (ms, median)"), (ax_m, "peak memory (MiB, MemTracker)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks(ds)
-        ax.set_xticklabels([str(d) for d in ds])
+        ax.set_xticks(ds, [str(d) for d in ds])
         ax.set_xlabel("d_model (heads d/64, d_ff 4d)")
         ax.set_ylabel(label)
         ax.legend()
@@ -707,7 +662,7 @@ def plot_scaling(rows: list[dict], path: Path) -> Path:
     r0 = rows[0]
     fig.suptitle(f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
                  f"vocab {r0['shape']['vocab_size']}, float32 CPU")
-    return harness.save_figure(fig, path)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -718,9 +673,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -728,35 +683,28 @@ def _d_models(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 256,512, got {text!r}") from None
-    bad = [v for v in values if v < 64 or v % 64]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"d_model values must be positive multiples of 64 (heads of 64), got {text!r}")
+        values = []
+    if not values or any(v < 64 or v % 64 for v in values):
+        raise argparse.ArgumentTypeError(f"d_model values must be positive multiples of 64 (heads of 64), e.g. "
+                                         f"256,512; got {text!r}")
     return values
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench_training_step.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line: the shared options and the parts' own."""
+    parser = harness.bench_parser(__doc__, repeats=(2, 3))
     parser.add_argument("--part", choices=["step", "scaling", "all"], default="all",
                         help="step: candidates at the paper's shapes; scaling: cost against d_model; all: both")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 1 layer, batch 4, scaling at d_model 256,512 with 1 layer and batch 2, "
-                             "2 repeats")
     parser.add_argument("--min-total-s", type=float, default=None,
                         help="clean timed seconds per candidate and batch at least (default 40, quick 0)")
     parser.add_argument("--batch", type=_positive_int, default=None,
                         help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)")
     parser.add_argument("--layers", type=_positive_int, default=None,
-                        help="encoder layers of the step part (default: the config's 6; quick 2)")
+                        help="encoder layers of the step part (default: the config's 6; quick 1)")
     parser.add_argument("--d-models", type=_d_models, default=None,
-                        help="scaling: d_model values (default 256,512,1024,2048)")
-    parser.add_argument("--scaling-layers", type=_positive_int, default=None,
-                        help="scaling: encoder layers (default 2)")
-    parser.add_argument("--scaling-batch", type=_positive_int, default=None,
-                        help="scaling: sequences per step (default 8)")
-    parser.add_argument("--repeats", type=_positive_int, default=None,
-                        help="clean interleaved rounds (default 3, quick 2)")
+                        help="scaling: d_model values (default 256,512,1024,2048; quick 256,512)")
+    parser.add_argument("--scaling-layers", type=_positive_int, default=None, help="scaling: layers (default 2)")
+    parser.add_argument("--scaling-batch", type=_positive_int, default=None, help="scaling: sequences (default 8)")
     parser.add_argument("--refresh-samples", type=int, default=None,
                         help="GaLore projection-refresh steps timed at batch 1 (default 2, quick 1; 0 skips)")
     parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
@@ -766,92 +714,51 @@ def build_parser() -> argparse.ArgumentParser:
                         help="glibc malloc keeps freed memory (comera_lightning.training.host_memory.keep_freed_memory)")
     parser.add_argument("--packed-dropout", action="store_true",
                         help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--wait-quiet", type=float, default=0.0,
-                        help="seconds to wait for a quiet machine per comparison")
-    parser.add_argument("--max-other-load", type=float, default=0.15,
-                        help="a round where other processes used more than this share of the CPUs is retried")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen parts, print the tables and verdicts, write JSON and PNGs; returns 0."""
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser = build_parser()
+    args = harness.parse(parser, argv)
     quick = args.quick
+    refresh_samples = args.refresh_samples if args.refresh_samples is not None else (1 if quick else 2)
+    if refresh_samples < 0:
+        parser.error(f"--refresh-samples must be >= 0, got {refresh_samples}")
+    if args.min_total_s is None:
+        args.min_total_s = 0.0 if quick else 40.0
     paper = replace(paper_shape(), packed_dropout=args.packed_dropout)
     stem = "_packed_dropout" if args.packed_dropout else ""
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
-    layers = args.layers or (1 if quick else paper.num_layers)
-    batch = args.batch or (4 if quick else 32)
-    repeats = args.repeats or (2 if quick else 3)
-    refresh_samples = args.refresh_samples if args.refresh_samples is not None else (1 if quick else 2)
-    if refresh_samples < 0:
-        raise SystemExit(f"--refresh-samples must be >= 0, got {refresh_samples}")
-    d_models = args.d_models or ([256, 512] if quick else [256, 512, 1024, 2048])
-    scaling_layers = args.scaling_layers or (1 if quick else 2)
-    scaling_batch = args.scaling_batch or (2 if quick else 8)
-    settings = {"quick": quick, "threads": torch.get_num_threads(), "repeats": repeats, "dtype": "float32",
-                "keep_freed_memory": args.keep_freed_memory,
-                "max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet, "argv": argv or sys.argv[1:]}
+    settings = {"quick": quick, "threads": torch.get_num_threads(), "repeats": args.repeats, "dtype": "float32",
+                "keep_freed_memory": args.keep_freed_memory, "max_other_load": args.max_other_load,
+                "wait_quiet_s": args.wait_quiet, "argv": argv or sys.argv[1:]}
     started = time.perf_counter()
-
     if args.part in ("step", "all"):
-        shape = replace(paper, num_layers=layers)
+        shape = replace(paper, num_layers=args.layers or (1 if quick else paper.num_layers))
+        batch = args.batch or (4 if quick else 32)
         batches = [1] if batch == 1 else [1, batch]
         print(f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
-              f"batches {batches}, {repeats} rounds, {torch.get_num_threads()} threads", flush=True)
-        results: dict[int, dict] = {}
-        min_total_s = args.min_total_s if args.min_total_s is not None else (0.0 if quick else 40.0)
-        svd_extra = None
-        profiles: dict[str, dict] = {}
-        for b in batches:
-            print(f"batch {b}:", flush=True)
-            res, cands = run_batch(shape, b, repeats, args.max_other_load, args.wait_quiet,
-                                   refresh_samples if b == 1 else 0, min_sample_s=0.01 if quick else 1.0,
-                                   min_total_s=min_total_s)
-            finish_batch(res, svd_extra)
-            svd_extra = res["candidates"].get(GALORE, {}).get("refresh_extra_s", svd_extra)
-            results[b] = res
-            checks = verdicts(results, batches[-1])
-            # the realistic batch is profiled when any target is missed, batch 1 when one of its own is
-            missed = any(c["met"] is False and (b == batches[-1] or c["batch"] == b) for c in checks)
-            if args.profile == "always" or (args.profile == "auto" and missed):
-                # batch 1's targets compare CoMERA with GaLore, the realistic batch's with dense
-                other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
-                print(f"  profiling the {COMERA} and {other} steps", flush=True)
-                profiles[str(b)] = {"batch": b, "against": other, "comera": profile_step(cands[COMERA].step),
-                                    "other": profile_step(cands[other].step)}
-                profiles[str(b)]["why"] = explain(profiles[str(b)]["comera"], profiles[str(b)]["other"], other)
-            del cands
-        checks = verdicts(results, batches[-1])
-        print("\n" + step_tables(results, checks))
-        for prof in profiles.values():
-            print(f"\nwhy (profile at batch {prof['batch']}, vs {prof['against']}): {prof['why']}")
-        payload = {"machine": harness.machine_info(), "settings": {**settings, "shape": shape.__dict__,
-                                                                   "batches": batches, "galore": GALORE_SETTINGS,
-                                                                   "refresh_samples": refresh_samples},
-                   "results": {str(b): r for b, r in results.items()}, "verdicts": checks, "profiles": profiles}
-        path = harness.write_json(args.out_dir / f"training_step{stem}.json", payload)
-        png = plot_step(results, args.out_dir / f"training_step{stem}.png", shape)
-        print(f"\nwrote {path} and {png} ({time.perf_counter() - started:.0f} s so far)", flush=True)
-
+              f"batches {batches}, {args.repeats} rounds, {torch.get_num_threads()} threads", flush=True)
+        payload = run_step_part(args, shape, batches, refresh_samples)
+        payload["results"] = {str(b): r for b, r in payload["results"].items()}
+        harness.emit(args.out_dir / f"training_step{stem}.json",
+                     {"machine": harness.machine_info(), "settings": {**settings, "shape": shape.__dict__,
+                      "batches": batches, "galore": GALORE_SETTINGS, "refresh_samples": refresh_samples}, **payload},
+                     fig=plot_step({int(b): r for b, r in payload["results"].items()}, shape))
     if args.part in ("scaling", "all"):
-        print(f"\n## scaling: d_model {d_models}, {scaling_layers} layers, batch {scaling_batch} x {paper.seq_len}, "
-              f"{repeats} rounds", flush=True)
-        rows = run_scaling(paper, d_models, scaling_layers, scaling_batch, repeats, args.max_other_load,
-                           args.wait_quiet)
+        d_models = args.d_models or ([256, 512] if quick else [256, 512, 1024, 2048])
+        layers, batch = args.scaling_layers or (1 if quick else 2), args.scaling_batch or (2 if quick else 8)
+        print(f"\n## scaling: d_model {d_models}, {layers} layers, batch {batch} x {paper.seq_len}, "
+              f"{args.repeats} rounds", flush=True)
+        rows = run_scaling(paper, d_models, layers, batch, **harness.timing_options(args))
         print("\n" + scaling_table(rows))
-        payload = {"machine": harness.machine_info(),
-                   "settings": {**settings, "d_models": d_models, "layers": scaling_layers, "batch": scaling_batch},
-                   "rows": rows}
-        path = harness.write_json(args.out_dir / f"training_scaling{stem}.json", payload)
-        png = plot_scaling(rows, args.out_dir / f"training_scaling{stem}.png")
-        print(f"\nwrote {path} and {png}")
+        harness.emit(args.out_dir / f"training_scaling{stem}.json",
+                     {"machine": harness.machine_info(), "rows": rows,
+                      "settings": {**settings, "d_models": d_models, "layers": layers, "batch": batch}},
+                     fig=plot_scaling(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -1,23 +1,23 @@
-"""Shared measurement machinery of the benchmark scripts: interleaved timing, contention probing, peak memory.
+"""Shared machinery of the benchmark scripts: interleaved timing, contention probing, peak memory, profiles,
+the common command line, and markdown/JSON/PNG output.
 
-Everything here exists because the machines we measure on are shared and noisy: candidates are timed in
-one process, round by round in a fresh random order, rounds during which other processes took more than a
-given share of the CPUs are left out of the medians (and retried), and every claim is a ratio of medians.
-
-Memory is measured, not estimated: ``peak_memory`` runs one step under torch's ``MemTracker`` (a dispatch
-mode that follows every tensor storage as it is allocated and freed, on CPU as on GPU) and reports the
-peak of live tensor bytes with its breakdown into parameters, gradients, optimiser state, activations and
-temporaries. On CUDA devices the allocator's own peak (``torch.cuda.max_memory_allocated``) is reported too.
+The machines we measure on are shared and noisy: candidates are timed in one process, round by round in a
+fresh random order; rounds during which other processes took more than a given share of the CPUs are left out
+of the medians (and retried), and every claim is a ratio of medians. Memory is measured, not estimated:
+``peak_memory`` runs one step under torch's ``MemTracker`` and reports the peak of live tensor bytes with its
+breakdown (parameters, gradients, optimiser state, activations, temporaries).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -278,7 +278,33 @@ def peak_memory(
 
 
 # ------------------------------------------------------------------------------------------------------
-# reporting
+# what a step costs besides time
+
+
+def kernel_work(step: Callable[[], object]) -> dict:
+    """Minor page faults and user / system CPU seconds of one call of ``step`` (``getrusage``)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    step()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {"minor_faults": after.ru_minflt - before.ru_minflt, "user_s": after.ru_utime - before.ru_utime,
+            "system_s": after.ru_stime - before.ru_stime}
+
+
+def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
+    """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls,
+    after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iterations):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    ops = {e.key: e.self_cpu_time_total / 1e6 / iterations for e in events}
+    total = sum(ops.values()) or 1e-12
+    return {"total_self_cpu_s": total, "ops_s": ops,
+            "top": [{"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
+                    for e in events[:top]]}
 
 
 def keep_freed_memory_for_run() -> None:
@@ -291,15 +317,72 @@ def keep_freed_memory_for_run() -> None:
         raise SystemExit("--keep-freed-memory needs glibc's malloc (mallopt); this C library has none")
 
 
+# ------------------------------------------------------------------------------------------------------
+# the command line every script shares
+
+
+def bench_parser(doc: str, *, repeats: tuple[int, int] | None = None, threads: int | None = None,
+                 out_dir: Path | None = RESULTS_DIR) -> argparse.ArgumentParser:
+    """A parser with ``--quick``, ``--threads`` and ``--out-dir`` and, for scripts that time candidates with
+    :func:`interleave` (``repeats``: their default clean rounds, quick and full), ``--repeats``,
+    ``--max-other-load`` and ``--wait-quiet``. :func:`parse` checks and applies them."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small version: the plumbing in seconds")
+    parser.add_argument("--threads", type=int, default=threads,
+                        help=f"torch.set_num_threads (default: {threads or 'torch decides'})")
+    if out_dir is not None:
+        parser.add_argument("--out-dir", type=Path, default=out_dir, help="where JSON/PNG go (default %(default)s)")
+    if repeats is not None:
+        parser.repeats_default = repeats
+        parser.add_argument("--repeats", type=int, default=None,
+                            help=f"clean interleaved rounds at least (default {repeats[1]}, quick {repeats[0]})")
+        parser.add_argument("--max-other-load", type=float, default=0.15,
+                            help="a round in which other processes took more than this share of the CPUs "
+                                 "(/proc/stat) is left out of the medians and retried (default 0.15; 1 keeps all)")
+        parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                            help="wait up to this long for a quiet machine before timing and before each retry")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``, refuse impossible shared options (exit 2, naming the fix) and apply ``--threads``."""
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if hasattr(args, "repeats"):
+        if args.repeats is None:
+            args.repeats = parser.repeats_default[0 if args.quick else 1]
+        if args.repeats < 1:
+            parser.error(f"--repeats must be >= 1, got {args.repeats}")
+        if not 0.0 <= args.max_other_load <= 1.0:
+            parser.error(f"--max-other-load is a share of the machine in [0, 1], got {args.max_other_load}")
+        if args.wait_quiet < 0:
+            parser.error(f"--wait-quiet must be >= 0 seconds, got {args.wait_quiet}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def timing_options(args: argparse.Namespace) -> dict:
+    """The :func:`interleave` keywords of the shared options."""
+    return {"repeats": args.repeats, "max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet}
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The parsed options as JSON values (paths as strings), for the ``settings`` of a result."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# reporting
+
+
 def machine_info() -> dict:
     """What the numbers were measured on (goes into every JSON and into docs/results.md)."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
     info = {
@@ -325,22 +408,23 @@ def machine_info() -> dict:
 def ms(seconds: float) -> str:
     """Milliseconds with three significant-ish digits."""
     value = seconds * 1e3
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    if value >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2 if value >= 1 else 3
+    return f"{value:.{digits}f}"
 
 
 def mib(nbytes: float) -> str:
+    """Bytes as MiB, two decimals below 100 MiB."""
     return f"{nbytes / 2**20:.2f}" if nbytes < 100 * 2**20 else f"{nbytes / 2**20:.0f}"
 
 
-def times(ratio: float) -> str:
-    """A ratio as '4.21x'."""
-    return f"{ratio:.2f}x"
+def times(ratio: float | None) -> str:
+    """A ratio as '4.21x' ('-' for None)."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None when either is missing (a skipped candidate)."""
+    return None if a is None or b is None else a / b
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -365,8 +449,20 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def emit(json_path: Path, payload: dict, fig=None, markdown: str | None = None) -> Path:
+    """Write a result: the JSON, ``fig`` as the PNG next to it, ``markdown`` as the .md next to it; print where."""
+    written = [write_json(json_path, payload)]
+    if markdown is not None:
+        written.append(json_path.with_suffix(".md"))
+        written[-1].write_text(markdown + "\n")
+    if fig is not None:
+        written.append(save_figure(fig, json_path.with_suffix(".png")))
+    print("\n" + "\n".join(f"{p.suffix[1:].upper()}: {p}" for p in written), flush=True)
+    return json_path
+
+
 def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
-    """A matplotlib figure on the non-interactive Agg backend (benchmarks run headless)."""
+    """A matplotlib figure on the non-interactive Agg backend (benchmarks run headless) and its axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,7 +472,21 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, list(axes[0])
 
 
+def bars(ax, groups: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, log: bool = True) -> None:
+    """Grouped bars on ``ax``: one group per label in ``groups``, one bar per entry of ``series`` in each."""
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))], values, width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def save_figure(fig, path: Path) -> Path:
+    """Save ``fig`` as a PNG at ``path`` (folder created) and close it."""
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)

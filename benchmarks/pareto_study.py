@@ -1,46 +1,32 @@
 """Quality at equal size: CoMERA against the models a user would train instead (a Pareto study).
 
-At small widths, comparing a compressed model with the full-width dense model measures capacity as much
-as the method. The question a user asks is: at the size I can afford, is CoMERA better than the model I
-would otherwise train? This study answers it with three families, each trained from the same seed on the
-same batches (the samplers and MLM masks depend only on the data seed) for the same number of steps:
+At small widths, comparing a compressed model with the full-width dense model measures capacity as much as the
+method; a user asks: at the size I can afford, is CoMERA better than the model I would otherwise train? Three
+families, each trained by the protocol of ``study.py`` (one seed, the same batches, the same steps):
 
-* ``dense:W``: the same architecture made narrower, d_model ``W`` (d_ff and heads scaled with it, the
-  head width kept), every layer a plain ``nn`` layer;
-* ``lowrank:R``: every eligible linear a plain product ``A B`` of rank ``R`` and the word embedding an
-  ALBERT-style factorised ``A B`` (``LayerConfig.low_rank_linears`` / ``low_rank_embeddings``), trained
-  from scratch with the gates frozen at 1: the GaLore paper's "low-rank" row;
-* ``comera:T``: the full-width CoMERA model (the study's TT ranks), RankAdaptation cutting towards
-  ``T``-times compression from ``late_fraction`` of the run on (``comera:T:floor=F``: with
-  ``ScheduledLateStage(layer_floor=F)``, the allocation across layers).
+* ``dense:W``: the same architecture narrowed to d_model ``W`` (head width and FFN ratio kept), plain layers;
+* ``lowrank:R``: every eligible linear and the word embedding a plain ``A B`` of rank ``R``
+  (``LayerConfig.low_rank_linears`` / ``low_rank_embeddings``), gates frozen at 1: the GaLore paper's low-rank row;
+* ``comera:T``: the full-width CoMERA model cut towards ``T``-times compression from ``late_fraction`` of the run
+  (``:floor=F``: ``ScheduledLateStage(layer_floor=F)``; ``:head=R``: the MLM's decoder a low-rank product).
 
-Every point is placed at its active parameters at the end of training, as RankMonitor counts them
-(``size_report``: active TT core parameters plus every ordinary parameter, gates not counted). Tasks:
-``mlm`` (the quickstart's masked-LM, any corpus of source files via ``--corpus``) and ``lm`` (the decoder
-of ``configs/llm_cpu.yaml``). The step count and the late-stage schedule are the study's (``quality_study``'s
-specs: the quickstart's 2000 steps for MLM, llm_cpu's 1500 for the decoder) unless ``--steps`` says otherwise.
-
-One process runs one (task, corpus, seed) over its points, strictly one after the other, and rewrites its
-JSON after every run; a rerun with the same output skips the points already there, so a cut-off study
-resumes. ``--aggregate`` reads the JSONs of several seeds and writes the table (mean and min..max per
-point), the plot (metric against active parameters, log scale, the spread as error bars) and, for CoMERA,
-the equal-size comparison against each baseline curve (interpolated in log-parameters) and the largest
-compression within 1 point (MLM) / 5 % perplexity (decoder) of the full dense model.
+Each point sits at its active parameters at the end of training (``size_report``). Tasks: ``mlm`` (the quickstart's
+masked-LM on any corpus, ``--corpus``) and ``lm`` (the decoder of configs/llm_cpu.yaml); steps and schedule are
+``quality_study``'s specs unless ``--steps`` says otherwise. One process runs one (task, corpus, seed), rewriting
+its JSON after every point; a rerun skips the points already there. ``--aggregate`` reads several seeds' JSONs and
+writes the table (mean and min..max per point), the plot (metric against active parameters) and, per CoMERA
+point, the comparison with each baseline curve at the same size (interpolated in log-parameters) and the free
+compression (the largest within 1 point of accuracy / 5 % of perplexity of the full dense model).
 
     python benchmarks/pareto_study.py --task mlm --seed 0 --threads 1
-    python benchmarks/pareto_study.py --task mlm --corpus site:sqlalchemy --seed 1 --threads 1
-    python benchmarks/pareto_study.py --task mlm --quick                        # smoke run, under a minute
-    python benchmarks/pareto_study.py --aggregate benchmarks/results/pareto/pareto_mlm_stdlib_s*.json \\
-        --out benchmarks/results/pareto/mlm_stdlib
-    bash benchmarks/pareto_seeds.sh                                             # the study of docs/results.md
+    python benchmarks/pareto_study.py --quick                                    # smoke run, under a minute
+    python benchmarks/pareto_study.py --aggregate results/pareto/pareto_mlm_stdlib_s*.json --out results/mlm
+    bash benchmarks/pareto_seeds.sh                                              # the study of docs/results.md
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import statistics
-import sys
 import sysconfig
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,19 +34,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import quality_study as qs  # noqa: E402
+import harness
+import quality_study as qs
+import study
+from study import StudySpec
 
 TASKS = ("mlm", "lm")
 KINDS = ("dense", "lowrank", "comera")
-DEFAULT_POINTS = {
-    # the full dense model first (the reference of "free compression"), then each family across CoMERA's range
-    "mlm": ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
-            "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"],
-    "lm": ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
-           "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"],
-}
+# the full dense model first (the reference of "free compression"), then each family across CoMERA's range
+DEFAULT_POINTS = ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
+                  "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"]
 QUICK_POINTS = ["dense:64", "dense:16", "lowrank:4", "comera:4", "comera:4:floor=1"]
 
 
@@ -131,7 +114,7 @@ def corpus_root(corpus: str) -> str | None:
 
 
 def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool,
-               d_model: int | None = None) -> qs.StudySpec:
+               d_model: int | None = None) -> StudySpec:
     """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run) and
     the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
     if task not in TASKS:
@@ -147,7 +130,7 @@ def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool
     return spec
 
 
-def task_kwargs(spec: qs.StudySpec, point: Point) -> dict[str, Any]:
+def task_kwargs(spec: StudySpec, point: Point) -> dict[str, Any]:
     """The model arguments of ``point``: the spec's model, narrowed (dense) or re-factorised (low-rank)."""
     kwargs = dict(spec.task_kwargs)
     layer = dict(kwargs.get("layer_config") or {})
@@ -172,82 +155,57 @@ def task_kwargs(spec: qs.StudySpec, point: Point) -> dict[str, Any]:
     return kwargs
 
 
-def build_point(spec: qs.StudySpec, point: Point):
-    """(LightningModule, spec for ``run_one``, method name) of one point, seeded as the study is."""
-    from comera_lightning.callbacks import ScheduledLateStage
+def build_point(spec: StudySpec, point: Point):
+    """(LightningModule, spec for ``study.run_one``, method name) of one point, seeded as the study is."""
     from comera_lightning.nn import tt_layers
 
-    from comera_lightning.lit import CausalLM, MaskedLM
-
     torch.manual_seed(spec.seed)
-    task = {"mlm": MaskedLM, "lm": CausalLM}[spec.name](**task_kwargs(spec, point))
+    task = study.task_class(spec.name)(**task_kwargs(spec, point))
     if point.kind == "lowrank":
         for _, layer in tt_layers(task):
             for gate in layer.gates:
                 gate.requires_grad_(False)  # a plain A B: nothing decides ranks, the gates stay at 1
-    run_spec = spec
-    if point.kind == "comera":
-        rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
-        rank["target_compression"] = point.value
-        rank["late_stage"] = ScheduledLateStage(**({} if point.layer_floor is None
-                                                   else {"layer_floor": point.layer_floor}))
-        run_spec = replace(spec, rank_kwargs=rank)
-    return task, run_spec, "comera" if point.kind == "comera" else "dense"
+    if point.kind != "comera":
+        return task, spec, "dense"
+    from comera_lightning.callbacks import ScheduledLateStage
+
+    rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
+    rank["target_compression"] = point.value
+    rank["late_stage"] = ScheduledLateStage(**({} if point.layer_floor is None else {"layer_floor": point.layer_floor}))
+    return task, replace(spec, rank_kwargs=rank), "comera"
 
 
-def late_dip(run: dict[str, Any], late_start: int, higher_is_better: bool) -> float | None:
-    """How far the metric fell below its last value before the switch, at worst, after it (>= 0; None: no switch
-    within the validations). Perplexity dips are relative (a share), accuracy dips absolute."""
-    before = [v for v in run["validations"] if v["step"] <= late_start]
-    after = [v for v in run["validations"] if v["step"] > late_start]
-    if not before or not after:
-        return None
-    metric = run["metric"]
-    ref = before[-1]["metrics"][metric]
-    values = [v["metrics"][metric] for v in after]
-    return max(0.0, ref - min(values)) if higher_is_better else max(0.0, max(values) / ref - 1.0)
-
-
-def run_points(spec: qs.StudySpec, points: list[Point], out: Path, settings: dict[str, Any],
-               cache_dir: Path = qs.DEFAULT_CACHE) -> dict[str, Any]:
-    """Train every point not yet in ``out``'s JSON, rewriting it after each run; returns the study's JSON."""
-    previous = harness.read_json(out) if out.exists() else None
-    runs: dict[str, Any] = dict(previous["runs"]) if previous else {}
-    dm = qs.build_datamodule(spec, cache_dir)
-    late_start = int(round(spec.late_fraction * spec.steps))
-    result: dict[str, Any] = {}
+def run_points(spec: StudySpec, points: list[Point], progress: study.Progress,
+               cache_dir: Path = study.DEFAULT_CACHE, **run_options: Any) -> dict[str, Any]:
+    """Train every point ``progress`` does not hold yet, saving the study's JSON after each run; returns it."""
+    runs: dict[str, Any] = progress.state.setdefault("runs", {})
+    dm = study.build_datamodule(spec, cache_dir)
+    late_start = spec.late_start_step
     for point in points:
         if point.name in runs:
-            print(f"[{spec.name} s{spec.seed}] {point.name}: already in {out}, skipped", flush=True)
+            print(f"[{spec.name} s{spec.seed}] {point.name}: already in {progress.path}, skipped", flush=True)
             continue
         task, run_spec, method = build_point(spec, point)
         print(f"[{spec.name} s{spec.seed}] {point.name}: training {spec.steps} steps", flush=True)
-        run = qs.run_one(run_spec, method, "steps", dm, task=task)
-        record = {
+        run = study.run_one(run_spec, method, "steps", dm, task=task, **run_options)
+        final = run["final"]
+        runs[point.name] = {
             "point": point.name, "kind": point.kind, "family": point.family, "value": point.value,
             "layer_floor": run_spec.rank_kwargs["late_stage"].layer_floor if point.kind == "comera" else None,
-            "head_rank": point.head_rank, "metric": spec.metric,
-            "final_metric": run["final"]["metrics"].get(spec.metric),
-            "params_active": run["final"]["params_active"], "compression_ratio": run["final"]["compression_ratio"],
-            "params_dense_equivalent": run["final"]["params_dense_equivalent"],
-            "ranks_final": run["ranks_final"], "validations": run["validations"], "steps": run["steps"],
-            "train_s": run["train_s"], "median_step_s": run["median_step_s"], "other_load": run["other_load"],
+            "head_rank": point.head_rank, "metric": spec.metric, "final_metric": final["metrics"].get(spec.metric),
+            "params_active": final["params_active"], "compression_ratio": final["compression_ratio"],
+            "params_dense_equivalent": final["params_dense_equivalent"], "ranks_final": run["ranks_final"],
+            "validations": run["validations"], "steps": run["steps"], "train_s": run["train_s"],
+            "median_step_s": run["median_step_s"], "other_load": run["other_load"],
             "first_batch_hash": run["first_batch_hash"],
+            "late_dip": (study.late_dip(run["validations"], spec.metric, late_start, spec.higher_is_better)
+                         if point.kind == "comera" else None),
         }
-        record["late_dip"] = late_dip(record, late_start, spec.higher_is_better) if point.kind == "comera" else None
-        runs[point.name] = record
-        print(f"    {spec.metric} {record['final_metric']:.4f} at {record['params_active']:,} active parameters "
-              f"({record['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s", flush=True)
-        result = {"task": spec.name, "seed": spec.seed, "spec": _jsonable(spec), "late_start_step": late_start,
-                  "higher_is_better": spec.higher_is_better, "machine": harness.machine_info(),
-                  "settings": settings, "runs": runs}
-        harness.write_json(out, result)
-    return result or previous
-
-
-def _jsonable(spec: qs.StudySpec) -> dict[str, Any]:
-    return {k: v for k, v in vars(spec).items() if k != "rank_kwargs"} | {
-        "rank_kwargs": {k: v for k, v in spec.rank_kwargs.items() if isinstance(v, (int, float, str, type(None)))}}
+        print(f"    {spec.metric} {runs[point.name]['final_metric']:.4f} at {final['params_active']:,} active "
+              f"parameters ({final['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s", flush=True)
+        progress.save(task=spec.name, seed=spec.seed, late_start_step=late_start,
+                      higher_is_better=spec.higher_is_better, machine=harness.machine_info(), runs=runs)
+    return progress.state
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -263,23 +221,19 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
     if len(tasks) != 1:
         raise ValueError(f"the JSONs mix tasks {sorted(tasks)}; aggregate one task and corpus at a time")
     higher = studies[0]["higher_is_better"]
-    names = list(dict.fromkeys(name for s in studies for name in s["runs"]))
     points = {}
-    for name in names:
+    for name in dict.fromkeys(name for s in studies for name in s["runs"]):
         runs = [s["runs"][name] for s in studies if name in s["runs"]]
-        values = [r["final_metric"] for r in runs]
-        params = [r["params_active"] for r in runs]
+        metric, params = study.spread([r["final_metric"] for r in runs]), study.spread([r["params_active"] for r in runs])
         dips = [r["late_dip"] for r in runs if r.get("late_dip") is not None]
         points[name] = {
-            "family": runs[0]["family"], "kind": runs[0]["kind"], "seeds": [s["seed"] for s in studies
-                                                                            if name in s["runs"]],
-            "metric_mean": statistics.fmean(values), "metric_min": min(values), "metric_max": max(values),
-            "params_mean": statistics.fmean(params), "params_min": min(params), "params_max": max(params),
-            "compression_mean": statistics.fmean(r["compression_ratio"] for r in runs),
-            "late_dip_max": max(dips) if dips else None, "per_seed": values,
+            "family": runs[0]["family"], "kind": runs[0]["kind"], "seeds": [s["seed"] for s in studies if name in s["runs"]],
+            **{f"metric_{k}": metric[k] for k in ("mean", "min", "max")},
+            **{f"params_{k}": params[k] for k in ("mean", "min", "max")},
+            "compression_mean": study.spread([r["compression_ratio"] for r in runs])["mean"],
+            "late_dip_max": max(dips) if dips else None, "per_seed": [r["final_metric"] for r in runs],
         }
     full = max((p for p in points.values() if p["kind"] == "dense"), key=lambda p: p["params_mean"], default=None)
-    dense_full_params = full["params_mean"] if full else None
     comparisons = {}
     for name, p in points.items():
         if p["kind"] != "comera":
@@ -295,13 +249,11 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
             # the per-seed check: every seed's CoMERA above that seed's baseline curve
             row[f"seeds_above_{family}"] = _seeds_above(studies, name, family, higher)
         if full is not None:
-            row["compression_vs_full_dense"] = dense_full_params / p["params_mean"]
+            row["compression_vs_full_dense"] = full["params_mean"] / p["params_mean"]
         comparisons[name] = row
-    free = None
-    if full is not None:
-        tolerance_ok = [(full["params_mean"] / p["params_mean"], name) for name, p in points.items()
-                        if p["kind"] == "comera" and _within(p["metric_mean"], full["metric_mean"], higher)]
-        free = max(tolerance_ok, default=None)
+    free = None if full is None else max(
+        ((full["params_mean"] / p["params_mean"], name) for name, p in points.items()
+         if p["kind"] == "comera" and _within(p["metric_mean"], full["metric_mean"], higher)), default=None)
     return {"task": studies[0]["task"], "higher_is_better": higher, "seeds": sorted(s["seed"] for s in studies),
             "metric": next(iter(studies[0]["runs"].values()))["metric"], "points": points,
             "full_dense": None if full is None else {"params": full["params_mean"], "metric": full["metric_mean"]},
@@ -388,11 +340,9 @@ def markdown(agg: dict[str, Any], title: str) -> str:
     return "\n".join(lines)
 
 
-def plot(agg: dict[str, Any], path: Path, title: str) -> Path:
+def plot(agg: dict[str, Any], title: str):
     """Metric against active parameters (log), one line per family, min..max over seeds as error bars."""
-    fig, axes = harness.new_figure(1, width=6.5, height=4.5)
-    ax = axes[0]
-    colours = {"dense": "tab:blue", "lowrank": "tab:green", "comera": "tab:red"}
+    fig, [ax] = harness.new_figure(1, width=6.5, height=4.5)
     families = dict.fromkeys(p["family"] for p in agg["points"].values())
     for i, family in enumerate(families):
         pts = sorted((p for p in agg["points"].values() if p["family"] == family), key=lambda p: p["params_mean"])
@@ -400,7 +350,7 @@ def plot(agg: dict[str, Any], path: Path, title: str) -> Path:
         y = [p["metric_mean"] for p in pts]
         err = [[p["metric_mean"] - p["metric_min"] for p in pts], [p["metric_max"] - p["metric_mean"] for p in pts]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family,
-                    color=colours.get(family, f"C{i + 3}"))
+                    color=study.COLOURS.get(family, f"C{i + 3}"))
     ax.set_xscale("log")
     ax.set_xlabel("active parameters at the end of training")
     ax.set_ylabel(agg["metric"])
@@ -409,65 +359,47 @@ def plot(agg: dict[str, Any], path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title, fontsize=9)
-    return harness.save_figure(fig, path)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------------
 # entry point
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="mlm", choices=TASKS)
-    p.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps per run (default: the study's)")
-    p.add_argument("--d-model", type=int, default=None,
-                   help="width of the full model (CoMERA's and the widest dense point); default the study's 128")
-    p.add_argument("--points", nargs="+", default=None,
-                   help="dense:W, lowrank:R, comera:T[:floor=F] (default: the task's set, see DEFAULT_POINTS)")
-    p.add_argument("--quick", action="store_true", help="tiny models and a few steps: the plumbing only")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (1 when two studies share 2 cores)")
-    p.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR / "pareto")
-    p.add_argument("--cache-dir", type=Path, default=qs.DEFAULT_CACHE)
-    p.add_argument("--aggregate", nargs="+", type=Path, default=None, help="study JSONs of one task and corpus")
-    p.add_argument("--out", type=Path, default=None, help="with --aggregate: path stem of the .md/.json/.png")
-    p.add_argument("--title", default=None, help="with --aggregate: the table's and plot's title")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """Train one (task, corpus, seed) over its points, or ``--aggregate`` seeds' JSONs into a table and a plot."""
+    parser = study.study_parser(__doc__, out_dir=harness.RESULTS_DIR / "pareto", budget=False)
+    parser.add_argument("--task", default="mlm", choices=TASKS)
+    parser.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
+    parser.add_argument("--d-model", type=int, default=None,
+                        help="width of the full model (CoMERA's and the widest dense point); default the study's 128")
+    parser.add_argument("--points", nargs="+", default=None,
+                        help="dense:W, lowrank:R, comera:T[:floor=F][:head=R] (default: DEFAULT_POINTS)")
+    parser.add_argument("--aggregate", nargs="+", type=Path, default=None, help="study JSONs of one task and corpus")
+    parser.add_argument("--out", type=Path, default=None, help="with --aggregate: path stem of the .md/.json/.png")
+    parser.add_argument("--title", default=None, help="with --aggregate: the table's and plot's title")
+    args = study.parse(parser, argv)
     if args.aggregate:
         if args.out is None:
             parser.error("--aggregate needs --out (the path stem of the table, JSON and plot)")
         agg = aggregate([harness.read_json(p) for p in args.aggregate])
         title = args.title or f"{agg['task']}: CoMERA vs dense-narrowed vs low-rank"
         text = markdown(agg, title)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        harness.write_json(args.out.with_suffix(".json"), agg)
-        args.out.with_suffix(".md").write_text(text + "\n")
-        plot(agg, args.out.with_suffix(".png"), title)
         print(text)
+        harness.emit(args.out.with_suffix(".json"), agg, fig=plot(agg, title), markdown=text)
         return 0
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    try:
-        points = [Point.parse(t) for t in (args.points or (QUICK_POINTS if args.quick else DEFAULT_POINTS[args.task]))]
-        spec = study_spec(args.task, args.corpus, args.seed, args.steps, args.quick, args.d_model)
-    except ValueError as err:
-        parser.error(str(err))
     corpus = args.corpus.replace("site:", "").replace("/", "_").strip("_") or "corpus"
     width = "" if args.d_model is None else f"_d{args.d_model}"
     out = args.out_dir / f"pareto_{args.task}_{corpus}{width}_s{args.seed}{'_quick' if args.quick else ''}.json"
-    qs._quiet_lightning()
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    run_points(spec, points, out, settings, args.cache_dir)
+    try:
+        points = [Point.parse(t) for t in (args.points or (QUICK_POINTS if args.quick else DEFAULT_POINTS))]
+        spec = study_spec(args.task, args.corpus, args.seed, args.steps, args.quick, args.d_model)
+        progress = study.Progress(out, spec.json())
+    except ValueError as err:
+        parser.error(str(err))
+    progress.state["settings"] = harness.settings(args)
+    run_points(spec, points, progress, args.cache_dir, max_other_load=args.max_other_load,
+               wait_quiet_s=args.wait_quiet)
     print(f"JSON: {out}")
     return 0
 

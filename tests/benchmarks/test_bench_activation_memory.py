@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import bench_activation_memory as bench  # noqa: E402
+import bench_activation_memory as bench
 
 
 def test_quick_run_measures_less_activation_memory_with_checkpointing(tmp_path, capsys):

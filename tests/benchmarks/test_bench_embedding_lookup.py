@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_embedding_lookup as bench  # noqa: E402
+import bench_embedding_lookup as bench
 
 TINY = bench.Shape(vocab=500, dim=24, vocab_modes=(5, 10, 10), dim_modes=(2, 3, 4), batch=4, seq_len=16)
 TINY_ARGS = ["--vocab-size", "500", "--embedding-dim", "24", "--vocab-modes", "5,10,10", "--dim-modes", "2,3,4",

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import platform
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import bench_host_memory as bench  # noqa: E402
+import bench_host_memory as bench
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

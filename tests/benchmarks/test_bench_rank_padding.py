@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import bench_rank_padding as bench  # noqa: E402
-import comera_lightning.tt.contract as contract  # noqa: E402
+import bench_rank_padding as bench
+import comera_lightning.tt.contract as contract
 
 
 def test_padding_off_switches_the_rule_off_and_restores_it():

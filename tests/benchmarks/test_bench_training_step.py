@@ -6,20 +6,17 @@ import json
 import math
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_training_step as bts  # noqa: E402
-from comera_lightning.nn import tt_layers  # noqa: E402
-from comera_lightning.nn.dropout import PackedDropout  # noqa: E402
-from comera_lightning.objectives import rank_penalty  # noqa: E402
-from comera_lightning.tt import bond_weights  # noqa: E402
+import bench_training_step as bts
+import harness
+from comera_lightning.nn import tt_layers
+from comera_lightning.nn.dropout import PackedDropout
+from comera_lightning.objectives import rank_penalty
+from comera_lightning.tt import bond_weights
 
 TINY = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)
 GALORE_TINY = {"rank": 8, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
@@ -40,7 +37,7 @@ def batch():
 
 
 def _galore_available() -> bool:
-    return bts._import_galore()[1] is None
+    return bts.import_galore()[1] is None
 
 
 def test_paper_shape_is_the_configs_six_encoder_model():
@@ -199,7 +196,7 @@ def test_galore_memory_counts_its_projectors(batch):
 def test_profile_and_explanation(batch):
     ids, labels = batch
     dense, comera = bts.dense_adamw(TINY, ids, labels), bts.comera(TINY, ids, labels)
-    pc, pd = bts.profile_step(comera.step), bts.profile_step(dense.step)
+    pc, pd = harness.profile_ops(comera.step), harness.profile_ops(dense.step)
     assert pc["top"] and sum(t["share"] for t in pc["top"]) <= 1.0 + 1e-9
     assert any(t["op"].startswith("aten::") for t in pc["top"])
     line = bts.explain(pc, pd)

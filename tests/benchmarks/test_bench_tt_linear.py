@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_tt_linear as bench  # noqa: E402
+import bench_tt_linear as bench
 
 ONE_CASE = ["--quick", "--shapes", "768x768", "--rows", "1", "--ranks", "8", "--repeats", "1", "--min-case-s", "0",
             "--min-sample-ms", "1", "--max-other-load", "1", "--threads", "1"]

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import harness  # noqa: E402
-import run as bench_run  # noqa: E402
+import harness
+import run as bench_run
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -97,7 +93,7 @@ def test_run_lists_every_comparison_and_its_script_exists(capsys):
     printed = capsys.readouterr().out
     for name, comparison in bench_run.COMPARISONS.items():
         assert name in printed
-        assert (REPO / "benchmarks" / f"{comparison.script}.py").is_file(), comparison.script
+        assert (Path(bench_run.__file__).parent / f"{comparison.script}.py").is_file(), comparison.script
 
 
 def test_run_all_refuses_per_script_arguments():

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+import pareto_study as ps
+import study
 
-import pareto_study as ps  # noqa: E402
-
-from comera_lightning.nn import size_report, tt_layers  # noqa: E402
+from comera_lightning.nn import size_report, tt_layers
 
 
 def test_points_parse_and_refuse_bad_input():
@@ -136,13 +133,12 @@ def test_perplexity_tolerance_is_five_percent():
 
 
 def test_late_dip_measures_the_fall_after_the_switch():
-    run = {"metric": "m", "validations": [{"step": s, "metrics": {"m": v}}
-                                          for s, v in [(2, 0.1), (4, 0.3), (6, 0.25), (8, 0.35)]]}
-    assert ps.late_dip(run, 4, True) == pytest.approx(0.05)
-    assert ps.late_dip(run, 8, True) is None
-    assert ps.late_dip({"metric": "m", "validations": [{"step": 4, "metrics": {"m": 10.0}},
-                                                        {"step": 6, "metrics": {"m": 11.0}}]}, 4, False) == \
-        pytest.approx(0.1)
+    validations = [{"step": s, "metrics": {"m": v}} for s, v in [(2, 0.1), (4, 0.3), (6, 0.25), (8, 0.35)]]
+    assert study.late_dip(validations, "m", 4) == pytest.approx(0.05)
+    assert study.late_dip(validations, "m", 5) == pytest.approx(0.05)  # the last value before the switch
+    assert study.late_dip(validations, "m", 8) is None
+    perplexity = [{"step": 4, "metrics": {"m": 10.0}}, {"step": 6, "metrics": {"m": 11.0}}]
+    assert study.late_dip(perplexity, "m", 4, higher_is_better=False) == pytest.approx(0.1)
 
 
 def test_end_to_end_resumes_and_aggregates(tmp_path, capsys):

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import quality_study as qs  # noqa: E402
+import quality_seeds
+import quality_study as qs
 
 STEPS, BUDGET_S, VAL_EVERY = 6, 1.5, 3
 
@@ -166,3 +163,33 @@ def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
     assert runs["comera-paper", "matched"]["rank_adaptation"]["late_stage"] == {}
     assert runs["comera", "matched"]["rank_adaptation"]["late_stage"]["start_step"] is not None
     assert set(result["summary"]) == {"matched", "matched (comera-paper)"}
+
+
+def test_a_cut_off_study_resumes_and_a_changed_one_is_refused(study, tmp_path, capsys):
+    out, _ = study
+    argv = ["--quick", "--study", "dlrm", "--steps", str(STEPS), "--budget-s", str(BUDGET_S), "--val-every",
+            str(VAL_EVERY), "--threads", "1", "--out-dir", str(tmp_path)]
+    (tmp_path / "quality_dlrm.partial.json").write_text((out / "quality_dlrm.json").read_text())
+    assert qs.main(argv) == 0
+    assert capsys.readouterr().out.count("already in") == 4  # every run was there: nothing trained again
+    assert _runs(_load(tmp_path, "dlrm")) == _runs(_load(out, "dlrm"))
+    assert not (tmp_path / "quality_dlrm.partial.json").exists()
+    (tmp_path / "quality_dlrm.partial.json").write_text((out / "quality_dlrm.json").read_text())
+    with pytest.raises(SystemExit) as err:
+        qs.main([*argv, "--steps", str(STEPS + 1)])
+    assert err.value.code == 2 and "holds runs of another spec" in capsys.readouterr().err
+
+
+def test_seeds_aggregate_mean_spread_and_dip(study, tmp_path, capsys):
+    out, _ = study
+    stem = tmp_path / "mlm_steps"
+    assert quality_seeds.main([str(out / "quality_mlm.json"), "--protocol", "steps", "--out", str(stem)]) == 0
+    agg = json.loads(stem.with_suffix(".json").read_text())
+    assert set(agg["summary"]) == set(qs.DEFAULT_METHODS)
+    final = agg["summary"]["comera"]["final"]
+    assert final["n"] == 1 and final["min"] == final["mean"] == final["max"]
+    assert agg["summary"]["dense"]["delta_vs_dense"]["mean"] == 0.0
+    assert agg["runs"]["comera"][0]["switch_step"] is not None
+    assert stem.with_suffix(".png").stat().st_size > 0 and "| comera | 0 |" in stem.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        quality_seeds.main([str(out / "quality_mlm.json"), "--protocol", "matched", "--out", str(stem)])
