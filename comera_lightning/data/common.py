@@ -22,7 +22,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
-from ..training.internals import IndexSamplerHook
+# absolute: this file also loads on its own (tests/data/test_common.py runs it in a child process)
+from comera_lightning.training.internals import IndexSamplerHook
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",
