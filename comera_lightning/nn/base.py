@@ -8,6 +8,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..tt.cores import keep_grad_layout
 from ..tt.rank import (
     CoreSelection,
     apply_gates,
@@ -119,8 +120,9 @@ class TTLayer(nn.Module):
         raise NotImplementedError
 
     def gated_cores(self) -> list[torch.Tensor]:
-        """Cores with the masked gates folded into their trailing rank index (differentiable)."""
-        return apply_gates(list(self.cores), list(self.gates), self.rank_masks)
+        """Cores with the masked gates folded into their trailing rank index (differentiable); the cores'
+        gradients arrive in their own layout, as DDP wants them."""
+        return apply_gates([keep_grad_layout(core) for core in self.cores], list(self.gates), self.rank_masks)
 
     # --- rank adaptation -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -25,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from .cores import grad_in_layout
+
 __all__ = [
     "PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "check_plan", "chain_merge", "compute_dtype", "tt_linear",
     "TTLinearFunction", "bottleneck_padding",
@@ -329,7 +331,7 @@ class TTLinearFunction(torch.autograd.Function):
             grad_right = left.transpose(0, 1) @ grad_w
             g_in, _ = _chain_merge_backward(in_cores, in_prefixes, grad_left, False)
             g_out, _ = _chain_merge_backward(out_cores, out_prefixes, grad_right, False)
-            return (grad_x, grad_bias, None, None, *g_in, *g_out)
+            return (grad_x, grad_bias, None, None, *_in_layout(g_in, in_cores), *_in_layout(g_out, out_cores))
 
         hidden = saved[1]
         n_in_saved, n_out_saved = ctx.counts
@@ -363,7 +365,12 @@ class TTLinearFunction(torch.autograd.Function):
             in_compute = [c.to(compute) for c in in_cores]
             g_in, grad_x = _sweep_in_backward(grad_hidden, in_compute, in_modes, saved_in, need_x)
             g_in = [g.to(c.dtype) for g, c in zip(g_in, in_cores)]
-        return (grad_x, grad_bias, None, None, *g_in, *g_out)
+        return (grad_x, grad_bias, None, None, *_in_layout(g_in, in_cores), *_in_layout(g_out, out_cores))
+
+
+def _in_layout(grads: Sequence[torch.Tensor], cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each core's gradient in the core's layout (:func:`~comera_lightning.tt.cores.grad_in_layout`)."""
+    return [grad_in_layout(g, c.shape, c.stride()) for g, c in zip(grads, cores)]
 
 
 def bottleneck_padding(rank: int, device_type: str) -> int:

@@ -25,6 +25,8 @@ from tensorly.decomposition import tensor_train, tensor_train_matrix
 from .modes import _as_int, _int_list
 
 __all__ = [
+    "grad_in_layout",
+    "keep_grad_layout",
     "max_ranks",
     "resolve_ranks",
     "init_cores",
@@ -33,6 +35,34 @@ __all__ = [
     "tt_from_dense",
     "ttm_from_dense",
 ]
+
+
+def grad_in_layout(grad: torch.Tensor, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """``grad`` laid out with ``strides`` (a copy only when it is not already).
+
+    DDP's reducer expects every gradient in its parameter's layout and otherwise copies it into the bucket at
+    every step (warning "Grad strides do not match bucket view strides"). Contractions produce gradients in
+    whatever layout their last product left, including odd strides on size-1 rank dimensions.
+    """
+    if tuple(grad.stride()) == tuple(strides):
+        return grad
+    return torch.empty_strided(tuple(shape), tuple(strides), dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+class _KeepGradLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.layout = (tensor.shape, tensor.stride())
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad_in_layout(grad, *ctx.layout)
+
+
+def keep_grad_layout(core: torch.Tensor) -> torch.Tensor:
+    """``core`` itself, whose gradient arrives in ``core``'s layout (see :func:`grad_in_layout`)."""
+    return _KeepGradLayout.apply(core)
 
 
 def max_ranks(mode_sizes: Sequence[int]) -> list[int]:

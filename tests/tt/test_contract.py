@@ -109,6 +109,8 @@ def test_unusual_upstream_gradients(plan, loss):
     grads_ref = torch.autograd.grad(losses[loss](x @ dense_reference(cores, 2)), [x, *cores])
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    # every core's gradient in its core's layout: DDP copies any other layout into its bucket at every step
+    assert [g.stride() for g in grads[1:]] == [c.stride() for c in cores]
 
 
 @pytest.mark.parametrize("plan", PLANS)
