@@ -1,6 +1,7 @@
 """The private names of Lightning and torch that this package relies on, one small function or class each.
 
-The rest of the package uses public API only (Lightning, Fabric, MLflow, torch). What is here has no public
+The rest of the package uses public API of Lightning, Fabric, MLflow and torch (plus ``Module._load_from_state_dict``
+in ``nn/base.py``, the override point torch documents for custom state-dict loading). What is here has no public
 equivalent; each entry says what it touches, why, and what to look at when an upgrade breaks it. Checked
 against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used).
 

@@ -127,7 +127,8 @@ class FallbackStore:
                 self._keep_mapping("tags", {t.key: str(t.value) for t in arguments.get("tags") or ()})
             elif name == "log_metric":
                 timestamp = arguments.get("timestamp") or int(time.time() * 1000)
-                self.append_metrics([(arguments["key"], float(arguments["value"]), timestamp, arguments.get("step") or 0)])
+                step = arguments.get("step") or 0
+                self.append_metrics([(arguments["key"], float(arguments["value"]), timestamp, step)])
             elif name == "log_param":
                 self._keep_mapping("params", {arguments["key"]: str(arguments["value"])})
             elif name == "set_tag":

@@ -163,7 +163,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self._next_retry = 0.0
         self._key_cache: dict[str, str] = {}
         self._store = FallbackStore(self._fallback_location, self._run_info)
-        self._sender = MetricSender(self.flush, self._store.append_metrics, self.flush_interval_s, sender,
+        self._sender = MetricSender(self._flush_now, self._store.append_metrics, self.flush_interval_s, sender,
                                     self.max_buffered, MAX_BATCH)
         self._init_runtime()
 
@@ -330,6 +330,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
                     self._degrade(err, "sending metrics")
                     self._store.append_metrics(batch[i:])
                     return
+
+    def _flush_now(self) -> None:
+        # what the sender calls: ``flush`` looked up now, so a wrapped ``logger.flush`` (a benchmark's timer) runs
+        self.flush()
 
     def _send_rows(self, rows: list[Row]) -> None:
         """One ``log_batch`` of ``(key, value, timestamp_ms, step)`` rows."""
