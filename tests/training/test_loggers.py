@@ -271,3 +271,18 @@ def test_outage_mid_run_is_kept_and_caught_up(workdir):
     assert reader.get_run(logger.run_id).info.status == "FINISHED"
 
 
+
+
+def test_values_past_max_buffered_wait_on_disk_and_go_first(workdir):
+    """The sender's buffer is bounded: the oldest values spill to the fallback store's metrics.csv, and the next
+    flush sends them before the buffered ones (no outage needed)."""
+    store = f"sqlite:///{workdir / 'mlflow.db'}"
+    logger = ResilientMLFlowLogger(experiment_name="spill", tracking_uri=store, local_dir=str(workdir / "runs"),
+                                   sender="inline", flush_interval_s=3600, max_buffered=3)
+    for step in range(10):
+        logger.log_metrics({"x": float(step)}, step=step)
+    spilled = [int(r["step"]) for r in _read_csv(logger.fallback_dir / "metrics.csv")]
+    assert spilled == list(range(7)) and not logger.degraded  # kept on disk, not an outage
+    logger.finalize("success")
+    history = MlflowClient(store).get_metric_history(logger.run_id, "x")
+    assert sorted(m.step for m in history) == list(range(10))
