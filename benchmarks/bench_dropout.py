@@ -1,14 +1,11 @@
 """Packed dropout masks against torch's dropout: the six-encoder's dropout sites, forward + backward.
 
 ``comera_lightning.nn.dropout`` draws four 16-bit lanes per 64-bit random number and keeps a ``bool`` mask;
-torch's CPU dropout draws a float per element (``bernoulli_``) and keeps a float mask. This times,
-interleaved in one process (``harness.interleave``), forward + backward of both at the shapes where the
-six-encoder model (``configs/mnli_6enc.yaml``, batch 32 x 128) drops:
-
-- ``hidden``: ``nn.Dropout`` vs ``PackedDropout`` on ``(32, 128, 768)`` (embeddings and both residual branches);
-- ``attention``: ``F.scaled_dot_product_attention`` with ``dropout_p`` (its math path on a CPU) vs
-  ``comera_lightning.nn.dropout.attention(packed_masks=True)``, 12 heads of 64 over 128 keys with a key mask,
-  and the same attention without dropout (the flash kernel) for scale.
+torch's CPU dropout draws a float per element and keeps a float mask. Timed interleaved in one process
+(``harness.interleave``) at the shapes where the six-encoder (``configs/mnli_6enc.yaml``, batch 32 x 128) drops:
+``hidden`` (``nn.Dropout`` vs ``PackedDropout`` on (32, 128, 768)) and ``attention`` (SDPA with ``dropout_p``,
+its math path on a CPU, vs ``attention(packed_masks=True)``, 12 heads of 64, a key mask; and SDPA without
+dropout for scale). Writes ``dropout.json``.
 
     python benchmarks/bench_dropout.py                 # batch 32, run alone
     python benchmarks/bench_dropout.py --quick         # smoke run
@@ -16,67 +13,46 @@ six-encoder model (``configs/mnli_6enc.yaml``, batch 32 x 128) drops:
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from comera_lightning.nn.dropout import PackedDropout, attention  # noqa: E402
+import harness
+from comera_lightning.nn.dropout import PackedDropout, attention
 
 
 def hidden_candidates(batch: int, seq_len: int, d_model: int, p: float) -> dict:
+    """``nn.Dropout`` and ``PackedDropout`` on hidden states."""
     x = torch.randn(batch, seq_len, d_model, requires_grad=True)
     upstream = torch.randn(batch, seq_len, d_model)
-    torch_layer, packed_layer = nn.Dropout(p), PackedDropout(p)
-
-    def step(layer: nn.Module) -> None:
-        x.grad = None
-        layer(x).backward(upstream)
-
-    return {"torch": lambda: step(torch_layer), "packed": lambda: step(packed_layer)}
+    return {name: harness.backward_step(lambda layer=layer: layer(x), [x], upstream)
+            for name, layer in (("torch", nn.Dropout(p)), ("packed", PackedDropout(p)))}
 
 
 def attention_candidates(batch: int, seq_len: int, heads: int, head_dim: int, p: float) -> dict:
+    """SDPA with dropout, packed-mask attention, and SDPA without dropout, on padded sequences."""
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
     key_mask = torch.ones(batch, 1, 1, seq_len, dtype=torch.bool)
     key_mask[::2, ..., seq_len * 3 // 4:] = False  # half the sequences padded, as real batches are
     upstream = torch.randn(batch, heads, seq_len, head_dim)
-
-    def step(fn) -> None:
-        for t in (q, k, v):
-            t.grad = None
-        fn().backward(upstream)
-
-    return {
-        "torch": lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)),
-        "packed": lambda: step(lambda: attention(q, k, v, attn_mask=key_mask, dropout_p=p, packed_masks=True)),
-        "no dropout": lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)),
-    }
+    return {name: harness.backward_step(fn, [q, k, v], upstream) for name, fn in (
+        ("torch", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)),
+        ("packed", lambda: attention(q, k, v, attn_mask=key_mask, dropout_p=p, packed_masks=True)),
+        ("no dropout", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)))}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Time both sites, print the table, write ``dropout.json``."""
+    parser = harness.bench_parser(__doc__, repeats=(1, 8))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--p", type=float, default=0.1)
-    parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--max-other-load", type=float, default=0.15)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    batch, seq_len, repeats = (2, 16, 1) if args.quick else (args.batch, 128, args.repeats)
+    args = harness.parse(parser, argv)
+    batch, seq_len = (2, 16) if args.quick else (args.batch, 128)
     sites = {"hidden (B, 128, 768)": hidden_candidates(batch, seq_len, 768, args.p),
              "attention (B, 12, 128, 128)": attention_candidates(batch, seq_len, 12, 64, args.p)}
     results, rows = [], []
     for site, cands in sites.items():
-        timing = harness.interleave(cands, repeats=repeats, min_sample_s=0.05, max_other_load=args.max_other_load)
+        timing = harness.interleave(cands, min_sample_s=0.05, **harness.timing_options(args))
         med = {name: timing.median(name) for name in cands}
         results.append({"site": site, "median_s": med, "timing": timing.summary()})
         rows.append([site, harness.ms(med["torch"]), harness.ms(med["packed"]),
@@ -84,9 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                      harness.times(med["torch"] / med["packed"])])
     print(f"### dropout p={args.p}, batch {batch} x {seq_len}, forward + backward\n")
     print(harness.table(["site", "torch ms", "packed ms", "without dropout ms", "torch / packed"], rows))
-    path = harness.write_json(args.out_dir / "dropout.json", {"p": args.p, "batch": batch, "seq_len": seq_len,
-                                                               "results": results, "machine": harness.machine_info()})
-    print(f"\nJSON: {path}")
+    harness.emit(args.out_dir / "dropout.json", {"p": args.p, "batch": batch, "seq_len": seq_len, "results": results,
+                                                 "machine": harness.machine_info()})
     return 0
 
 

@@ -277,6 +277,19 @@ def peak_memory(
     return out
 
 
+def backward_step(forward: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor],
+                  upstream: torch.Tensor) -> Callable[[], None]:
+    """A forward + backward step: the ``inputs``' gradients cleared, ``forward()`` backpropagated from ``upstream``."""
+    inputs = list(inputs)
+
+    def step() -> None:
+        for t in inputs:
+            t.grad = None
+        forward().backward(upstream)
+
+    return step
+
+
 # ------------------------------------------------------------------------------------------------------
 # what a step costs besides time
 

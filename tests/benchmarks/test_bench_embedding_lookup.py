@@ -111,7 +111,7 @@ def test_a_missed_target_is_explained_by_a_profile(tmp_path, capsys):
         pytest.skip("the tiny table met the targets on this machine: nothing to explain")
     profile = data["cases"][0]["profile_train"]
     assert set(profile) == {"ttm+dedup", "ttm", "chain"}
-    assert all(p["top_ops"] and p["top_ops"][0]["op"].startswith(("aten::", "autograd")) for p in profile.values())
+    assert all(p["top"] and p["top"][0]["op"].startswith(("aten::", "autograd")) for p in profile.values())
     assert "## Profiles" in out
 
 
