@@ -225,7 +225,7 @@ class DecoderLM(nn.Module):
         norm_eps: float = 1e-6,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
-        packed_dropout: bool = False,
+        packed_dropout: bool = True,
     ) -> None:
         super().__init__()
         if d_model % num_heads:

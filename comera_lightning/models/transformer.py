@@ -150,7 +150,8 @@ class TransformerEncoder(nn.Module):
             instead of all, for about one more forward pass of compute. Gradients are unchanged.
         packed_dropout: on a CPU, draw dropout masks four lanes per random number and keep them as bytes
             (:mod:`comera_lightning.nn.dropout`): the same distribution as ``nn.Dropout`` (``p`` rounded to
-            1/65536), other masks, a cheaper step. Attention dropout then runs SDPA's math path itself.
+            1/65536), other masks, a cheaper step. Attention dropout then runs SDPA's math path itself. On by
+            default (other devices keep torch's fused dropout either way); ``False`` gives ``nn.Dropout``'s masks.
         name_prefix: qualified name of this encoder inside a parent model (e.g. ``"encoder."``), so
             ``dense_layers`` patterns see the names the parent's ``named_modules()`` shows.
     """
@@ -168,7 +169,7 @@ class TransformerEncoder(nn.Module):
         padding_idx: int | None = 0,
         layer_config: LayerConfig | None = None,
         activation_checkpointing: bool = False,
-        packed_dropout: bool = False,
+        packed_dropout: bool = True,
         name_prefix: str = "",
     ) -> None:
         super().__init__()

@@ -123,17 +123,16 @@ def test_attention_row_with_every_key_masked_gives_zeros_and_both_masks_are_refu
         attention(q, k, v, attn_mask=key_mask, is_causal=True, dropout_p=0.1, packed_masks=True)
 
 
-def test_models_with_packed_dropout_compute_the_default_model_outside_training():
+def test_models_use_packed_dropout_by_default_and_compute_the_torch_dropout_model_outside_training():
     torch.manual_seed(0)
     options = dict(vocab_size=60, d_model=24, num_heads=2, d_ff=40, num_layers=2, max_len=12, dropout=0.1,
                    layer_config=dict(rank=4, embedding_rank=4, min_features=8))
-    default = SequenceClassifier(**options).double().eval()
-    packed_model = SequenceClassifier(**options, packed_dropout=True).double().eval()
-    packed_model.load_state_dict(default.state_dict())
+    packed_model = SequenceClassifier(**options).double().eval()
+    torch_dropout = SequenceClassifier(**options, packed_dropout=False).double().eval()
+    torch_dropout.load_state_dict(packed_model.state_dict())
     ids = torch.randint(1, options["vocab_size"], (3, 10))
-    torch.testing.assert_close(packed_model(ids), default(ids), rtol=0, atol=0)
+    torch.testing.assert_close(packed_model(ids), torch_dropout(ids), rtol=0, atol=0)
     assert sum(isinstance(m, PackedDropout) for m in packed_model.modules()) >= 3
-    assert not any(isinstance(m, PackedDropout) for m in default.modules())
-    decoder = DecoderLM(vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=8, dropout=0.1,
-                        packed_dropout=True)
+    assert not any(isinstance(m, PackedDropout) for m in torch_dropout.modules())
+    decoder = DecoderLM(vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=8, dropout=0.1)
     assert decoder.layers[0].attention.packed_dropout and isinstance(decoder.drop, PackedDropout)
