@@ -64,6 +64,9 @@ class RankMonitor(Callback):
         save_artifacts: at the end of ``fit`` write the rank-evolution PNG and the JSON history (see
             :meth:`write_artifacts`).
         artifact_path: folder of the artifacts inside an MLflow run.
+        max_history_steps: the history is bounded, whatever the length of the run: per-layer ranks and sizes are
+            kept as change points (ranks only fall, so there are at most as many as rank slices), and the steps
+            of the logging events are downsampled, every other one dropped, whenever they exceed this number.
 
     Example::
 
@@ -71,9 +74,13 @@ class RankMonitor(Callback):
                           logger=MLFlowLogger(tracking_uri="sqlite:///mlflow.db"))
     """
 
-    def __init__(self, log_every_n_steps: int = 50, save_artifacts: bool = True, artifact_path: str = "comera") -> None:
+    def __init__(self, log_every_n_steps: int = 50, save_artifacts: bool = True, artifact_path: str = "comera",
+                 max_history_steps: int = 2048) -> None:
         if int(log_every_n_steps) < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        if int(max_history_steps) < 2:
+            raise ValueError(f"max_history_steps must be >= 2 (the first and the last step), got {max_history_steps}")
+        self.max_history_steps = int(max_history_steps)
         self.log_every_n_steps = int(log_every_n_steps)
         self.save_artifacts = bool(save_artifacts)
         self.artifact_path = artifact_path
@@ -135,6 +142,8 @@ class RankMonitor(Callback):
     def _record(self, step: int, report: SizeReport) -> None:
         if not self._steps or self._steps[-1] != step:
             self._steps.append(step)
+            if len(self._steps) > self.max_history_steps:
+                self._steps = self._steps[-1::-2][::-1]  # every other one, the latest kept
         for layer in report.layers:
             _append_change(self._layers.setdefault(layer.name, {"steps": [], "ranks": []}), "ranks", step,
                            [int(r) for r in layer.active_ranks])

@@ -117,6 +117,20 @@ def test_one_batched_call_per_event_with_all_keys(tmp_path):
     assert monitor.history["steps"] == [0, 5, 10, 12]
 
 
+def test_history_stays_bounded_over_a_long_run_and_keeps_the_rank_changes(tmp_path):
+    # a long run at small scale: 100 logging events against a bound of 16
+    monitor = RankMonitor(log_every_n_steps=1, save_artifacts=False, max_history_steps=16)
+    trainer(tmp_path, [KillSlices(at=60), monitor], None, max_steps=100).fit(PlainMLP(), loader())
+    history = monitor.history
+    assert 8 <= len(history["steps"]) <= 16 and history["steps"][0] == 0 and history["steps"][-1] == 100
+    assert history["steps"] == sorted(history["steps"])
+    bond = history["layers"]["model.0"]
+    assert bond["steps"] == [0, 60] and [r[1] for r in bond["active_ranks"]] == [4, 2]  # change points only
+    assert len(history["params"]["steps"]) == 2
+    with pytest.raises(ValueError, match="max_history_steps must be >= 2"):
+        RankMonitor(max_history_steps=1)
+
+
 def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     logger = RecordingLogger()
     trainer(tmp_path, [RankMonitor(log_every_n_steps=2, save_artifacts=False)], logger, max_steps=4,
