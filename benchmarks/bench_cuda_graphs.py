@@ -1,55 +1,38 @@
 """CUDA graphs (comera_lightning.training.CudaGraphs) against eager training on one GPU: same result, how much faster.
 
-What it measures, per model size and precision (fp32 ``32-true`` and ``bf16-mixed``):
+Per model size and precision (fp32 ``32-true``, ``bf16-mixed``):
 
-1. Identity. A tensorised masked-LM (``MaskedLanguageModel`` with TT linears, dense embedding, no dropout,
-   synthetic token batches) is trained ``--steps`` steps by Lightning twice from the same seed and batches:
-   eagerly, and with ``CudaGraphs(backend="cuda")``. Both runs carry ``RankAdaptation`` (its penalty gradient
-   runs eagerly between the two graphs) and a forced physical truncation at half-way, so the graphs must be
-   dropped and re-captured once. Compared: per-step losses (largest relative difference; tolerance 1e-3 fp32,
-   2e-2 bf16) and the parameters, as ``||theta_graphs - theta_eager|| / ||theta_eager - theta_start||`` over all
-   parameters (tolerance 1e-2 fp32, 5e-2 bf16; a global norm because parameters with a zero true gradient, such
-   as the attention key bias, get Adam updates of pure rounding noise). The runs differ in floating-point
-   detail only: capturable AdamW computes its bias corrections on the device, the learning rate is a float32
-   tensor, and bf16 kernels may pick other reductions. Per-step wall time inside the Lightning loop (synchronised) is recorded too.
-2. Step time. The bare training step (zero_grad, forward, backward, AdamW step; no Lightning loop) of a fresh
-   copy of the model, eager against the callback's captured step driven through ``CudaGraphs.attach``, timed
-   interleaved by ``harness.interleave`` (rounds in random order, medians, paired-ratio spread). Peak CUDA
-   memory of a few steps of each is recorded (the graphs keep their memory pool).
+1. Identity. A tensorised masked-LM (TT linears, dense embedding, no dropout, synthetic batches) trained
+   ``--steps`` steps by Lightning twice from one seed, eagerly and with ``CudaGraphs(backend="cuda")``, both with
+   ``RankAdaptation`` and a forced physical truncation half-way (so the graphs are dropped and re-captured once).
+   Compared: per-step losses (largest relative difference) and the parameters as ``||theta_graphs - theta_eager||
+   / ||theta_eager - theta_start||`` (a global norm: parameters with a zero true gradient, such as the attention
+   key bias, get Adam updates of pure rounding noise). Loop step times (synchronised) are recorded too.
+2. Step time. The bare training step of a fresh copy, eager against the captured step driven through
+   ``CudaGraphs.attach``, timed by ``harness.interleave``; peak CUDA memory of a few steps of each.
 
-Sizes: ``quickstart`` (configs/quickstart.yaml's model: d_model 128, 2 layers, batch 32 x 64 tokens, rank 32)
-and, without ``--quick``, ``base`` (the paper's encoder: d_model 768, 12 heads, FFN 3072, 6 layers, vocabulary
-30522, batch 32 x 128, rank 30).
+Sizes: ``quickstart`` (configs/quickstart.yaml's model) and, without ``--quick``, ``base`` (the paper's encoder).
+Without a CUDA device it prints ``no CUDA device: skipped`` and writes a JSON saying so (exit 0); ``--backend
+replay`` runs the identity check on the CPU with the callback's eager replay backend (the plumbing, not the speed).
 
-Without a CUDA device it prints ``no CUDA device: skipped`` and writes a JSON saying so (exit 0);
-``--backend replay`` instead runs the identity check on the CPU with the callback's eager replay backend
-(the plumbing, not the speed). Expected time on one H200: about a minute (``--quick`` about half).
-
-    python benchmarks/bench_cuda_graphs.py              # on a GPU machine: both sizes, fp32 and bf16-mixed
-    python benchmarks/bench_cuda_graphs.py --quick
+    python benchmarks/bench_cuda_graphs.py              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
     python benchmarks/bench_cuda_graphs.py --quick --backend replay   # CPU dry run of the identity check
-
-Status: written in a session without a GPU; the CUDA numbers come from its first run on a lent machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import harness
 
 IGNORE = -100
 TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}         # largest relative difference of a step's loss
@@ -279,91 +262,75 @@ def time_steps(size: Size, precision: str, repeats: int, max_other_load: float, 
             "peak_memory_bytes": memory}
 
 
-def _skip(out_dir: Path, reason: str) -> int:
-    print(f"no CUDA device: skipped ({reason})")
-    harness.write_json(out_dir / "cuda_graphs.json",
-                       {"skipped": True, "reason": f"no CUDA device: {reason}", "machine": harness.machine_info()})
-    return 0
+def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
+    """The markdown table: per size and precision, step times and speed-up (GPU), identity and re-captures."""
+    rows = []
+    for check in identity:
+        t = next((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])), None)
+        loop = check["loop_step_s"]
+        tol = check["tolerance"]
+        rows.append([
+            check["size"], check["precision"],
+            *((harness.ms(t["timing"]["median_s"]["eager"]), harness.ms(t["timing"]["median_s"]["graphs"]),
+               harness.times(t["speedup"]), f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}")
+              if t else ["-"] * 4),
+            harness.times(loop["eager"] / loop["graphs"]) if on_gpu and loop["graphs"] > 0 else "-",
+            " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
+            f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
+            "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
+            f"{check['graphs']['captures']} / {check['graphs']['invalidations']}", t["noise"] if t else "-",
+        ])
+    return harness.table(["size", "precision", "eager step", "graphed step", "speed-up", "paired range",
+                          "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff", "identical",
+                          "captures / re-captures", "clean rounds"], rows)
+
+
+def plot(timings: list[dict]):
+    """Bars of the speed-up per size and precision, with every paired round's ratio as dots."""
+    fig, [ax] = harness.new_figure(1, 6.0, 3.5)
+    ax.bar([f"{t['size']}\n{t['precision']}" for t in timings], [t["speedup"] for t in timings], color="tab:green")
+    for i, t in enumerate(timings):
+        ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("eager / graphed step time")
+    ax.set_title("CUDA graphs speed-up (bare training step)")
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="quickstart size only, fewer steps")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
-    parser.add_argument("--steps", type=int, default=None, help="training steps of the identity check (default 40, "
-                                                                 "--quick 20)")
-    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"],
-                        choices=["32-true", "bf16-mixed"])
+    """Identity check (and, on a GPU, step timing) per size and precision; exit 1 when a run is not identical."""
+    parser = harness.bench_parser(__doc__.split("\n\n")[0], repeats=(5, 5))
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps of the identity check (default 40, --quick 20)")
+    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
     parser.add_argument("--backend", choices=["cuda", "replay"], default="cuda",
                         help="replay: identity check with the eager replay backend on the CPU (no timing)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--wait-quiet", type=float, default=0.0)
-    parser.add_argument("--max-other-load", type=float, default=0.15)
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv)
     if args.steps is not None and args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     on_gpu = args.backend == "cuda"
+    json_path = args.out_dir / "cuda_graphs.json"
     if on_gpu and not torch.cuda.is_available():
-        return _skip(args.out_dir, "torch.cuda.is_available() is False on this machine")
+        print("no CUDA device: skipped (torch.cuda.is_available() is False on this machine)")
+        harness.write_json(json_path, {"skipped": True, "machine": harness.machine_info(),
+                                       "reason": "no CUDA device: torch.cuda.is_available() is False on this machine"})
+        return 0
     steps = args.steps or (20 if args.quick else 40)
-    sizes = [QUICKSTART] if args.quick or not on_gpu else [QUICKSTART, BASE]
-    if not on_gpu:
-        sizes = [TINY] if args.quick else [QUICKSTART]
-    settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,
-                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE}
+    sizes = ([QUICKSTART] if args.quick else [QUICKSTART, BASE]) if on_gpu else ([TINY] if args.quick else [QUICKSTART])
     identity, timings = [], []
     for size in sizes:
         for precision in args.precision:
             identity.append(compare_training(size, steps, precision, "cuda" if on_gpu else "cpu", args.backend))
             if on_gpu:
                 timings.append(time_steps(size, precision, args.repeats, args.max_other_load, args.wait_quiet))
-
-    rows = []
-    for check in identity:
-        timing = next((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])), None)
-        loop = check["loop_step_s"]
-        rows.append([
-            check["size"], check["precision"],
-            harness.ms(timing["timing"]["median_s"]["eager"]) if timing else "-",
-            harness.ms(timing["timing"]["median_s"]["graphs"]) if timing else "-",
-            harness.times(timing["speedup"]) if timing else "-",
-            (f"{min(timing['paired_speedups']):.2f}-{max(timing['paired_speedups']):.2f}") if timing else "-",
-            harness.times(loop["eager"] / loop["graphs"]) if on_gpu and loop["graphs"] > 0 else "-",
-            " / ".join(harness.mib(timing["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if timing else "-",
-            f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
-            "yes" if check["identical"]
-            else f"NO (tol {check['tolerance']['update_rel']:g} / {check['tolerance']['loss_rel']:g})",
-            f"{check['graphs']['captures']} / {check['graphs']['invalidations']}",
-            timing["noise"] if timing else "-",
-        ])
     print(f"CUDA graphs vs eager ({args.backend} backend, {steps} steps per identity run)\n")
-    print(harness.table(["size", "precision", "eager step", "graphed step", "speed-up", "paired range",
-                         "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff", "identical",
-                         "captures / re-captures", "clean rounds"], rows))
-    payload = {"skipped": False, "machine": harness.machine_info(), "settings": settings,
-               "identity": identity, "timing": timings}
-    path = harness.write_json(args.out_dir / "cuda_graphs.json", payload)
-    if timings:
-        fig, axes = harness.new_figure(1, 6.0, 3.5)
-        ax = axes[0] if hasattr(axes, "__getitem__") else axes
-        labels = [f"{t['size']}\n{t['precision']}" for t in timings]
-        ax.bar(labels, [t["speedup"] for t in timings], color="tab:green")
-        for i, t in enumerate(timings):
-            ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_ylabel("eager / graphed step time")
-        ax.set_title("CUDA graphs speed-up (bare training step)")
-        harness.save_figure(fig, args.out_dir / "cuda_graphs.png")
-    print(f"\nwrote {path}")
+    print(report(identity, timings, on_gpu))
+    settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,
+                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE}
+    harness.emit(json_path, {"skipped": False, "machine": harness.machine_info(), "settings": settings,
+                             "identity": identity, "timing": timings}, fig=plot(timings) if timings else None)
     return 0 if all(check["identical"] for check in identity) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -25,6 +25,7 @@ import sys
 import torch
 from torch import nn
 
+import harness
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import size_report
 
@@ -124,26 +125,25 @@ def collect() -> dict:
 
 
 def to_markdown(result: dict) -> str:
-    lines = ["## Parameters by layer type (paper six-encoder MNLI model, ranks at initialisation)", "",
-             "| layer type | modules (TT) | dense | CoMERA TT | compression |", "|---|---|---:|---:|---:|"]
-    for r in result["layer_types"]:
-        lines.append(f"| {r['layer_type']} | {r['modules']} ({r['tt_modules']}) | {r['dense_parameters']:,} | "
-                     f"{r['tt_parameters']:,} | {r['compression']:.1f}x |")
+    """The report: parameters by layer type with the totals, then the hand counts against the layers'."""
+    rows = [[r["layer_type"], f"{r['modules']} ({r['tt_modules']})", f"{r['dense_parameters']:,}",
+             f"{r['tt_parameters']:,}", f"{r['compression']:.1f}x"] for r in result["layer_types"]]
     t, only = result["total"], result["tt_layers_only"]
-    lines.append(f"| **total** | - | **{t['dense_parameters']:,}** | **{t['tt_parameters']:,}** | "
-                 f"**{t['compression']:.1f}x** |")
-    lines += ["", f"TT layers alone ({only['count']} layers, weights only): {only['dense_parameters']:,} dense -> "
-              f"{only['tt_parameters']:,} TT core parameters, {only['compression']:.1f}x.", "",
-              "## TT core parameters counted by hand (METHOD.md section 2) vs reported", "",
-              "| layer | modes | ranks | by hand | reported | dense | compression |",
-              "|---|---|---|---:|---:|---:|---:|"]
-    for h in result["hand_counts"]:
-        lines.append(f"| {h['layer']} | {h['modes']} | {h['ranks']} | {h['hand_count']:,} | {h['reported']:,} | "
-                     f"{h['dense_parameters']:,} | {h['compression']:.1f}x |")
-    return "\n".join(lines)
+    rows.append(["**total**", "-", f"**{t['dense_parameters']:,}**", f"**{t['tt_parameters']:,}**",
+                 f"**{t['compression']:.1f}x**"])
+    hand = [[h["layer"], h["modes"], h["ranks"], f"{h['hand_count']:,}", f"{h['reported']:,}",
+             f"{h['dense_parameters']:,}", f"{h['compression']:.1f}x"] for h in result["hand_counts"]]
+    return "\n".join([
+        "## Parameters by layer type (paper six-encoder MNLI model, ranks at initialisation)", "",
+        harness.table(["layer type", "modules (TT)", "dense", "CoMERA TT", "compression"], rows), "",
+        f"TT layers alone ({only['count']} layers, weights only): {only['dense_parameters']:,} dense -> "
+        f"{only['tt_parameters']:,} TT core parameters, {only['compression']:.1f}x.", "",
+        "## TT core parameters counted by hand (METHOD.md section 2) vs reported", "",
+        harness.table(["layer", "modes", "ranks", "by hand", "reported", "dense", "compression"], hand)])
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Print the report (markdown, or JSON with ``--json``); returns its numbers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)

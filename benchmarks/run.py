@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import harness  # noqa: E402
+import harness
 
 
 @dataclass(frozen=True)
 class Comparison:
+    """A comparison: its script (``benchmarks/<script>.py``), the arguments it always gets, what it measures."""
+
     script: str
     fixed_args: tuple[str, ...]
     what: str
