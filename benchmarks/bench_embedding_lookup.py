@@ -1,19 +1,12 @@
 """TT-matrix embedding lookup: optimised half-merge vs the plain per-row chain vs nn.Embedding.
 
-The paper's word embedding, 30522 x 768 as a ``TTEmbedding`` with the paper's modes (vocab 16*20*10*10, dim
-4*4*8*6; ``paper_embedding_modes``) at rank 32, looked up for 32 x 128 token ids. Candidates, all reading the same
-table: ``ttm+dedup`` (``ttm_lookup(..., deduplicate=True)``: each distinct id once), ``ttm`` (without
-deduplication, ``TTEmbedding``'s default), ``chain`` (``ttm_lookup_chain``: one slice of every core per token,
-multiplied along the chain) and ``nn.Embedding`` (a dense table of the same rows). TT candidates start from
-``layer.gated_cores()``; every candidate's rows are checked against the dense reconstruction, the TT gradients
-against each other.
-
-Ids (seeded): ``uniform``, ``zipf`` (exponent ``--zipf-exponent``, ranks mapped to ids by a permutation) and
-``stdlib`` (real BPE token ids of the code-MLM corpus' validation files, tokenizer cached under ``--cache-dir``).
-Per case, timed with ``harness.interleave``: forward (no grad) and forward+backward (``rows.backward(g)``), and the
-peak memory of each (``harness.peak_memory``). Targets (issue 6, rank 32, forward+backward): the optimised lookup
->= 5x faster and 3x lighter than the chain; a miss is explained by a profile (``--profile``: always).
-Output: tables and verdicts on stdout, ``embedding_lookup.json`` and ``embedding_lookup.png`` in ``--out-dir``.
+The paper's 30522 x 768 word embedding as a ``TTEmbedding`` (rank 32), looked up for 32 x 128 ids drawn
+``uniform``, ``zipf`` or from real code (``stdlib``): ``ttm+dedup`` and ``ttm`` (``ttm_lookup`` with and without
+deduplication), ``chain`` (``ttm_lookup_chain``, one core slice per token) and ``nn.Embedding`` (the same rows),
+forward and forward+backward timed interleaved (``harness.interleave``), peak memory measured, rows and gradients
+checked against each other. Targets (issue 6): the optimised lookup >= 5x faster and 3x lighter than the chain;
+a miss is explained by a profile. Output: tables and verdicts on stdout, ``embedding_lookup.json`` and
+``embedding_lookup.png`` in ``--out-dir``. benchmarks/README.md has the details.
 
     python benchmarks/bench_embedding_lookup.py            # rank 32 x 3 id distributions, ranks 8/64 on Zipf
     python benchmarks/bench_embedding_lookup.py --quick    # rank 32, uniform + Zipf ids, about 20-30 s

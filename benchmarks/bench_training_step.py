@@ -1,29 +1,12 @@
 """Training step of the six-encoder transformer: dense + AdamW vs dense + GaLore vs CoMERA, and how it scales.
 
-Part ``step``: the model of ``configs/mnli_6enc.yaml`` (``SequenceClassifier``, d_model 768, 6 layers, seq 128)
-trained four ways, one full step each (zero_grad, forward, cross-entropy on random labels, backward,
-``optimizer.step()``), timed interleaved in one process (``harness.interleave``), at batch 1 and ``--batch``:
-
-- ``dense+AdamW``; ``dense+GaLore``: ``galore_torch.GaLoreAdamW`` with the encoder's 2-D linear weights projected
-  (rank 128, update_proj_gap 200, scale 0.25, as the GaLore README). Its projection refresh (an SVD per weight,
-  once every 200 steps) is left out of the interleaved rounds and timed at batch 1 against the steady step
-  before it; ratios use the amortised step ``steady + (refresh - steady) / 200``;
-- ``CoMERA r30``: TT linears (rank 30) and TT word embedding (rank 32), AdamW over ``comera_parameter_groups``
-  plus RankAdaptation's per-step work (the rank-penalty gradient, finiteness checks, the mask refresh);
-- ``CoMERA 1/4``: a copy physically truncated (``truncate_``, AdamW state sliced) to the share of every bond
-  that brings it closest to a quarter of CoMERA r30's parameters (or of its TT layers' own, when the layers
-  truncation cannot touch already hold more; the printout says which).
-
-Peak memory: ``harness.peak_memory`` over one steady step (GaLore's projectors tracked under ``other``); page
-faults and system time per step (``getrusage``). When a target of issue 6 is missed, CoMERA is profiled against
-dense (realistic batch) or GaLore (batch 1), and a "why" line names the op types it did not make 2x cheaper.
-
-Part ``scaling``: dense + AdamW vs CoMERA r30 against d_model {256, 512, 1024, 2048} (heads d/64, d_ff 4d,
-2 layers, batch 8; other shapes get the project's automatic modes, recorded in the JSON).
-
-``--packed-dropout`` builds every candidate with packed dropout masks; ``--keep-freed-memory`` keeps glibc's
-freed memory for the process. Output: tables and verdicts on stdout, ``training_step<options>.{json,png}`` and
-``training_scaling<options>.{json,png}`` in ``--out-dir``.
+Part ``step``: the model of ``configs/mnli_6enc.yaml`` trained four ways (``dense+AdamW``; ``dense+GaLore``, rank
+128, its SVD refresh timed apart and amortised over update_proj_gap; ``CoMERA r30`` with RankAdaptation's per-step
+work; ``CoMERA 1/4``, a copy physically truncated to about a quarter of the parameters), one full step each, timed
+interleaved (``harness.interleave``) at batch 1 and ``--batch``, with peak memory (``harness.peak_memory``), page
+faults and system time; a missed target of issue 6 is explained by a profile. Part ``scaling``: dense vs CoMERA
+against d_model. benchmarks/README.md describes both; output: tables and verdicts on stdout,
+``training_step<options>.{json,png}`` and ``training_scaling<options>.{json,png}`` in ``--out-dir``.
 
     python benchmarks/bench_training_step.py --part step --wait-quiet 60
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min

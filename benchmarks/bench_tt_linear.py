@@ -1,22 +1,14 @@
 """TTLinear against nn.Linear, against one-shot einsum baselines, and every forced contraction plan.
 
-Per case (shape, rows, rank) every candidate runs one step: forward on ``x (rows, in)`` with ``x.requires_grad``,
-then ``torch.autograd.grad(y, [x, *parameters], g)`` for a fixed random ``g`` (the backward of ``sum(y * g)``).
-Candidates: ``nn.Linear``; ``planner`` (``TTLinear`` with the plan ``plan_tt_linear`` picks); ``plan:<name>``
-(each of ``comera_lightning.tt.PLANS`` forced); ``torch.einsum`` over x and all cores (torch asks opt_einsum for a
-path every call); ``tensorly+oe`` (``tl.einsum`` under ``use_opt_einsum()``, path cached). TT candidates start
-from ``layer.gated_cores()`` and add the bias, so they compute ``TTLinear.forward``'s function (checked).
-
-Timed by ``harness.interleave`` (medians over rounds in a fresh random order, contended rounds left out and
-retried; cheap cases get rounds until ``--min-case-s`` of clean ones). Memory is not an allocator peak: parameter
-and gradient bytes plus the unique storages autograd saves for backward (``saved_tensors_hooks``), x and the
-parameters not counted. ``--keep-freed-memory``: glibc keeps freed memory, as the KeepFreedMemory callback does.
-Output: tables and target verdicts on stdout, ``tt_linear.json`` and ``tt_linear.png`` (time ratios against rows)
-in ``--out-dir`` (``--out PATH`` names the JSON; the PNG goes next to it). benchmarks/README.md has the details.
+Per case (shape, rows, rank), one forward + backward (the gradients of x and every parameter for
+``sum(y * g)``) of ``nn.Linear``, ``planner`` (``TTLinear`` with the plan ``plan_tt_linear`` picks), ``plan:<name>``
+(each of ``comera_lightning.tt.PLANS`` forced), ``torch.einsum`` and ``tensorly+oe`` over x and the gated cores,
+timed interleaved (``harness.interleave``); memory as parameter, gradient and saved-for-backward bytes. Output:
+tables and target verdicts on stdout, ``tt_linear.json`` and ``tt_linear.png`` in ``--out-dir`` (``--out PATH``
+names the JSON; the PNG goes next to it). benchmarks/README.md has the details.
 
     python benchmarks/bench_tt_linear.py            # 36 cases, about 4 minutes on 2 quiet CPU cores
     python benchmarks/bench_tt_linear.py --quick    # 8 cases, about 30 s
-    python benchmarks/bench_tt_linear.py --keep-freed-memory --shapes 768x3072 --rows 4096 --ranks 30
 """
 
 from __future__ import annotations

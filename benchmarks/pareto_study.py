@@ -37,6 +37,7 @@ import torch
 import harness
 import quality_study as qs
 import study
+from llm_study import spec_from_config
 from study import StudySpec
 
 TASKS = ("mlm", "lm")
@@ -119,7 +120,7 @@ def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool
     the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; use one of {TASKS}")
-    spec = qs.SPECS[task](quick)
+    spec = spec_from_config(quick=quick) if task == "lm" else qs.SPECS[task](quick)
     spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps)
     if d_model is not None:
         if d_model < 1:

@@ -5,8 +5,9 @@ Studies (each trained by every method from one seed on identical batches; benchm
 * ``mlm``: masked-LM on the Python standard library, the quickstart-sized BERT encoder;
 * ``pairs``: docstring/body pair classification (configs/code_pairs.yaml's classifier, two layers);
 * ``dlrm``: click-through prediction on the synthetic Criteo stand-in with configs/dlrm_criteo.yaml's tables
-  (its clicks come from a hidden logistic model, so there is signal; the constant predictor is the floor);
-* ``lm``: the decoder of configs/llm_cpu.yaml (``llm_study.py`` has its own, fuller study).
+  (its clicks come from a hidden logistic model, so there is signal; the constant predictor is the floor).
+
+The decoder of configs/llm_cpu.yaml has its own study, ``llm_study.py``, by the same protocol.
 
 Methods: ``dense`` and CoMERA (TT layers, RankAdaptation + ContractionPlanner; ``comera``, ``comera-paper``,
 ``comera-norm``: the late-stage policy). Protocols (``study.py``): ``steps``, ``time``, and ``matched``: the dense
@@ -38,8 +39,7 @@ import harness
 import study
 from study import DEFAULT_CACHE, METHODS, PROTOCOLS, StudySpec, build_task
 
-STUDIES = tuple(study.TASKS)
-ALL_STUDIES = ("mlm", "pairs", "dlrm")  # what --study all runs (lm: llm_study.py has the decoder's own study)
+STUDIES = ("mlm", "pairs", "dlrm")
 DEFAULT_METHODS = ("dense", "comera")
 DEFAULT_PROTOCOLS = ("steps", "time")
 
@@ -125,15 +125,7 @@ def pairs_spec(quick: bool = False) -> StudySpec:
     return spec
 
 
-def lm_spec(quick: bool = False) -> StudySpec:
-    """The decoder of ``configs/llm_cpu.yaml`` as a study (``llm_study.spec_from_config``)."""
-    from llm_study import spec_from_config
-
-    return spec_from_config(quick=quick)
-
-
-SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs_spec, "dlrm": dlrm_spec,
-                                                 "lm": lm_spec}
+SPECS: dict[str, Callable[[bool], StudySpec]] = {"mlm": mlm_spec, "pairs": pairs_spec, "dlrm": dlrm_spec}
 
 
 def make_specs(study_name: str, quick: bool = False, steps: int | None = None, budget_s: float | None = None,
@@ -142,7 +134,7 @@ def make_specs(study_name: str, quick: bool = False, steps: int | None = None, b
     if study_name not in (*STUDIES, "all"):
         raise ValueError(f"unknown study {study_name!r}; use one of {(*STUDIES, 'all')}")
     specs = []
-    for name in ALL_STUDIES if study_name == "all" else (study_name,):
+    for name in STUDIES if study_name == "all" else (study_name,):
         spec = SPECS[name](quick)
         spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps,
                        budget_s=spec.budget_s if budget_s is None else budget_s,
@@ -161,7 +153,7 @@ def baseline_metrics(spec: StudySpec, dm) -> dict[str, float]:
 
     MLM: accuracy of always predicting the most frequent (non-special) training token. Pairs: of always
     predicting the most frequent training label. DLRM: log-loss of predicting the training click rate
-    everywhere (AUC 0.5). The decoder: none here (``llm_study.py`` reports its own references).
+    everywhere (AUC 0.5).
     """
     if spec.name == "dlrm":
         p = float(dm.train_dataset.tensors["labels"].float().mean())
@@ -170,8 +162,6 @@ def baseline_metrics(spec: StudySpec, dm) -> dict[str, float]:
             y = y[: spec.limit_val_batches * spec.data_kwargs["batch_size"]]
         logloss = float(-(y * math.log(p) + (1 - y) * math.log(1 - p)).mean())
         return {"train_click_rate": p, "constant_logloss": logloss, "val_rows": int(y.numel())}
-    if spec.name not in ("mlm", "pairs"):
-        return {}
     train = dm.train_dataset.tensors
     if spec.name == "mlm":
         ids = train["input_ids"].long().flatten()

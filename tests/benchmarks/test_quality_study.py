@@ -33,7 +33,7 @@ def _runs(result: dict) -> dict[tuple[str, str], dict]:
     return {(r["method"], r["protocol"]): r for r in result["runs"]}
 
 
-@pytest.mark.parametrize("name", qs.ALL_STUDIES)
+@pytest.mark.parametrize("name", qs.STUDIES)
 def test_outputs_exist_and_sizes_are_consistent(study, name):
     out, text = study
     result = _load(out, name)
@@ -73,7 +73,7 @@ def test_outputs_exist_and_sizes_are_consistent(study, name):
     assert result["machine"]["cpu_count"] >= 1 and "settings" in result
 
 
-@pytest.mark.parametrize("name", qs.ALL_STUDIES)
+@pytest.mark.parametrize("name", qs.STUDIES)
 def test_protocols_are_respected(study, name):
     out, _ = study
     result = _load(out, name)
