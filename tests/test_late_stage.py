@@ -221,6 +221,7 @@ class _CutLog(ScheduledLateStage):
         return count
 
 
+@pytest.mark.slow
 def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
     model = TinyRegressor()
     policy = _CutLog(ramp_steps=40, cut_every_n_steps=4, max_cut_fraction=0.25, loss_tolerance=1e9)

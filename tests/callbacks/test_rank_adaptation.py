@@ -116,6 +116,7 @@ class _Snapshot(Callback):
         torch.save(state, self.path / f"rank{trainer.global_rank}.pt")
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_agree_on_ranks_and_parameters(tmp_path):
     callback = RankAdaptation(gamma=0.3, late_start_step=10, target_compression=6.0,
                               truncate_every_n_steps=6, min_dead_fraction=0.1)

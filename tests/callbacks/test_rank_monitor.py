@@ -260,6 +260,7 @@ def test_names_plot_and_arguments(tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_two_processes_log_once_from_rank_zero(tmp_path):
     import csv
 

@@ -22,6 +22,7 @@ def test_print_config(name, capsys):
     assert "class_path" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_config_fits_and_validates_tiny(name, workdir):
     overrides = _tiny_overrides(name, workdir / "mnli")
@@ -33,6 +34,7 @@ def test_every_config_fits_and_validates_tiny(name, workdir):
     assert validated.trainer.callback_metrics, "validate produced no metrics"
 
 
+@pytest.mark.slow
 def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(workdir):
     config = CONFIGS / "quickstart.yaml"
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
@@ -67,6 +69,7 @@ def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(wo
     assert "val/loss" in validated.trainer.callback_metrics
 
 
+@pytest.mark.slow
 def test_quickstart_runs_under_ddp_spawn_and_bf16(workdir, capfd):
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
     _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
@@ -87,6 +90,7 @@ def test_unknown_key_and_bad_type_fail_clearly(workdir, capsys):
     assert "max_steps" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quickstart_validates_by_global_step_across_epochs_on_a_small_corpus(workdir):
     """A corpus with fewer batches per epoch than val_check_interval still trains and validates every
     val_check_interval optimiser steps, across epoch boundaries (the config validates by global step)."""
@@ -121,6 +125,7 @@ def test_binary_corpus_is_refused_up_front_naming_the_files(workdir):
     assert "root=" in message and "val_check_interval" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("late_stage", [
     "paper",
     '{"class_path": "comera_lightning.callbacks.ScheduledLateStage", '

@@ -38,6 +38,7 @@ def _writer(path: Path) -> list[str]:
     return ["--trainer.callbacks+=PredictionWriter", f"--trainer.callbacks.output_path={path}"]
 
 
+@pytest.mark.slow
 def test_masked_lm_test_and_predict_after_fit(workdir):
     config = f"--config={CONFIG_DIR / 'quickstart.yaml'}"
     overrides = [*_tiny_overrides("quickstart.yaml", workdir / "mnli"), *TINY_TRAINER]
@@ -72,6 +73,7 @@ def test_masked_lm_test_and_predict_after_fit(workdir):
     assert records[0]["true_token"] == dm.tokenizer.decode([records[0]["true_id"]], skip_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_click_through_test_and_predict_on_a_held_out_slice(workdir):
     config = f"--config={CONFIG_DIR / 'dlrm_criteo.yaml'}"
     overrides = [*_tiny_overrides("dlrm_criteo.yaml", workdir), *TINY_TRAINER, "--data.test_fraction=0.1"]
@@ -92,6 +94,7 @@ def test_click_through_test_and_predict_on_a_held_out_slice(workdir):
     assert len(_records(out)) == 200
 
 
+@pytest.mark.slow
 def test_sequence_classification_test_and_predict_on_mnli_mismatched(workdir):
     config = f"--config={CONFIG_DIR / 'mnli_6enc.yaml'}"
     overrides = [*_tiny_overrides("mnli_6enc.yaml", workdir / "mnli"), *TINY_TRAINER]

@@ -21,6 +21,7 @@ def _overrides(workdir: Path) -> list[str]:
     return _tiny_overrides("quickstart.yaml", workdir / "mnli")
 
 
+@pytest.mark.slow
 def test_last_checkpoint_is_the_end_of_training_between_validation_checks(workdir, capsys):
     """max_steps 10 with validation every 4 steps: Lightning alone validates (and saves last.ckpt) at step 8."""
     cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=10",
@@ -41,6 +42,7 @@ def test_last_checkpoint_is_the_end_of_training_between_validation_checks(workdi
     assert "best:" not in summary
 
 
+@pytest.mark.slow
 def test_runs_are_named_by_config_subcommand_and_time_and_evaluation_is_quiet(workdir):
     fit = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
     checkpoint = fit.trainer.checkpoint_callback.last_model_path
@@ -56,12 +58,14 @@ def test_runs_are_named_by_config_subcommand_and_time_and_evaluation_is_quiet(wo
     assert "val/loss" in validate.trainer.callback_metrics
 
 
+@pytest.mark.slow
 def test_an_explicit_run_name_is_kept(workdir):
     cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.logger.init_args.run_name=mine")
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     assert client.get_run(cli.trainer.logger.run_id).info.run_name == "mine"
 
 
+@pytest.mark.slow
 def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
     trainer_args = [a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a
                     and "max_epochs" not in a]
@@ -75,6 +79,7 @@ def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
     assert task.description.startswith("Steps") and "-2" not in task.description
 
 
+@pytest.mark.slow
 def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(workdir):
     cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--model.optim.warmup_steps=0",
                "--optimizer=torch.optim.SGD", "--optimizer.momentum=0.9",
@@ -100,6 +105,7 @@ def test_runs_folder_is_ignored_by_git():
     assert "runs/" in ignored
 
 
+@pytest.mark.slow
 def test_system_metrics_are_an_option_of_the_logger(workdir):
     pytest.importorskip("psutil")
     cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=12",
@@ -117,6 +123,7 @@ def test_system_metrics_interval_must_be_positive():
         ResilientMLFlowLogger(system_metrics_interval_s=0)
 
 
+@pytest.mark.slow
 def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(workdir, capsys):
     from comera_lightning.cli import main
     from comera_lightning.export import load_exported, read_export_metadata
@@ -147,6 +154,7 @@ def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(wo
     assert out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_predict_writes_a_file_per_run_by_default(workdir, capsys):
     import json
 

@@ -22,6 +22,10 @@ TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model
         "--trainer.enable_model_summary=false"]
 
 
+#: builds and installs the wheel once, then runs from it: all of it is slow
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A venv holding only the built wheel; the dependencies come from the test environment's

@@ -224,6 +224,7 @@ def test_binary_files_are_skipped_like_in_the_mlm_corpus(tree, tmp_path):
     assert dm.examples("train") and dm.examples("val")
 
 
+@pytest.mark.slow
 def test_cli_fits_on_a_small_tree(workdir):
     """The shipped config through the real `comera fit` entry point, at tiny sizes, validating by step."""
     root = workdir / "src"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from comera_lightning.data import CodeMLMDataModule, CriteoDataModule, MNLIDataModule
@@ -66,6 +67,7 @@ def _fit_ddp(tmp_path, cache, kw):
     return trainer
 
 
+@pytest.mark.slow
 def test_ddp_spawn_fit_on_a_fresh_cache(tmp_path, stdlib_kw):
     # prepare_data trains the tokenizer in the main process; both ranks load it in setup
     trainer = _fit_ddp(tmp_path, tmp_path / "cache", stdlib_kw)

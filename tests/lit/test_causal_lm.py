@@ -88,6 +88,7 @@ def test_generate_with_the_cache_samples_what_the_full_re_run_samples_float64(pr
     assert torch.equal(*sampled)
 
 
+@pytest.mark.slow
 def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_reloads(datamodule, tmp_path, capsys):
     torch.manual_seed(0)
     task = CausalLM(**TINY, optim=OptimConfig(lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2,

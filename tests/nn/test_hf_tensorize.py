@@ -82,6 +82,7 @@ def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_tensorize_train_truncate_save_reload_reproduces_logits(kind, tmp_path):
     model = build(kind)
