@@ -142,7 +142,8 @@ def build_candidates(shape: Shape, rank: int, ids: torch.Tensor, seed: int) -> C
     # the parameters' gradients are set to None before every step, as zero_grad(set_to_none=True) does
     return Candidates(layer=layer, dense=dense, ids=ids, modules=modules,
                       forward={n: torch.no_grad()(f) for n, f in lookups.items()},
-                      train={n: harness.backward_step(f, modules[n].parameters(), grad_out) for n, f in lookups.items()})
+                      train={n: harness.backward_step(f, modules[n].parameters(), grad_out)
+                             for n, f in lookups.items()})
 
 
 def check_agreement(cands: Candidates) -> dict:
@@ -223,7 +224,8 @@ def evaluate_targets(results: list[dict], paper_rank: int) -> dict:
             "measured_on": "forward+backward time, peak memory of forward+backward", "cases": rows,
             "speed_met": bool(rows) and all(b["speed_met"] for b in best.values()),
             "memory_met": bool(rows) and all(b["memory_met"] for b in best.values()),
-            "dedup_speed_met_everywhere": bool(rows) and all(r["speed_met"] for r in rows if r["variant"] == "ttm+dedup")}
+            "dedup_speed_met_everywhere": bool(rows) and all(r["speed_met"] for r in rows
+                                                             if r["variant"] == "ttm+dedup")}
 
 
 def render(results: list[dict], targets: dict, meta: dict) -> str:

@@ -27,8 +27,8 @@ def measure(step, steps: int) -> dict:
     """Wall seconds, minor faults and system seconds per step over ``steps`` calls of ``step``."""
     start = time.perf_counter()
     work = [harness.kernel_work(step) for _ in range(steps)]
-    return {"step_s": (time.perf_counter() - start) / steps, "minor_faults": sum(k["minor_faults"] for k in work) / steps,
-            "system_s": sum(k["system_s"] for k in work) / steps}
+    return {"step_s": (time.perf_counter() - start) / steps,
+            **{k: sum(w[k] for w in work) / steps for k in ("minor_faults", "system_s")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{harness.times(ratios[MODES[1]])} with freed memory kept")
     harness.emit(args.out_dir / "host_memory.json",
                  {"batch": batch, "rounds": rounds, "steps": steps, "packed_dropout": args.packed_dropout,
-                  "samples": samples, "medians": summary, "dense_over_comera": ratios, "machine": harness.machine_info()})
+                  "samples": samples, "medians": summary, "dense_over_comera": ratios,
+                  "machine": harness.machine_info()})
     return 0
 
 

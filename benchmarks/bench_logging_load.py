@@ -235,7 +235,8 @@ def mode_entry(mode: str, scheduler: BlockScheduler, timers: Timers, warm: int, 
     ratios = paired_overheads(scheduler.blocks, mode, warm)
     entry.update(overhead_paired_median_pct=median(ratios),
                  overhead_paired_mean_pct=100 * statistics.fmean(ratios) if ratios else None, paired_blocks=len(ratios),
-                 main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm, "cpu")),
+                 main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm,
+                                                                                    "cpu")),
                  log_calls_ms_per_step=per_step(timers.log_calls.get(mode, 0.0)),
                  rank_monitor_ms_per_step=per_step(timers.monitor.get(mode, 0.0)))
     entry["overhead_paired_median_pct_minus_monitor_own_work"] = (

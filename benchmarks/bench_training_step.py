@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
     parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory.keep_freed_memory)")
+                        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)")
     parser.add_argument("--packed-dropout", action="store_true",
                         help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
     return parser

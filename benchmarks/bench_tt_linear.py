@@ -192,7 +192,8 @@ def run_case(case: Case, seed: int, **timing) -> dict:
 
 def evaluate_targets(results: list[dict]) -> dict:
     """Verdicts: TTLinear >= 5x faster than nn.Linear on the main cases; planner never slower than einsum."""
-    speed = [{"shape": r["shape"], "rows": r["rows"], "rank": r["rank"], "speedup": r["ratios"]["dense_time_over_tt_time"],
+    speed = [{"shape": r["shape"], "rows": r["rows"], "rank": r["rank"],
+              "speedup": r["ratios"]["dense_time_over_tt_time"],
               "speedup_of_minima": r["ratios"]["dense_time_over_tt_time_of_minima"],
               "met": r["ratios"]["dense_time_over_tt_time"] >= TARGET_SPEEDUP, "contended": r["contended"]}
              for r in results if r["main"] and r["shape"] in TARGET_SHAPES]

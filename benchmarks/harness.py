@@ -235,7 +235,8 @@ def peak_memory(
 
     ``tensors`` are extra tensors that exist before the step (inputs, an optimiser's side buffers); tracking
     them puts them under ``other`` instead of missing them. Run the step at least once before (optimiser
-    state exists from the first ``optimizer.step()`` on), so this measures the steady state. Categories at the peak: ``parameters``, ``buffers``, ``gradients``,
+    state exists from the first ``optimizer.step()`` on), so this measures the steady state. Categories at the
+    peak: ``parameters``, ``buffers``, ``gradients``,
     ``optimizer_state`` (everything allocated inside ``optimizer.step()``: the persistent state AND the step's
     transient work buffers, e.g. AdamW's denominators; ``optimizer_state_persistent`` is the persistent part
     alone, read from ``optimizer.state`` after the step), ``activations`` (tensors produced in forward and kept

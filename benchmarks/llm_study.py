@@ -155,7 +155,8 @@ def measure_steps(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str,
                            "params_active": report.active_parameters, "compression_ratio": report.compression_ratio}
     for c in live[1:]:
         methods[c.name]["dense_step_over_this"] = timing.ratio("dense", c.name)
-        methods[c.name]["dense_peak_over_this"] = methods["dense"]["memory"]["total"] / methods[c.name]["memory"]["total"]
+        methods[c.name]["dense_peak_over_this"] = (methods["dense"]["memory"]["total"]
+                                                   / methods[c.name]["memory"]["total"])
     if not methods["galore"]["skipped"]:
         out["galore_over_comera"] = {
             "step": timing.ratio("galore", "comera"),

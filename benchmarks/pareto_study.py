@@ -125,7 +125,8 @@ def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool
     if d_model is not None:
         if d_model < 1:
             raise ValueError(f"d_model must be >= 1, got {d_model}")
-        spec.task_kwargs = task_kwargs(spec, Point("dense", d_model)) | {"layer_config": spec.task_kwargs["layer_config"]}
+        spec.task_kwargs = {**task_kwargs(spec, Point("dense", d_model)),
+                            "layer_config": spec.task_kwargs["layer_config"]}
     spec.data_kwargs = {**spec.data_kwargs, "root": corpus_root(corpus)}
     spec.check()
     return spec
@@ -203,7 +204,8 @@ def run_points(spec: StudySpec, points: list[Point], progress: study.Progress,
                          if point.kind == "comera" else None),
         }
         print(f"    {spec.metric} {runs[point.name]['final_metric']:.4f} at {final['params_active']:,} active "
-              f"parameters ({final['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s", flush=True)
+              f"parameters ({final['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s",
+              flush=True)
         progress.save(task=spec.name, seed=spec.seed, late_start_step=late_start,
                       higher_is_better=spec.higher_is_better, machine=harness.machine_info(), runs=runs)
     return progress.state
@@ -225,10 +227,12 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
     points = {}
     for name in dict.fromkeys(name for s in studies for name in s["runs"]):
         runs = [s["runs"][name] for s in studies if name in s["runs"]]
-        metric, params = study.spread([r["final_metric"] for r in runs]), study.spread([r["params_active"] for r in runs])
+        metric = study.spread([r["final_metric"] for r in runs])
+        params = study.spread([r["params_active"] for r in runs])
         dips = [r["late_dip"] for r in runs if r.get("late_dip") is not None]
         points[name] = {
-            "family": runs[0]["family"], "kind": runs[0]["kind"], "seeds": [s["seed"] for s in studies if name in s["runs"]],
+            "family": runs[0]["family"], "kind": runs[0]["kind"],
+            "seeds": [s["seed"] for s in studies if name in s["runs"]],
             **{f"metric_{k}": metric[k] for k in ("mean", "min", "max")},
             **{f"params_{k}": params[k] for k in ("mean", "min", "max")},
             "compression_mean": study.spread([r["compression_ratio"] for r in runs])["mean"],

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import bench_activation_memory as bench
 
 
+@pytest.mark.slow
 def test_quick_run_measures_less_activation_memory_with_checkpointing(tmp_path, capsys):
     assert bench.main(["--quick", "--threads", "1", "--max-other-load", "1.0", "--out-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "activation_memory.json").read_text())

@@ -69,6 +69,7 @@ def test_stdlib_ids_tokenise_a_code_corpus(tmp_path):
         bench.stdlib_ids(300, batch=1000, seq_len=16, seed=0, cache_dir=str(tmp_path / "cache"), root=str(corpus))
 
 
+@pytest.mark.slow
 def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count(tmp_path, capsys):
     rc = bench.main([*TINY_ARGS, "--ranks", "3", "--distributions", "uniform", "zipf", "--repeats", "1",
                      "--min-sample-ms", "0.5", "--max-other-load", "1", "--threads", "1", "--out-dir", str(tmp_path)])
@@ -101,6 +102,7 @@ def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count
     assert {c["variant"] for c in data["targets"]["cases"]} == {"ttm+dedup", "ttm"}
 
 
+@pytest.mark.slow
 def test_a_missed_target_is_explained_by_a_profile(tmp_path, capsys):
     # at this tiny shape the per-row chain is not 5x slower: the script must profile and print why
     bench.main([*TINY_ARGS, "--ranks", "2", "--distributions", "zipf", "--repeats", "1", "--min-sample-ms", "0.5",

@@ -10,6 +10,7 @@ import pytest
 import bench_host_memory as bench
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_quick_run_measures_both_settings(tmp_path, capsys, monkeypatch):
     settings = []

@@ -203,6 +203,7 @@ def test_profile_and_explanation(batch):
     assert "top ops" in line and "cap the speedup" in line
 
 
+@pytest.mark.slow
 def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
@@ -237,6 +238,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setitem(sys.modules, "galore_torch", None)

@@ -33,6 +33,7 @@ def _runs(result: dict) -> dict[tuple[str, str], dict]:
     return {(r["method"], r["protocol"]): r for r in result["runs"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", qs.STUDIES)
 def test_outputs_exist_and_sizes_are_consistent(study, name):
     out, text = study
@@ -73,6 +74,7 @@ def test_outputs_exist_and_sizes_are_consistent(study, name):
     assert result["machine"]["cpu_count"] >= 1 and "settings" in result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", qs.STUDIES)
 def test_protocols_are_respected(study, name):
     out, _ = study
@@ -105,6 +107,7 @@ def test_protocols_are_respected(study, name):
     assert all(v["train_s"] >= late_s for v in runs["comera", "time"]["validations"] if v["stage"] == 1)
 
 
+@pytest.mark.slow
 def test_baseline_is_reported(study):
     out, text = study
     mlm, dlrm = _load(out, "mlm"), _load(out, "dlrm")
@@ -146,6 +149,7 @@ def test_bad_settings_in_the_api_are_refused():
         qs.build_task(qs.dlrm_spec(quick=True), "galore")
 
 
+@pytest.mark.slow
 def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
     argv = ["--quick", "--study", "mlm", "--protocol", "matched", "--steps", str(STEPS), "--val-every", "3",
             "--methods", "dense", "comera", "comera-paper", "--threads", "1", "--tag", "_m",
@@ -165,6 +169,7 @@ def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
     assert set(result["summary"]) == {"matched", "matched (comera-paper)"}
 
 
+@pytest.mark.slow
 def test_a_cut_off_study_resumes_and_a_changed_one_is_refused(study, tmp_path, capsys):
     out, _ = study
     argv = ["--quick", "--study", "dlrm", "--steps", str(STEPS), "--budget-s", str(BUDGET_S), "--val-every",
@@ -180,6 +185,7 @@ def test_a_cut_off_study_resumes_and_a_changed_one_is_refused(study, tmp_path, c
     assert err.value.code == 2 and "holds runs of another spec" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_seeds_aggregate_mean_spread_and_dip(study, tmp_path, capsys):
     out, _ = study
     stem = tmp_path / "mlm_steps"
