@@ -41,6 +41,8 @@ UPDATE_TOLERANCE = {"32-true": 1e-2, "bf16-mixed": 5e-2}  # ||theta_graphs - the
 
 @dataclass(frozen=True)
 class Size:
+    """One benchmarked masked-LM: its shape, batch and TT rank."""
+
     name: str
     vocab: int
     d_model: int

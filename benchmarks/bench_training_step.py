@@ -176,11 +176,13 @@ class RankAdaptationWork:
         self.weights = early_stage_weights(gamma)
 
     def before_step(self) -> None:
+        """Before ``optimizer.step()``: the rank penalty's gradient added to finite gate gradients."""
         gates, masks, slice_parameters = rank_gates(self.layers, self.params)
         if gates and all_finite(g.grad for g in gates):
             add_rank_objective_(self.params, gates, masks, self.weights, slice_parameters)
 
     def after_step(self) -> None:
+        """After ``optimizer.step()``: the masks refreshed from finite gates."""
         if all_finite(g.detach() for layer in self.layers for g in layer.gates):
             refresh_masks_(self.layers)
 

@@ -58,6 +58,7 @@ class Case:
 
     @property
     def is_main(self) -> bool:
+        """One of the issue's main cases (rank 30, 4096 rows)."""
         return self.rank == MAIN_RANK and self.rows == MAIN_ROWS
 
 

@@ -59,6 +59,7 @@ class ContentionProbe:
         return (sum(fields[:8]) - fields[3] - fields[4]) / cls._tick
 
     def read(self) -> tuple[float | None, float]:
+        """``(other_load, own_share)`` since the probe was made."""
         wall = max(time.perf_counter() - self.wall, 1e-9)
         own = time.process_time() - self.cpu
         busy = self._busy()
@@ -94,9 +95,11 @@ class Timing:
     contended: bool = False
 
     def median(self, name: str) -> float:
+        """Median seconds per step of ``name``."""
         return statistics.median(self.samples[name])
 
     def minimum(self, name: str) -> float:
+        """Fastest sample of ``name``."""
         return min(self.samples[name])
 
     def ratio(self, slower: str, faster: str) -> float:
@@ -108,6 +111,7 @@ class Timing:
         return [s / f for s, f in zip(self.samples[slower], self.samples[faster])]
 
     def summary(self) -> dict:
+        """Medians, minima, every sample and round, and the contention counts, as JSON values."""
         loads = [r["other_load"] for r in self.rounds if r["other_load"] is not None]
         return {
             "median_s": {n: self.median(n) for n in self.samples},
@@ -122,6 +126,7 @@ class Timing:
         }
 
     def noise_cell(self) -> str:
+        """A table cell: clean/total rounds, the median load of other processes, ``!`` when contended."""
         s = self.summary()
         load = s["other_load_median"]
         cell = f"{s['rounds_clean']}/{s['rounds_total']}" + (f" ({load:.0%})" if load is not None else "")

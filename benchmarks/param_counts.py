@@ -63,6 +63,7 @@ HAND = [
 
 
 def build(tt: bool) -> nn.Module:
+    """The paper's classifier, TT (``tt``) or dense, seeded."""
     torch.manual_seed(0)
     return SequenceClassifier(**dict(PAPER, layer_config=dict(PAPER["layer_config"], tt_linears=tt, tt_embeddings=tt)))
 

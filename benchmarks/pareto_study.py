@@ -89,6 +89,7 @@ class Point:
 
     @property
     def name(self) -> str:
+        """The point as written on the command line (its key in the JSON)."""
         if self.kind != "comera":
             return f"{self.kind}:{int(self.value)}"
         return (f"comera:{self.value:g}" + ("" if self.layer_floor is None else f":floor={self.layer_floor:g}")
@@ -125,8 +126,7 @@ def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool
     if d_model is not None:
         if d_model < 1:
             raise ValueError(f"d_model must be >= 1, got {d_model}")
-        spec.task_kwargs = {**task_kwargs(spec, Point("dense", d_model)),
-                            "layer_config": spec.task_kwargs["layer_config"]}
+        spec.task_kwargs = study.at_width(spec.task_kwargs, d_model)
     spec.data_kwargs = {**spec.data_kwargs, "root": corpus_root(corpus)}
     spec.check()
     return spec
@@ -137,10 +137,7 @@ def task_kwargs(spec: StudySpec, point: Point) -> dict[str, Any]:
     kwargs = dict(spec.task_kwargs)
     layer = dict(kwargs.get("layer_config") or {})
     if point.kind == "dense":
-        width = int(point.value)
-        head_dim = kwargs["d_model"] // kwargs["num_heads"]
-        kwargs.update(d_model=width, num_heads=max(1, width // head_dim),
-                      d_ff=max(1, round(kwargs["d_ff"] * width / kwargs["d_model"])))
+        kwargs = study.at_width(kwargs, int(point.value))
         layer.update(tt_linears=False, tt_embeddings=False)
     elif point.kind == "lowrank":
         rank = int(point.value)

@@ -326,7 +326,7 @@ def _parser():
     p.add_argument("--late-fraction", type=float, default=None, help="late stage from this share of the run")
     p.add_argument("--target-compression", type=float, default=None, help="late-stage size target")
     p.add_argument("--d-model", type=int, default=None,
-                   help="encoder width (heads d/32, d_ff 4d); default the study's (128)")
+                   help="encoder width, head width and FFN ratio kept (heads d/32, d_ff 4d); default 128")
     p.add_argument("--batch-size", type=int, default=None, help="training batch size; default the study's")
     return p
 
@@ -349,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.d_model is not None:
                 if "d_model" not in spec.task_kwargs:
                     raise ValueError(f"--d-model applies to the transformer studies, not {spec.name}")
-                spec.task_kwargs.update(d_model=args.d_model, num_heads=max(1, args.d_model // 32),
-                                        d_ff=4 * args.d_model)
+                spec.task_kwargs = study.at_width(spec.task_kwargs, args.d_model)
             spec.check()
     except ValueError as err:
         parser.error(str(err))

@@ -91,6 +91,7 @@ def run_one(name: str, args: list[str]) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """List the comparisons, or run one or all of them and write the summary."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("comparison", nargs="?", choices=[*COMPARISONS, "all"],

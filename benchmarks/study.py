@@ -108,6 +108,13 @@ def with_layer_options(task_kwargs: dict[str, Any], **options: Any) -> dict[str,
     return {**task_kwargs, "layer_config": {**(task_kwargs.get("layer_config") or {}), **options}}
 
 
+def at_width(task_kwargs: dict[str, Any], d_model: int) -> dict[str, Any]:
+    """The transformer of ``task_kwargs`` at width ``d_model``: the head width and the FFN's ratio kept."""
+    head_dim = task_kwargs["d_model"] // task_kwargs["num_heads"]
+    return {**task_kwargs, "d_model": d_model, "num_heads": max(1, d_model // head_dim),
+            "d_ff": max(1, round(task_kwargs["d_ff"] * d_model / task_kwargs["d_model"]))}
+
+
 def task_class(name: str) -> type:
     """The LightningModule class of study ``name``."""
     import comera_lightning.lit as lit
@@ -244,10 +251,12 @@ class TimedRankAdaptation(RankAdaptation):
         self._clock, self._late_start_s = clock, late_start_s
 
     def should_enter_late_stage(self, trainer) -> bool:
+        """Once the training clock reaches the switch."""
         return self._clock() >= self._late_start_s
 
     def needs_loss(self) -> bool:
-        return True  # the loss target at the switch is the smoothed loss, as with a late_start_step
+        """Always: the loss target at the switch is the smoothed loss, as with a late_start_step."""
+        return True
 
 
 def rank_adaptation(spec: StudySpec, method: str, protocol: str, clock: Callable[[], float]) -> RankAdaptation:
