@@ -1,28 +1,19 @@
-"""Logging under load: per-step rank logging to a local sqlite MLflow store, memory and step-time overhead.
+"""Logging under load: per-step rank logging into a local sqlite MLflow store, memory and step-time overhead.
 
 Trains the quickstart model (``configs/quickstart.yaml``'s architecture and callbacks; smaller batches) on
-synthetic masked-LM batches for thousands of steps in ONE Lightning fit, with ``log_every_n_steps=1`` and
-``RankMonitor(log_every_n_steps=1)``. The fit is cut into blocks of ``--block`` steps, each in one mode,
-interleaved (the machine's load drifts alike for all): ``off`` (no logger, RankMonitor skipped: the baseline),
-``monitor`` (RankMonitor alone), ``resilient`` (``ResilientMLFlowLogger``: buffered, sent by a thread), ``sync``
-(Lightning's plain ``MLFlowLogger``) and, when asked, ``async`` (``MLFlowLogger(synchronous=False)``). Each logging
-mode writes its own sqlite store (``--store-dir``, a temp folder by default).
+synthetic masked-LM batches in ONE Lightning fit with ``log_every_n_steps=1`` and ``RankMonitor(log_every_n_steps=1)``,
+cut into blocks of 50 steps, each in one mode, interleaved: ``off`` (no logger, RankMonitor skipped: the baseline),
+``resilient`` (``ResilientMLFlowLogger``: buffered, sent by a thread) and ``async`` (``MLFlowLogger(synchronous=
+False)``). Reported against the ``off`` blocks beside them: step time, training-thread CPU, time in logger calls,
+the sender thread's CPU, RSS growth, and the points stored (docs/results.md, "Logging under load").
 
-Reported: the process RSS every ``--rss-every`` steps (start, end, max, the slope after ``--warmup`` steps); each
-mode's step time and training-thread CPU time (``time.thread_time``) against the ``off`` blocks beside it (block
-medians, median of the paired ratios); the main-thread time in logger calls and in RankMonitor, the sender
-thread's CPU; the points of one rank key and of ``train/loss`` in every store.
-
-    python benchmarks/bench_logging_load.py [--steps 2000] [--sync-steps 150] [--block 50] [--modes off,resilient]
+    python benchmarks/bench_logging_load.py --steps 1500 --sync-steps 300 --threads 1
     python benchmarks/bench_logging_load.py --quick      # smoke run: a few blocks of every mode
-
-Writes ``benchmarks/results/logging_load.json`` (``--out``) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import statistics
 import tempfile
@@ -44,31 +35,22 @@ from comera_lightning.training.loggers import ResilientMLFlowLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-MODES = ("off", "monitor", "resilient", "sync", "async")
+MODES = ("off", "resilient", "async")
+BLOCK, RSS_EVERY = 50, 25  # steps per interleaved block, steps between RSS samples
 
 
-def rss_kb() -> int | None:
-    """Resident set size of this process in KB (psutil if installed, else /proc/self/statm)."""
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss // 1024
-    except ImportError:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-        except OSError:
-            return None
+def rss_kb() -> int:
+    """Resident set size of this process in KB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def slope_per_100(points: list[tuple[int, int]]) -> float:
     """Least-squares slope of (step, KB) in KB per 100 steps."""
-    if len(points) < 2:
-        return float("nan")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return 100.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+    sxx = sum((x - statistics.fmean(xs)) ** 2 for x in xs) if len(points) > 1 else 0
+    return (100.0 * sum((x - statistics.fmean(xs)) * (y - statistics.fmean(ys)) for x, y in zip(xs, ys)) / sxx
+            if sxx else float("nan"))
 
 
 class SyntheticMLM(IterableDataset):
@@ -90,24 +72,11 @@ class SyntheticMLM(IterableDataset):
             yield from self.batches
 
 
-class Timers:
-    """Per mode: main-thread seconds in logger calls and in RankMonitor; the sender thread's CPU, wall, flushes."""
-
-    def __init__(self) -> None:
-        self.mode = "off"
-        self.log_calls: dict[str, float] = {}
-        self.monitor: dict[str, float] = {}
-        self.sender_cpu: dict[str, float] = {}
-        self.sender_wall: dict[str, float] = {}
-        self.sender_flushes: dict[str, int] = {}
-
-    def add(self, counter: str, mode: str, value: float) -> None:
-        """Add ``value`` to ``counter`` (one of the dicts above) of ``mode``."""
-        table = getattr(self, counter)
-        table[mode] = table.get(mode, 0) + value
+def add(counter: dict, mode: str, value: float) -> None:
+    counter[mode] = counter.get(mode, 0) + value
 
 
-def time_logger(logger, mode: str, timers: Timers) -> None:
+def time_logger(logger, mode: str, timers: dict[str, dict]) -> None:
     """Wrap ``logger.log_metrics`` (and a ResilientMLFlowLogger's ``flush`` when run by its sender thread)."""
     log_metrics = logger.log_metrics
 
@@ -116,7 +85,7 @@ def time_logger(logger, mode: str, timers: Timers) -> None:
         try:
             return log_metrics(*args, **kwargs)
         finally:
-            timers.add("log_calls", mode, time.perf_counter() - start)
+            add(timers["log_calls"], mode, time.perf_counter() - start)
 
     logger.log_metrics = timed_log_metrics
     if not isinstance(logger, ResilientMLFlowLogger):
@@ -126,45 +95,35 @@ def time_logger(logger, mode: str, timers: Timers) -> None:
     def timed_flush():
         if threading.current_thread() is main:
             return flush()
-        wall, cpu = time.perf_counter(), time.thread_time()
+        cpu = time.thread_time()
         try:
             return flush()
         finally:
-            timers.add("sender_wall", mode, time.perf_counter() - wall)
-            timers.add("sender_cpu", mode, time.thread_time() - cpu)
-            timers.add("sender_flushes", mode, 1)
+            add(timers["sender_cpu"], mode, time.thread_time() - cpu)
 
     logger.flush = timed_flush  # the logger's sender looks ``flush`` up on every call, so it runs this
 
 
 class GatedRankMonitor(RankMonitor):
-    """RankMonitor that runs its per-step hook only in logging blocks, and times itself (its logger calls out)."""
+    """RankMonitor that runs its per-step hook only in logging blocks."""
 
-    def __init__(self, timers: Timers, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.timers = timers
-        self.enabled = False
+    enabled = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.enabled:
-            return
-        mode = self.timers.mode
-        start, logged = time.perf_counter(), self.timers.log_calls.get(mode, 0.0)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.timers.add("monitor", mode, time.perf_counter() - start - (self.timers.log_calls.get(mode, 0.0) - logged))
+        if self.enabled:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 class BlockScheduler(Callback):
-    """Switch mode every ``block`` steps (the mode furthest behind its step budget goes next), time every step
+    """Switch mode every ``BLOCK`` steps (the mode furthest behind its step budget goes next), time every step
     (start of a batch to the start of the next: forward, backward, optimiser, hooks, logging), sample RSS."""
 
-    def __init__(self, budgets: dict[str, int], block: int, loggers: dict[str, list], monitor: GatedRankMonitor,
-                 timers: Timers, rss_every: int) -> None:
-        self.budgets, self.block, self.loggers, self.monitor = budgets, block, loggers, monitor
-        self.timers, self.rss_every = timers, rss_every
+    def __init__(self, budgets: dict[str, int], loggers: dict[str, list], monitor: GatedRankMonitor) -> None:
+        self.budgets, self.loggers, self.monitor = budgets, loggers, monitor
+        self.mode = "off"
         self.done = {mode: 0 for mode in budgets}
         self.blocks: list[dict] = []  # {"mode", "start_step", "times", "cpu", "rss_start_kb"}
-        self.steps_by_mode: dict[str, list[int]] = {mode: [] for mode in budgets}
+        self.steps_by_mode: dict[str, int] = {mode: 0 for mode in budgets}
         self.rss: list[tuple[int, int]] = []
         self._last: float | None = None
         self._last_cpu = 0.0
@@ -174,16 +133,16 @@ class BlockScheduler(Callback):
         if self._last is not None and self.blocks:
             self.blocks[-1]["times"].append(now - self._last)
             self.blocks[-1]["cpu"].append(cpu - self._last_cpu)
-        if step % self.block == 0:
-            mode = min(self.budgets, key=lambda m: (self.done[m] / self.budgets[m], list(self.budgets).index(m)))
-            self.done[mode] += self.block
-            self.timers.mode = mode
-            trainer.loggers = list(self.loggers[mode])
-            self.monitor.enabled = mode != "off"
-            self.blocks.append({"mode": mode, "start_step": step, "times": [], "cpu": [], "rss_start_kb": rss_kb()})
-        self.steps_by_mode[self.blocks[-1]["mode"]].append(step)
-        if step % self.rss_every == 0:
-            self.rss.append((step, self.blocks[-1]["rss_start_kb"] if step % self.block == 0 else rss_kb()))
+        if step % BLOCK == 0:
+            self.mode = min(self.budgets, key=lambda m: (self.done[m] / self.budgets[m], list(self.budgets).index(m)))
+            self.done[self.mode] += BLOCK
+            trainer.loggers = list(self.loggers[self.mode])
+            self.monitor.enabled = self.mode != "off"
+            self.blocks.append({"mode": self.mode, "start_step": step, "times": [], "cpu": [],
+                                "rss_start_kb": rss_kb()})
+        self.steps_by_mode[self.mode] += 1
+        if step % RSS_EVERY == 0:
+            self.rss.append((step, self.blocks[-1]["rss_start_kb"] if step % BLOCK == 0 else rss_kb()))
         self._last, self._last_cpu = now, cpu
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -218,125 +177,90 @@ def count_points(uri: str, run_id: str, key: str) -> int:
     return len(MlflowClient(uri).get_metric_history(run_id, key))
 
 
-def mode_entry(mode: str, scheduler: BlockScheduler, timers: Timers, warm: int, growth: dict, off: dict | None) -> dict:
+def mode_entry(mode: str, scheduler: BlockScheduler, timers: dict, warm: int, growth: dict, off: dict | None) -> dict:
     """One mode's numbers: steps, step times, CPU, RSS growth and, against ``off``, the paired overheads."""
     blocks = [b for b in scheduler.blocks if b["mode"] == mode and b["start_step"] >= warm]
     times, cpus = [t for b in blocks for t in b["times"]], [t for b in blocks for t in b["cpu"]]
-    steps = len(scheduler.steps_by_mode[mode])
+    steps = scheduler.steps_by_mode[mode]
     per_step = lambda seconds: 1e3 * seconds / max(steps, 1)  # noqa: E731
     median = lambda values: 100 * statistics.median(values) if values else None  # noqa: E731
     entry = {"steps": steps, "timed_steps": len(times),
-             "step_ms_mean": 1e3 * statistics.fmean(times) if times else None,
              "step_ms_median": 1e3 * statistics.median(times) if times else None,
              "main_thread_cpu_ms_per_step_median": 1e3 * statistics.median(cpus) if cpus else None,
              "rss_growth_kb_per_100_own_steps": 100 * growth.get(mode, 0.0) / max(len(times), 1)}
-    if off is None:
-        return entry
-    ratios = paired_overheads(scheduler.blocks, mode, warm)
-    entry.update(overhead_paired_median_pct=median(ratios),
-                 overhead_paired_mean_pct=100 * statistics.fmean(ratios) if ratios else None, paired_blocks=len(ratios),
-                 main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm,
-                                                                                    "cpu")),
-                 log_calls_ms_per_step=per_step(timers.log_calls.get(mode, 0.0)),
-                 rank_monitor_ms_per_step=per_step(timers.monitor.get(mode, 0.0)))
-    entry["overhead_paired_median_pct_minus_monitor_own_work"] = (
-        entry["overhead_paired_median_pct"] - 100 * entry["rank_monitor_ms_per_step"] / off["step_ms_mean"]
-        if ratios and off["step_ms_mean"] else None)
+    if off is not None:
+        entry.update(overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm)),
+                     main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm,
+                                                                                        "cpu")),
+                     log_calls_ms_per_step=per_step(timers["log_calls"].get(mode, 0.0)))
     if mode == "resilient":
-        entry.update(sender_cpu_ms_per_step=per_step(timers.sender_cpu.get(mode, 0.0)),
-                     sender_wall_ms_per_step=per_step(timers.sender_wall.get(mode, 0.0)),
-                     sender_flushes=timers.sender_flushes.get(mode, 0))
-        main_cpu = entry["main_thread_cpu_overhead_paired_median_pct"]
-        if off["main_thread_cpu_ms_per_step_median"] and main_cpu is not None:
-            entry["total_cpu_overhead_pct"] = (main_cpu + 100 * entry["sender_cpu_ms_per_step"]
-                                               / off["main_thread_cpu_ms_per_step_median"])
+        entry["sender_cpu_ms_per_step"] = per_step(timers["sender_cpu"].get(mode, 0.0))
     return entry
 
 
 def report(result: dict) -> str:
-    """The markdown table of every mode, the resilient logger's CPU line and the RSS line."""
-    fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
-    pct = lambda x: fmt(x, "+.1f") + " %"  # noqa: E731
-    rows = [[mode, e["steps"], fmt(e["step_ms_median"], ".2f"),
-             pct(e.get("overhead_paired_median_pct")) if mode != "off" else "-",
-             pct(e.get("main_thread_cpu_overhead_paired_median_pct")) if mode != "off" else "-",
-             fmt(e.get("log_calls_ms_per_step"), ".2f"), fmt(e.get("rank_monitor_ms_per_step"), ".2f"),
-             fmt(e.get("sender_cpu_ms_per_step"), ".2f"), f"{e['rss_growth_kb_per_100_own_steps']:+.1f}",
+    """The markdown table of every mode and the RSS line."""
+    fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
+    rows = [[mode, e["steps"], fmt(e["step_ms_median"]), fmt(e.get("overhead_paired_median_pct"), "+.1f"),
+             fmt(e.get("main_thread_cpu_overhead_paired_median_pct"), "+.1f"), fmt(e.get("log_calls_ms_per_step")),
+             fmt(e.get("sender_cpu_ms_per_step")), f"{e['rss_growth_kb_per_100_own_steps']:+.1f}",
              e.get("rank_points_in_store", "-")] for mode, e in result["modes"].items()]
-    model, m = result["model"], result["memory"]
-    lines = [f"quickstart model (d_model {model['d_model']}, {model['num_layers']} layers, rank "
-             f"{model['layer_config']['rank']}), batch {result['batch_size']} x {result['seq_len']}; "
-             f"{result['total_steps']} steps in {result['fit_seconds']:.0f} s; RankMonitor sends "
-             f"{result['rank_monitor_values_per_step']} values a step; load average {result['load_average'][0]:.1f} "
-             f"on {result['cpus']} CPUs", "",
-             harness.table(["mode", "steps", "step ms (median)", "wall overhead vs off (paired median)",
-                            "main-thread CPU overhead (paired median)", "logger calls ms/step (main thread)",
-                            "RankMonitor ms/step (own work)", "sender thread CPU ms/step", "RSS KB / 100 own steps",
-                            "rank points stored"], rows)]
-    off_cpu = result["modes"]["off"]["main_thread_cpu_ms_per_step_median"]
-    lines += [f"\n{mode}: CPU per step, training thread + sender thread, vs off: {e['total_cpu_overhead_pct']:+.1f} % "
-              f"(RankMonitor's own work: {100 * e['rank_monitor_ms_per_step'] / off_cpu:.1f} %)"
-              for mode, e in result["modes"].items() if e.get("total_cpu_overhead_pct") is not None]
-    lines.append(f"\nRSS (KB): start {m['rss_start_kb']:,}, after warm-up {m['rss_after_warmup_kb']:,}, end "
-                 f"{m['rss_end_kb']:,}, max {m['rss_max_kb']:,}; slope after step {result['warmup_steps']}: "
-                 f"{m['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps")
-    return "\n".join(lines)
+    m = result["memory"]
+    return "\n".join([
+        f"batch {result['batch_size']} x {result['seq_len']}; {result['total_steps']} steps in "
+        f"{result['fit_seconds']:.0f} s; RankMonitor sends {result['rank_monitor_values_per_step']} values a step; "
+        f"load average {result['load_average'][0]:.1f} on {result['cpus']} CPUs", "",
+        harness.table(["mode", "steps", "step ms (median)", "wall overhead vs off, %", "main-thread CPU overhead, %",
+                       "logger calls ms/step", "sender thread CPU ms/step", "RSS KB / 100 own steps",
+                       "rank points stored"], rows),
+        f"\nRSS (KB): start {m['rss_start_kb']:,}, end {m['rss_end_kb']:,}, max {m['rss_max_kb']:,}; slope after "
+        f"step {result['warmup_steps']}: {m['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps"])
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the interleaved fit, print the table, write the JSON."""
     parser = harness.bench_parser(__doc__, threads=1, out_dir=None)
     parser.add_argument("--steps", type=int, default=2000, help="steps of each of off and resilient (default 2000)")
-    parser.add_argument("--sync-steps", type=int, default=150, help="steps of sync/async (slow: fewer by default)")
-    parser.add_argument("--modes", default="off,monitor,resilient,sync", help=f"comma list of {','.join(MODES)}")
-    parser.add_argument("--monitor-steps", type=int, default=300, help="steps of the monitor mode")
-    parser.add_argument("--block", type=int, default=50, help="steps per interleaved block")
+    parser.add_argument("--sync-steps", type=int, default=150, help="steps of async (slow: fewer by default)")
+    parser.add_argument("--modes", default="off,resilient,async", help=f"comma list of {','.join(MODES)}")
     parser.add_argument("--warmup", type=int, default=300, help="steps left out of the timing and the RSS slope")
-    parser.add_argument("--rss-every", type=int, default=25)
     parser.add_argument("--batch-size", type=int, default=8, help="quickstart: 32")
     parser.add_argument("--seq-len", type=int, default=32, help="quickstart: 64")
-    parser.add_argument("--store-dir", type=Path, default=None, help="folder of the sqlite stores (default: temp)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "logging_load.json")
     args = harness.parse(parser, argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "off" not in modes or not set(modes) <= set(MODES):
         parser.error(f"--modes must include off and only name {', '.join(MODES)}")
     if args.quick:
-        args.steps, args.sync_steps, args.monitor_steps, args.block, args.warmup = 50, 25, 25, 25, 0
-    budgets = {m: {"sync": args.sync_steps, "async": args.sync_steps, "monitor": args.monitor_steps}.get(m, args.steps)
-               for m in modes}
-    total = -(-sum(budgets.values()) // args.block) * args.block
-    wall_start = time.perf_counter()
+        args.steps, args.sync_steps, args.warmup = 50, 50, 0
+    budgets = {m: args.sync_steps if m == "async" else args.steps for m in modes}
+    total = -(-sum(budgets.values()) // BLOCK) * BLOCK
     config = yaml.safe_load(QUICKSTART.read_text())
     model_kwargs = {**config["model"]["init_args"], "max_len": max(args.seq_len, 8)}
     callback_kwargs = {c["class_path"]: dict(c.get("init_args") or {}) for c in config["trainer"]["callbacks"]}
     torch.manual_seed(0)
     model = MaskedLM(**model_kwargs)
     data = DataLoader(SyntheticMLM(model_kwargs["vocab_size"], args.seq_len, args.batch_size), batch_size=None)
-    store_dir = args.store_dir or Path(tempfile.mkdtemp(prefix="comera_logging_load_"))
-    store_dir.mkdir(parents=True, exist_ok=True)
-    timers = Timers()
-    loggers: dict[str, list] = {"off": [], "monitor": []}
-    uris = {mode: f"sqlite:///{store_dir / f'{mode}.db'}" for mode in modes if mode not in loggers}
+    store_dir = Path(tempfile.mkdtemp(prefix="comera_logging_load_"))
+    timers: dict[str, dict] = {"log_calls": {}, "sender_cpu": {}}
+    loggers: dict[str, list] = {"off": []}
+    uris = {mode: f"sqlite:///{store_dir / f'{mode}.db'}" for mode in modes if mode != "off"}
     for mode, uri in uris.items():
         logger = (ResilientMLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri,
                                         local_dir=str(store_dir / "runs")) if mode == "resilient" else
-                  MLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri,
-                               synchronous=False if mode == "async" else None))
+                  MLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri, synchronous=False))
         time_logger(logger, mode, timers)
         loggers[mode] = [logger]
-    monitor = GatedRankMonitor(timers, log_every_n_steps=1, save_artifacts=False)
-    scheduler = BlockScheduler(budgets, args.block, loggers, monitor, timers, args.rss_every)
+    monitor = GatedRankMonitor(log_every_n_steps=1, save_artifacts=False)
+    scheduler = BlockScheduler(budgets, loggers, monitor)
     callbacks = [RankAdaptation(**callback_kwargs.get("RankAdaptation", {})),
                  ContractionPlanner(**callback_kwargs.get("ContractionPlanner", {})), monitor, scheduler]
-    all_loggers = [lg for group in loggers.values() for lg in group]
-    trainer = Trainer(max_steps=total, logger=all_loggers or False, callbacks=callbacks, log_every_n_steps=1,
-                      accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                      default_root_dir=str(store_dir / "runs"))
+    trainer = Trainer(max_steps=total, logger=[lg for group in loggers.values() for lg in group] or False,
+                      callbacks=callbacks, log_every_n_steps=1, accelerator="cpu", devices=1,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(store_dir / "runs"))
     print(f"comera logging load: {total} steps ({', '.join(f'{m} {b}' for m, b in budgets.items())}), blocks of "
-          f"{args.block}, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
-          f"stores in {store_dir}", flush=True)
+          f"{BLOCK}, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}", flush=True)
     fit_start = time.perf_counter()
     trainer.fit(model, train_dataloaders=data)
     fit_seconds = time.perf_counter() - fit_start
@@ -347,40 +271,34 @@ def main(argv: list[str] | None = None) -> int:
     for block, following in zip(scheduler.blocks, scheduler.blocks[1:] + [None]):
         end = following["rss_start_kb"] if following is not None else block.get("rss_end_kb")
         if end is not None and block["start_step"] >= warm:
-            growth[block["mode"]] = growth.get(block["mode"], 0.0) + end - block["rss_start_kb"]
+            add(growth, block["mode"], end - block["rss_start_kb"])
     per_mode = {"off": mode_entry("off", scheduler, timers, warm, growth, None)}
     for mode in (m for m in modes if m != "off"):
         per_mode[mode] = mode_entry(mode, scheduler, timers, warm, growth, per_mode["off"])
-    report_now = size_report(model)
-    rank_key = next(k for k in monitor.collect_metrics(trainer, report_now) if k.startswith("rank/"))
+    metrics = monitor.collect_metrics(trainer, size_report(model))
+    rank_key = next(k for k in metrics if k.startswith("rank/"))
     for mode, uri in uris.items():  # RankMonitor logs every step of its blocks, and at the fit's start and end
         logger = loggers[mode][0]
         per_mode[mode].update(rank_points_in_store=count_points(uri, logger.run_id, rank_key),
                               train_loss_points_in_store=count_points(uri, logger.run_id, "train/loss"))
-        if mode == "resilient":
-            per_mode[mode]["degraded"] = logger.degraded
-    import lightning
     import mlflow
 
     result = {
         "model": {k: model_kwargs[k] for k in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers",
                                                 "layer_config")},
         "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
-        "total_steps": trainer.global_step, "block": args.block, "warmup_steps": warm,
-        "rank_monitor_values_per_step": len(monitor.collect_metrics(trainer, report_now)), "budgets": budgets,
-        "fit_seconds": fit_seconds, "wall_seconds": time.perf_counter() - wall_start, "load_average": os.getloadavg(),
-        "cpus": os.cpu_count(), "python": harness.machine_info()["python"], "torch": torch.__version__,
-        "lightning": lightning.__version__, "mlflow": mlflow.__version__,
-        "memory": {"rss_start_kb": scheduler.rss[0][1], "rss_after_warmup_kb": rss_warm[0][1],
-                   "rss_end_kb": scheduler.rss[-1][1], "rss_max_kb": max(kb for _, kb in scheduler.rss),
-                   "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "total_steps": trainer.global_step, "block": BLOCK, "warmup_steps": warm,
+        "rank_monitor_values_per_step": len(metrics), "budgets": budgets, "fit_seconds": fit_seconds,
+        "load_average": os.getloadavg(), "cpus": os.cpu_count(), "machine": harness.machine_info(),
+        "mlflow": mlflow.__version__,
+        "memory": {"rss_start_kb": scheduler.rss[0][1], "rss_end_kb": scheduler.rss[-1][1],
+                   "rss_max_kb": max(kb for _, kb in scheduler.rss),
                    "slope_kb_per_100_steps_after_warmup": slope_per_100(rss_warm), "samples": scheduler.rss},
         "modes": per_mode,
     }
     print("\n" + report(result))
     harness.emit(args.out, result)
-    if args.store_dir is None:
-        shutil.rmtree(store_dir, ignore_errors=True)
+    shutil.rmtree(store_dir, ignore_errors=True)
     return 0
 
 
