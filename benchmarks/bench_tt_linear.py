@@ -1,11 +1,8 @@
 """TTLinear against nn.Linear, against one-shot einsum baselines, and every forced contraction plan.
 
-Per case (shape, rows, rank), one forward + backward (the gradients of x and every parameter for
-``sum(y * g)``) of ``nn.Linear``, ``planner`` (``TTLinear`` with the plan ``plan_tt_linear`` picks), ``plan:<name>``
-(each of ``comera_lightning.tt.PLANS`` forced), ``torch.einsum`` and ``tensorly+oe`` over x and the gated cores,
-timed interleaved (``harness.interleave``); memory as parameter, gradient and saved-for-backward bytes. Output:
-tables and target verdicts on stdout, ``tt_linear.json`` and ``tt_linear.png`` in ``--out-dir`` (``--out PATH``
-names the JSON; the PNG goes next to it). benchmarks/README.md has the details.
+Per case (shape, rows, rank), one forward + backward of ``nn.Linear``, ``planner`` (the plan ``plan_tt_linear``
+picks), ``plan:<name>`` (each of ``comera_lightning.tt.PLANS`` forced), ``torch.einsum`` and ``tensorly+oe``, timed
+interleaved; memory as parameter, gradient and saved-for-backward bytes. benchmarks/README.md has the details.
 
     python benchmarks/bench_tt_linear.py            # 36 cases, about 4 minutes on 2 quiet CPU cores
     python benchmarks/bench_tt_linear.py --quick    # 8 cases, about 30 s
@@ -14,7 +11,6 @@ names the JSON; the PNG goes next to it). benchmarks/README.md has the details.
 from __future__ import annotations
 
 import math
-import os
 import string
 import sys
 import time
@@ -44,7 +40,6 @@ NOISE_TOL = 0.05  # "within noise" annotation for comparisons of medians (the ve
 FULL_GRID = dict(shapes=tuple(SHAPES), rows=(1, 32, 512, 4096), ranks=(8, 30, 64))
 QUICK_GRID = dict(shapes=("768x768",), rows=(1, 32, 512), ranks=(8, 64))
 EINSUM_NAMES = ("torch.einsum", "tensorly+oe")
-SHORT = {"half_merge": "hm", "sweep": "sw", "merge_in_sweep_out": "mi_so", "sweep_in_merge_out": "si_mo", "dense": "dn"}
 JSON_NAME, PNG_NAME = "tt_linear.json", "tt_linear.png"
 
 
@@ -217,17 +212,9 @@ def evaluate_targets(results: list[dict]) -> dict:
 
 def render(results: list[dict], targets: dict, meta: dict) -> str:
     """The markdown report: TTLinear vs nn.Linear, planner vs einsum baselines and forced plans, verdicts."""
-    out = [f"# TTLinear benchmark (forward+backward, fp32, CPU, {meta['threads']} threads, medians over >= "
-           f"{meta['repeats']} interleaved rounds per case)", "",
-           "Time = one forward + backward (grads of x and all parameters) in ms. Memory = params + grads + unique "
-           "storages saved for backward other than x and the parameters (saved_tensors_hooks; not an allocator peak, "
-           "transients and the output not counted), MiB.", "",
-           f"Contention: a round (every candidate once) during which other processes used more than "
-           f"{meta['max_other_load']:.0%} of all CPUs (/proc/stat) is left out of the medians and retried (at most "
-           f"`repeats` retries per case). `rounds` = clean/total rounds and the median CPU share of other processes; "
-           f"`!` marks a case whose medians include contended rounds (too few clean ones: distrust it). Load average "
-           f"(1 min) before {meta['loadavg_before'][0]:.2f}, after {meta['loadavg_after'][0]:.2f}.", "",
-           "## 1. TTLinear (planner's choice) vs nn.Linear", ""]
+    out = [f"# TTLinear forward+backward (fp32, CPU, {meta['threads']} threads, >= {meta['repeats']} rounds; "
+           f"`rounds`: clean/total (other load), `!` contended)", "", "## 1. TTLinear (planner's choice) vs nn.Linear",
+           ""]
     rows = []
     for r in results:
         c = r["candidates"]
@@ -237,24 +224,17 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
                      f"{r['ratios']['dense_mem_over_tt_mem']:.2f}", r["noise_cell"]])
     out.append(table(["shape", "rows", "rank", "plan", "nn.Linear ms", "TTLinear ms", "dense/tt time",
                       "nn.Linear MiB", "TTLinear MiB", "dense/tt mem", "rounds"], rows))
-    out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms)", "",
-            "Plan columns: " + ", ".join(f"{v}={k}" for k, v in SHORT.items())
-            + ". `*` marks the planner's pick. einsum/planner > 1 means the planner is faster.", ""]
+    out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms; `*`: the planner's pick)", ""]
     rows = []
     for r in results:
         c = r["candidates"]
         rows.append([r["shape"], r["rows"], r["rank"], *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES)),
                      f"{r['ratios']['best_einsum_time_over_planner_time']:.2f}",
                      *(ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS),
-                     SHORT[r["fastest_forced_plan"]], f"{r['ratios']['picked_forced_time_over_fastest_forced']:.2f}"])
+                     r["fastest_forced_plan"], f"{r['ratios']['picked_forced_time_over_fastest_forced']:.2f}"])
     out.append(table(["shape", "rows", "rank", "planner", "torch.einsum", "tensorly+oe", "best einsum/planner",
-                      *[SHORT[p] for p in PLANS], "fastest", "pick/fastest"], rows))
+                      *PLANS, "fastest", "pick/fastest"], rows))
     out += ["", "## Targets", ""]
-    contended = [r for r in results if r["contended"]]
-    if contended:
-        out += [f"WARNING: {len(contended)} case(s) measured under contention (`!`): "
-                + ", ".join(f"{r['shape']}/{r['rows']}/r{r['rank']}" for r in contended)
-                + ". Rerun on a quiet machine before trusting them.", ""]
     t1, t2 = targets["tt_at_least_5x_faster_than_dense"], targets["planner_never_slower_than_best_einsum"]
     flag = lambda x: " (contended!)" if x["contended"] else ""  # noqa: E731
     detail = ", ".join(f"{s['shape']} r{s['rank']} {s['rows']} rows: {s['speedup']:.2f}x "
@@ -316,8 +296,6 @@ def plot(results: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the report, write ``tt_linear.json`` and ``tt_linear.png``."""
     parser = harness.bench_parser(__doc__, repeats=(3, 5), out_dir=None)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed steps per candidate before timing (plus one more that sizes the inner loop)")
     parser.add_argument("--min-sample-ms", type=float, default=None,
                         help="inner loop length per sample (default 10, quick 5)")
     parser.add_argument("--min-case-s", type=float, default=None,
@@ -325,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
                              "outputs above 32 MiB stop being page-faulted in on every step")
@@ -341,17 +318,9 @@ def main(argv: list[str] | None = None) -> int:
              and (args.rows is None or c.rows in args.rows) and (args.ranks is None or c.rank in args.ranks)]
     if not cases:
         parser.error("--shapes/--rows/--ranks leave no case to run")
-    machine = harness.machine_info()
-    meta = {"machine": machine, **{k: machine[k] for k in ("torch", "python", "platform", "cpu_count")},
-            "tensorly": tl.__version__, "threads": torch.get_num_threads(), "keep_freed_memory": args.keep_freed_memory,
-            "torch_opt_einsum_available": torch.backends.opt_einsum.is_available(),
-            "torch_opt_einsum_strategy": torch.backends.opt_einsum.strategy, "repeats": args.repeats,
-            "warmup": args.warmup, "min_sample_s": min_sample_s, "min_case_s": min_case_s, "quick": args.quick,
-            "seed": args.seed, "max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet,
-            "dtype": "float32", "loadavg_before": os.getloadavg(), "what_is_measured": {
-                "time": "median over interleaved rounds of one forward + torch.autograd.grad(y, [x, *params], g)",
-                "memory": "param_bytes + grad_bytes + unique storages saved for backward excluding x and the "
-                          "parameters (torch.autograd.graph.saved_tensors_hooks); not an allocator peak"}}
+    meta = {"machine": harness.machine_info(), "settings": harness.settings(args), "tensorly": tl.__version__,
+            "threads": torch.get_num_threads(), "repeats": args.repeats, "min_sample_s": min_sample_s,
+            "min_case_s": min_case_s, "keep_freed_memory": args.keep_freed_memory}
     print(f"# {len(cases)} cases, {args.repeats} rounds, {meta['threads']} threads", file=sys.stderr)
     results = []
     started = time.perf_counter()
@@ -360,9 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for i, case in enumerate(cases):
                 t0 = time.perf_counter()
-                r = run_case(case, args.seed, warmup=args.warmup, min_sample_s=min_sample_s, min_total_s=min_case_s,
-                             **harness.timing_options(args))
-                r.update(wall_s=time.perf_counter() - t0, loadavg_after=os.getloadavg()[0])
+                r = run_case(case, 0, min_sample_s=min_sample_s, min_total_s=min_case_s, **harness.timing_options(args))
+                r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
                 print(f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: "
                       f"pick={r['planner_pick']} dense/tt={r['ratios']['dense_time_over_tt_time']:.2f} "
@@ -370,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"rounds={r['noise_cell']} ({r['wall_s']:.1f}s)", file=sys.stderr, flush=True)
         finally:
             plugins.use_default_einsum()
-    meta.update(wall_s=time.perf_counter() - started, loadavg_after=os.getloadavg())
+    meta["wall_s"] = time.perf_counter() - started
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
     json_path = args.out or (args.out_dir or harness.RESULTS_DIR) / JSON_NAME
