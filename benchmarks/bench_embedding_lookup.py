@@ -1,12 +1,9 @@
 """TT-matrix embedding lookup: optimised half-merge vs the plain per-row chain vs nn.Embedding.
 
 The paper's 30522 x 768 word embedding as a ``TTEmbedding`` (rank 32), looked up for 32 x 128 ids drawn
-``uniform``, ``zipf`` or from real code (``stdlib``): ``ttm+dedup`` and ``ttm`` (``ttm_lookup`` with and without
-deduplication), ``chain`` (``ttm_lookup_chain``, one core slice per token) and ``nn.Embedding`` (the same rows),
-forward and forward+backward timed interleaved (``harness.interleave``), peak memory measured, rows and gradients
-checked against each other. Targets (issue 6): the optimised lookup >= 5x faster and 3x lighter than the chain;
-a miss is explained by a profile. Output: tables and verdicts on stdout, ``embedding_lookup.json`` and
-``embedding_lookup.png`` in ``--out-dir``. benchmarks/README.md has the details.
+``uniform``, ``zipf`` or from real code (``stdlib``): ``ttm+dedup``, ``ttm``, ``chain`` and ``nn.Embedding``,
+forward and forward+backward, interleaved; targets of issue 6 (>= 5x faster and 3x lighter than the chain).
+benchmarks/README.md has the details.
 
     python benchmarks/bench_embedding_lookup.py            # rank 32 x 3 id distributions, ranks 8/64 on Zipf
     python benchmarks/bench_embedding_lookup.py --quick    # rank 32, uniform + Zipf ids, about 20-30 s
@@ -232,10 +229,7 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
     """The markdown report: per-case times and memory, ratios, target verdicts (and profiles if any)."""
     out = [f"# TTM embedding lookup ({meta['vocab']} x {meta['dim']}, modes {meta['vocab_modes']} x "
            f"{meta['dim_modes']}, ids {meta['batch']} x {meta['seq_len']}, fp32, CPU, {meta['threads']} threads)", "",
-           "Times: medians over interleaved rounds (ms); fwd = one lookup without grad; train = lookup + backward "
-           "into every core and gate (nn.Embedding: its dense weight). Memory: peak live tensor bytes of one "
-           "forward+backward (MemTracker; parameters and gradients included), MiB. `rounds`: clean/total rounds "
-           "(median load of other processes), `!` = contended.", "", "## Times and memory", ""]
+           "## Times (ms, medians) and peak memory of forward+backward (MiB)", ""]
     rows = []
     for r in results:
         tf, tt, m = r["time_forward"]["median_s"], r["time_train"]["median_s"], r["memory_train_bytes"]
@@ -253,9 +247,6 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
                       "chain/ttm mem", "ttm/dedup train", "ttm/dedup mem", "nn.Emb/dedup train", "nn.Emb/dedup mem"],
                      [[r["distribution"], r["rank"], *(times(r["ratios"][k]) for k in keys)] for r in results]))
     out += ["", f"## Targets (rank {targets['rank']}, forward+backward)", ""]
-    contended = [r for r in results if r["contended"]]
-    if contended:
-        out += [f"WARNING: {len(contended)} case(s) include contended rounds (`!`): rerun them on a quiet machine.", ""]
     if not targets["cases"]:
         out.append(f"(no case at rank {targets['rank']}: no verdict)")
     met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
@@ -345,12 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"bad table shape/modes: {exc}")
     paper_rank = PAPER_RANK if PAPER_RANK in ranks else ranks[len(ranks) // 2]
-    meta = {"machine": harness.machine_info(), "vocab": shape.vocab, "dim": shape.dim,
-            "vocab_modes": list(probe.vocab_modes), "dim_modes": list(probe.dim_modes), "batch": shape.batch,
-            "seq_len": shape.seq_len, "ranks": ranks, "distributions": distributions, "repeats": args.repeats,
-            "min_sample_s": min_sample_s, "max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet,
-            "zipf_exponent": args.zipf_exponent, "seed": args.seed, "quick": args.quick,
-            "threads": torch.get_num_threads(), "dtype": "float32", "verdict_rank": paper_rank}
+    meta = {"machine": harness.machine_info(), "settings": harness.settings(args), "vocab": shape.vocab,
+            "dim": shape.dim, "vocab_modes": list(probe.vocab_modes), "dim_modes": list(probe.dim_modes),
+            "batch": shape.batch, "seq_len": shape.seq_len, "ranks": ranks, "distributions": distributions,
+            "min_sample_s": min_sample_s, "threads": torch.get_num_threads(), "verdict_rank": paper_rank}
     started = time.perf_counter()
     ids_by_dist = {}
     for dist in distributions:
