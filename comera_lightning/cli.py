@@ -23,13 +23,18 @@ Defaults that differ from plain LightningCLI:
   change the training trajectory (logger, progress bar, model summary, resume options) are left out of
   the hash. ``comera fit ... --resume auto`` continues from the newest complete checkpoint there (weights,
   ranks, gates, optimiser, scheduler, stage, data position, random state), or starts fresh when there is
-  none.
+  none;
+* ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
+  ``target_size``, ``late_start_step``, ``gamma`` and ``truncate_every_n_steps``, written into the config's
+  RankAdaptation callback (LightningCLI cannot reach into a callback of a config's list); a config without
+  one refuses them.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -38,9 +43,10 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -53,6 +59,7 @@ from . import callbacks as _callbacks  # noqa: F401  (registers the comera callb
 from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
+from .callbacks import RankAdaptation
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
 from .training.final_validation import FinalValidation
@@ -69,7 +76,8 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "comera"
 FAULT_TOLERANCE_DIR = "fault_tolerance"
 #: fit options that do not change what is trained, left out of the experiment key
-_KEY_IGNORED = {"config", "resume", "fault_tolerance", "ckpt_path", "weights_only", "__path__"}
+#: (--rank_adaptation.* is written into trainer.callbacks, which the key covers)
+_KEY_IGNORED = {"config", "resume", "fault_tolerance", "ckpt_path", "weights_only", "__path__", "rank_adaptation"}
 _KEY_IGNORED_TRAINER = {"logger", "enable_progress_bar", "enable_model_summary", "default_root_dir"}
 
 
@@ -119,6 +127,51 @@ class ConfigArtifact(SaveConfigCallback):
         self.already_saved = True
 
 
+# the RankAdaptation options users change most, as --rank_adaptation.<name> on `comera fit` with any shipped config
+RANK_ADAPTATION_KNOBS: dict[str, tuple[type, str]] = {
+    "target_compression": (float, "late-stage size target as a compression ratio (replaces target_size)"),
+    "target_size": (int, "late-stage size target in parameters (replaces target_compression)"),
+    "late_start_step": (int, "optimiser step at which the late stage starts"),
+    "gamma": (float, "weight of the rank penalty in the early stage"),
+    "truncate_every_n_steps": (int, "how often (optimiser steps) layers are physically truncated"),
+}
+_EXCLUSIVE_TARGETS = {"target_compression": "target_size", "target_size": "target_compression"}
+
+
+def apply_rank_adaptation_knobs(config: Namespace, knobs: Namespace | None) -> None:
+    """Write the ``--rank_adaptation.*`` values that were given into the init_args of every RankAdaptation
+    callback of ``config`` (a parsed ``fit`` config); refuse them, naming the fix, when it has none."""
+    given = {key: value for key, value in (vars(knobs) if knobs else {}).items() if value is not None}
+    if not given:
+        return
+    callbacks = [c for c in config.get("trainer", {}).get("callbacks") or []
+                 if isinstance(c, Namespace) and _is_rank_adaptation(c.get("class_path"))]
+    if not callbacks:
+        options = ", ".join(f"--rank_adaptation.{key}" for key in given)
+        raise ValueError(f"{options}: this config has no RankAdaptation callback (a dense baseline trains no "
+                         "ranks), so there is nothing to set; drop the option(s), or add the callback "
+                         "(--config callbacks/rank_adaptation.yaml)")
+    for callback in callbacks:
+        init_args = callback.get("init_args")
+        if init_args is None:
+            init_args = callback["init_args"] = Namespace()
+        for key, value in given.items():
+            init_args[key] = value
+            if key in _EXCLUSIVE_TARGETS and _EXCLUSIVE_TARGETS[key] not in given:
+                init_args[_EXCLUSIVE_TARGETS[key]] = None
+
+
+def _is_rank_adaptation(class_path: Any) -> bool:
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, RankAdaptation)
+
+
 class ComeraArgumentParser(LightningArgumentParser):
     """The ``comera`` CLI's parser: each subcommand's parser gets comera's arguments and defaults.
 
@@ -143,6 +196,9 @@ def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, 
     if subcommand == "predict":
         parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
     if subcommand == "fit":
+        for knob, (kind, what) in RANK_ADAPTATION_KNOBS.items():
+            parser.add_argument(f"--rank_adaptation.{knob}", type=Optional[kind], default=None,
+                                help=f"{what}: replaces the value of the config's RankAdaptation callback")
         parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
         parser.add_argument(
             "--resume", type=Literal["auto", "never"], default="never",
@@ -204,6 +260,10 @@ class ComeraCLI(LightningCLI):
             check_checkpoint_file(ckpt_path)
         if subcommand == "fit":
             fit = self.config["fit"]
+            try:
+                apply_rank_adaptation_knobs(fit, fit.get("rank_adaptation"))
+            except ValueError as error:
+                parser.error(str(error))
             if fit.get("fault_tolerance") is not None and fit["fault_tolerance"].get("dirpath") is None:
                 dumped = yaml.safe_load(self.parser.dump(self.config, skip_validation=True))["fit"]
                 dumped["config"] = [str(path) for path in fit.get("config") or []]
