@@ -5,11 +5,8 @@
     python benchmarks/run.py step --batch 1         # one comparison; arguments after the name go to its script
     python benchmarks/run.py --list
 
-Each comparison runs in its own script (``benchmarks/<script>.py``, also runnable directly) with all its
-candidates in one process, interleaved so that machine noise cancels in the ratios; each prints a markdown
-table, and writes JSON and PNG files into ``benchmarks/results/`` (``--out-dir`` to change). ``all`` runs them
-one after another (never in parallel: they would disturb each other's timings) and collects the printed tables
-in ``<out-dir>/summary.md`` (a single comparison: ``summary_<name>.md``).
+``all`` runs the scripts one after another (never in parallel: they would disturb each other's timings) and
+collects the printed tables in ``<out-dir>/summary.md`` (a single comparison: ``summary_<name>.md``).
 """
 
 from __future__ import annotations
@@ -20,14 +17,13 @@ import importlib
 import io
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import harness
 
 
-@dataclass(frozen=True)
-class Comparison:
+class Comparison(NamedTuple):
     """A comparison: its script (``benchmarks/<script>.py``), the arguments it always gets, what it measures."""
 
     script: str
@@ -35,40 +31,31 @@ class Comparison:
     what: str
 
 
-COMPARISONS: dict[str, Comparison] = {
-    "step": Comparison("bench_training_step", ("--part", "step"),
-                       "training step of the six-encoder transformer: dense+AdamW vs dense+GaLore vs CoMERA (rank 30, "
-                       "and truncated to 1/4), batch 1 and a realistic batch: time, tokens/s, peak memory"),
-    "scaling": Comparison("bench_training_step", ("--part", "scaling"),
-                          "step time and peak memory against d_model (256..2048), dense vs CoMERA"),
-    "lookup": Comparison("bench_embedding_lookup", (),
-                         "TTM embedding lookup 30522x768: half-merge (with/without dedup) vs per-row chain vs nn.Embedding"),
-    "planner": Comparison("bench_tt_linear", (),
-                          "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid"),
-    "quality": Comparison("quality_study", (),
-                          "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, same steps and "
-                          "same wall-clock"),
-    "pareto": Comparison("pareto_study", (),
-                         "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed vs low-rank "
-                         "at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)"),
-    "llm": Comparison("llm_study", (),
-                      "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, "
-                      "same tokens and same wall-clock; perplexity, parameters, step time and peak memory up to d_model 1024"),
-    "rank-padding": Comparison("bench_rank_padding", (),
-                               "TTLinear half_merge with and without the padded bottleneck rank vs nn.Linear, the "
-                               "paper's shapes at 4096 rows"),
-    "dropout": Comparison("bench_dropout", (),
-                          "packed dropout masks vs torch's dropout at the six-encoder's dropout sites (hidden states "
-                          "and attention probabilities), batch 32 x 128"),
-    "host-memory": Comparison("bench_host_memory", (),
-                              "six-encoder step with glibc's default malloc vs freed memory kept (KeepFreedMemory), "
-                              "dense and CoMERA, alternated in one process"),
-    "activation-memory": Comparison("bench_activation_memory", (),
-                                    "six-encoder peak training memory and step time with and without activation "
-                                    "checkpointing, dense vs CoMERA, batch 32 x 128"),
-    "cuda-graphs": Comparison("bench_cuda_graphs", (),
-                              "captured vs eager training step on a CUDA GPU (skipped without one)"),
-}
+COMPARISONS: dict[str, Comparison] = {name: Comparison(*entry) for name, entry in {
+    "step": ("bench_training_step", ("--part", "step"), "training step of the six-encoder transformer: dense+AdamW "
+             "vs dense+GaLore vs CoMERA (rank 30, and truncated to 1/4), batch 1 and 32: time, tokens/s, peak memory"),
+    "scaling": ("bench_training_step", ("--part", "scaling"), "step time and peak memory against d_model (256..2048), "
+                "dense vs CoMERA"),
+    "lookup": ("bench_embedding_lookup", (), "TTM embedding lookup 30522x768: half-merge (with/without dedup) vs "
+               "per-row chain vs nn.Embedding"),
+    "planner": ("bench_tt_linear", (), "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs "
+                "nn.Linear over a grid"),
+    "quality": ("quality_study", (), "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, "
+                "same steps and same wall-clock"),
+    "pareto": ("pareto_study", (), "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed "
+               "vs low-rank at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)"),
+    "llm": ("llm_study", (), "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs "
+            "CoMERA, same tokens and same wall-clock; perplexity, parameters, step time and peak memory"),
+    "rank-padding": ("bench_rank_padding", (), "TTLinear half_merge with and without the padded bottleneck rank vs "
+                     "nn.Linear, the paper's shapes at 4096 rows"),
+    "dropout": ("bench_dropout", (), "packed dropout masks vs torch's dropout at the six-encoder's dropout sites, "
+                "batch 32 x 128"),
+    "host-memory": ("bench_host_memory", (), "six-encoder step with glibc's default malloc vs freed memory kept "
+                    "(KeepFreedMemory), dense and CoMERA, alternated in one process"),
+    "activation-memory": ("bench_activation_memory", (), "six-encoder peak training memory and step time with and "
+                          "without activation checkpointing, dense vs CoMERA, batch 32 x 128"),
+    "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
+}.items()}
 
 
 def run_one(name: str, args: list[str]) -> tuple[int, str]:
