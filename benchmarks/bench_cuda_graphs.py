@@ -1,19 +1,9 @@
 """CUDA graphs (comera_lightning.training.CudaGraphs) against eager training on one GPU: same result, how much faster.
 
-Per model size and precision (fp32 ``32-true``, ``bf16-mixed``):
-
-1. Identity. A tensorised masked-LM (TT linears, dense embedding, no dropout, synthetic batches) trained
-   ``--steps`` steps by Lightning twice from one seed, eagerly and with ``CudaGraphs(backend="cuda")``, both with
-   ``RankAdaptation`` and a forced physical truncation half-way (so the graphs are dropped and re-captured once).
-   Compared: per-step losses (largest relative difference) and the parameters as ``||theta_graphs - theta_eager||
-   / ||theta_eager - theta_start||`` (a global norm: parameters with a zero true gradient, such as the attention
-   key bias, get Adam updates of pure rounding noise). Loop step times (synchronised) are recorded too.
-2. Step time. The bare training step of a fresh copy, eager against the captured step driven through
-   ``CudaGraphs.attach``, timed by ``harness.interleave``; peak CUDA memory of a few steps of each.
-
-Sizes: ``quickstart`` (configs/quickstart.yaml's model) and, without ``--quick``, ``base`` (the paper's encoder).
-Without a CUDA device it prints ``no CUDA device: skipped`` and writes a JSON saying so (exit 0); ``--backend
-replay`` runs the identity check on the CPU with the callback's eager replay backend (the plumbing, not the speed).
+Per model size (``quickstart``; ``base`` without ``--quick``) and precision (``32-true``, ``bf16-mixed``): the
+tensorised masked-LM trained by Lightning eagerly and captured from one seed, with a forced truncation half-way
+(one re-capture), losses and parameters compared; then the bare step timed interleaved, with peak CUDA memory.
+Without CUDA it prints ``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
 
     python benchmarks/bench_cuda_graphs.py              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
     python benchmarks/bench_cuda_graphs.py --quick --backend replay   # CPU dry run of the identity check

@@ -1,25 +1,13 @@
 """Decoder pre-training at CPU scale: dense + AdamW vs dense + GaLore vs CoMERA on ``configs/llm_cpu.yaml``.
 
-The config's LLaMA-style decoder learns next-token prediction on the Python standard library three ways, by the
-protocol of ``study.py`` (one seed, the same batches in the same order; ``steps``: the same tokens, ``time``:
-the same training seconds):
-
-* ``dense``: every layer plain, AdamW over the task's groups at the config's rates and schedule;
-* ``galore``: the same dense model, ``galore_torch.GaLoreAdamW`` with the decoder blocks' 2-D linear weights
-  projected (rank ``d_model / 4`` as the GaLore paper's LLaMA runs, update_proj_gap 200, scale 0.25);
-* ``comera``: TT linears and a TT embedding, RankAdaptation (the config's) and ContractionPlanner.
-
-First the training step of the three is timed interleaved in this process (``harness.interleave``; CoMERA with
-RankAdaptation's per-step work, GaLore at steady state) with its peak memory (``harness.peak_memory``, GaLore's
-projectors included), at the config's width and batch, at batch 1, and at ``--widths`` (default d_model 1024:
-heads d/64, ffn 8/3 d rounded to 32). Output in ``--out-dir``: ``llm_study<tag>.{json,md,png}`` (the JSON as
-``.partial.json`` after every run: a rerun resumes).
+The three train by the protocol of ``study.py`` (``steps``: the same tokens, ``time``: the same training seconds);
+first their training steps are timed interleaved with peak memory, at the config's width, at batch 1 and at
+``--widths``. GaLore needs ``pip install -e .[galore]`` (else reported as skipped). benchmarks/README.md has the
+details; output: ``llm_study<tag>.{json,md,png}`` in ``--out-dir`` (a rerun resumes).
 
     python benchmarks/llm_study.py --threads 1                         # the config's 1500 steps, both protocols
     python benchmarks/llm_study.py --protocols steps --widths --tag steps
     python benchmarks/llm_study.py --quick                             # smoke run: tiny model, a few steps
-
-GaLore needs ``pip install -e .[galore]``; without it the method is reported as skipped.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Parameter counts of the paper's six-encoder MNLI model, CoMERA (TT) against its dense twin.
 
-Builds :class:`comera_lightning.models.SequenceClassifier` at the paper's configuration (6 encoders,
-d_model 768, 12 heads, FFN 3072, sequence 128, vocabulary 30522, 3 classes; TT linears at rank 30 with
-the paper's modes, TTM word embedding at rank 32) and the same model with every layer dense. Prints,
-as markdown (or JSON with ``--json``):
-
-* parameters per layer type and in total, dense vs TT (TT sizes from ``comera_lightning.nn.size_report``:
-  active core parameters plus every ordinary parameter, rank gates not counted) and the compression;
-* the TT core parameters of one fc1, fc2, attention projection and the word embedding counted by hand
-  from the shapes in METHOD.md section 2, asserted equal to what the layers report.
-
-Construction only, nothing runs: a few seconds on a CPU.
+Per layer type and in total (TT sizes from ``size_report``), and the core parameters of one fc1, fc2, attention
+projection and the word embedding counted by hand from METHOD.md section 2, asserted equal to the layers' own.
+Construction only: a few seconds.
 
     python benchmarks/param_counts.py [--json]
 """

@@ -1,22 +1,10 @@
 """Quality at equal size: CoMERA against the models a user would train instead (a Pareto study).
 
-At small widths, comparing a compressed model with the full-width dense model measures capacity as much as the
-method; a user asks: at the size I can afford, is CoMERA better than the model I would otherwise train? Three
-families, each trained by the protocol of ``study.py`` (one seed, the same batches, the same steps):
-
-* ``dense:W``: the same architecture narrowed to d_model ``W`` (head width and FFN ratio kept), plain layers;
-* ``lowrank:R``: every eligible linear and the word embedding a plain ``A B`` of rank ``R``
-  (``LayerConfig.low_rank_linears`` / ``low_rank_embeddings``), gates frozen at 1: the GaLore paper's low-rank row;
-* ``comera:T``: the full-width CoMERA model cut towards ``T``-times compression from ``late_fraction`` of the run
-  (``:floor=F``: ``ScheduledLateStage(layer_floor=F)``; ``:head=R``: the MLM's decoder a low-rank product).
-
-Each point sits at its active parameters at the end of training (``size_report``). Tasks: ``mlm`` (the quickstart's
-masked-LM on any corpus, ``--corpus``) and ``lm`` (the decoder of configs/llm_cpu.yaml); steps and schedule are
-``quality_study``'s specs unless ``--steps`` says otherwise. One process runs one (task, corpus, seed), rewriting
-its JSON after every point; a rerun skips the points already there. ``--aggregate`` reads several seeds' JSONs and
-writes the table (mean and min..max per point), the plot (metric against active parameters) and, per CoMERA
-point, the comparison with each baseline curve at the same size (interpolated in log-parameters) and the free
-compression (the largest within 1 point of accuracy / 5 % of perplexity of the full dense model).
+Three families trained by the protocol of ``study.py`` (one seed, the same batches and steps): ``dense:W`` (the
+architecture narrowed to d_model W), ``lowrank:R`` (plain ``A B`` factors of rank R) and ``comera:T`` (cut towards
+T-times compression; ``:floor=F``, ``:head=R``), each at its active parameters at the end. ``--aggregate`` reads
+several seeds' JSONs into the table, the plot and the comparison with each baseline curve at the same size.
+benchmarks/README.md and docs/results.md ("Quality at equal size") have the details.
 
     python benchmarks/pareto_study.py --task mlm --seed 0 --threads 1
     python benchmarks/pareto_study.py --quick                                    # smoke run, under a minute

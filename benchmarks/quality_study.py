@@ -1,23 +1,10 @@
 """Quality study at CPU scale: dense vs CoMERA training on real (code) and synthetic (CTR) data.
 
-Studies (each trained by every method from one seed on identical batches; benchmarks/README.md has the sizes):
-
-* ``mlm``: masked-LM on the Python standard library, the quickstart-sized BERT encoder;
-* ``pairs``: docstring/body pair classification (configs/code_pairs.yaml's classifier, two layers);
-* ``dlrm``: click-through prediction on the synthetic Criteo stand-in with configs/dlrm_criteo.yaml's tables
-  (its clicks come from a hidden logistic model, so there is signal; the constant predictor is the floor).
-
-The decoder of configs/llm_cpu.yaml has its own study, ``llm_study.py``, by the same protocol.
-
-Methods: ``dense`` and CoMERA (TT layers, RankAdaptation + ContractionPlanner; ``comera``, ``comera-paper``,
-``comera-norm``: the late-stage policy). Protocols (``study.py``): ``steps``, ``time``, and ``matched``: the dense
-and CoMERA steps are first timed against each other in this process (``harness.interleave``), then CoMERA
-trains ``steps * dense_step / comera_step`` steps, the same wall-clock decided up front (robust on a shared
-machine, and conservative for CoMERA, whose steps get cheaper once its ranks shrink).
-
-Output in ``--out-dir``: ``quality_<study><tag>.json`` (every number and curve, written as
-``.partial.json`` after every run: a rerun resumes), ``.png`` (metric vs steps and seconds, compression vs
-steps) and the tables in ``quality_study<tag>.md``.
+Studies ``mlm`` (masked-LM on the standard library), ``pairs`` (docstring/body pairs) and ``dlrm`` (synthetic
+Criteo), each trained by every method from one seed on identical batches, by the protocols of ``study.py``;
+``matched`` first times the dense and CoMERA steps against each other, then gives CoMERA the same wall-clock in
+steps. benchmarks/README.md has the sizes; output: ``quality_<study><tag>.{json,png}`` and
+``quality_study<tag>.md`` in ``--out-dir`` (a rerun resumes).
 
     python benchmarks/quality_study.py --wait-quiet 30      # mlm, pairs and dlrm, both protocols
     python benchmarks/quality_study.py --quick              # tiny models, 30 steps, 6 s budgets
