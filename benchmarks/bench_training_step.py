@@ -1,12 +1,9 @@
 """Training step of the six-encoder transformer: dense + AdamW vs dense + GaLore vs CoMERA, and how it scales.
 
-Part ``step``: the model of ``configs/mnli_6enc.yaml`` trained four ways (``dense+AdamW``; ``dense+GaLore``, rank
-128, its SVD refresh timed apart and amortised over update_proj_gap; ``CoMERA r30`` with RankAdaptation's per-step
-work; ``CoMERA 1/4``, a copy physically truncated to about a quarter of the parameters), one full step each, timed
-interleaved (``harness.interleave``) at batch 1 and ``--batch``, with peak memory (``harness.peak_memory``), page
-faults and system time; a missed target of issue 6 is explained by a profile. Part ``scaling``: dense vs CoMERA
-against d_model. benchmarks/README.md describes both; output: tables and verdicts on stdout,
-``training_step<options>.{json,png}`` and ``training_scaling<options>.{json,png}`` in ``--out-dir``.
+Part ``step``: the model of ``configs/mnli_6enc.yaml`` trained four ways (dense+AdamW, dense+GaLore, CoMERA r30 and
+a copy truncated to a quarter), one full step each, timed interleaved at batch 1 and ``--batch``, with peak memory;
+a missed target of issue 6 is explained by a profile. Part ``scaling``: dense vs CoMERA against d_model.
+benchmarks/README.md describes both.
 
     python benchmarks/bench_training_step.py --part step --wait-quiet 60
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
