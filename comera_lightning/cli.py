@@ -36,11 +36,13 @@ import argparse
 import hashlib
 import importlib
 import json
+import logging
 import os
 import re
 import sys
 import tempfile
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -48,10 +50,13 @@ from typing import Any, Literal, Optional
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ModelSummary, ProgressBar,
+)
 from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -60,6 +65,7 @@ from . import training as _training  # noqa: F401  (registers the generic callba
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
 from .callbacks import RankAdaptation
+from .callbacks.model_summary import ComeraModelSummary
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
 from .training.final_validation import FinalValidation
@@ -207,10 +213,47 @@ def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, 
         )
 
 
+class _DropTips(logging.Filter):
+    """Lightning 2.6's advertisements on every Trainer ("Tip: For seamless cloud logging ...", "... uploads and
+    versioning"): nothing a user of this CLI can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip: For seamless cloud" not in record.getMessage()
+
+
+def quiet_upstream_messages() -> None:
+    """Silence the known, harmless messages of upstream versions that a ``comera`` user cannot act on."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropTips) for f in logger.filters):
+        logger.addFilter(_DropTips())
+    # lightning 2.6.x's utilities/_pytree.py builds torch's LeafSpec, deprecated since torch 2.10: a FutureWarning
+    # from inside Lightning on every fit
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
+#: configs made for GPUs, and the CPU config that trains the same kind of model in minutes
+GPU_CONFIGS = {"llm_60m": "llm_cpu", "llm_130m": "llm_cpu", "mnli_6enc": "code_pairs", "mnli_6enc_dense": "code_pairs",
+               "codebert_mlm": "quickstart", "dlrm_criteo": "dlrm_criteo --data.synthetic true"}
+
+
+def gpu_config_warning(config_paths: Any, cuda_available: bool) -> str | None:
+    """The warning for a fit of a GPU config (:data:`GPU_CONFIGS`) on a machine without a GPU, else None."""
+    if cuda_available:
+        return None
+    for path in config_paths or []:
+        stem = Path(str(getattr(path, "relative", path))).stem
+        if stem in GPU_CONFIGS:
+            return (f"comera: configs/{stem}.yaml is made for GPUs (bf16, full-size model) and this machine has "
+                    f"none: on a CPU it runs for hours. For a CPU run use --config {GPU_CONFIGS[stem]}")
+    return None
+
+
 class ComeraCLI(LightningCLI):
     """LightningCLI with comera's defaults (see the module docstring)."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        quiet_upstream_messages()
         defaults = {
             "logger": {
                 "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
@@ -289,6 +332,16 @@ class ComeraCLI(LightningCLI):
             added.append(StepProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
             added.append(FinalValidation())
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
+                                                                         for c in configured):
+            added.append(ComeraModelSummary())
+            # the summary is ours: with the flag on, Lightning would announce that it skips adding its own
+            overrides["enable_model_summary"] = False
+        if self.subcommand == "fit":
+            section_config = self.config.get(str(self.subcommand), self.config)
+            warning = gpu_config_warning(section_config.get("config"), torch.cuda.is_available())
+            if warning:
+                rank_zero_warn(warning)
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in configured):
             root = config.get("default_root_dir") or "."
             added.append(PredictionWriter(str(Path(root) / "predictions" / f"{self.run_name}.jsonl")))

@@ -1,0 +1,46 @@
+"""What a `comera fit` prints: the summary a user needs, none of the upstream messages they cannot act on, and a
+warning when a GPU config is fitted on a machine without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comera_lightning.cli import ComeraCLI, gpu_config_warning
+
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _run
+
+
+@pytest.mark.slow
+def test_a_quickstart_fit_prints_the_summary_and_no_upstream_noise(workdir, capfd):
+    _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY_ENCODER, *TINY_TRAINER, "--trainer.max_steps=2",
+         "--trainer.enable_model_summary=true", "--data.max_files=15", "--data.max_sequences=200")
+    captured = capfd.readouterr()
+    printed = captured.out + captured.err
+    for upstream in ("Tip: For seamless cloud", "LeafSpec", "Total FLOPs", "Skipping setting a default"):
+        assert upstream not in printed, upstream
+    assert "Trainable params" in printed and "MaskedLanguageModel" in printed
+    assert "CoMERA:" in printed and "dense-equivalent" in printed and "allocated" in printed
+    assert "comera: trained 2 steps" in printed  # the end-of-fit summary
+
+
+class _Built(Exception):
+    pass
+
+
+class _BuildOnly(ComeraCLI):
+    """Builds model, data module and trainer, then stops before fitting."""
+
+    def before_fit(self) -> None:
+        raise _Built
+
+
+def test_a_gpu_config_fitted_without_a_gpu_warns_and_names_the_cpu_config(workdir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match=r"configs/llm_60m.yaml is made for GPUs .* use --config llm_cpu"):
+        with pytest.raises(_Built):
+            _BuildOnly(args=["fit", f"--config={CONFIGS / 'llm_60m.yaml'}", *TINY_ENCODER, "--trainer.logger=false",
+                             "--trainer.precision=32-true", "--trainer.accelerator=cpu"])
+    assert gpu_config_warning([CONFIGS / "llm_60m.yaml"], cuda_available=True) is None
+    assert gpu_config_warning([CONFIGS / "quickstart.yaml"], cuda_available=False) is None
+    assert "--config code_pairs" in gpu_config_warning(["mnli_6enc.yaml"], cuda_available=False)
