@@ -55,6 +55,11 @@ COMPARISONS: dict[str, Comparison] = {name: Comparison(*entry) for name, entry i
     "activation-memory": ("bench_activation_memory", (), "six-encoder peak training memory and step time with and "
                           "without activation checkpointing, dense vs CoMERA, batch 32 x 128"),
     "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
+    "inference": ("bench_inference", (), "decoding with vs without the KV cache (CoMERA 10x vs dense, d_model 512 and "
+                  "1024, batch 1 and 8) and batch-1/32 forward of the six-encoder and the MLM: TT vs untensorised vs "
+                  "dense; tokens/s, latency, peak memory"),
+    "soak": ("bench_soak", (), "a long training process (20k steps per mode: no logger, MLflow at the configs' rates "
+             "and every step, truncations and checkpoints): RSS, Python heap and open files per 10k steps"),
 }.items()}
 
 
