@@ -63,7 +63,7 @@ class Shape:
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_other: float = 5e-5
-    packed_dropout: bool = False
+    packed_dropout: bool = True  # the models' default
 
 
 def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
@@ -694,8 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)")
-    parser.add_argument("--packed-dropout", action="store_true",
-                        help="every candidate with packed dropout masks (SequenceClassifier(packed_dropout=True))")
+    parser.add_argument("--torch-dropout", action="store_true",
+                        help="every candidate with torch's dropout masks instead of the models' default packed ones "
+                             "(SequenceClassifier(packed_dropout=False))")
     return parser
 
 
@@ -709,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--refresh-samples must be >= 0, got {refresh_samples}")
     if args.min_total_s is None:
         args.min_total_s = 0.0 if quick else 40.0
-    paper = replace(paper_shape(), packed_dropout=args.packed_dropout)
-    stem = "_packed_dropout" if args.packed_dropout else ""
+    paper = replace(paper_shape(), packed_dropout=not args.torch_dropout)
+    stem = "_torch_dropout" if args.torch_dropout else ""
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"

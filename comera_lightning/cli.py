@@ -24,6 +24,8 @@ Defaults that differ from plain LightningCLI:
   the hash. ``comera fit ... --resume auto`` continues from the newest complete checkpoint there (weights,
   ranks, gates, optimiser, scheduler, stage, data position, random state), or starts fresh when there is
   none;
+* ``fit`` on a CPU (Linux, glibc) keeps freed memory in the process (:class:`~comera_lightning.training.KeepFreedMemory`)
+  unless the config lists the callback itself: a step stops page-faulting its activations in again;
 * ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
   ``target_size``, ``late_start_step``, ``gamma`` and ``truncate_every_n_steps``, written into the config's
   RankAdaptation callback (LightningCLI cannot reach into a callback of a config's list); a config without
@@ -53,6 +55,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import (
     BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ModelSummary, ProgressBar,
 )
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -69,6 +72,7 @@ from .callbacks.model_summary import ComeraModelSummary
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
 from .training.final_validation import FinalValidation
+from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
 from .training.predictions import PredictionWriter
 from .training.progress import StepProgressBar
 from .lit.base import ComeraTask
@@ -360,6 +364,10 @@ class ComeraCLI(LightningCLI):
         # a new list: LightningCLI appends its own callbacks (the config artifact) to the one it is given
         overrides["callbacks"] = configured + added
         trainer = super().instantiate_trainer(**overrides)
+        if (self.subcommand == "fit" and isinstance(trainer.accelerator, CPUAccelerator) and keeps_freed_memory_here()
+                and not any(isinstance(c, KeepFreedMemory) for c in trainer.callbacks)):
+            # fast by default: a CPU step stops page-faulting its large activations in again (host_memory.py)
+            trainer.callbacks.append(KeepFreedMemory())
         for logger in trainer.loggers:
             if isinstance(logger, ResilientMLFlowLogger) and logger.local_dir is None:
                 logger.local_dir = trainer.default_root_dir  # fallback folder next to the run's checkpoints

@@ -26,7 +26,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-__all__ = ["KeepFreedMemory", "keep_freed_memory"]
+__all__ = ["KeepFreedMemory", "keep_freed_memory", "keeps_freed_memory_here"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, <malloc.h>
 _GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
@@ -42,6 +42,11 @@ def _glibc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def keeps_freed_memory_here() -> bool:
+    """Whether this process's C library can keep freed memory (glibc on Linux)."""
+    return _glibc() is not None
 
 
 def keep_freed_memory(enabled: bool = True) -> bool:

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from comera_lightning.cli import ComeraCLI, gpu_config_warning
+from comera_lightning.training import KeepFreedMemory
+from comera_lightning.training.host_memory import keeps_freed_memory_here
 
 from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _run
 
@@ -25,22 +27,26 @@ def test_a_quickstart_fit_prints_the_summary_and_no_upstream_noise(workdir, capf
 
 
 class _Built(Exception):
-    pass
+    def __init__(self, cli: ComeraCLI) -> None:
+        self.cli = cli
 
 
 class _BuildOnly(ComeraCLI):
     """Builds model, data module and trainer, then stops before fitting."""
 
     def before_fit(self) -> None:
-        raise _Built
+        raise _Built(self)
 
 
 def test_a_gpu_config_fitted_without_a_gpu_warns_and_names_the_cpu_config(workdir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.warns(UserWarning, match=r"configs/llm_60m.yaml is made for GPUs .* use --config llm_cpu"):
-        with pytest.raises(_Built):
+        with pytest.raises(_Built) as built:
             _BuildOnly(args=["fit", f"--config={CONFIGS / 'llm_60m.yaml'}", *TINY_ENCODER, "--trainer.logger=false",
                              "--trainer.precision=32-true", "--trainer.accelerator=cpu"])
+    # fast by default on a CPU: freed memory kept, although this config does not list the callback
+    if keeps_freed_memory_here():
+        assert sum(isinstance(c, KeepFreedMemory) for c in built.value.cli.trainer.callbacks) == 1
     assert gpu_config_warning([CONFIGS / "llm_60m.yaml"], cuda_available=True) is None
     assert gpu_config_warning([CONFIGS / "quickstart.yaml"], cuda_available=False) is None
     assert "--config code_pairs" in gpu_config_warning(["mnli_6enc.yaml"], cuda_available=False)
