@@ -235,6 +235,7 @@ class _Snapshot(Callback):
         torch.save({"state": state, "skipped": guard.skipped_steps}, self.folder / f"rank{trainer.global_rank}.pt")
 
 
+@pytest.mark.slow
 def test_ddp_processes_take_the_same_decision(tmp_path):
     # only process 1 sees a NaN loss, and its gradients stay finite: without the all-reduced verdict process 0
     # would step and process 1 would not, and the replicas would drift apart

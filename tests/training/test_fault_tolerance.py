@@ -158,6 +158,7 @@ def _final(workdir: Path) -> dict:
     return torch.load(_ft_dir(workdir) / f"step={MAX_STEPS:09d}.ckpt", weights_only=True, map_location="cpu")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_auto_matches_uninterrupted_run(killed_and_resumed):
     reference, victim, resumed_from, target = killed_and_resumed
     assert target <= resumed_from < MAX_STEPS
@@ -422,6 +423,7 @@ class NoisyRegressor(TinyRegressor):
         return torch.utils.data.DataLoader(rows, batch_size=16, generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_resume_under_ddp_spawn_restores_every_ranks_random_stream(tmp_path):
     kw = dict(strategy="ddp_spawn", devices=2, model=NoisyRegressor())
     full, resumed = tmp_path / "full", tmp_path / "resumed"

@@ -155,6 +155,7 @@ def _read_csv(path: Path) -> list[dict]:
 
 
 # --- tests --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fit_logs_rank_history_to_a_real_tracking_server(mlflow_server, workdir):
     url, server_root = mlflow_server
     with warnings.catch_warnings(record=True) as caught:
@@ -188,6 +189,7 @@ def test_fit_logs_rank_history_to_a_real_tracking_server(mlflow_server, workdir)
     assert checkpoint.is_file() and checkpoint.parent == workdir / "runs" / logger.experiment_id / logger.run_id / "checkpoints"
 
 
+@pytest.mark.slow
 def test_fit_survives_an_unreachable_tracking_server(workdir, capfd):
     dead = f"http://127.0.0.1:{_free_port()}"  # bound and released: nothing listens there
     start = time.monotonic()
