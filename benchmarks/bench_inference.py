@@ -216,7 +216,8 @@ def forward_table(results: dict) -> str:
 # ------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the tables, write JSON/MD/PNG; returns 0 (run.py's contract)."""
     parser = harness.bench_parser(__doc__, repeats=(1, 3))
     parser.add_argument("--part", choices=("decode", "forward", "all"), default="all")
     parser.add_argument("--compression", type=float, default=10.0, help="CoMERA decoder size target (default 10)")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = "\n\n".join(markdown)
     print(text)
     harness.emit(Path(args.out_dir) / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)
-    return payload
+    return 0
 
 
 if __name__ == "__main__":

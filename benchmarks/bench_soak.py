@@ -138,7 +138,8 @@ def growth_per_10k(samples: list[dict], key: str, warmup: int) -> float | None:
     return None if var == 0 else 1e4 * sum((x - mean_x) * (y - mean_y) for x, y in points) / var
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the tables, write JSON/MD/PNG; returns 0 (run.py's contract)."""
     parser = harness.bench_parser(__doc__, threads=1)
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps per mode (default 20000, quick 300)")
     parser.add_argument("--sample-every", type=int, default=None, help="steps between samples (1000, quick 50)")
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory() as folder:
             result = run_mode(args.child, steps, every, Path(folder))
         args.child_out.write_text(json.dumps(result))
-        return result
+        return 0
 
     results = {}
     for mode in args.modes:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
                "target_mb_per_10k": TARGET_MB_PER_10K, "results": results}
     harness.emit(Path(args.out_dir) / f"soak{'_quick' if args.quick else ''}.json", payload, fig=fig,
                  markdown=markdown)
-    return payload
+    return 0
 
 
 if __name__ == "__main__":
