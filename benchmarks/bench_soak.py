@@ -11,8 +11,10 @@ and ContractionPlanner, in one fresh process per mode:
 * ``truncate+ckpt``: no logger, the late stage from step 500 with a truncation check every 100 steps, and a
   checkpoint every 1,000 steps.
 
-Every ``--sample-every`` steps a callback records the resident set (``/proc/self/statm``), the Python heap
-(``tracemalloc``, with the top growing allocation sites) and the open file descriptors. The growth per 10k
+Every ``--sample-every`` steps a callback records the resident set (``/proc/self/statm``), the Python objects'
+memory blocks (``sys.getallocatedblocks``) and the open file descriptors; ``--trace-python`` adds the traced
+Python heap and its top growing lines (``tracemalloc``, which makes each step about twice as slow). The modes run
+``--parallel`` at a time (one thread each). The growth per 10k
 steps is the least-squares slope of RSS after the warm-up (``--warmup``, default 2,000 steps), against the
 target of 10 MB per 10k steps.
 
@@ -28,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -71,41 +74,44 @@ def resident_bytes() -> int:
 class MemorySampler(Callback):
     """Every ``every`` optimiser steps: RSS, traced Python heap, open descriptors; the top growing sites at the end."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, trace_python: bool = False) -> None:
+        self.every, self.trace_python = every, trace_python
         self.samples: list[dict] = []
         self._first_snapshot = None
 
     def _sample(self, step: int) -> None:
-        current, _ = tracemalloc.get_traced_memory()
-        self.samples.append({"step": step, "rss_bytes": resident_bytes(), "python_heap_bytes": current,
-                             "open_fds": len(os.listdir("/proc/self/fd"))})
+        sample = {"step": step, "rss_bytes": resident_bytes(), "python_blocks": sys.getallocatedblocks(),
+                  "open_fds": len(os.listdir("/proc/self/fd"))}
+        if self.trace_python:
+            sample["python_heap_bytes"] = tracemalloc.get_traced_memory()[0]
+        self.samples.append(sample)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        tracemalloc.start(8)
+        if self.trace_python:
+            tracemalloc.start(1)
         self._sample(0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step % self.every == 0 and step != self.samples[-1]["step"]:
             self._sample(step)
-            if self._first_snapshot is None and step >= 2 * self.every:
+            if self.trace_python and self._first_snapshot is None and step >= 2 * self.every:
                 self._first_snapshot = tracemalloc.take_snapshot()
 
     def top_growth(self, limit: int = 8) -> list[dict]:
         if self._first_snapshot is None:
             return []
-        stats = tracemalloc.take_snapshot().compare_to(self._first_snapshot, "traceback")
-        return [{"bytes": s.size_diff, "count": s.count_diff, "where": s.traceback.format()[-2:]}
+        stats = tracemalloc.take_snapshot().compare_to(self._first_snapshot, "lineno")
+        return [{"bytes": s.size_diff, "count": s.count_diff, "where": s.traceback.format()[-1:]}
                 for s in stats[:limit]]
 
 
-def run_mode(mode: str, steps: int, every: int, workdir: Path) -> dict:
+def run_mode(mode: str, steps: int, every: int, workdir: Path, trace_python: bool = False) -> dict:
     """One mode, in this process: train and sample."""
     torch.manual_seed(0)
     task = MaskedLM(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=128, num_layers=2, max_len=SEQ, dropout=0.0,
                     layer_config=dict(rank=8, embedding_rank=8, min_features=16))
-    sampler = MemorySampler(every)
+    sampler = MemorySampler(every, trace_python)
     truncating = mode == "truncate+ckpt"
     callbacks = [RankAdaptation(gamma=0.01, late_start_step=500 if truncating else None, target_compression=5.0,
                                 truncate_every_n_steps=100 if truncating else None),
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-every", type=int, default=None, help="steps between samples (1000, quick 50)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the slope (2000, quick 100)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--parallel", type=int, default=2, help="modes running at once, one thread each (default 2)")
+    parser.add_argument("--trace-python", action="store_true", help="tracemalloc's heap and top growing lines")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = harness.parse(parser, argv)
@@ -155,41 +163,53 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"need steps >= 1, sample-every >= 1 and 0 <= warmup < steps; got {steps}, {every}, {warmup}")
     if args.child:  # one mode in a fresh process
         with tempfile.TemporaryDirectory() as folder:
-            result = run_mode(args.child, steps, every, Path(folder))
+            result = run_mode(args.child, steps, every, Path(folder), args.trace_python)
         args.child_out.write_text(json.dumps(result))
         return 0
 
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
     results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        pending, running = list(args.modes), {}
+        while pending or running:
+            while pending and len(running) < args.parallel:
+                mode = pending.pop(0)
+                out = Path(folder) / f"{mode}.json"
+                command = [sys.executable, __file__, "--child", mode, "--child-out", str(out), "--steps", str(steps),
+                           "--sample-every", str(every), "--warmup", str(warmup), "--threads", "1",
+                           *(["--trace-python"] if args.trace_python else [])]
+                running[mode] = (subprocess.Popen(command), out)
+            for mode, (process, out) in list(running.items()):
+                if process.poll() is not None:
+                    del running[mode]
+                    if process.returncode:
+                        raise SystemExit(f"bench_soak: mode {mode} failed (exit {process.returncode})")
+                    results[mode] = json.loads(out.read_text())
+            time.sleep(0.5)
+    keys = ("rss_bytes", "python_blocks", "open_fds", *(("python_heap_bytes",) if args.trace_python else ()))
     for mode in args.modes:
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "result.json"
-            command = [sys.executable, __file__, "--child", mode, "--child-out", str(out), "--steps", str(steps),
-                       "--sample-every", str(every), "--warmup", str(warmup), "--threads", str(args.threads or 1)]
-            subprocess.run(command, check=True)
-            results[mode] = json.loads(out.read_text())
-        samples = results[mode]["samples"]
-        results[mode]["growth_per_10k"] = {key: growth_per_10k(samples, key, warmup)
-                                           for key in ("rss_bytes", "python_heap_bytes", "open_fds")}
+        results[mode]["growth_per_10k"] = {key: growth_per_10k(results[mode]["samples"], key, warmup) for key in keys}
     rows = []
     for mode, r in results.items():
         g = r["growth_per_10k"]
         rss = g["rss_bytes"]
         rows.append([mode, harness.mib(r["samples"][0]["rss_bytes"]), harness.mib(r["samples"][-1]["rss_bytes"]),
                      "-" if rss is None else f"{rss / 1e6:+.2f}",
-                     "-" if g["python_heap_bytes"] is None else f"{g['python_heap_bytes'] / 1e6:+.2f}",
+                     "-" if g["python_blocks"] is None else f"{g['python_blocks']:+,.0f}",
                      "-" if g["open_fds"] is None else f"{g['open_fds']:+.1f}",
                      "-" if rss is None else ("met" if rss / 1e6 < TARGET_MB_PER_10K else "MISSED")])
     markdown = (f"Soak, {steps} steps per mode, samples every {every}, slopes after step {warmup}:\n\n"
                 + harness.table(["mode", "RSS start MiB", "RSS end MiB", "RSS MB / 10k steps",
-                                 "Python heap MB / 10k steps", "open files / 10k steps",
+                                 "Python blocks / 10k steps", "open files / 10k steps",
                                  f"< {TARGET_MB_PER_10K:.0f} MB / 10k"], rows))
     print(markdown)
     fig, axes = harness.new_figure(ncols=2, width=5.5)
     for mode, r in results.items():
         steps_axis = [s["step"] for s in r["samples"]]
         axes[0].plot(steps_axis, [s["rss_bytes"] / 2**20 for s in r["samples"]], label=mode)
-        axes[1].plot(steps_axis, [s["python_heap_bytes"] / 2**20 for s in r["samples"]], label=mode)
-    for ax, what in zip(axes, ("resident set (MiB)", "traced Python heap (MiB)")):
+        axes[1].plot(steps_axis, [s["python_blocks"] / 1e3 for s in r["samples"]], label=mode)
+    for ax, what in zip(axes, ("resident set (MiB)", "Python memory blocks (thousands)")):
         ax.set_xlabel("optimiser step")
         ax.set_ylabel(what)
         ax.axvline(warmup, color="grey", linestyle=":")

@@ -15,7 +15,7 @@ def test_a_short_soak_samples_every_mode_and_reports_the_slope(tmp_path, capsys)
         samples = res["results"][mode]["samples"]
         assert [s["step"] for s in samples] == [0, 20, 40, 60]
         assert all(s["rss_bytes"] > 0 and s["open_fds"] > 0 for s in samples)
-        assert set(res["results"][mode]["growth_per_10k"]) == {"rss_bytes", "python_heap_bytes", "open_fds"}
+        assert set(res["results"][mode]["growth_per_10k"]) == {"rss_bytes", "python_blocks", "open_fds"}
     assert "RSS MB / 10k steps" in capsys.readouterr().out
 
 
