@@ -10,20 +10,12 @@ import torch
 from comera_lightning.data import CodeLMDataModule, CodeMLMDataModule, pack_stream
 from comera_lightning.data import code_lm as code_lm_mod
 
-
-def small_tree(root: Path, n_files: int = 8) -> Path:
-    """A few small .py files (the tests stay far below a second per tokenizer)."""
-    for i in range(n_files):
-        body = "\n".join(f"def func_{i}_{j}(value):\n    return value * {j} + {i}\n" for j in range(25))
-        path = root / f"pkg{i % 2}" / f"mod{i}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f'"""Module {i}."""\n\n{body}')
-    return root
+from helpers.code_tree import small_source_tree
 
 
 @pytest.fixture
 def tree(tmp_path) -> Path:
-    return small_tree(tmp_path / "src")
+    return small_source_tree(tmp_path / "src")
 
 
 def _dm(tree: Path, tmp_path: Path, **kw) -> CodeLMDataModule:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from comera_lightning.cli import ComeraCLI
 
+from helpers.code_tree import small_source_tree
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 TINY_ENCODER = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
@@ -60,9 +62,4 @@ def _run(*args: str) -> ComeraCLI:
 
 def _small_source_tree(root: Path, n_files: int = 6) -> Path:
     """A corpus of a few small text .py files: a source tree far smaller than the standard library."""
-    for i in range(n_files):
-        body = "\n".join(f"def func_{i}_{j}(value):\n    return value * {j} + {i}\n" for j in range(30))
-        path = root / f"pkg{i % 2}" / f"mod{i}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f'"""Module {i}."""\n\n{body}')
-    return root
+    return small_source_tree(root, n_files, n_funcs=30)

@@ -51,3 +51,14 @@ def write_tree(root: Path, n_files: int = 10, n_funcs: int = 4) -> dict[tuple[st
     (root / "pkg0" / "broken.py").write_text('def f(:\n    """Never parsed by anyone."""\n    return 1 + 2 + 3\n')
     (root / "notes.txt").write_text("not python")
     return expected
+
+
+def small_source_tree(root: Path, n_files: int = 8, n_funcs: int = 25) -> Path:
+    """A corpus of a few small undocumented .py files, far smaller than the standard library (tokenizers train on
+    it in well under a second)."""
+    for i in range(n_files):
+        body = "\n".join(f"def func_{i}_{j}(value):\n    return value * {j} + {i}\n" for j in range(n_funcs))
+        path = root / f"pkg{i % 2}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'"""Module {i}."""\n\n{body}')
+    return root

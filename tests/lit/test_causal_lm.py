@@ -17,22 +17,15 @@ from comera_lightning.lit import CausalLM
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import OptimConfig
 
+from helpers.code_tree import small_source_tree
+
 TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32,
             layer_config=dict(rank=8, embedding_rank=8, min_features=16))
 
 
-def _tree(root: Path, n_files: int = 8) -> Path:
-    for i in range(n_files):
-        body = "\n".join(f"def func_{i}_{j}(value):\n    return value * {j} + {i}\n" for j in range(25))
-        path = root / f"pkg{i % 2}" / f"mod{i}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f'"""Module {i}."""\n\n{body}')
-    return root
-
-
 @pytest.fixture
 def datamodule(tmp_path) -> CodeLMDataModule:
-    return CodeLMDataModule(root=str(_tree(tmp_path / "src")), vocab_size=400, seq_len=32, batch_size=8,
+    return CodeLMDataModule(root=str(small_source_tree(tmp_path / "src")), vocab_size=400, seq_len=32, batch_size=8,
                             val_fraction=0.25, cache_dir=str(tmp_path / "cache"), num_prompts=2, prompt_len=6)
 
 
