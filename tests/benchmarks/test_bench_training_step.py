@@ -56,12 +56,13 @@ def test_scaling_shape_and_its_validation():
         bts.scaling_shape(100, 2, TINY)
 
 
-def test_packed_dropout_reaches_every_candidate(batch):
-    shape = replace(TINY, dropout=0.1, packed_dropout=True)
+def test_the_dropout_choice_reaches_every_candidate(batch):
+    shape = replace(TINY, dropout=0.1)  # the models' default: packed masks
     for cand in (bts.dense_adamw(shape, *batch), bts.comera(shape, *batch)):
         assert any(isinstance(m, PackedDropout) for m in cand.model.modules())
         assert math.isfinite(float(cand.step()))
-    assert not any(isinstance(m, PackedDropout) for m in bts.build_model(TINY, tt=True).modules())
+    torch_dropout = replace(shape, packed_dropout=False)  # --torch-dropout
+    assert not any(isinstance(m, PackedDropout) for m in bts.build_model(torch_dropout, tt=True).modules())
 
 
 def test_dense_and_comera_candidates_train_with_finite_losses(batch):
