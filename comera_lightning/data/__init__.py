@@ -2,6 +2,8 @@
 
 * :class:`CodeMLMDataModule`: masked-LM on source files, by default the Python standard library.
 * :class:`CodeLMDataModule`: next-token (causal LM) pre-training on the same corpus, packed rows.
+* :class:`TextLMDataModule`: next-token pre-training on a user's own text, JSON lines, Parquet or ``datasets``
+  corpus at any size, tokenised once to disk and streamed, sharded by DDP rank.
 * :class:`MNLIDataModule`: GLUE MNLI from a ``datasets.save_to_disk`` folder, GLUE TSVs or JSONL.
 * :class:`CodePairsDataModule`: MNLI-shaped pair classification (docstring vs function body: match, same
   module, other module) built offline from source files, by default the Python standard library.
@@ -24,6 +26,7 @@ from .ctr import (
     synthetic_criteo,
     write_synthetic_criteo_tsv,
 )
+from .text_lm import TextLMDataModule
 from .glue import MNLI_LABELS, MNLIDataModule, read_mnli_split, write_synthetic_mnli
 from .tokenizer import (
     SPECIAL_TOKENS,
@@ -48,6 +51,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "SpecialTokenIds",
     "TensorDictDataset",
+    "TextLMDataModule",
     "cached_bpe_tokenizer",
     "discover_files",
     "extract_documented_functions",

@@ -1,0 +1,371 @@
+"""Next-token pre-training on a user's own local corpus, at any size: tokenised once to disk, then streamed.
+
+The data flow goes one way:
+
+1. **Sources** (:mod:`.text_sources`): ``files`` globs of ``.txt`` / ``.jsonl`` / ``.parquet`` files (``.gz``
+   too), or a ``datasets.save_to_disk`` folder (``dataset_path``), read as bounded pieces of documents.
+2. **Tokenizer**: a given ``tokenizer.json`` (HF ``tokenizers``; its own end-of-document token), or a
+   byte-level BPE trained here on the first ``tokenizer_sample_mb`` of training text (``[SEP]`` ends a
+   document), cached like the other modules' tokenizers.
+3. **Tokenising once** (``prepare_data``, local rank 0): pieces are encoded in batches of about 4 MB of text by
+   ``encode_batch`` (the tokenizers library's Rust threads: every core) and appended to a token store
+   (:mod:`.token_store`): ``train.bin`` / ``val.bin`` and ``meta.json`` under ``token_dir`` (default
+   ``<cache_dir>/text-lm/<key>``, the key hashing the corpus, the tokenizer and the split). Memory is bounded
+   by the batch, not by the corpus. Each document's side is decided by a stable hash of its identity and
+   the seed (``val_fraction`` of the documents), or by separate ``val_files``, or by a ``DatasetDict``'s
+   ``validation`` split.
+4. **Streaming rows**: packed rows of ``seq_len`` tokens read from the files by ``pread``
+   (:class:`~.token_store.TokenRows`), shuffled by a keyed permutation in constant memory and sharded by
+   DDP rank (:class:`~.token_store.ShardedShuffleSampler`), through a
+   :class:`~.common.ResumableDataLoader`, so a killed fit resumes the stream where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from .code_lm import LMCollator
+from .common import ResumableDataLoader, TensorDictDataset, cache_key, stable_unit
+from .corpus import stdlib_root
+from .text_sources import Piece, TextSource, dataset_sources, iter_pieces, resolve_files, sources_fingerprint
+from .token_store import ShardedShuffleSampler, TokenRows, TokenStoreWriter, read_token_store, token_dtype
+from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, encode_texts, file_sha1, load_tokenizer
+
+__all__ = ["EOS_TOKEN_NAMES", "TextLMDataModule"]
+
+#: end-of-document tokens looked up, in this order, in a given tokenizer (GPT-2/LLaMA-3, LLaMA-2/T5, ...)
+EOS_TOKEN_NAMES: tuple[str, ...] = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]", "<|im_end|>")
+_STORE_VERSION = 1
+#: text per encode_batch call: enough pieces to keep every core busy, bounded memory
+_BATCH_BYTES = 4 << 20
+
+
+class TextLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
+    """Packed next-token batches from local text, JSON lines, Parquet or a ``datasets`` folder (module docstring).
+
+    Batches: ``input_ids`` and ``labels`` (B, ``seq_len``) long; ``labels`` is ``-100`` only on the padded end
+    of a split's last row. ``test_dataloader`` gives the validation rows again; ``predict_dataloader`` gives
+    ``num_prompts`` prompts of ``prompt_len`` tokens spread over the validation rows.
+
+    Args:
+        files: glob(s) of the training corpus (``**`` recurses); relative ones are taken from ``root``.
+        dataset_path: a ``datasets.save_to_disk`` folder instead of ``files``.
+        text_field: the JSON key / column that holds a document's text.
+        val_files: glob(s) of separate validation files (then ``val_fraction`` is not used).
+        val_fraction: fraction of the documents held out for validation, by a stable hash under ``seed``.
+        root: folder of relative globs (default: the working directory); ``"stdlib"`` is the Python standard
+            library, a corpus every installation has (the CPU example's).
+        tokenizer_path: a local ``tokenizer.json``; ``None`` trains a byte-level BPE of ``vocab_size``.
+        eos_token: the end-of-document token of a given tokenizer; ``None`` looks up :data:`EOS_TOKEN_NAMES`.
+        vocab_size: size of the BPE to train, or the largest vocabulary a given tokenizer may have (the
+            model's embedding has ``model.vocab_size >= data.vocab_size`` rows).
+        seq_len: tokens per row.
+        batch_size: rows per batch (per process).
+        token_dir: where the token store goes (default: under ``cache_dir``, keyed by corpus and tokenizer);
+            an existing store written from another corpus or tokenizer is refused, never overwritten.
+        cache_dir: root of the caches (trained tokenizers, token stores).
+        tokenizer_sample_mb: megabytes of training text a BPE is trained on.
+        prompt_len, num_prompts: prediction prompts.
+        num_workers: DataLoader worker processes.
+        seed: the training order and the validation split.
+    """
+
+    def __init__(
+        self,
+        files: str | list[str] | None = None,
+        dataset_path: str | None = None,
+        text_field: str = "text",
+        val_files: str | list[str] | None = None,
+        val_fraction: float = 0.01,
+        root: str | None = None,
+        tokenizer_path: str | None = None,
+        eos_token: str | None = None,
+        vocab_size: int = 32000,
+        seq_len: int = 256,
+        batch_size: int = 32,
+        token_dir: str | None = None,
+        cache_dir: str = ".cache/comera",
+        tokenizer_sample_mb: float = 64.0,
+        prompt_len: int = 16,
+        num_prompts: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if (files is None) == (dataset_path is None):
+            raise ValueError(
+                "pass exactly one corpus: data.files (globs of .txt/.jsonl/.parquet files) or data.dataset_path "
+                f"(a datasets.save_to_disk folder); got files={files!r}, dataset_path={dataset_path!r}"
+            )
+        if dataset_path is not None and val_files is not None:
+            raise ValueError("val_files= goes with files=; a dataset_path's validation comes from its 'validation' "
+                             "split or val_fraction")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if seq_len < 2 or batch_size < 1:
+            raise ValueError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
+        if prompt_len < 1 or num_prompts < 1:
+            raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
+        if tokenizer_sample_mb <= 0:
+            raise ValueError(f"tokenizer_sample_mb must be > 0, got {tokenizer_sample_mb}")
+        self.save_hyperparameters()
+        self.files, self.dataset_path, self.text_field = files, dataset_path, text_field
+        self.val_files, self.val_fraction, self.root = val_files, val_fraction, root
+        self.tokenizer_path, self.eos_token, self.vocab_size = tokenizer_path, eos_token, vocab_size
+        self.seq_len, self.batch_size, self.token_dir, self.cache_dir = seq_len, batch_size, token_dir, cache_dir
+        self.tokenizer_sample_mb = tokenizer_sample_mb
+        self.prompt_len, self.num_prompts, self.num_workers, self.seed = prompt_len, num_prompts, num_workers, seed
+        self._tokenizer_file: Path | None = None
+        self._tokenizer: Any = None
+        self._sources: dict[str, list[TextSource]] | None = None
+        self.train_dataset: TokenRows | None = None
+        self.val_dataset: TokenRows | None = None
+
+    # ------------------------------------------------------------------ corpus
+    def sources(self) -> dict[str, list[TextSource]]:
+        """``{"train": [...], "val": [...]}``: the inputs of each split (``val`` empty when split by document)."""
+        if self._sources is None:
+            if self.dataset_path is not None:
+                splits = dataset_sources(self.dataset_path)
+                self._sources = {"train": [splits["train"]], "val": [splits["validation"]] if "validation" in splits
+                                 else []}
+            else:
+                root = stdlib_root() if self.root == "stdlib" else self.root
+                train = resolve_files(self.files, root, "files")  # type: ignore[arg-type]
+                val = resolve_files(self.val_files, root, "val_files") if self.val_files is not None else []
+                overlap = {s.path for s in train} & {s.path for s in val}
+                if overlap:
+                    raise ValueError(
+                        f"{len(overlap)} file(s) match both files= and val_files=, e.g. {str(min(overlap))!r}; "
+                        "make the two globs disjoint"
+                    )
+                self._sources = {"train": train, "val": val}
+        return self._sources
+
+    def _split_by_document(self) -> bool:
+        return not self.sources()["val"]
+
+    def _is_validation(self, piece: Piece) -> bool:
+        return stable_unit(piece.doc, f"val{self.seed}") < self.val_fraction
+
+    def _pieces(self, split: str) -> Iterator[tuple[str, Piece]]:
+        """(split, piece) of every document, training sources first."""
+        by_document = self._split_by_document()
+        for source in self.sources()[split]:
+            for piece in iter_pieces(source, self.text_field):
+                side = split if not by_document else "val" if self._is_validation(piece) else "train"
+                yield side, piece
+
+    # ------------------------------------------------------------------ tokenizer
+    def _ensure_tokenizer_file(self) -> Path:
+        if self._tokenizer_file is None:
+            if self.tokenizer_path is not None:
+                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
+                load_tokenizer(self._tokenizer_file)  # a missing file fails here, clearly
+            else:
+                budget = int(self.tokenizer_sample_mb * 2**20)
+                self._tokenizer_file, _ = cached_bpe_tokenizer(
+                    self.cache_dir, "text", {"corpus": self._corpus_fingerprint(), "text_field": self.text_field,
+                                             "sample_bytes": budget}, lambda: self._sample_text(budget),
+                    self.vocab_size)
+        return self._tokenizer_file
+
+    def _sample_text(self, budget: int) -> Iterator[str]:
+        seen = 0
+        for side, piece in self._pieces("train"):
+            if side == "train":
+                yield piece.text
+                seen += len(piece.text)
+                if seen >= budget:
+                    return
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token after every document (the tokenizer's own; ``[SEP]`` in a trained BPE)."""
+        names = (self.eos_token,) if self.eos_token is not None else EOS_TOKEN_NAMES
+        for name in names:
+            found = self.tokenizer.token_to_id(name)
+            if found is not None:
+                return int(found)
+        raise ValueError(
+            f"tokenizer {str(self._tokenizer_file)!r} has no end-of-document token (looked for {list(names)}); set "
+            "data.eos_token to the token that ends a document in it"
+        )
+
+    @property
+    def pad_id(self) -> int:
+        """Input id of the padded end of a split's last row (never a target): the tokenizer's pad, else EOS."""
+        for name in ("[PAD]", "<pad>", "<|pad|>"):
+            found = self.tokenizer.token_to_id(name)
+            if found is not None:
+                return int(found)
+        return self.eos_id
+
+    # ------------------------------------------------------------------ token store
+    def _corpus_fingerprint(self) -> str:
+        sources = self.sources()
+        return sources_fingerprint([*sources["train"], *sources["val"]])
+
+    def _identity(self) -> dict[str, Any]:
+        """What a token store must have been written from to be reused."""
+        return {
+            "version": _STORE_VERSION,
+            "tokenizer_sha1": file_sha1(self._ensure_tokenizer_file()),
+            "corpus": self._corpus_fingerprint(),
+            "text_field": self.text_field,
+            "eos_id": self.eos_id,
+            "split": ({"val_fraction": self.val_fraction, "seed": self.seed} if self._split_by_document()
+                      else {"val_sources": [s.name for s in self.sources()["val"]]}),
+        }
+
+    def token_folder(self) -> Path:
+        """The token store of this corpus and tokenizer (``token_dir``, or its keyed folder under ``cache_dir``)."""
+        if self.token_dir is not None:
+            return Path(self.token_dir).expanduser()
+        return Path(self.cache_dir).expanduser() / "text-lm" / cache_key(self._identity())
+
+    def _check_store(self, folder: Path, meta: dict[str, Any]) -> None:
+        expected = self._identity()
+        different = [key for key in expected if meta.get(key) != expected[key]]
+        if not different:
+            return
+        what = ("another tokenizer" if "tokenizer_sha1" in different else
+                "another corpus or split" if {"corpus", "split", "text_field"} & set(different) else
+                "another version or end-of-document token")
+        raise ValueError(
+            f"the token store {str(folder)!r} was written by {what} (differs in {different}); nothing was "
+            "overwritten: pass a new data.token_dir for this corpus and tokenizer, or delete that folder to "
+            "tokenise again"
+        )
+
+    def tokenize(self) -> Path:
+        """Write the token store if it is missing (checking an existing one against this corpus and tokenizer)."""
+        folder = self.token_folder()
+        meta = read_token_store(folder)
+        if meta is not None:
+            self._check_store(folder, meta)
+            return folder
+        if folder.exists() and any(folder.iterdir()):
+            raise ValueError(
+                f"token_dir {str(folder)!r} exists and is not a token store (no meta.json); nothing was "
+                "overwritten: pass an empty or new folder as data.token_dir"
+            )
+        if folder.exists():
+            folder.rmdir()  # an empty folder: the store's rename needs the name free
+        identity = self._identity()
+        writer = TokenStoreWriter(folder, token_dtype(self.vocab_size_actual))
+        try:
+            self._write_tokens(writer)
+            if writer.counts["train"] < 2:
+                raise ValueError(
+                    f"the training documents of {self.files or self.dataset_path!r} give {writer.counts['train']} "
+                    "token(s); a corpus needs at least two (point files= at non-empty documents)"
+                )
+            writer.commit({**identity, "tokenizer": str(self._tokenizer_file), "vocab_size": self.vocab_size_actual,
+                           "pad_id": self.pad_id})
+        except BaseException:
+            writer.abort()
+            raise
+        return folder
+
+    def _write_tokens(self, writer: TokenStoreWriter) -> None:
+        eos = np.asarray([self.eos_id], dtype=np.int64)
+        batch: list[tuple[str, Piece]] = []
+        size = 0
+
+        def flush() -> None:
+            for (side, piece), ids in zip(batch, encode_texts(self.tokenizer, [p.text for _, p in batch])):
+                writer.append(side, ids)
+                if piece.doc_end:
+                    writer.append(side, eos)
+            batch.clear()
+
+        for split in ("train", "val"):
+            for side, piece in self._pieces(split):
+                batch.append((side, piece))
+                size += len(piece.text)
+                if size >= _BATCH_BYTES:
+                    flush()
+                    size = 0
+        flush()
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def prepare_data(self) -> None:
+        """Load or train the tokenizer and tokenise the corpus once (Lightning calls this on local rank 0)."""
+        self.tokenize()
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Open the token store's splits as packed rows (every stage opens both)."""
+        if self.train_dataset is not None:
+            return
+        folder = self.tokenize()  # checks the store; writes it only when prepare_data did not run
+        meta = read_token_store(folder)
+        assert meta is not None
+        pad = int(meta["pad_id"])
+        self.train_dataset = TokenRows(folder / "train.bin", meta["dtype"], self.seq_len, pad)
+        self.val_dataset = TokenRows(folder / "val.bin", meta["dtype"], self.seq_len, pad)
+
+    def _datasets(self, stage: str) -> tuple[TokenRows, TokenRows]:
+        if self.train_dataset is None or self.val_dataset is None:
+            self.setup(stage)
+        return self.train_dataset, self.val_dataset  # type: ignore[return-value]
+
+    def _loader(self, rows: Any, sampler: ShardedShuffleSampler, loader: type[DataLoader] = DataLoader,
+                keep_index: bool = False) -> DataLoader:
+        return loader(rows, sampler=sampler, batch_size=self.batch_size, collate_fn=LMCollator(keep_index),
+                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                      generator=torch.Generator().manual_seed(self.seed))
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled rows, this rank's share (order a function of seed and epoch), resumable mid-epoch."""
+        rows = self._datasets("fit")[0]
+        return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=True, seed=self.seed), ResumableDataLoader)
+
+    def _eval_loader(self, stage: str) -> DataLoader | list:
+        rows = self._datasets(stage)[1]
+        if len(rows) == 0:
+            return []
+        return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=False))
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation rows in order, this rank's share; ``[]`` without validation documents."""
+        return self._eval_loader("validate")
+
+    @override
+    def test_dataloader(self) -> DataLoader | list:
+        """The validation rows again."""
+        return self._eval_loader("test")
+
+    def prompts(self) -> torch.Tensor:
+        """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
+        rows = self._datasets("predict")[1]
+        if len(rows) == 0:
+            return torch.zeros(0, self.prompt_len, dtype=torch.long)
+        picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
+        return rows.__getitems__(picks.tolist())["input_ids"][:, : self.prompt_len]
+
+    @override
+    def predict_dataloader(self) -> DataLoader | list:
+        """Prompts for sampling (:meth:`prompts`): ``input_ids`` and ``index`` (the prompt number)."""
+        prompts = self.prompts()
+        if len(prompts) == 0:
+            return []
+        return DataLoader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
+                          collate_fn=LMCollator(keep_index=True))
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Text of a sequence of token ids (special tokens dropped)."""
+        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
