@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -314,6 +315,12 @@ class TextLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
         pad = int(meta["pad_id"])
         self.train_dataset = TokenRows(folder / "train.bin", meta["dtype"], self.seq_len, pad)
         self.val_dataset = TokenRows(folder / "val.bin", meta["dtype"], self.seq_len, pad)
+        if len(self.val_dataset) == 0 and (self.val_fraction > 0 or not self._split_by_document()):
+            rank_zero_warn(
+                f"the validation split of {self.files or self.dataset_path!r} is empty (too few documents for "
+                f"val_fraction={self.val_fraction}): validation is skipped; raise data.val_fraction or pass "
+                "data.val_files"
+            )
 
     def _datasets(self, stage: str) -> tuple[TokenRows, TokenRows]:
         if self.train_dataset is None or self.val_dataset is None:

@@ -14,17 +14,19 @@ from comera_lightning.nn import size_report, tt_layers
 
 from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree
 
-LLM_CONFIGS = ["llm_cpu.yaml", "llm_60m.yaml", "llm_130m.yaml"]
+LLM_CONFIGS = {"llm_cpu.yaml": "CodeLMDataModule", "llm_text_cpu.yaml": "TextLMDataModule",
+               "llm_60m.yaml": "TextLMDataModule", "llm_130m.yaml": "TextLMDataModule"}
 NO_LOGGER = ["--trainer.logger=false"]  # MLflow is covered by test_cli.py; here it would only cost time
 
 
 @pytest.mark.parametrize("name", LLM_CONFIGS)
 def test_llm_config_parses(name, capsys):
+    data_module = LLM_CONFIGS[name]
     with pytest.raises(SystemExit) as exit_info:
         _run("fit", f"--config={CONFIGS / name}", "--print_config")
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "CausalLM" in out and "CodeLMDataModule" in out and "RankAdaptation" in out
+    assert "CausalLM" in out and data_module in out and "RankAdaptation" in out
 
 
 def test_llm_cpu_config_builds_a_tensorised_decoder():
@@ -67,3 +69,15 @@ def test_llm_cpu_fit_then_predict_samples_from_the_truncated_checkpoint(workdir,
     assert predicted.model.generate_top_k == 3  # the command line decides sampling, not the checkpoint
     out = capsys.readouterr().out
     assert out.count("--- continuation:") == 2
+
+
+def test_llm_text_cpu_config_reads_the_standard_library_as_plain_text():
+    from comera_lightning.data import TextLMDataModule
+
+    config = yaml.safe_load((CONFIGS / "llm_text_cpu.yaml").read_text())
+    datamodule = TextLMDataModule(**config["data"]["init_args"])
+    sources = datamodule.sources()
+    assert len(sources["train"]) > 100 and not sources["val"]  # validation: a fraction of the documents
+    assert {s.format for s in sources["train"]} == {"text"} and all(s.name.endswith(".py") for s in sources["train"])
+    model = CausalLM(**config["model"]["init_args"])
+    assert model.model.max_len >= datamodule.seq_len and model.vocab_size >= datamodule.vocab_size

@@ -361,3 +361,11 @@ def test_a_json_file_that_is_not_json_lines_names_the_line(tmp_path, tokenizer_f
     dm = _dm(tmp_path, files=str(tmp_path / "array.json"), tokenizer_path=str(tokenizer_file))
     with pytest.raises(ValueError, match=r"line 1 is not JSON .*write it as JSON lines"):
         dm.prepare_data()
+
+
+def test_an_empty_validation_split_is_said(tmp_path, docs, tokenizer_file):
+    dm = _dm(tmp_path, files=_write_corpus(tmp_path / "c", docs[:2], "txt"), tokenizer_path=str(tokenizer_file),
+             val_fraction=0.01)
+    with pytest.warns(UserWarning, match=r"validation split .* is empty .*raise data.val_fraction or pass data.val_files"):
+        dm.setup("fit")
+    assert dm.val_dataloader() == []

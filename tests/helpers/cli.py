@@ -20,6 +20,8 @@ TINY_TRAINER = ["--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.li
                 "--trainer.limit_val_batches=2", "--trainer.val_check_interval=null",
                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
                 "--trainer.accelerator=cpu", "--trainer.devices=1"]
+#: the shipped configs whose data module is TextLMDataModule
+TEXT_LM_CONFIGS = ("llm_60m.yaml", "llm_130m.yaml", "llm_text_cpu.yaml")
 TINY_DLRM_TABLES = str([50, 3000, 20, 1500, 7] + [30] * 21)
 
 
@@ -48,6 +50,10 @@ def _tiny_overrides(name: str, data_dir: Path) -> list[str]:
         overrides.append(f"--config={_callbacks_config(data_dir.parent, target_compression=3.0)}")
     if name.startswith("mnli"):
         overrides.append(f"--data.data_dir={data_dir}")
+    elif name in TEXT_LM_CONFIGS:  # a generated corpus instead of the configs' /data layout or the stdlib
+        corpus = small_source_tree(data_dir.parent / "text_corpus")
+        overrides += [f"--data.files={corpus}/pkg0/*.py", f"--data.val_files={corpus}/pkg1/*.py", "--data.root=null",
+                      "--data.tokenizer_path=null", "--data.num_workers=0"]
     elif name == "code_pairs.yaml":  # validates by step in the config; per epoch with TINY_TRAINER's interval
         overrides += ["--data.max_files=60", "--data.max_examples=300", "--data.val_fraction=0.25",
                       "--trainer.check_val_every_n_epoch=1"]
