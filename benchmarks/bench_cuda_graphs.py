@@ -11,8 +11,8 @@ Without CUDA it prints ``no CUDA device: skipped``; ``--backend replay`` runs th
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import itertools
 import math
 import statistics
 import time
@@ -21,8 +21,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader
 
 import harness
+from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.callbacks.rank_adaptation import after_truncation
+from comera_lightning.models import MaskedLanguageModel
+from comera_lightning.nn import tt_layers
+from comera_lightning.optim import comera_parameter_groups
+from comera_lightning.training import CudaGraphs
 
 IGNORE = -100
 TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}         # largest relative difference of a step's loss
@@ -49,38 +57,28 @@ QUICKSTART = Size("quickstart", vocab=2048, d_model=128, heads=4, d_ff=512, laye
 BASE = Size("base", vocab=30522, d_model=768, heads=12, d_ff=3072, layers=6, seq=128, batch=32, rank=30)
 
 
-def _module_class():
-    from lightning.pytorch import LightningModule
+class BenchMLM(LightningModule):
+    """Masked-LM with a capture-safe step: loss over every position with ignore_index (static shapes)."""
 
-    from comera_lightning.models import MaskedLanguageModel
-    from comera_lightning.optim import comera_parameter_groups
+    def __init__(self, size: Size, log_loss: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.size, self.log_loss = size, log_loss
+        self.model = MaskedLanguageModel(
+            vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff, num_layers=size.layers,
+            max_len=size.seq, dropout=0.0, layer_config=dict(tt_embeddings=False, rank=size.rank))
 
-    class BenchMLM(LightningModule):
-        """Masked-LM with a capture-safe step: loss over every position with ignore_index (static shapes)."""
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch["input_ids"])
+        loss = F.cross_entropy(logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1),
+                               ignore_index=IGNORE)
+        if self.log_loss:
+            self.log("train/loss", loss)
+        return loss
 
-        def __init__(self, size: Size, log_loss: bool = True) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.size, self.log_loss = size, log_loss
-            self.model = MaskedLanguageModel(
-                vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff,
-                num_layers=size.layers, max_len=size.seq, dropout=0.0, layer_config=dict(tt_embeddings=False,
-                                                                                         rank=size.rank),
-            )
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            logits = self.model(batch["input_ids"])
-            loss = F.cross_entropy(logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1),
-                                   ignore_index=IGNORE)
-            if self.log_loss:
-                self.log("train/loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            groups = comera_parameter_groups(self, lr_cores=2e-3, lr_gates=5e-3, lr_other=2e-3)
-            return torch.optim.AdamW(groups, weight_decay=0.0)
-
-    return BenchMLM
+    def configure_optimizers(self):
+        groups = comera_parameter_groups(self, lr_cores=2e-3, lr_gates=5e-3, lr_other=2e-3)
+        return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
 def make_batches(size: Size, count: int, device: str | torch.device = "cpu", seed: int = 0) -> list[dict]:
@@ -96,60 +94,49 @@ def make_batches(size: Size, count: int, device: str | torch.device = "cpu", see
     return batches
 
 
-def _callbacks(steps: int) -> list:
-    from lightning.pytorch import Callback
+class ForcedTruncation(Callback):
+    """At one step, kill the upper half of every bond of every TT layer and remove it physically."""
 
-    from comera_lightning.callbacks import RankAdaptation
-    from comera_lightning.nn import tt_layers
-    from comera_lightning.callbacks.rank_adaptation import after_truncation
+    def __init__(self, step: int) -> None:
+        self.step = step
 
-    class ForcedTruncation(Callback):
-        """At one step, kill the upper half of every bond of every TT layer and remove it physically."""
-
-        def __init__(self, step: int) -> None:
-            self.step = step
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step != self.step:
-                return
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
             for _, layer in tt_layers(pl_module):
                 after_truncation(trainer, layer.truncate_to_share_(0.5))
 
-    class StepTimer(Callback):
-        """Synchronised wall time of every training step inside the Lightning loop, and its loss."""
 
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
-            self._t0 = 0.0
+class StepTimer(Callback):
+    """Synchronised wall time of every training step inside the Lightning loop, and its loss."""
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._t0 = time.perf_counter()
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self._t0 = 0.0
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._t0)
-            self.losses.append(float(outputs["loss"]))
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._t0 = time.perf_counter()
 
-    return [RankAdaptation(gamma=0.01, truncate_every_n_steps=None), ForcedTruncation(max(2, steps // 2)), StepTimer()]
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self._t0)
+        self.losses.append(float(outputs["loss"]))
 
 
-def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None) -> tuple[Any, Any, list]:
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader
-
-    module = _module_class()(size)
+def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None) -> tuple[Any, Any, StepTimer]:
+    module = BenchMLM(size)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    callbacks = _callbacks(steps) + ([graphs] if graphs is not None else [])
+    timer = StepTimer()
+    callbacks = [RankAdaptation(gamma=0.01, truncate_every_n_steps=None), ForcedTruncation(max(2, steps // 2)), timer]
     trainer = Trainer(max_steps=steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1,
                       precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
-    loader = DataLoader(make_batches(size, 8), batch_size=None, shuffle=False)
-    trainer.fit(module, loader)
-    return module, start, callbacks
+                      enable_model_summary=False, callbacks=callbacks + ([graphs] if graphs else []),
+                      num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(make_batches(size, 8), batch_size=None, shuffle=False))
+    return module, start, timer
 
 
 def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
@@ -174,19 +161,16 @@ def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
 
 def compare_training(size: Size, steps: int, precision: str, device: str, backend: str = "cuda") -> dict:
     """Train eagerly and with CudaGraphs from the same seed; return differences, counters and loop step times."""
-    from comera_lightning.training import CudaGraphs
-
     graphs = CudaGraphs(backend=backend, warmup_steps=3)
-    captured, start_c, cb_c = _fit(size, steps, precision, device, graphs)
-    eager, start_e, cb_e = _fit(size, steps, precision, device, None)
+    captured, start_c, timer_c = _fit(size, steps, precision, device, graphs)
+    eager, start_e, timer_e = _fit(size, steps, precision, device, None)
     update_rel, max_abs, worst = _update_difference(captured, eager, start_c, start_e)
-    losses_c, losses_e = cb_c[-2].losses, cb_e[-1].losses
+    losses_c, losses_e = timer_c.losses, timer_e.losses
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e))
-    tol = TOLERANCE[precision]
-    update_tol = UPDATE_TOLERANCE[precision]
+    tol, update_tol = TOLERANCE[precision], UPDATE_TOLERANCE[precision]
     skip = graphs.warmup_steps + 1  # compare loop times of replayed steps only (not warm-up or capture)
-    loop_c = statistics.median(cb_c[-2].times[skip:]) if len(cb_c[-2].times) > skip else math.nan
-    loop_e = statistics.median(cb_e[-1].times[skip:]) if len(cb_e[-1].times) > skip else math.nan
+    loop_c, loop_e = (statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan
+                      for t in (timer_c, timer_e))
     return {
         "size": size.name, "precision": precision, "steps": steps, "backend": backend,
         "identical": bool(update_rel <= update_tol and loss_rel <= tol),
@@ -195,40 +179,32 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
         "losses": {"graphs": losses_c, "eager": losses_e},
         "graphs": {"captures": graphs.captures, "step_captures": graphs.step_captures, "replays": graphs.replays,
                    "eager_steps": graphs.eager_steps, "invalidations": len(graphs.invalidations)},
-        "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": cb_c[-2].times,
-                        "times_eager": cb_e[-1].times},
+        "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": timer_c.times, "times_eager": timer_e.times},
     }
 
 
-def time_steps(size: Size, precision: str, repeats: int, max_other_load: float, wait_quiet: float) -> dict:
-    """Bare step time (no Lightning loop), eager vs captured, interleaved; plus peak CUDA memory of each."""
-    from comera_lightning.training import CudaGraphs
-
-    cls = _module_class()
+def time_steps(size: Size, precision: str, **timing) -> dict:
+    """Bare step time (no Lightning loop), eager vs captured, interleaved (``timing``: :func:`harness.interleave`'s
+    keywords); plus peak CUDA memory of each."""
     batches = make_batches(size, 8, "cuda", seed=1)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16-mixed" \
-        else contextlib.nullcontext
-    eager_module = cls(size, log_loss=False).cuda()
+    bf16 = precision == "bf16-mixed"
+    eager_module = BenchMLM(size, log_loss=False).cuda()
     graph_module = copy.deepcopy(eager_module)
     eager_opt, graph_opt = eager_module.configure_optimizers(), graph_module.configure_optimizers()
     graphs = CudaGraphs(backend="cuda", warmup_steps=3)
     graphs.attach(graph_module, graph_opt, "cuda")
-    counter = {"eager": 0, "graphs": 0}
+    eager_batches, graph_batches = itertools.cycle(batches), itertools.cycle(batches)
 
     def eager_step() -> None:
-        batch = batches[counter["eager"] % len(batches)]
-        counter["eager"] += 1
         eager_opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = eager_module.training_step(batch, 0)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = eager_module.training_step(next(eager_batches), 0)
         loss.backward()
         eager_opt.step()
 
     def graph_step() -> None:
-        batch = batches[counter["graphs"] % len(batches)]
-        counter["graphs"] += 1
-        with autocast():
-            graph_module.training_step(batch, 0)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            graph_module.training_step(next(graph_batches), 0)
         graph_opt.step()
 
     try:
@@ -243,8 +219,7 @@ def time_steps(size: Size, precision: str, repeats: int, max_other_load: float, 
                 step()
             torch.cuda.synchronize()
             memory[name] = torch.cuda.max_memory_allocated()
-        timing = harness.interleave({"eager": eager_step, "graphs": graph_step}, repeats=repeats,
-                                    min_sample_s=0.2, max_other_load=max_other_load, wait_quiet_s=wait_quiet)
+        timing = harness.interleave({"eager": eager_step, "graphs": graph_step}, min_sample_s=0.2, **timing)
         assert graphs.captures == 1 and graphs.replays > 0, "the captured step never replayed"
     finally:
         graphs.detach()
@@ -292,13 +267,13 @@ def plot(timings: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     """Identity check (and, on a GPU, step timing) per size and precision; exit 1 when a run is not identical."""
     parser = harness.bench_parser(__doc__.split("\n\n")[0], repeats=(5, 5))
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=int, default=harness.Quick(20, 40),
                         help="training steps of the identity check (default 40, --quick 20)")
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
     parser.add_argument("--backend", choices=["cuda", "replay"], default="cuda",
                         help="replay: identity check with the eager replay backend on the CPU (no timing)")
     args = harness.parse(parser, argv)
-    if args.steps is not None and args.steps < 4:
+    if args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
     on_gpu = args.backend == "cuda"
     json_path = args.out_dir / "cuda_graphs.json"
@@ -307,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         harness.write_json(json_path, {"skipped": True, "machine": harness.machine_info(),
                                        "reason": "no CUDA device: torch.cuda.is_available() is False on this machine"})
         return 0
-    steps = args.steps or (20 if args.quick else 40)
+    steps = args.steps
     sizes = ([QUICKSTART] if args.quick else [QUICKSTART, BASE]) if on_gpu else ([TINY] if args.quick else [QUICKSTART])
     identity, timings = [], []
     for size in sizes:
         for precision in args.precision:
             identity.append(compare_training(size, steps, precision, "cuda" if on_gpu else "cpu", args.backend))
             if on_gpu:
-                timings.append(time_steps(size, precision, args.repeats, args.max_other_load, args.wait_quiet))
+                timings.append(time_steps(size, precision, **harness.timing_options(args)))
     print(f"CUDA graphs vs eager ({args.backend} backend, {steps} steps per identity run)\n")
     print(report(identity, timings, on_gpu))
     settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,

@@ -65,12 +65,6 @@ class RandomMLMBatches(Dataset):
                 "attention_mask": torch.ones(SEQ, dtype=torch.long)}
 
 
-def resident_bytes() -> int:
-    """Resident set of this process (``/proc/self/statm``, Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class MemorySampler(Callback):
     """Every ``every`` optimiser steps: RSS, traced Python heap, open descriptors; the top growing sites at the end."""
 
@@ -80,7 +74,7 @@ class MemorySampler(Callback):
         self._first_snapshot = None
 
     def _sample(self, step: int) -> None:
-        sample = {"step": step, "rss_bytes": resident_bytes(), "python_blocks": sys.getallocatedblocks(),
+        sample = {"step": step, "rss_bytes": harness.resident_bytes(), "python_blocks": sys.getallocatedblocks(),
                   "open_fds": len(os.listdir("/proc/self/fd"))}
         if self.trace_python:
             sample["python_heap_bytes"] = tracemalloc.get_traced_memory()[0]
@@ -135,30 +129,26 @@ def run_mode(mode: str, steps: int, every: int, workdir: Path, trace_python: boo
 
 def growth_per_10k(samples: list[dict], key: str, warmup: int) -> float | None:
     """Least-squares slope of ``key`` against the step after ``warmup``, in bytes per 10,000 steps."""
-    points = [(s["step"], s[key]) for s in samples if s["step"] >= warmup]
-    if len(points) < 2:
-        return None
-    n = len(points)
-    mean_x, mean_y = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
-    var = sum((x - mean_x) ** 2 for x, _ in points)
-    return None if var == 0 else 1e4 * sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    per_step = harness.slope([(s["step"], s[key]) for s in samples if s["step"] >= warmup])
+    return None if per_step is None else 1e4 * per_step
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run, print the tables, write JSON/MD/PNG; returns 0 (run.py's contract)."""
     parser = harness.bench_parser(__doc__, threads=1)
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps per mode (default 20000, quick 300)")
-    parser.add_argument("--sample-every", type=int, default=None, help="steps between samples (1000, quick 50)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the slope (2000, quick 100)")
+    parser.add_argument("--steps", type=int, default=harness.Quick(300, 20000),
+                        help="optimiser steps per mode (default 20000, quick 300)")
+    parser.add_argument("--sample-every", type=int, default=harness.Quick(50, 1000),
+                        help="steps between samples (1000, quick 50)")
+    parser.add_argument("--warmup", type=int, default=harness.Quick(100, 2000),
+                        help="steps left out of the slope (2000, quick 100)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--parallel", type=int, default=2, help="modes running at once, one thread each (default 2)")
     parser.add_argument("--trace-python", action="store_true", help="tracemalloc's heap and top growing lines")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = harness.parse(parser, argv)
-    steps = args.steps or (300 if args.quick else 20000)
-    every = args.sample_every or (50 if args.quick else 1000)
-    warmup = args.warmup if args.warmup is not None else (100 if args.quick else 2000)
+    steps, every, warmup = args.steps, args.sample_every, args.warmup
     if min(steps, every) < 1 or warmup < 0 or warmup >= steps:
         parser.error(f"need steps >= 1, sample-every >= 1 and 0 <= warmup < steps; got {steps}, {every}, {warmup}")
     if args.child:  # one mode in a fresh process

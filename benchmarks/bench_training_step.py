@@ -16,7 +16,7 @@ import copy
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -70,16 +70,10 @@ def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
     """The shape of the paper's MNLI run, read from ``configs/mnli_6enc.yaml`` so both stay in sync."""
     import yaml
 
-    if not config.is_file():
-        raise FileNotFoundError(f"{config} not found: run the benchmark from a checkout of the repository")
     parsed = yaml.safe_load(config.read_text())
-    model, layer, optim = (parsed["model"]["init_args"], parsed["model"]["init_args"]["layer_config"],
-                           parsed["model"]["init_args"]["optim"])
-    return Shape(vocab_size=model["vocab_size"], d_model=model["d_model"], num_heads=model["num_heads"],
-                 d_ff=model["d_ff"], num_layers=model["num_layers"], seq_len=parsed["data"]["init_args"]["seq_len"],
-                 num_classes=model["num_classes"], dropout=model["dropout"], rank=layer["rank"],
-                 embedding_rank=layer["embedding_rank"], dense_layers=layer["dense_layers"],
-                 lr_cores=optim["lr_cores"], lr_gates=optim["lr_gates"], lr_other=optim["lr_other"])
+    model = parsed["model"]["init_args"]
+    values = {**model, **model["layer_config"], **model["optim"], "seq_len": parsed["data"]["init_args"]["seq_len"]}
+    return Shape(**{f.name: values[f.name] for f in fields(Shape) if f.name in values})
 
 
 def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
@@ -111,6 +105,11 @@ def make_batch(shape: Shape, batch: int, seed: int = 0) -> tuple[torch.Tensor, t
 def trainable_parameters(model: nn.Module) -> int:
     """Number of trainable parameters (TT cores and gates included)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def tt_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The TT layers' cores and gates."""
+    return [p for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -294,7 +293,7 @@ def parameters_after_cut(model: nn.Module, keep: float) -> int:
     for _, layer in tt_layers(model):
         ranks = [1] + [leading_share(r, keep) for r in layer.ranks[1:-1]] + [1]
         total += train_parameter_count(layer.mode_sizes, ranks) + sum(ranks[1:-1])
-    tt_ids = {id(p) for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]}
+    tt_ids = {id(p) for p in tt_parameters(model)}
     return total + sum(p.numel() for p in model.parameters() if id(p) not in tt_ids and p.requires_grad)
 
 
@@ -306,7 +305,7 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
     parameters (cores and gates). Returns ``(keep, basis, target)`` with basis ``"total"`` or ``"tt"``.
     """
     total = trainable_parameters(model)
-    tt_total = sum(p.numel() for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates])
+    tt_total = sum(p.numel() for p in tt_parameters(model))
     if fraction * total > parameters_after_cut(model, 0.0):
         basis, target = "total", round(fraction * total)
     else:
@@ -333,9 +332,8 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
     keep, basis, target = quarter_keep(model, fraction)
     cut(model, cand.optimizer, keep)
     cand.prime()
-    tt_ids = {id(p) for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]}
     cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model),
-                     tt_parameters=sum(p.numel() for p in model.parameters() if id(p) in tt_ids),
+                     tt_parameters=sum(p.numel() for p in tt_parameters(model)),
                      ranks={n: layer.ranks for n, layer in tt_layers(model)})
     return cand
 
@@ -348,6 +346,23 @@ def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
     """``harness.peak_memory`` of one step of ``cand`` (inputs and GaLore's projectors tracked too)."""
     return harness.peak_memory(cand.step, modules=[cand.model], optimizers=[cand.optimizer],
                                tensors=[*cand.extra_tensors(), *inputs])
+
+
+def measure(cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0,
+            **timing) -> tuple[harness.Timing, dict]:
+    """The candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords), then per
+    candidate its trainable parameters, median and fastest step, peak memory, page faults and system time of a
+    step, and its ``info``; a skipped candidate gets why. Returns (timing, entries by name)."""
+    inputs = list(inputs)
+    live = [c for c in cands if c.skipped is None]
+    timing = harness.interleave({c.name: c.step for c in live}, seed=seed, **timing)
+    entries = {c.name: {"skipped": c.skipped} for c in cands}
+    for c in live:
+        entries[c.name].update({"parameters": c.parameters, "median_s": timing.median(c.name),
+                                "min_s": timing.minimum(c.name), "memory": measure_memory(c, inputs),
+                                "kernel": harness.kernel_work(c.step),
+                                **{k: v for k, v in c.info.items() if k != "refresh_step"}})
+    return timing, entries
 
 
 def time_galore_refresh(cand: Candidate, samples: int) -> dict:
@@ -381,47 +396,29 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
 
 
 def run_batch(shape: Shape, batch: int, refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
-              min_sample_s: float = 1.0, min_total_s: float = 40.0, **timing) -> tuple[dict, dict]:
-    """All four candidates at one batch size: interleaved timing (``timing``: :func:`harness.interleave`'s repeats,
-    max_other_load, wait_quiet_s), peak memory, kernel work; returns (results, candidates)."""
+              **timing) -> tuple[dict, dict]:
+    """All four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's refresh step and the TT
+    layers' sizes; returns (results, candidates)."""
     ids, labels = make_batch(shape, batch, seed)
     t0 = time.perf_counter()
     base = comera(shape, ids, labels, seed)
     cands = [dense_adamw(shape, ids, labels, seed), dense_galore(shape, ids, labels, seed), base,
              comera_quarter(base, shape, ids, labels)]
     log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
-    active = [c for c in cands if c.skipped is None]
-    # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
-    # short steps varied by 30 % from run to run, more than the differences being measured
-    timing = harness.interleave({c.name: c.step for c in active}, min_sample_s=min_sample_s, min_total_s=min_total_s,
-                                seed=seed, **timing)
-    log(f"  timed ({timing.noise_cell()} clean rounds) at {time.perf_counter() - t0:.0f} s")
-    out: dict = {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary(),
-                 "candidates": {}}
-    for c in cands:
-        if c.skipped:
-            out["candidates"][c.name] = {"skipped": c.skipped}
-            continue
-        entry = {"skipped": None, "parameters": c.parameters, "median_s": timing.median(c.name),
-                 "min_s": timing.minimum(c.name), "memory": measure_memory(c, (ids, labels)),
-                 "kernel": harness.kernel_work(c.step), **{k: v for k, v in c.info.items() if k != "refresh_step"}}
+    timing, entries = measure(cands, (ids, labels), seed=seed, **timing)
+    log(f"  timed ({timing.noise_cell()} clean rounds) and measured at {time.perf_counter() - t0:.0f} s")
+    live = [c for c in cands if c.skipped is None]
+    for c in live:
         if c.name == GALORE and refresh_samples > 0:
-            entry["refresh"] = time_galore_refresh(c, refresh_samples)
-        if c.name in (DENSE, GALORE):
-            entry["tt_parameters"] = 0
+            entries[c.name]["refresh"] = time_galore_refresh(c, refresh_samples)
+        if tt_layers(c.model):
+            entries[c.name]["size_report"] = size_report(c.model).as_dict()
         else:
-            entry["size_report"] = size_report(c.model).as_dict()
-        out["candidates"][c.name] = entry
-    log(f"  memory measured at {time.perf_counter() - t0:.0f} s")
-    names = [c.name for c in active]
-    out["paired_ratio_noise"] = {}
-    for a in names:
-        for b in names:
-            if a != b:
-                paired = timing.paired_ratios(a, b)
-                out["paired_ratio_noise"][f"{a}/{b}"] = {"median": statistics.median(paired), "min": min(paired),
-                                                         "max": max(paired)}
-    return out, {c.name: c for c in cands}
+            entries[c.name]["tt_parameters"] = 0
+    paired = {f"{a.name}/{b.name}": timing.paired_ratios(a.name, b.name) for a in live for b in live if a is not b}
+    return {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary(), "candidates": entries,
+            "paired_ratio_noise": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+                                   for k, v in paired.items()}}, {c.name: c for c in cands}
 
 
 def finish_batch(res: dict, svd_extra_s: float | None) -> None:
@@ -435,11 +432,11 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
                                      "measured at batch 1 (the SVDs do not depend on the batch)" if extra is not None
                                      else "not measured (--refresh-samples 0): amortised = steady")
         g["amortised_s"] = g["median_s"] + (extra or 0.0) / g["settings"]["update_proj_gap"]
-    for entry in cands.values():
-        if not entry["skipped"]:
-            entry["tokens_per_s"] = res["tokens_per_step"] / entry.get("amortised_s", entry["median_s"])
     step = {n: None if e["skipped"] else e.get("amortised_s", e["median_s"]) for n, e in cands.items()}
     mem = {n: None if e["skipped"] else e["memory"]["total"] for n, e in cands.items()}
+    for name, entry in cands.items():
+        if not entry["skipped"]:
+            entry["tokens_per_s"] = res["tokens_per_step"] / step[name]
     res["ratios"] = {
         "time dense/CoMERA": harness.ratio(step[DENSE], step[COMERA]),
         "memory dense/CoMERA": harness.ratio(mem[DENSE], mem[COMERA]),
@@ -526,29 +523,30 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
 
 def plot_step(results: dict[int, dict], shape: Shape):
     """Bars: step time and peak memory per candidate, one bar per batch size (log scales)."""
-    fig, (ax_t, ax_m) = harness.new_figure(2, 6.5, 4.2)
+    fig, axes = harness.new_figure(2, 6.5, 4.2)
     names = list(next(iter(results.values()))["candidates"])
-    value = lambda e, f: 0 if e["skipped"] else f(e)  # noqa: E731
-    harness.bars(ax_t, names, {f"batch {b}": [value(r["candidates"][n], lambda e: e.get("amortised_s", e["median_s"])
-                                                    * 1e3) for n in names] for b, r in results.items()},
-                 "training step (ms, median; GaLore amortised)")
-    harness.bars(ax_m, names, {f"batch {b}": [value(r["candidates"][n], lambda e: e["memory"]["total"] / 2**20)
-                                              for n in names] for b, r in results.items()},
-                 "peak memory (MiB, MemTracker)")
+    panels = [("training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3),
+              ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
+    for ax, (label, value) in zip(axes, panels):
+        harness.bars(ax, names, {f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n])
+                                                for n in names] for b, r in results.items()}, label)
     fig.suptitle(f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
                  f"vocab {shape.vocab_size}), float32 CPU, {torch.get_num_threads()} threads")
     return fig
 
 
-def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], refresh_samples: int) -> dict:
+def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int]) -> dict:
     """Every batch of the step part, profiles where a target is missed (or always); returns the JSON payload."""
     results: dict[int, dict] = {}
     svd_extra = None
     profiles: dict[str, dict] = {}
     for b in batches:
         print(f"batch {b}:", flush=True)
-        res, cands = run_batch(shape, b, refresh_samples if b == 1 else 0, min_sample_s=0.01 if args.quick else 1.0,
-                               min_total_s=args.min_total_s, **harness.timing_options(args))
+        # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
+        # short steps varied by 30 % from run to run, more than the differences being measured
+        refresh = args.refresh_samples if b == 1 else 0
+        res, cands = run_batch(shape, b, refresh, min_sample_s=0.01 if args.quick else 1.0, min_total_s=args.min_total_s,
+                               **harness.timing_options(args))
         finish_batch(res, svd_extra)
         svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
         results[b] = res
@@ -589,25 +587,21 @@ def _modes(model: nn.Module) -> dict:
 
 def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed: int = 0,
                 log: Callable[[str], None] = print, **timing) -> list[dict]:
-    """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory."""
+    """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory (:func:`measure`)."""
     rows = []
     for d in d_models:
         shape = scaling_shape(d, num_layers, base)
         ids, labels = make_batch(shape, batch, seed)
         cands = [dense_adamw(shape, ids, labels, seed), comera(shape, ids, labels, seed)]
-        timing_ = harness.interleave({c.name: c.step for c in cands}, min_sample_s=0.5, seed=seed, **timing)
-        row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing_.summary(),
-               "modes": _modes(cands[1].model), "candidates": {}}
-        for c in cands:
-            row["candidates"][c.name] = {"parameters": c.parameters, "median_s": timing_.median(c.name),
-                                         "tokens_per_s": batch * shape.seq_len / timing_.median(c.name),
-                                         "memory": measure_memory(c, (ids, labels))}
-        row["time dense/CoMERA"] = timing_.ratio(DENSE, COMERA)
-        row["memory dense/CoMERA"] = (row["candidates"][DENSE]["memory"]["total"]
-                                      / row["candidates"][COMERA]["memory"]["total"])
+        timing_, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
+        for entry in entries.values():
+            entry["tokens_per_s"] = batch * shape.seq_len / entry["median_s"]
+        rows.append({"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing_.summary(),
+                     "modes": _modes(cands[1].model), "candidates": entries,
+                     "time dense/CoMERA": timing_.ratio(DENSE, COMERA),
+                     "memory dense/CoMERA": entries[DENSE]["memory"]["total"] / entries[COMERA]["memory"]["total"]})
         log(f"  d_model {d}: dense {harness.ms(timing_.median(DENSE))} ms, "
             f"CoMERA {harness.ms(timing_.median(COMERA))} ms ({timing_.noise_cell()})")
-        rows.append(row)
     return rows
 
 
@@ -628,19 +622,16 @@ def scaling_table(rows: list[dict]) -> str:
 
 def plot_scaling(rows: list[dict]):
     """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
-    fig, (ax_t, ax_m) = harness.new_figure(2, 5.5, 4.2)
+    fig, axes = harness.new_figure(2, 5.5, 4.2)
     ds = [r["d_model"] for r in rows]
-    for name, marker in ((DENSE, "o"), (COMERA, "s")):
-        ax_t.plot(ds, [r["candidates"][name]["median_s"] * 1e3 for r in rows], marker=marker, label=name)
-        ax_m.plot(ds, [r["candidates"][name]["memory"]["total"] / 2**20 for r in rows], marker=marker, label=name)
-    for ax, label in ((ax_t, "training step (ms, median)"), (ax_m, "peak memory (MiB, MemTracker)")):
+    panels = [("training step (ms, median)", lambda e: e["median_s"] * 1e3),
+              ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
+    for ax, (label, value) in zip(axes, panels):
+        for name, marker in ((DENSE, "o"), (COMERA, "s")):
+            ax.plot(ds, [value(r["candidates"][name]) for r in rows], marker=marker, label=name)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xticks(ds, [str(d) for d in ds])
-        ax.set_xlabel("d_model (heads d/64, d_ff 4d)")
-        ax.set_ylabel(label)
-        ax.legend()
-        ax.grid(alpha=0.3, which="both")
+        harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
     r0 = rows[0]
     fig.suptitle(f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
                  f"vocab {r0['shape']['vocab_size']}, float32 CPU")
@@ -649,16 +640,6 @@ def plot_scaling(rows: list[dict]):
 
 # ------------------------------------------------------------------------------------------------------
 # command line
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _d_models(text: str) -> list[int]:
@@ -674,20 +655,21 @@ def _d_models(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared options and the parts' own."""
+    quick, positive = harness.Quick, harness.positive_int
     parser = harness.bench_parser(__doc__, repeats=(2, 3))
     parser.add_argument("--part", choices=["step", "scaling", "all"], default="all",
                         help="step: candidates at the paper's shapes; scaling: cost against d_model; all: both")
-    parser.add_argument("--min-total-s", type=float, default=None,
+    parser.add_argument("--min-total-s", type=float, default=quick(0.0, 40.0),
                         help="clean timed seconds per candidate and batch at least (default 40, quick 0)")
-    parser.add_argument("--batch", type=_positive_int, default=None,
+    parser.add_argument("--batch", type=positive, default=quick(4, 32),
                         help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)")
-    parser.add_argument("--layers", type=_positive_int, default=None,
+    parser.add_argument("--layers", type=positive, default=quick(1, None),
                         help="encoder layers of the step part (default: the config's 6; quick 1)")
-    parser.add_argument("--d-models", type=_d_models, default=None,
+    parser.add_argument("--d-models", type=_d_models, default=quick([256, 512], [256, 512, 1024, 2048]),
                         help="scaling: d_model values (default 256,512,1024,2048; quick 256,512)")
-    parser.add_argument("--scaling-layers", type=_positive_int, default=None, help="scaling: layers (default 2)")
-    parser.add_argument("--scaling-batch", type=_positive_int, default=None, help="scaling: sequences (default 8)")
-    parser.add_argument("--refresh-samples", type=int, default=None,
+    parser.add_argument("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
+    parser.add_argument("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
+    parser.add_argument("--refresh-samples", type=int, default=quick(1, 2),
                         help="GaLore projection-refresh steps timed at batch 1 (default 2, quick 1; 0 skips)")
     parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                         help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
@@ -704,44 +686,34 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chosen parts, print the tables and verdicts, write JSON and PNGs; returns 0."""
     parser = build_parser()
     args = harness.parse(parser, argv)
-    quick = args.quick
-    refresh_samples = args.refresh_samples if args.refresh_samples is not None else (1 if quick else 2)
-    if refresh_samples < 0:
-        parser.error(f"--refresh-samples must be >= 0, got {refresh_samples}")
-    if args.min_total_s is None:
-        args.min_total_s = 0.0 if quick else 40.0
+    if args.refresh_samples < 0:
+        parser.error(f"--refresh-samples must be >= 0, got {args.refresh_samples}")
     paper = replace(paper_shape(), packed_dropout=not args.torch_dropout)
     stem = "_torch_dropout" if args.torch_dropout else ""
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
-    settings = {"quick": quick, "threads": torch.get_num_threads(), "repeats": args.repeats, "dtype": "float32",
-                "keep_freed_memory": args.keep_freed_memory, "max_other_load": args.max_other_load,
-                "wait_quiet_s": args.wait_quiet, "argv": argv or sys.argv[1:]}
+    settings = {**harness.settings(args), "threads": torch.get_num_threads(), "dtype": "float32",
+                "argv": argv or sys.argv[1:]}
     started = time.perf_counter()
     if args.part in ("step", "all"):
-        shape = replace(paper, num_layers=args.layers or (1 if quick else paper.num_layers))
-        batch = args.batch or (4 if quick else 32)
-        batches = [1] if batch == 1 else [1, batch]
+        shape = replace(paper, num_layers=args.layers or paper.num_layers)
+        batches = [1] if args.batch == 1 else [1, args.batch]
         print(f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
               f"batches {batches}, {args.repeats} rounds, {torch.get_num_threads()} threads", flush=True)
-        payload = run_step_part(args, shape, batches, refresh_samples)
-        payload["results"] = {str(b): r for b, r in payload["results"].items()}
+        payload = run_step_part(args, shape, batches)
         harness.emit(args.out_dir / f"training_step{stem}.json",
                      {"machine": harness.machine_info(), "settings": {**settings, "shape": shape.__dict__,
-                      "batches": batches, "galore": GALORE_SETTINGS, "refresh_samples": refresh_samples}, **payload},
-                     fig=plot_step({int(b): r for b, r in payload["results"].items()}, shape))
+                      "batches": batches, "galore": GALORE_SETTINGS}, **payload},
+                     fig=plot_step(payload["results"], shape))
     if args.part in ("scaling", "all"):
-        d_models = args.d_models or ([256, 512] if quick else [256, 512, 1024, 2048])
-        layers, batch = args.scaling_layers or (1 if quick else 2), args.scaling_batch or (2 if quick else 8)
-        print(f"\n## scaling: d_model {d_models}, {layers} layers, batch {batch} x {paper.seq_len}, "
-              f"{args.repeats} rounds", flush=True)
-        rows = run_scaling(paper, d_models, layers, batch, **harness.timing_options(args))
+        print(f"\n## scaling: d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x "
+              f"{paper.seq_len}, {args.repeats} rounds", flush=True)
+        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch,
+                           **harness.timing_options(args))
         print("\n" + scaling_table(rows))
         harness.emit(args.out_dir / f"training_scaling{stem}.json",
-                     {"machine": harness.machine_info(), "rows": rows,
-                      "settings": {**settings, "d_models": d_models, "layers": layers, "batch": batch}},
-                     fig=plot_scaling(rows))
+                     {"machine": harness.machine_info(), "rows": rows, "settings": settings}, fig=plot_scaling(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -282,12 +282,7 @@ def plot(results: list[dict]):
             rs = sorted(rs, key=lambda r: r["rows"])
             ax.plot([r["rows"] for r in rs], [r["ratios"][key] for r in rs], marker="o", label=f"{shape} r{rank}")
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("rows (tokens)")
-        ax.set_title(f"time ratio {title}")
-        ax.grid(which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
+        harness.label_axes(ax, "rows (tokens)", xlog=True, ylog=True, title=f"time ratio {title}", legend=ax is axes[0])
     fig.suptitle("TT linear forward+backward: contraction planner vs einsum baselines, and vs dense (> 1: planner "
                  "faster)")
     return fig
@@ -295,10 +290,10 @@ def plot(results: list[dict]):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the report, write ``tt_linear.json`` and ``tt_linear.png``."""
-    parser = harness.bench_parser(__doc__, repeats=(3, 5), out_dir=None)
-    parser.add_argument("--min-sample-ms", type=float, default=None,
+    parser = harness.bench_parser(__doc__, repeats=(3, 5))
+    parser.add_argument("--min-sample-ms", type=float, default=harness.Quick(5.0, 10.0),
                         help="inner loop length per sample (default 10, quick 5)")
-    parser.add_argument("--min-case-s", type=float, default=None,
+    parser.add_argument("--min-case-s", type=float, default=harness.Quick(1.0, 1.5),
                         help="keep adding rounds until the clean ones took this long (default 1.5, quick 1)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts")
@@ -306,14 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
                              "outputs above 32 MiB stop being page-faulted in on every step")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help=f"folder of {JSON_NAME} and {PNG_NAME} (default benchmarks/results)")
     parser.add_argument("--out", type=Path, default=None, help=f"the JSON's path (default <out-dir>/{JSON_NAME})")
     args = harness.parse(parser, argv)
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
-    min_sample_s = (args.min_sample_ms or (5.0 if args.quick else 10.0)) / 1e3
-    min_case_s = args.min_case_s if args.min_case_s is not None else (1.0 if args.quick else 1.5)
+    min_sample_s, min_case_s = args.min_sample_ms / 1e3, args.min_case_s
     cases = [c for c in build_cases(args.quick) if (args.shapes is None or c.shape in args.shapes)
              and (args.rows is None or c.rows in args.rows) and (args.ranks is None or c.rank in args.ranks)]
     if not cases:
@@ -341,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - started
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
-    json_path = args.out or (args.out_dir or harness.RESULTS_DIR) / JSON_NAME
-    harness.emit(json_path, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results))
+    harness.emit(args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results))
     return 0
 
 

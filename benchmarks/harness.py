@@ -98,6 +98,10 @@ class Timing:
         """Median seconds per step of ``name``."""
         return statistics.median(self.samples[name])
 
+    def medians(self) -> dict[str, float]:
+        """Median seconds per step of every candidate."""
+        return {name: self.median(name) for name in self.samples}
+
     def minimum(self, name: str) -> float:
         """Fastest sample of ``name``."""
         return min(self.samples[name])
@@ -114,7 +118,7 @@ class Timing:
         """Medians, minima, every sample and round, and the contention counts, as JSON values."""
         loads = [r["other_load"] for r in self.rounds if r["other_load"] is not None]
         return {
-            "median_s": {n: self.median(n) for n in self.samples},
+            "median_s": self.medians(),
             "min_s": {n: self.minimum(n) for n in self.samples},
             "samples_s": self.samples,
             "inner_iterations": self.inner,
@@ -309,6 +313,19 @@ def kernel_work(step: Callable[[], object]) -> dict:
             "system_s": after.ru_stime - before.ru_stime}
 
 
+def resident_bytes() -> int:
+    """Resident set of this process (``/proc/self/statm``, Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of ``(x, y)`` points (None with fewer than two distinct x)."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    return statistics.linear_regression([x for x, _ in points], [y for _, y in points]).slope
+
+
 def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
     """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls,
     after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares."""
@@ -340,6 +357,25 @@ def keep_freed_memory_for_run() -> None:
 # the command line every script shares
 
 
+@dataclass(frozen=True)
+class Quick:
+    """An option's default that depends on ``--quick``: :func:`parse` puts ``quick`` or ``full`` in its place."""
+
+    quick: object
+    full: object
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def bench_parser(doc: str, *, repeats: tuple[int, int] | None = None, threads: int | None = None,
                  out_dir: Path | None = RESULTS_DIR) -> argparse.ArgumentParser:
     """A parser with ``--quick``, ``--threads`` and ``--out-dir`` and, for scripts that time candidates with
@@ -352,8 +388,7 @@ def bench_parser(doc: str, *, repeats: tuple[int, int] | None = None, threads: i
     if out_dir is not None:
         parser.add_argument("--out-dir", type=Path, default=out_dir, help="where JSON/PNG go (default %(default)s)")
     if repeats is not None:
-        parser.repeats_default = repeats
-        parser.add_argument("--repeats", type=int, default=None,
+        parser.add_argument("--repeats", type=int, default=Quick(*repeats),
                             help=f"clean interleaved rounds at least (default {repeats[1]}, quick {repeats[0]})")
         parser.add_argument("--max-other-load", type=float, default=0.15,
                             help="a round in which other processes took more than this share of the CPUs "
@@ -364,13 +399,15 @@ def bench_parser(doc: str, *, repeats: tuple[int, int] | None = None, threads: i
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv``, refuse impossible shared options (exit 2, naming the fix) and apply ``--threads``."""
+    """Parse ``argv``, resolve the :class:`Quick` defaults, refuse impossible shared options (exit 2, naming the
+    fix) and apply ``--threads``."""
     args = parser.parse_args(argv)
+    for name, value in vars(args).items():
+        if isinstance(value, Quick):
+            setattr(args, name, value.quick if args.quick else value.full)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if hasattr(args, "repeats"):
-        if args.repeats is None:
-            args.repeats = parser.repeats_default[0 if args.quick else 1]
         if args.repeats < 1:
             parser.error(f"--repeats must be >= 1, got {args.repeats}")
         if not 0.0 <= args.max_other_load <= 1.0:
@@ -475,7 +512,12 @@ def emit(json_path: Path, payload: dict, fig=None, markdown: str | None = None) 
         written.append(json_path.with_suffix(".md"))
         written[-1].write_text(markdown + "\n")
     if fig is not None:
-        written.append(save_figure(fig, json_path.with_suffix(".png")))
+        import matplotlib.pyplot as plt
+
+        written.append(json_path.with_suffix(".png"))
+        fig.tight_layout()
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
     print("\n" + "\n".join(f"{p.suffix[1:].upper()}: {p}" for p in written), flush=True)
     return json_path
 
@@ -491,25 +533,28 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, list(axes[0])
 
 
+def label_axes(ax, xlabel: str | None = None, ylabel: str | None = None, *, xlog: bool = False, ylog: bool = False,
+               title: str | None = None, legend: bool = True) -> None:
+    """Labels, log scales, a title, a light grid and a small legend on ``ax``."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if xlog:
+        ax.set_xscale("log")
+    if ylog:
+        ax.set_yscale("log")
+    if title is not None:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if legend:
+        ax.legend(fontsize=7)
+
+
 def bars(ax, groups: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, log: bool = True) -> None:
     """Grouped bars on ``ax``: one group per label in ``groups``, one bar per entry of ``series`` in each."""
     width = 0.8 / max(1, len(series))
     for k, (name, values) in enumerate(series.items()):
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))], values, width, label=name)
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel(ylabel)
-    if log:
-        ax.set_yscale("log")
-    ax.grid(axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Save ``fig`` as a PNG at ``path`` (folder created) and close it."""
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    label_axes(ax, ylabel=ylabel, ylog=log)
