@@ -296,23 +296,25 @@ def _modes_arg(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run every (rank, distribution) case, print tables, write JSON and PNG."""
+    positive = harness.positive_int
     parser = harness.bench_parser(__doc__, repeats=(3, 5))
-    parser.add_argument("--ranks", nargs="+", type=int, default=None,
+    parser.add_argument("--ranks", nargs="+", type=positive, default=None,
                         help="TT ranks; with --ranks or --distributions every rank runs on every distribution "
                              "(default: rank 32 on all three distributions plus ranks 8 and 64 on zipf ids; "
                              "quick: rank 32 on uniform and zipf)")
     parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=None,
                         help="id distributions (see --ranks)")
-    parser.add_argument("--min-sample-ms", type=float, default=None, help="inner loop length (default 20, quick 10)")
+    parser.add_argument("--min-sample-ms", type=float, default=harness.Quick(10.0, 20.0),
+                        help="inner loop length (default 20, quick 10)")
     parser.add_argument("--zipf-exponent", type=float, default=1.1)
     parser.add_argument("--profile", action="store_true", help="profile every case (default: only on a missed target)")
-    parser.add_argument("--vocab-size", type=int, default=VOCAB)
-    parser.add_argument("--embedding-dim", type=int, default=DIM)
+    parser.add_argument("--vocab-size", type=positive, default=VOCAB)
+    parser.add_argument("--embedding-dim", type=positive, default=DIM)
     parser.add_argument("--vocab-modes", type=_modes_arg, default=None,
                         help="e.g. 16,20,10,10 (default: the paper's for 30522 x 768, else automatic)")
     parser.add_argument("--dim-modes", type=_modes_arg, default=None, help="e.g. 4,4,8,6")
-    parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--batch", type=positive, default=BATCH)
+    parser.add_argument("--seq-len", type=positive, default=SEQ_LEN)
     parser.add_argument("--cache-dir", default=".cache/comera", help="tokenizer cache of the stdlib ids")
     parser.add_argument("--seed", type=int, default=0)
     args = harness.parse(parser, argv)
@@ -321,11 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(r, d) for r in args.ranks or sorted({r for r, _ in cases})
                  for d in args.distributions or list(dict.fromkeys(d for _, d in cases))]
     ranks, distributions = list(dict.fromkeys(r for r, _ in cases)), list(dict.fromkeys(d for _, d in cases))
-    min_sample_s = (args.min_sample_ms or (10.0 if args.quick else 20.0)) / 1e3
-    if any(r < 1 for r in ranks):
-        parser.error(f"--ranks must be >= 1, got {ranks}")
-    if min(args.vocab_size, args.embedding_dim, args.batch, args.seq_len) < 1:
-        parser.error("--vocab-size, --embedding-dim, --batch and --seq-len must be >= 1")
+    min_sample_s = args.min_sample_ms / 1e3
     if "stdlib" in distributions and args.seq_len < 3:
         parser.error("--seq-len must be >= 3 for stdlib ids ([CLS] ... [SEP])")
     if args.zipf_exponent <= 0:

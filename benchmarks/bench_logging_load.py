@@ -13,12 +13,14 @@ the sender thread's CPU, RSS growth, and the points stored (docs/results.md, "Lo
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -41,16 +43,7 @@ BLOCK, RSS_EVERY = 50, 25  # steps per interleaved block, steps between RSS samp
 
 def rss_kb() -> int:
     """Resident set size of this process in KB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def slope_per_100(points: list[tuple[int, int]]) -> float:
-    """Least-squares slope of (step, KB) in KB per 100 steps."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    sxx = sum((x - statistics.fmean(xs)) ** 2 for x in xs) if len(points) > 1 else 0
-    return (100.0 * sum((x - statistics.fmean(xs)) * (y - statistics.fmean(ys)) for x, y in zip(xs, ys)) / sxx
-            if sxx else float("nan"))
+    return harness.resident_bytes() // 1024
 
 
 class SyntheticMLM(IterableDataset):
@@ -72,10 +65,6 @@ class SyntheticMLM(IterableDataset):
             yield from self.batches
 
 
-def add(counter: dict, mode: str, value: float) -> None:
-    counter[mode] = counter.get(mode, 0) + value
-
-
 def time_logger(logger, mode: str, timers: dict[str, dict]) -> None:
     """Wrap ``logger.log_metrics`` (and a ResilientMLFlowLogger's ``flush`` when run by its sender thread)."""
     log_metrics = logger.log_metrics
@@ -85,7 +74,7 @@ def time_logger(logger, mode: str, timers: dict[str, dict]) -> None:
         try:
             return log_metrics(*args, **kwargs)
         finally:
-            add(timers["log_calls"], mode, time.perf_counter() - start)
+            timers["log_calls"][mode] += time.perf_counter() - start
 
     logger.log_metrics = timed_log_metrics
     if not isinstance(logger, ResilientMLFlowLogger):
@@ -99,7 +88,7 @@ def time_logger(logger, mode: str, timers: dict[str, dict]) -> None:
         try:
             return flush()
         finally:
-            add(timers["sender_cpu"], mode, time.thread_time() - cpu)
+            timers["sender_cpu"][mode] += time.thread_time() - cpu
 
     logger.flush = timed_flush  # the logger's sender looks ``flush`` up on every call, so it runs this
 
@@ -187,14 +176,14 @@ def mode_entry(mode: str, scheduler: BlockScheduler, timers: dict, warm: int, gr
     entry = {"steps": steps, "timed_steps": len(times),
              "step_ms_median": 1e3 * statistics.median(times) if times else None,
              "main_thread_cpu_ms_per_step_median": 1e3 * statistics.median(cpus) if cpus else None,
-             "rss_growth_kb_per_100_own_steps": 100 * growth.get(mode, 0.0) / max(len(times), 1)}
+             "rss_growth_kb_per_100_own_steps": 100 * growth[mode] / max(len(times), 1)}
     if off is not None:
         entry.update(overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm)),
                      main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm,
                                                                                         "cpu")),
-                     log_calls_ms_per_step=per_step(timers["log_calls"].get(mode, 0.0)))
+                     log_calls_ms_per_step=per_step(timers["log_calls"][mode]))
     if mode == "resilient":
-        entry["sender_cpu_ms_per_step"] = per_step(timers["sender_cpu"].get(mode, 0.0))
+        entry["sender_cpu_ms_per_step"] = per_step(timers["sender_cpu"][mode])
     return entry
 
 
@@ -220,10 +209,13 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the interleaved fit, print the table, write the JSON."""
     parser = harness.bench_parser(__doc__, threads=1, out_dir=None)
-    parser.add_argument("--steps", type=int, default=2000, help="steps of each of off and resilient (default 2000)")
-    parser.add_argument("--sync-steps", type=int, default=150, help="steps of async (slow: fewer by default)")
+    parser.add_argument("--steps", type=int, default=harness.Quick(50, 2000),
+                        help="steps of each of off and resilient (default 2000)")
+    parser.add_argument("--sync-steps", type=int, default=harness.Quick(50, 150),
+                        help="steps of async (slow: fewer by default)")
     parser.add_argument("--modes", default="off,resilient,async", help=f"comma list of {','.join(MODES)}")
-    parser.add_argument("--warmup", type=int, default=300, help="steps left out of the timing and the RSS slope")
+    parser.add_argument("--warmup", type=int, default=harness.Quick(0, 300),
+                        help="steps left out of the timing and the RSS slope")
     parser.add_argument("--batch-size", type=int, default=8, help="quickstart: 32")
     parser.add_argument("--seq-len", type=int, default=32, help="quickstart: 64")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "logging_load.json")
@@ -231,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "off" not in modes or not set(modes) <= set(MODES):
         parser.error(f"--modes must include off and only name {', '.join(MODES)}")
-    if args.quick:
-        args.steps, args.sync_steps, args.warmup = 50, 50, 0
     budgets = {m: args.sync_steps if m == "async" else args.steps for m in modes}
     total = -(-sum(budgets.values()) // BLOCK) * BLOCK
     config = yaml.safe_load(QUICKSTART.read_text())
@@ -242,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     model = MaskedLM(**model_kwargs)
     data = DataLoader(SyntheticMLM(model_kwargs["vocab_size"], args.seq_len, args.batch_size), batch_size=None)
     store_dir = Path(tempfile.mkdtemp(prefix="comera_logging_load_"))
-    timers: dict[str, dict] = {"log_calls": {}, "sender_cpu": {}}
+    timers = {"log_calls": defaultdict(float), "sender_cpu": defaultdict(float)}
     loggers: dict[str, list] = {"off": []}
     uris = {mode: f"sqlite:///{store_dir / f'{mode}.db'}" for mode in modes if mode != "off"}
     for mode, uri in uris.items():
@@ -267,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = args.warmup
     rss_warm = [p for p in scheduler.rss if p[0] >= warm] or scheduler.rss
-    growth: dict[str, float] = {}  # RSS growth over each mode's own blocks (after warm-up)
+    growth = defaultdict(float)  # RSS growth over each mode's own blocks (after warm-up)
     for block, following in zip(scheduler.blocks, scheduler.blocks[1:] + [None]):
         end = following["rss_start_kb"] if following is not None else block.get("rss_end_kb")
         if end is not None and block["start_step"] >= warm:
-            add(growth, block["mode"], end - block["rss_start_kb"])
+            growth[block["mode"]] += end - block["rss_start_kb"]
     per_mode = {"off": mode_entry("off", scheduler, timers, warm, growth, None)}
     for mode in (m for m in modes if m != "off"):
         per_mode[mode] = mode_entry(mode, scheduler, timers, warm, growth, per_mode["off"])
@@ -293,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "mlflow": mlflow.__version__,
         "memory": {"rss_start_kb": scheduler.rss[0][1], "rss_end_kb": scheduler.rss[-1][1],
                    "rss_max_kb": max(kb for _, kb in scheduler.rss),
-                   "slope_kb_per_100_steps_after_warmup": slope_per_100(rss_warm), "samples": scheduler.rss},
+                   "slope_kb_per_100_steps_after_warmup": 100 * (harness.slope(rss_warm) or math.nan),
+                   "samples": scheduler.rss},
         "modes": per_mode,
     }
     print("\n" + report(result))

@@ -117,34 +117,26 @@ def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[st
         if method == "comera":  # RankAdaptation's per-step work, around optimizer.step()
             cands.append(bts.comera_candidate(method, task, optimizer, loss, spec.rank_kwargs.get("gamma", 0.01)))
         else:
-            cands.append(bts.Candidate(method, task, optimizer, bts.train_step(optimizer, loss)))
-        cands[-1].step()  # optimiser state exists from here on
+            cands.append(bts.Candidate(method, task, optimizer, bts.train_step(optimizer, loss)).prime())
     return cands
 
 
 def measure_steps(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str, torch.Tensor],
                   min_sample_s: float, **timing: Any) -> dict[str, Any]:
-    """Interleaved step times, peak memory and parameters of the three methods on ``batch``."""
+    """Interleaved step times, peak memory and parameters of the three methods on ``batch``
+    (``bench_training_step.measure``), with their active parameters and compression."""
     from comera_lightning.nn import size_report
 
     cands = step_candidates(spec, task_kwargs, batch)
-    live = [c for c in cands if c.skipped is None]
-    timing = harness.interleave({c.name: c.step for c in live}, min_sample_s=min_sample_s, seed=spec.seed, **timing)
-    out: dict[str, Any] = {"batch": int(batch["input_ids"].shape[0]), "seq_len": int(batch["input_ids"].shape[1]),
-                           "d_model": task_kwargs["d_model"], "timing": timing.summary(), "methods": {}}
-    methods = out["methods"]
+    timing, methods = bts.measure(cands, batch.values(), seed=spec.seed, min_sample_s=min_sample_s, **timing)
     for c in cands:
-        if c.skipped:
-            methods[c.name] = {"skipped": c.skipped}
-            continue
-        report = size_report(c.model)
-        methods[c.name] = {"skipped": None, "median_s": timing.median(c.name),
-                           "memory": bts.measure_memory(c, batch.values()), "params_trainable": c.parameters,
-                           "params_active": report.active_parameters, "compression_ratio": report.compression_ratio}
-    for c in live[1:]:
-        methods[c.name]["dense_step_over_this"] = timing.ratio("dense", c.name)
-        methods[c.name]["dense_peak_over_this"] = (methods["dense"]["memory"]["total"]
-                                                   / methods[c.name]["memory"]["total"])
+        if not c.skipped:
+            report, entry = size_report(c.model), methods[c.name]
+            entry.update(params_trainable=entry.pop("parameters"), params_active=report.active_parameters,
+                         compression_ratio=report.compression_ratio, dense_step_over_this=timing.ratio("dense", c.name),
+                         dense_peak_over_this=methods["dense"]["memory"]["total"] / entry["memory"]["total"])
+    out: dict[str, Any] = {"batch": int(batch["input_ids"].shape[0]), "seq_len": int(batch["input_ids"].shape[1]),
+                           "d_model": task_kwargs["d_model"], "timing": timing.summary(), "methods": methods}
     if not methods["galore"]["skipped"]:
         out["galore_over_comera"] = {
             "step": timing.ratio("galore", "comera"),

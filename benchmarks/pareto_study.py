@@ -341,14 +341,8 @@ def plot(agg: dict[str, Any], title: str):
         err = [[p["metric_mean"] - p["metric_min"] for p in pts], [p["metric_max"] - p["metric_mean"] for p in pts]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family,
                     color=study.COLOURS.get(family, f"C{i + 3}"))
-    ax.set_xscale("log")
-    ax.set_xlabel("active parameters at the end of training")
-    ax.set_ylabel(agg["metric"])
-    if not agg["higher_is_better"]:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title, fontsize=9)
+    harness.label_axes(ax, "active parameters at the end of training", agg["metric"], xlog=True,
+                       ylog=not agg["higher_is_better"], title=title)
     return fig
 
 

@@ -84,13 +84,8 @@ def plot(agg: dict[str, Any]):
         for switch in {r["switch_step"] for r in rows if r["switch_step"] is not None}:
             for ax in axes:
                 ax.axvline(switch, color=colour, linestyle=":", alpha=0.7)
-    axes[0].set_ylabel(agg["metric"])
-    axes[1].set_ylabel("compression ratio")
-    axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("optimiser steps")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    harness.label_axes(axes[0], "optimiser steps", agg["metric"])
+    harness.label_axes(axes[1], "optimiser steps", "compression ratio", ylog=True)
     fig.suptitle(f"{agg['study']} ({agg['protocol']}): mean over seeds, band = min..max, dotted = late-stage switch")
     return fig
 

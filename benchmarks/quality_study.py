@@ -231,11 +231,9 @@ def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, protocols: tu
                 log(f"[{spec.name}] {method} / {protocol}: already in {progress.path}, skipped")
                 continue
             steps = None
-            if protocol == "matched" and method != "dense":
+            if protocol == "matched" and method != "dense":  # the dense run's wall-clock in CoMERA steps
                 steps = max(1, round(spec.steps * step_ratio["ratio_dense_over_comera"]))
-            what = {"steps": f"{spec.steps} steps", "time": f"{spec.budget_s:g} s budget",
-                    "matched": f"{steps or spec.steps} steps, the same wall-clock"}[protocol]
-            log(f"[{spec.name}] {method} / {protocol} ({what})")
+            log(f"[{spec.name}] {method} / {protocol}")
             runs.append(study.run_one(spec, method, protocol, dm, steps=steps, max_other_load=max_other_load,
                                       wait_quiet_s=wait_quiet_s))
             log(study.run_log_line(runs[-1], spec.metric))
@@ -314,7 +312,8 @@ def _parser():
     p.add_argument("--target-compression", type=float, default=None, help="late-stage size target")
     p.add_argument("--d-model", type=int, default=None,
                    help="encoder width, head width and FFN ratio kept (heads d/32, d_ff 4d); default 128")
-    p.add_argument("--batch-size", type=int, default=None, help="training batch size; default the study's")
+    p.add_argument("--batch-size", type=harness.positive_int, default=None,
+                   help="training batch size; default the study's")
     return p
 
 
@@ -322,8 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the selected studies, print their tables and write JSON, PNG and markdown into ``--out-dir``."""
     parser = _parser()
     args = study.parse(parser, argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
         specs = make_specs(args.study, args.quick, args.steps, args.budget_s, args.val_every, args.seed)
         for spec in specs:

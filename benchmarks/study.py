@@ -442,19 +442,10 @@ def plot_curves(runs: list[dict], metric: str, *, compression: bool = True, log_
         axes[1].plot([p["train_s"] for p in v], values, **kw)
         if compression:
             axes[2].plot([p["step"] for p in v], [p["compression_ratio"] for p in v], **kw)
-    axes[0].set_xlabel("optimiser steps")
-    axes[1].set_xlabel("training wall-clock seconds (validation excluded)")
-    for ax in axes[:2]:
-        ax.set_ylabel(metric)
-        if log_metric:
-            ax.set_yscale("log")
+    harness.label_axes(axes[0], "optimiser steps", metric, ylog=log_metric)
+    harness.label_axes(axes[1], "training wall-clock seconds (validation excluded)", metric, ylog=log_metric)
     if compression:
-        axes[2].set_xlabel("optimiser steps")
-        axes[2].set_ylabel("compression ratio (dense-equivalent / active)")
-        axes[2].set_yscale("log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        harness.label_axes(axes[2], "optimiser steps", "compression ratio (dense-equivalent / active)", ylog=True)
     if title:
         fig.suptitle(title)
     return fig
