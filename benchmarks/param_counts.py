@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 
 import torch
 from torch import nn
@@ -135,15 +134,15 @@ def to_markdown(result: dict) -> str:
         harness.table(["layer", "modes", "ranks", "by hand", "reported", "dense", "compression"], hand)])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Print the report (markdown, or JSON with ``--json``); returns its numbers."""
+def main(argv: list[str] | None = None) -> int:
+    """Print the report (markdown, or JSON with ``--json``); returns 0 (``collect()`` has the numbers)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
     result = collect()
     print(json.dumps(result, indent=2) if args.json else to_markdown(result))
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main())
