@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..tt.cores import keep_grad_layout
 from ..tt.rank import (
@@ -22,6 +23,20 @@ from ..tt.rank import (
 )
 
 __all__ = ["TTLayer", "TruncationRecord", "capturing_graph", "cuda_graph_capturing"]
+
+T = TypeVar("T")
+
+_optimizer_steps = 0  # steps taken by any torch optimiser in this process: part of the inference cache's stamp
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# fused optimiser kernels (``Adam(fused=True)`` and the like) update parameters without bumping their version
+# counters; counting steps keeps a layer trained in eval mode from serving factors of the weights before the step
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def capturing_graph() -> bool:
@@ -47,17 +62,37 @@ class TruncationRecord(list):
     """
 
 
+class _InferenceEntry(NamedTuple):
+    """What :meth:`TTLayer._inference_cached` keeps: the value, the stamp it was built under, and references
+    that keep the stamp's tensor ids and storage addresses from being reused while the entry lives."""
+
+    stamp: tuple
+    value: Any
+    pinned: tuple
+
+
 class TTLayer(nn.Module):
     """Base of :class:`TTLinear` and :class:`TTEmbedding`: a gated tensor train with a rank mask.
 
     Subclasses call :meth:`_init_train` with their core shapes and implement ``dense_parameters`` and
     ``mode_sizes`` (the flattened non-rank size of every core).
+
+    Inference cache: in eval mode with autograd off (``torch.no_grad()`` / ``torch.inference_mode()``, as in
+    generation and validation) a layer keeps what its forward merges from the gated cores (the merged halves)
+    and reuses it while the cores, gates and masks stay unchanged, so a call costs its batch products only.
+    The cache holds about ``r * (in + out)`` elements per layer (the merged halves), is not part of the
+    ``state_dict``, is dropped by ``train()``, ``.to()``, loading, truncation, deepcopy and pickling, and is
+    never used or filled while autograd records or a graph is being compiled or captured. Set
+    ``layer.inference_cache = False`` to merge on every call.
     """
 
     cores: nn.ParameterList
     gates: nn.ParameterList
     max_ranks: list[int]
     rank_threshold: float
+    #: reuse the merged, gated factors across eval-mode forwards without autograd (see the class docstring)
+    inference_cache: bool = True
+    _inference_entry: _InferenceEntry | None = None  # a class default: layers pickled before it existed load
 
     def _init_train(self, cores: Sequence[torch.Tensor], threshold: float, max_ranks: Sequence[int]) -> None:
         if not 0.0 <= threshold < 1.0:
@@ -124,6 +159,72 @@ class TTLayer(nn.Module):
         gradients arrive in their own layout, as DDP wants them."""
         return apply_gates([keep_grad_layout(core) for core in self.cores], list(self.gates), self.rank_masks)
 
+    # --- inference cache -----------------------------------------------------------------------------
+    def _serves_from_cache(self) -> bool:
+        """Whether this forward may use the inference cache: enabled, eval mode, autograd off, no graph capture.
+
+        A forward with autograd on drops the cache: weights are being trained, and an update the stamp cannot
+        see (a replayed CUDA graph, a custom kernel) must not leave old factors behind for the next eval call.
+        """
+        if torch.is_grad_enabled():
+            if self._inference_entry is not None and not capturing_graph():
+                self._inference_entry = None
+            return False
+        return self.inference_cache and not self.training and not capturing_graph()
+
+    def _inference_cached(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, or its result from an earlier call under the same ``key`` and the same cores, gates and
+        masks. Call it only when :meth:`_serves_from_cache` holds.
+
+        The stamp is, for every tensor the merge reads, (identity, ``_version``, ``data_ptr``, shape, dtype,
+        device), the count of optimiser steps taken in the process, and the subclass's ``key`` (what else the
+        result depends on: the compute dtype, autocast). ``_version`` catches every in-place change that
+        autograd tracks (``copy_`` by ``load_state_dict``, foreach/for-loop optimiser steps, gate zeroing, mask
+        refreshes, also under ``no_grad``/``inference_mode``); the step count catches fused optimiser steps,
+        which do not bump it; identity catches a replaced tensor (a new mask buffer,
+        ``load_state_dict(assign=True)``); ``data_ptr``, shape, dtype and device catch ``param.data = ...``,
+        which keeps the version counter (truncation, ``.to()``). The entry holds the stamped tensors and their
+        old storages so that no id or address is reused while it lives. Only ``param.data.<op>_()`` in eval
+        mode, which bypasses the version counter, goes unseen: call :meth:`clear_inference_cache` after such a
+        change. ``train()``, ``.to()``, loading, truncation and any forward with autograd on also clear it.
+        """
+        # the registries, not the ParameterList / property views: this runs on every cached call
+        tensors = tuple(t for t in (*self.cores._parameters.values(), *self.gates._parameters.values(),
+                                    *self._buffers.values()) if t is not None)
+        try:
+            stamp = (key, _optimizer_steps,
+                     tuple((id(t), t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors))
+        except RuntimeError:  # inference tensors (made under inference_mode) have no version counter
+            return build()
+        entry = self._inference_entry
+        if entry is not None and entry.stamp == stamp:
+            return entry.value
+        self._inference_entry = None  # the old value is garbage before the new one is built
+        value = build()
+        self._inference_entry = _InferenceEntry(stamp, value, (tensors, tuple(t.detach() for t in tensors)))
+        return value
+
+    def clear_inference_cache(self) -> None:
+        """Drop the merged factors kept for inference; the next eval forward without autograd merges again."""
+        self._inference_entry = None
+
+    def train(self, mode: bool = True) -> "TTLayer":
+        if mode:
+            self.clear_inference_cache()
+        return super().train(mode)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTLayer":
+        # .to() / .cuda() / .double() swap ``param.data``: dtype and device are in the stamp, but clearing
+        # here also frees the old device's copy at once
+        self.clear_inference_cache()
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # deepcopy and pickling: the copy merges afresh rather than carrying tensors stamped for the original
+        state = super().__getstate__()
+        state.pop("_inference_entry", None)
+        return state
+
     # --- rank adaptation -----------------------------------------------------------------------------
     @torch.no_grad()
     def refresh_masks_(self, threshold: float | None = None) -> list[int]:
@@ -169,6 +270,7 @@ class TTLayer(nn.Module):
         record = TruncationRecord()
         if all(bool(m.all()) for m in self.rank_masks):
             return record
+        self.clear_inference_cache()
         core_sel, gate_sel = truncate_train(self.rank_masks, len(self.cores))
         for param, selection in [*zip(self.cores, core_sel), *zip(self.gates, gate_sel)]:
             _resize_parameter(param, selection)
@@ -200,6 +302,7 @@ class TTLayer(nn.Module):
     # --- checkpoints ---------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         """Adopt the ranks of the incoming cores (e.g. a checkpoint taken after truncation)."""
+        self.clear_inference_cache()
         core_keys = [k for k in state_dict if k.startswith(f"{prefix}cores.") and k[len(prefix) + 6 :].isdigit()]
         if core_keys and len(core_keys) != len(self.cores):
             raise ValueError(
@@ -232,6 +335,7 @@ class TTLayer(nn.Module):
             )
         if ranks == self.ranks:
             return
+        self.clear_inference_cache()
         for k, (shape, core) in enumerate(zip(shapes, self.cores)):
             core.data = core.data.new_zeros(shape)
             core.grad = None

@@ -12,7 +12,7 @@ from torch import nn
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm_to_dense
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
-from ..tt.ttm import ttm_lookup
+from ..tt.ttm import ttm_halves, ttm_lookup, ttm_lookup_halves
 from .base import TTLayer, _torch_factors, capturing_graph
 
 __all__ = ["TTEmbedding"]
@@ -24,6 +24,11 @@ class TTEmbedding(TTLayer):
     Each call merges the first and the last half of the cores once (batch-free), then every token
     costs one gather per half and one small product. Vocabularies that do not factor are padded
     (30522 -> 30576 rows); padded rows are never looked up.
+
+    In eval mode without autograd (generation, validation) the merged halves are kept and reused (about
+    ``r * (V_left E_left + V_right E_right)`` elements), so a token costs its gathers and product only; see
+    :class:`~comera_lightning.nn.TTLayer` for when they are refreshed, and ``inference_cache = False`` to merge
+    on every call.
 
     Args:
         num_embeddings: vocabulary size ``V``.
@@ -118,10 +123,24 @@ class TTEmbedding(TTLayer):
                     f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); check the tokenizer's "
                     f"vocabulary size against num_embeddings={self.num_embeddings}"
                 )
-        rows = ttm_lookup(self.gated_cores(), flat, deduplicate=self.deduplicate and not capturing)
+        deduplicate = self.deduplicate and not capturing
+        if self._serves_from_cache():
+            device = self.cores[0].device.type
+            # the merge runs under the caller's autocast, as an uncached lookup's would: its state is the key
+            autocast = (True, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else (False,)
+            left, right = self._inference_cached(autocast, self._owned_halves)
+            rows = ttm_lookup_halves(left, right, flat, deduplicate)
+        else:
+            rows = ttm_lookup(self.gated_cores(), flat, deduplicate=deduplicate)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(1).to(rows.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def _owned_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`ttm_halves` of the gated cores, in memory of their own: a half that is a single core is a view
+        of the parameter, whose storage a sharded wrapper (FSDP) may free while the cache still holds it."""
+        left, right = ttm_halves(self.gated_cores())
+        return (left if left._base is None else left.clone()), (right if right._base is None else right.clone())
 
     def weight_dense(self) -> torch.Tensor:
         """The ``(num_embeddings, embedding_dim)`` table ``nn.Embedding`` would hold (differentiable)."""

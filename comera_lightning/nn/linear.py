@@ -9,7 +9,7 @@ import tensorly as tl
 import torch
 from torch import nn
 
-from ..tt.contract import check_plan, tt_linear
+from ..tt.contract import check_plan, compute_dtype, merge_tt_linear, merged_tt_linear, tt_linear
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
@@ -24,6 +24,12 @@ class TTLinear(TTLayer):
     The bond between the input and the output cores is a rank-``r`` bottleneck, so at training batch
     sizes ``y = (x L) R`` costs ``2 B r (M + N)`` instead of ``2 B M N``. The contraction order is chosen
     per call by :func:`comera_lightning.tt.plan_tt_linear` unless ``contraction_plan`` is set.
+
+    In eval mode without autograd (generation, validation) the layer keeps ``L`` and ``R`` (merged, gated, in the
+    compute dtype; ``r (M + N)`` elements, or the dense ``M x N`` weight when that is smaller) and reuses them,
+    so a call costs its two GEMMs; the contraction plan then does not apply (it only decides how to avoid
+    merging). See :class:`~comera_lightning.nn.TTLayer` for when the cache is refreshed; set
+    ``inference_cache = False`` to merge on every call.
 
     Args:
         in_features: size of each input sample.
@@ -99,6 +105,8 @@ class TTLinear(TTLayer):
             raise ValueError(
                 f"TTLinear expected inputs with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
+        if self._serves_from_cache():
+            return self._cached_forward(x)
         padded_in = math.prod(self.in_modes)
         if padded_in != self.in_features:
             x = nn.functional.pad(x, (0, padded_in - self.in_features))
@@ -108,6 +116,16 @@ class TTLinear(TTLayer):
             bias = nn.functional.pad(bias, (0, padded_out - self.out_features))
         y = tt_linear(x, self.gated_cores(), self.in_modes, self.contraction_plan, bias)
         return y if padded_out == self.out_features else y[..., : self.out_features]
+
+    def _cached_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward from the merged factors kept for inference (built on the first call)."""
+        compute = compute_dtype(x)
+        # the compute dtype is the rest of the key: it folds in autocast's state and the input's dtype
+        merged = self._inference_cached(compute, lambda: merge_tt_linear(
+            self.gated_cores(), len(self.in_modes), compute, self.in_features, self.out_features))
+        bias = None if self.bias is None else self.bias.to(compute)
+        y = merged_tt_linear(x.reshape(-1, self.in_features).to(compute), merged, bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_dense(self) -> torch.Tensor:
         """The ``(out_features, in_features)`` matrix ``nn.Linear`` would hold (differentiable)."""

@@ -7,7 +7,17 @@
 * :mod:`.ttm`: TT-matrix embedding lookups.
 """
 
-from .contract import PLANS, PlanCost, chain_merge, plan_costs, plan_tt_linear, tt_linear
+from .contract import (
+    PLANS,
+    MergedTTLinear,
+    PlanCost,
+    chain_merge,
+    merge_tt_linear,
+    merged_tt_linear,
+    plan_costs,
+    plan_tt_linear,
+    tt_linear,
+)
 from .cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense, ttm_from_dense, ttm_to_dense
 from .modes import default_num_modes, factorize, padded_modes, validate_modes
 from .rank import (
@@ -22,13 +32,14 @@ from .rank import (
     train_parameter_count,
     truncate_train,
 )
-from .ttm import merge_ttm, ttm_lookup, ttm_lookup_chain
+from .ttm import merge_ttm, ttm_halves, ttm_lookup, ttm_lookup_chain, ttm_lookup_halves
 
 __all__ = [
     "PLANS", "PlanCost", "chain_merge", "plan_costs", "plan_tt_linear", "tt_linear",
+    "MergedTTLinear", "merge_tt_linear", "merged_tt_linear",
     "init_cores", "max_ranks", "resolve_ranks", "tt_from_dense", "tt_to_dense", "ttm_from_dense", "ttm_to_dense",
     "default_num_modes", "factorize", "padded_modes", "validate_modes",
     "DEFAULT_THRESHOLD", "CoreSelection", "apply_gates", "leading_share", "refresh_mask", "select_rank_slices",
     "train_parameter_count", "bond_weights", "minimum_train_size", "truncate_train",
-    "merge_ttm", "ttm_lookup", "ttm_lookup_chain",
+    "merge_ttm", "ttm_halves", "ttm_lookup", "ttm_lookup_halves", "ttm_lookup_chain",
 ]

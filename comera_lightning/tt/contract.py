@@ -14,6 +14,10 @@ for backward, and caches the choice per (shapes, ranks, rows, device). :class:`T
 executes a plan; its backward reuses the saved merge prefixes and batch intermediates rather than
 contracting again. Batch GEMMs run in the activation dtype (bf16 under autocast); merges and core
 gradients stay in the cores' dtype (fp32) for accuracy.
+
+Without autograd and with unchanged cores (inference) the merges need not be repeated:
+:func:`merge_tt_linear` merges both sides once into a :class:`MergedTTLinear` and :func:`merged_tt_linear`
+applies it to each batch with one or two GEMMs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -29,7 +33,7 @@ from .cores import grad_in_layout
 
 __all__ = [
     "PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "check_plan", "chain_merge", "compute_dtype", "tt_linear",
-    "TTLinearFunction", "bottleneck_padding",
+    "TTLinearFunction", "bottleneck_padding", "MergedTTLinear", "merge_tt_linear", "merged_tt_linear",
 ]
 
 PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense")
@@ -433,3 +437,56 @@ def tt_linear(
     with torch.autocast(device_type, enabled=False):
         y = TTLinearFunction.apply(x2d, bias, plan, in_modes, *cores)
     return y.reshape(*leading, y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# merged once, reused: no-grad inference
+class MergedTTLinear(NamedTuple):
+    """A TT linear's weight merged once, for repeated calls without autograd (:func:`merge_tt_linear`).
+
+    Either ``weight (M, N)``, when it is no larger than the halves (``M N <= r (M + N)``: tiny layers, huge
+    ranks), or the merged input half ``left (M, r')`` and output half ``right (r', N)``, whose bottleneck is
+    zero-padded to ``r' = rank + bottleneck_padding(rank)`` (the same padding as the ``half_merge`` plan).
+    """
+
+    left: torch.Tensor | None
+    right: torch.Tensor | None
+    weight: torch.Tensor | None
+    rank: int
+
+
+def merge_tt_linear(
+    cores: Sequence[torch.Tensor], num_in: int, dtype: torch.dtype, rows: int | None = None, cols: int | None = None
+) -> MergedTTLinear:
+    """The batch-free part of ``y = x W`` for the TT ``cores`` whose first ``num_in`` cores are the input side.
+
+    Merges each side with :func:`chain_merge` in the cores' dtype, as :class:`TTLinearFunction` does, then casts
+    to ``dtype`` (the compute dtype of the calls that will reuse it). ``rows`` / ``cols`` keep only the first
+    ``rows`` input and ``cols`` output features (a layer's unpadded sizes), so callers neither pad ``x`` nor
+    slice ``y``. Run it without autograd: the result is meant to be kept, not differentiated.
+    """
+    with torch.autocast(cores[0].device.type, enabled=False):
+        left = chain_merge(cores[:num_in])[-1]
+        rank = left.shape[1]
+        right = chain_merge(cores[num_in:])[-1].reshape(rank, -1)
+        left, right = left[:rows], right[:, :cols]
+        M, N = left.shape[0], right.shape[1]
+        if M * N <= rank * (M + N):
+            return MergedTTLinear(None, None, (left @ right).to(dtype).contiguous(), rank)
+        pad = bottleneck_padding(rank, left.device.type)
+        left = torch.nn.functional.pad(left.to(dtype), (0, pad)).contiguous()
+        right = torch.nn.functional.pad(right.to(dtype), (0, 0, 0, pad)).contiguous()
+    return MergedTTLinear(left, right, None, rank)
+
+
+def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (B, M) @ W + bias`` from a :class:`MergedTTLinear` in ``x``'s dtype: one GEMM, or two through the
+    rank-``r`` bottleneck (``(x L) R``)."""
+    if merged.weight is not None:
+        return _matmul_bias(x, merged.weight, bias)
+    left, right = merged.left, merged.right
+    if x.shape[0] <= left.shape[1] and left.shape[1] > merged.rank:
+        # fewer rows than bottleneck columns (a decode step): the GEMMs mostly read L and R, which the CPU
+        # padding only enlarges; it pays for skinny GEMMs of many rows (bottleneck_padding)
+        left, right = left[:, : merged.rank], right[: merged.rank]
+    return _matmul_bias(x @ left, right, bias)

@@ -4,6 +4,8 @@ Row ``i`` of a TTM table is the chain ``F_1[:, v_1(i), :, :] ... F_K[:, v_K(i), 
 ``v_k(i)`` are the mixed-radix digits of ``i``. The *half-merge* lookup merges the first and the last
 half of the cores once per call (batch-free), so each token costs one gather from each half plus one
 ``(E_left x r) @ (r x E_right)`` product, instead of ``K - 1`` products along the chain.
+:func:`ttm_halves` is the merge alone and :func:`ttm_lookup_halves` the per-token part, so a caller that
+looks up many times with unchanged cores (inference) can keep the halves.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["merge_ttm", "ttm_lookup", "ttm_lookup_chain", "split_point"]
+__all__ = ["merge_ttm", "ttm_halves", "ttm_lookup", "ttm_lookup_halves", "ttm_lookup_chain", "split_point"]
 
 
 def split_point(num_cores: int) -> int:
@@ -31,6 +33,32 @@ def merge_ttm(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return merged
 
 
+def ttm_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch-free part of the half-merge lookup: the merged left half ``(V_left, E_left, r)`` and right
+    half ``(r, V_right, E_right)`` (ones ``(1, 1, 1)`` for a one-core train)."""
+    split = split_point(len(cores))
+    left = merge_ttm(cores[:split])[0]
+    right = merge_ttm(cores[split:])[..., 0] if split < len(cores) else left.new_ones(1, 1, 1)
+    return left, right
+
+
+def ttm_lookup_halves(
+    left: torch.Tensor, right: torch.Tensor, ids: torch.Tensor, deduplicate: bool = False
+) -> torch.Tensor:
+    """Rows ``ids`` (1-d, already validated) of the TTM table whose :func:`ttm_halves` are ``left``, ``right``:
+    one gather from each half and one ``(E_left x r) @ (r x E_right)`` product per id.
+
+    With ``deduplicate`` each distinct id is computed once and scattered back.
+    """
+    if deduplicate and ids.numel() > 1:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        return ttm_lookup_halves(left, right, unique).index_select(0, inverse)
+    right_rows = right.shape[1]
+    row_left, row_right = torch.div(ids, right_rows, rounding_mode="floor"), ids.remainder(right_rows)
+    rows = torch.bmm(left.index_select(0, row_left), right.transpose(0, 1).index_select(0, row_right))
+    return rows.reshape(ids.shape[0], left.shape[1] * right.shape[2])
+
+
 def ttm_lookup(
     cores: Sequence[torch.Tensor], ids: torch.Tensor, deduplicate: bool = False
 ) -> torch.Tensor:
@@ -39,19 +67,7 @@ def ttm_lookup(
     With ``deduplicate`` each distinct id is computed once and scattered back, which pays off when a
     batch repeats tokens (natural text, power-law categories).
     """
-    if deduplicate:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        return ttm_lookup(cores, unique, deduplicate=False).index_select(0, inverse)
-    split = split_point(len(cores))
-    left = merge_ttm(cores[:split])[0]  # (V_left, E_left, r)
-    if split < len(cores):
-        right = merge_ttm(cores[split:])[..., 0]  # (r, V_right, E_right)
-    else:
-        right = left.new_ones(1, 1, 1)
-    right_rows = right.shape[1]
-    row_left, row_right = torch.div(ids, right_rows, rounding_mode="floor"), ids.remainder(right_rows)
-    rows = torch.bmm(left.index_select(0, row_left), right.transpose(0, 1).index_select(0, row_right))
-    return rows.reshape(ids.shape[0], left.shape[1] * right.shape[2])
+    return ttm_lookup_halves(*ttm_halves(cores), ids, deduplicate)
 
 
 def ttm_lookup_chain(cores: Sequence[torch.Tensor], ids: torch.Tensor, row_modes: Sequence[int]) -> torch.Tensor:

@@ -236,3 +236,63 @@ def test_a_cache_belongs_to_one_batch():
     model.hidden_states(torch.randint(0, 97, (2, 4)), cache)
     with pytest.raises(ValueError, match="cache holds a batch of 2 sequences but input_ids has 3"):
         model.hidden_states(torch.randint(0, 97, (3, 1)), cache)
+
+
+# --- the TT layers' inference cache in generation ------------------------------------------------------------
+def _generation_task(tie: bool):
+    from comera_lightning.lit import CausalLM
+
+    torch.manual_seed(0)
+    config = dict(LAYERS, low_rank_linears=None if tie else "lm_head")  # the benchmark's low-rank head
+    task = CausalLM(**dict(TINY_DECODER, layer_config=config, tie_embeddings=tie)).double()
+    for _, layer in tt_layers(task.model):
+        with torch.no_grad():
+            for gate in layer.gates:
+                gate.uniform_(0.5, 1.5)
+    # eval before generate: it restores the mode it found, so the caches it filled stay to be checked
+    return task.eval()
+
+
+def _set_inference_cache(model: nn.Module, enabled: bool) -> None:
+    for _, layer in tt_layers(model):
+        layer.inference_cache = enabled
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_greedy_generation_with_the_inference_cache_gives_the_same_tokens_float64(tie):
+    task = _generation_task(tie)
+    prompt = torch.randint(0, 97, (2, 5))
+    _set_inference_cache(task.model, False)
+    uncached = task.generate(prompt, 24, temperature=0.0, use_cache=True)  # past max_len: the sliding window too
+    rerun = task.generate(prompt, 24, temperature=0.0, use_cache=False)
+    assert all(layer._inference_entry is None for _, layer in tt_layers(task.model))
+    _set_inference_cache(task.model, True)
+    cached = task.generate(prompt, 24, temperature=0.0, use_cache=True)
+    assert torch.equal(cached, uncached) and torch.equal(cached, rerun)
+    assert all(layer._inference_entry is not None for _, layer in tt_layers(task.model))  # they were used
+    with torch.no_grad():
+        served = task.model(cached)
+    torch.testing.assert_close(served, task.model(cached), rtol=1e-10, atol=1e-10)  # vs autograd on: uncached
+
+
+@pytest.mark.parametrize("switch_to_train", [True, False])
+def test_generation_after_an_optimizer_step_uses_the_new_weights_float64(switch_to_train):
+    # with and without train() in between (a loop may train in eval mode); fused AdamW does not bump versions
+    task = _generation_task(tie=False)
+    ids = torch.randint(0, 97, (2, 12))
+    task.generate(ids[:, :4], 6, temperature=0.0)
+    with torch.no_grad():
+        before = task.model(ids)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=0.05, fused=True)
+    task.model.train(switch_to_train)
+    F.cross_entropy(task.model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    with torch.no_grad():
+        task.model.eval()(ids)  # an eval forward without grad between backward and step refills the caches
+    optimizer.step()
+    with torch.no_grad():
+        after = task.model(ids)
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, task.model(ids), rtol=1e-10, atol=1e-10)  # vs autograd on: uncached
+    cached = task.generate(ids[:, :4], 12, temperature=0.0)
+    _set_inference_cache(task.model, False)
+    assert torch.equal(cached, task.generate(ids[:, :4], 12, temperature=0.0))
