@@ -545,8 +545,8 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int]) ->
         # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
         # short steps varied by 30 % from run to run, more than the differences being measured
         refresh = args.refresh_samples if b == 1 else 0
-        res, cands = run_batch(shape, b, refresh, min_sample_s=0.01 if args.quick else 1.0, min_total_s=args.min_total_s,
-                               **harness.timing_options(args))
+        res, cands = run_batch(shape, b, refresh, min_sample_s=0.01 if args.quick else 1.0,
+                               min_total_s=args.min_total_s, **harness.timing_options(args))
         finish_batch(res, svd_extra)
         svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
         results[b] = res

@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - started
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
-    harness.emit(args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results))
+    harness.emit(args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results},
+                 fig=plot(results))
     return 0
 
 
