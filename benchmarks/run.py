@@ -60,6 +60,8 @@ COMPARISONS: dict[str, Comparison] = {name: Comparison(*entry) for name, entry i
                   "dense; tokens/s, latency, peak memory"),
     "soak": ("bench_soak", (), "a long training process (20k steps per mode: no logger, MLflow at the configs' rates "
              "and every step, truncations and checkpoints): RSS, Python heap and open files per 10k steps"),
+    "ddp-grad-layout": ("bench_ddp_grad_layout", (), "2-rank DDP step (gloo, CPU) of the quickstart MLM with TT-core "
+                        "gradients in their parameters' layout vs as the contractions leave them (before issue 26)"),
     "text-data": ("bench_text_data", (), "TextLMDataModule at scale: tokenising tokens/s (1 thread vs every core), a "
                   "loader epoch at llm_60m shapes against the llm_60m step's demand, peak RSS at 1x and 10x the corpus"),
 }.items()}
