@@ -15,7 +15,7 @@ first 8 MB beforehand (not timed). Every measurement runs in a fresh child proce
 * ``step``: the llm_60m model (configs/llm_60m.yaml) in training on this CPU, batch 2 x 256: tokens/s it
   consumes. A GPU's demand is not measured here: the table gives what the loader supplies per process.
 
-    python benchmarks/bench_text_data.py              # 100 MB and 1 GB corpora: about 15 minutes on 2 cores
+    python benchmarks/bench_text_data.py              # 100 MB and 1 GB corpora: about 8 minutes on 2 cores
     python benchmarks/bench_text_data.py --quick      # the plumbing in a minute
 """
 

@@ -1,7 +1,7 @@
 """One entry point for every benchmark behind docs/results.md.
 
     python benchmarks/run.py all --quick            # every comparison, small (a few minutes)
-    python benchmarks/run.py all                    # what docs/results.md reports (about 75 minutes on 2 quiet CPU cores)
+    python benchmarks/run.py all                    # what docs/results.md reports (hours on 2 quiet CPU cores; each script says its own time)
     python benchmarks/run.py step --batch 1         # one comparison; arguments after the name go to its script
     python benchmarks/run.py --list
 
