@@ -176,14 +176,15 @@ class TTLayer(nn.Module):
         """``build()``, or its result from an earlier call under the same ``key`` and the same cores, gates and
         masks. Call it only when :meth:`_serves_from_cache` holds.
 
-        The stamp is, for every tensor the merge reads, (identity, ``_version``, ``data_ptr``, shape, dtype,
-        device), the count of optimiser steps taken in the process, and the subclass's ``key`` (what else the
+        The stamp is, for every tensor the merge reads, (identity, ``_version``, ``data_ptr``, shape), the count of
+        optimiser steps taken in the process, and the subclass's ``key`` (what else the
         result depends on: the compute dtype, autocast). ``_version`` catches every in-place change that
         autograd tracks (``copy_`` by ``load_state_dict``, foreach/for-loop optimiser steps, gate zeroing, mask
         refreshes, also under ``no_grad``/``inference_mode``); the step count catches fused optimiser steps,
         which do not bump it; identity catches a replaced tensor (a new mask buffer,
-        ``load_state_dict(assign=True)``); ``data_ptr``, shape, dtype and device catch ``param.data = ...``,
-        which keeps the version counter (truncation, ``.to()``). The entry holds the stamped tensors and their
+        ``load_state_dict(assign=True)``); ``data_ptr`` and shape catch ``param.data = ...``, which keeps the
+        version counter (truncation, ``.to()``, which also clear the cache themselves): a new dtype or device
+        means new storage, and the entry pins the old one so its address cannot be reused. The entry holds the stamped tensors and their
         old storages so that no id or address is reused while it lives. Only ``param.data.<op>_()`` in eval
         mode, which bypasses the version counter, goes unseen: call :meth:`clear_inference_cache` after such a
         change. ``train()``, ``.to()``, loading, truncation and any forward with autograd on also clear it.
@@ -193,7 +194,7 @@ class TTLayer(nn.Module):
                                     *self._buffers.values()) if t is not None)
         try:
             stamp = (key, _optimizer_steps,
-                     tuple((id(t), t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors))
+                     tuple((id(t), t._version, t.data_ptr(), t.shape) for t in tensors))
         except RuntimeError:  # inference tensors (made under inference_mode) have no version counter
             return build()
         entry = self._inference_entry

@@ -447,12 +447,14 @@ class MergedTTLinear(NamedTuple):
     Either ``weight (M, N)``, when it is no larger than the halves (``M N <= r (M + N)``: tiny layers, huge
     ranks), or the merged input half ``left (M, r')`` and output half ``right (r', N)``, whose bottleneck is
     zero-padded to ``r' = rank + bottleneck_padding(rank)`` (the same padding as the ``half_merge`` plan).
+    When padded, ``narrow`` holds contiguous unpadded copies ``(M, r)``, ``(r, N)`` for calls of few rows.
     """
 
     left: torch.Tensor | None
     right: torch.Tensor | None
     weight: torch.Tensor | None
     rank: int
+    narrow: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def merge_tt_linear(
@@ -474,9 +476,11 @@ def merge_tt_linear(
         if M * N <= rank * (M + N):
             return MergedTTLinear(None, None, (left @ right).to(dtype).contiguous(), rank)
         pad = bottleneck_padding(rank, left.device.type)
-        left = torch.nn.functional.pad(left.to(dtype), (0, pad)).contiguous()
-        right = torch.nn.functional.pad(right.to(dtype), (0, 0, 0, pad)).contiguous()
-    return MergedTTLinear(left, right, None, rank)
+        left, right = left.to(dtype).contiguous(), right.to(dtype).contiguous()
+        if pad == 0:
+            return MergedTTLinear(left, right, None, rank)
+        padded = (torch.nn.functional.pad(left, (0, pad)), torch.nn.functional.pad(right, (0, 0, 0, pad)))
+    return MergedTTLinear(*padded, None, rank, (left, right))
 
 
 def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -485,8 +489,8 @@ def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor
     if merged.weight is not None:
         return _matmul_bias(x, merged.weight, bias)
     left, right = merged.left, merged.right
-    if x.shape[0] <= left.shape[1] and left.shape[1] > merged.rank:
+    if merged.narrow is not None and x.shape[0] <= left.shape[1]:
         # fewer rows than bottleneck columns (a decode step): the GEMMs mostly read L and R, which the CPU
         # padding only enlarges; it pays for skinny GEMMs of many rows (bottleneck_padding)
-        left, right = left[:, : merged.rank], right[: merged.rank]
+        left, right = merged.narrow
     return _matmul_bias(x @ left, right, bias)
