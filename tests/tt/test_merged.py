@@ -54,6 +54,11 @@ def test_padded_bottleneck_on_cpu_is_used_only_for_many_rows_and_gives_the_same_
     padded = 3 + bottleneck_padding(3, "cpu")
     assert padded == 16 and merged.left.shape == (24, padded) and merged.right.shape == (padded, 30)
     assert not merged.left[:, 3:].any() and not merged.right[3:].any()  # zero slices: the same product
+    # the unpadded halves, kept contiguous for calls of few rows (no strided slice per call)
+    narrow_left, narrow_right = merged.narrow
+    assert narrow_left.shape == (24, 3) and narrow_right.shape == (3, 30)
+    assert narrow_left.is_contiguous() and narrow_right.is_contiguous()
+    assert torch.equal(narrow_left, merged.left[:, :3]) and torch.equal(narrow_right, merged.right[:3])
     x = torch.randn(rows, 24, dtype=F64)
     torch.testing.assert_close(merged_tt_linear(x, merged), x @ dense_reference(by_hand, 2), rtol=1e-12, atol=1e-12)
 
