@@ -72,4 +72,21 @@ from comera_lightning.export import load_exported
 task = load_exported("model.safetensors")
 print(f"floor smoke: load_exported -> {type(task).__name__}")
 PY
+step "TextLMDataModule on JSON lines and Parquet (pyarrow, tokenizers and numpy at their floors)"
+python - <<'PY' || fail "TextLMDataModule"
+import json, pathlib
+import pyarrow as pa, pyarrow.parquet as pq
+from comera_lightning.data import TextLMDataModule
+docs = [f"document {i}: " + " ".join(f"word{(i * j) % 97}" for j in range(200)) for i in range(40)]
+pathlib.Path("text").mkdir()
+pathlib.Path("text/a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:20]))
+pq.write_table(pa.table({"text": docs[20:]}), "text/b.parquet")
+dm = TextLMDataModule(files=["text/*.jsonl", "text/*.parquet"], vocab_size=400, seq_len=16, batch_size=4,
+                      val_fraction=0.2)
+dm.prepare_data()
+dm.setup("fit")
+batch = next(iter(dm.train_dataloader()))
+assert tuple(batch["input_ids"].shape) == (4, 16) and len(dm.val_dataset) > 0
+print(f"floor smoke: TextLMDataModule -> {len(dm.train_dataset)} training rows")
+PY
 step "all steps passed"
