@@ -1,9 +1,13 @@
-"""Decoder pre-training at CPU scale: dense + AdamW vs dense + GaLore vs CoMERA on ``configs/llm_cpu.yaml``.
+"""Decoder pre-training: dense + AdamW vs dense + GaLore vs CoMERA on ``configs/llm_cpu.yaml`` (or ``--config``).
 
-The three train by the protocol of ``study.py`` (``steps``: the same tokens, ``time``: the same training seconds);
-first their training steps are timed interleaved with peak memory, at the config's width, at batch 1 and at
-``--widths``. GaLore needs ``pip install -e .[galore]`` (else reported as skipped). benchmarks/README.md has the
-details; output: ``llm_study<tag>.{json,md,png}`` in ``--out-dir`` (a rerun resumes).
+The three train by the protocol of ``study.py`` (``steps``: the same tokens, ``time``: the same training seconds,
+``matched``: the same training seconds as steps decided before training, so that learning-rate schedules run their
+whole course: each method trains ``--budget-s`` over its own measured step time, and the config's warmup,
+truncation interval and validation interval keep their share of the run). First their training steps are timed
+interleaved with peak memory, at the config's width, at batch 1 and at ``--widths``. ``--accelerator cuda
+--precision bf16-mixed`` runs it all on a GPU; ``--set data.root=stdlib`` changes one config value. GaLore needs
+``pip install -e .[galore]`` (else reported as skipped). benchmarks/README.md has the details; output:
+``llm_study<tag>.{json,md,png}`` in ``--out-dir`` (a rerun resumes).
 
     python benchmarks/llm_study.py --threads 1                         # the config's 1500 steps, both protocols
     python benchmarks/llm_study.py --protocols steps --widths --tag steps
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +34,9 @@ from study import StudySpec
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "llm_cpu.yaml"
 METHODS = ("dense", "galore", "comera")
-PROTOCOLS = ("steps", "time")
+PROTOCOLS = ("steps", "time", "matched")
+# --set SECTION.KEY=VALUE: which part of the study a config section's values go to
+SECTIONS = {"model": "task_kwargs", "data": "data_kwargs", "rank": "rank_kwargs"}
 GALORE_GAP, GALORE_SCALE = 200, 0.25
 
 
@@ -40,18 +48,54 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
     trainer = config["trainer"]
     steps = int(trainer["max_steps"])
     late_fraction = rank.pop("late_start_step", int(0.4 * steps)) / steps
+    datamodule = config["data"]["class_path"].rsplit(".", 1)[-1]
     spec = StudySpec("lm", task, dict(config["data"]["init_args"]), rank, steps=steps, budget_s=180.0,
                      val_every=int(trainer["val_check_interval"]), limit_val_batches=trainer.get("limit_val_batches"),
                      metric="val/perplexity", secondary="val/loss", higher_is_better=False,
-                     late_fraction=late_fraction)
+                     late_fraction=late_fraction, datamodule=datamodule)
     if quick:
+        layer = {**spec.task_kwargs.get("layer_config", {}), "rank": 8, "embedding_rank": 8, "min_features": 16}
+        if "layer_ranks" in layer:
+            layer["layer_ranks"] = {name: 8 for name in layer["layer_ranks"]}
         spec.task_kwargs.update(vocab_size=512, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=32,
-                                layer_config=dict(rank=8, embedding_rank=8, min_features=16),
-                                optim={**spec.task_kwargs.get("optim", {}), "warmup_steps": 2})
-        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8, max_files=30, max_sequences=400)
+                                layer_config=layer, optim={**spec.task_kwargs.get("optim", {}), "warmup_steps": 2})
+        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8)
+        if datamodule == "CodeLMDataModule":
+            spec.data_kwargs.update(max_files=30, max_sequences=400)
+        else:
+            spec.data_kwargs.update(tokenizer_sample_mb=1.0)
         spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
         spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 6, 2.0, 3, 2
     return spec
+
+
+def apply_overrides(spec: StudySpec, assignments: list[str]) -> None:
+    """Set ``SECTION.KEY[.KEY...]=VALUE`` items (values read as YAML) in the spec's model, data or rank settings."""
+    for item in assignments:
+        path, sep, text = item.partition("=")
+        section, *keys = path.split(".")
+        if not sep or section not in SECTIONS or not keys:
+            raise ValueError(f"--set takes SECTION.KEY=VALUE with SECTION one of {tuple(SECTIONS)} "
+                             f"(e.g. data.root=stdlib), got {item!r}")
+        target = getattr(spec, SECTIONS[section])
+        for key in keys[:-1]:
+            target[key] = dict(target.get(key) or {})
+            target = target[key]
+        target[keys[-1]] = yaml.safe_load(text)
+
+
+def run_length(spec: StudySpec, steps: int) -> StudySpec:
+    """``spec`` resized to ``steps``: warmup, truncation interval and validation interval keep their share of the run
+    (the late stage starts at ``late_fraction`` of it anyway)."""
+    scale = steps / spec.steps
+    optim = dict(spec.task_kwargs.get("optim") or {})
+    if optim.get("warmup_steps"):
+        optim["warmup_steps"] = max(1, round(optim["warmup_steps"] * scale))
+    rank = dict(spec.rank_kwargs)
+    if rank.get("truncate_every_n_steps"):
+        rank["truncate_every_n_steps"] = max(1, round(rank["truncate_every_n_steps"] * scale))
+    return replace(spec, steps=steps, val_every=max(1, round(spec.val_every * scale)), rank_kwargs=rank,
+                   task_kwargs={**spec.task_kwargs, "optim": optim})
 
 
 def wide_task_kwargs(spec: StudySpec, d_model: int) -> dict[str, Any]:
@@ -100,14 +144,26 @@ def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None 
 # step time and memory, interleaved in this process
 
 
+def device_of(spec: StudySpec) -> str:
+    """The torch device type of the spec's accelerator."""
+    return "cuda" if spec.accelerator in ("cuda", "gpu") else "cpu"
+
+
 def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str, torch.Tensor]) -> list:
-    """The three methods' training steps on ``batch`` (``bench_training_step.Candidate``s), each primed once."""
+    """The three methods' training steps on ``batch`` (``bench_training_step.Candidate``s), each primed once, on the
+    spec's device; forward and loss under bf16 autocast with ``precision="bf16-mixed"``, as Lightning does."""
     from comera_lightning.optim import comera_parameter_groups
 
+    device = device_of(spec)
+    bf16 = spec.precision == "bf16-mixed"
     cands = []
     for method in METHODS:
-        task = build_task(spec, "dense" if method == "galore" else method, task_kwargs)
-        loss = (lambda task=task: task._cross_entropy(*task._logits_and_labels(batch)))
+        task = build_task(spec, "dense" if method == "galore" else method, task_kwargs).to(device)
+
+        def loss(task=task) -> torch.Tensor:
+            with torch.autocast(device, dtype=torch.bfloat16) if bf16 else nullcontext():
+                return task._cross_entropy(*task._logits_and_labels(batch))
+
         o = task.optim
         if method == "galore":
             cands.append(bts.galore_candidate(method, task, galore_targets(task.model), loss, o.lr_other,
@@ -127,6 +183,7 @@ def measure_steps(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str,
     (``bench_training_step.measure``), with their active parameters and compression."""
     from comera_lightning.nn import size_report
 
+    batch = {k: v.to(device_of(spec)) for k, v in batch.items()}
     cands = step_candidates(spec, task_kwargs, batch)
     timing, methods = bts.measure(cands, batch.values(), seed=spec.seed, min_sample_s=min_sample_s, **timing)
     for c in cands:
@@ -193,8 +250,12 @@ def run_study(spec: StudySpec, progress: study.Progress, *, methods: tuple[str, 
             if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
                 log(f"[train] {method} / {protocol}: already in {progress.path}, skipped")
                 continue
-            log(f"[train] {method} / {protocol}")
-            run = study.run_one(spec, method, protocol, dm, task=build_task(spec, method),
+            run_spec = spec
+            if protocol == "matched":  # the budget in this method's steps, timed at the config's width and batch
+                step_s = steps[0]["methods"][method]["median_s"]
+                run_spec = run_length(spec, max(1, round(spec.budget_s / step_s)))
+            log(f"[train] {method} / {protocol}" + (f": {run_spec.steps} steps" if protocol == "matched" else ""))
+            run = study.run_one(run_spec, method, protocol, dm, task=build_task(run_spec, method),
                                 max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
             run["tokens"] = run["steps"] * spec.data_kwargs["batch_size"] * spec.data_kwargs["seq_len"]
             runs.append(run)
@@ -207,7 +268,8 @@ def markdown(result: dict[str, Any]) -> str:
     """Training runs (perplexity, parameters, time) and the interleaved step/memory table."""
     config = Path(result.get("settings", {}).get("config", CONFIG)).name
     runs = study.runs_table(result["runs"], [
-        "method", "protocol", "steps", "tokens", "train s", "median step ms",
+        "method", "protocol", "steps", "tokens", "train s", ("tokens/s", lambda r: f"{r['tokens'] / r['train_s']:,.0f}"),
+        "median step ms",
         ("val perplexity", study.metric_cell("val/perplexity", 3)), ("val loss", study.metric_cell("val/loss")),
         "trainable params", "compression", "other load"])
     rows = []
@@ -230,17 +292,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = study.study_parser(__doc__, repeats=(2, 5))
     parser.add_argument("--config", type=Path, default=CONFIG, help="a CausalLM config (default configs/llm_cpu.yaml)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
+    parser.add_argument("--protocols", nargs="+", default=["steps", "time"], choices=PROTOCOLS,
+                        help="steps, time and/or matched (default: steps time)")
     parser.add_argument("--widths", type=int, nargs="*", default=None,
                         help="extra d_model widths for the step timing (default 1024; quick none)")
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="the Trainer's precision; the step timing autocasts the same way")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="change one value of the config's model, data or RankAdaptation settings (a YAML "
+                             "value; repeatable), e.g. --set data.root=stdlib --set rank.gamma=0.01")
     args = study.parse(parser, argv)
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        parser.error("--accelerator cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                     "run on a GPU machine or leave --accelerator at cpu")
     spec = spec_from_config(args.config, args.quick)
     spec.seed, spec.steps = args.seed, args.steps or spec.steps
     spec.budget_s, spec.val_every = args.budget_s or spec.budget_s, args.val_every or spec.val_every
+    spec.accelerator, spec.precision = args.accelerator, args.precision
     widths = tuple(([] if args.quick else [1024]) if args.widths is None else args.widths)
     stem = f"llm_study{args.tag}"
     partial = args.out_dir / f"{stem}.partial.json"
     try:
+        apply_overrides(spec, args.overrides)
         spec.check()
         progress = study.Progress(partial, {**spec.json(), "widths": list(widths)})
     except ValueError as err:

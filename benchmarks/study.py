@@ -55,6 +55,8 @@ class StudySpec:
     ``task_kwargs`` go to the task's LightningModule (each method sets ``tt_linears``/``tt_embeddings``),
     ``data_kwargs`` to its datamodule, ``rank_kwargs`` to ``RankAdaptation`` (the late stage starts at
     ``late_fraction`` of the run). ``metric`` is the headline validation metric, ``secondary`` a second one.
+    ``accelerator`` and ``precision`` go to the Trainer (the CPU studies: ``cpu``, ``32-true``); ``datamodule``
+    names a datamodule of ``comera_lightning.data`` other than the task's (a config's ``TextLMDataModule``).
     """
 
     name: str
@@ -70,6 +72,9 @@ class StudySpec:
     higher_is_better: bool = True
     late_fraction: float = 0.5
     seed: int = 0
+    accelerator: str = "cpu"
+    precision: str = "32-true"
+    datamodule: str | None = None
 
     def check(self) -> None:
         """Refuse settings that cannot give a meaningful run, naming the fix."""
@@ -135,7 +140,7 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     """The study's datamodule, prepared and set up once (every run then reads the very same tensors)."""
     import comera_lightning.data as data
 
-    cls = getattr(data, TASKS[spec.name][1])
+    cls = getattr(data, spec.datamodule or TASKS[spec.name][1])
     if spec.name == "dlrm":  # synthetic rows: nothing to tokenise or cache
         dm = cls(**spec.data_kwargs, seed=spec.seed)
     else:
@@ -297,8 +302,9 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*`max_epochs` was not set.*")
         trainer = Trainer(
-            accelerator="cpu", devices=1, max_steps=1_000_000 if protocol == "time" else spec.steps,
-            max_epochs=-1, val_check_interval=spec.val_every, check_val_every_n_epoch=None,
+            accelerator=spec.accelerator, precision=spec.precision, devices=1,
+            max_steps=1_000_000 if protocol == "time" else spec.steps, max_epochs=-1,
+            val_check_interval=spec.val_every, check_val_every_n_epoch=None,
             limit_val_batches=spec.limit_val_batches, num_sanity_val_steps=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=root, callbacks=callbacks,
