@@ -2,11 +2,13 @@
 
 Per model size (``quickstart``; ``base`` without ``--quick``) and precision (``32-true``, ``bf16-mixed``): the
 tensorised masked-LM trained by Lightning eagerly and captured from one seed, with a forced truncation half-way
-(one re-capture), losses and parameters compared; then the bare step timed interleaved, with peak CUDA memory.
-Without CUDA it prints ``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
+(one re-capture), losses and parameters compared; then the bare step timed interleaved at every
+``--timing-batches`` size (default: 1 and the size's own batch), with peak CUDA memory. Without CUDA it prints
+``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
 
     python benchmarks/bench_cuda_graphs.py              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
     python benchmarks/bench_cuda_graphs.py --quick --backend replay   # CPU dry run of the identity check
+    python benchmarks/bench_cuda_graphs.py --timing-batches 1 8 32    # step timing at these batch sizes
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import itertools
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from comera_lightning.training import CudaGraphs
 IGNORE = -100
 TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}         # largest relative difference of a step's loss
 UPDATE_TOLERANCE = {"32-true": 1e-2, "bf16-mixed": 5e-2}  # ||theta_graphs - theta_eager|| / ||update||
+TARGET_SPEEDUP, TARGET_BATCH = 1.3, 1                     # the GPU issue: graphs >= 1.3x faster than eager at batch 1
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     loop_c, loop_e = (statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan
                       for t in (timer_c, timer_e))
     return {
-        "size": size.name, "precision": precision, "steps": steps, "backend": backend,
+        "size": size.name, "precision": precision, "batch": size.batch, "steps": steps, "backend": backend,
         "identical": bool(update_rel <= update_tol and loss_rel <= tol),
         "update_rel_diff": update_rel, "loss_rel_diff": loss_rel, "max_abs_param_diff": max_abs,
         "max_abs_param_diff_tensor": worst, "tolerance": {"update_rel": update_tol, "loss_rel": tol},
@@ -183,10 +186,15 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     }
 
 
-def time_steps(size: Size, precision: str, **timing) -> dict:
-    """Bare step time (no Lightning loop), eager vs captured, interleaved (``timing``: :func:`harness.interleave`'s
-    keywords); plus peak CUDA memory of each."""
-    batches = make_batches(size, 8, "cuda", seed=1)
+def timing_batches(size: Size, chosen: list[int] | None) -> list[int]:
+    """The batch sizes ``size`` is timed at: ``chosen`` (``--timing-batches``), else 1 and its own batch."""
+    return sorted(set(chosen if chosen else [1, size.batch]))
+
+
+def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
+    """Bare step time (no Lightning loop) at ``batch`` sequences, eager vs captured, interleaved (``timing``:
+    :func:`harness.interleave`'s keywords); plus peak CUDA memory of each."""
+    batches = make_batches(replace(size, batch=batch), 8, "cuda", seed=1)
     bf16 = precision == "bf16-mixed"
     eager_module = BenchMLM(size, log_loss=False).cuda()
     graph_module = copy.deepcopy(eager_module)
@@ -224,41 +232,57 @@ def time_steps(size: Size, precision: str, **timing) -> dict:
     finally:
         graphs.detach()
     paired = timing.paired_ratios("eager", "graphs")
-    return {"size": size.name, "precision": precision, "speedup": timing.ratio("eager", "graphs"),
+    return {"size": size.name, "precision": precision, "batch": batch, "speedup": timing.ratio("eager", "graphs"),
             "paired_speedups": paired, "timing": timing.summary(), "noise": timing.noise_cell(),
             "peak_memory_bytes": memory}
 
 
 def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
-    """The markdown table: per size and precision, step times and speed-up (GPU), identity and re-captures."""
+    """The markdown table: per size, precision and timed batch, step times and speed-up (GPU), then the identity
+    check (run at the size's own batch, which the Lightning-loop ratio is also measured at) and re-captures."""
     rows = []
     for check in identity:
-        t = next((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])), None)
         loop = check["loop_step_s"]
         tol = check["tolerance"]
-        rows.append([
-            check["size"], check["precision"],
-            *((harness.ms(t["timing"]["median_s"]["eager"]), harness.ms(t["timing"]["median_s"]["graphs"]),
-               harness.times(t["speedup"]), f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}")
-              if t else ["-"] * 4),
-            harness.times(loop["eager"] / loop["graphs"]) if on_gpu and loop["graphs"] > 0 else "-",
-            " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
-            f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
-            "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
-            f"{check['graphs']['captures']} / {check['graphs']['invalidations']}", t["noise"] if t else "-",
-        ])
-    return harness.table(["size", "precision", "eager step", "graphed step", "speed-up", "paired range",
-                          "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff", "identical",
-                          "captures / re-captures", "clean rounds"], rows)
+        own_batch = check["batch"]
+        timed = sorted((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])),
+                       key=lambda t: t["batch"])
+        for t in timed or [None]:
+            rows.append([
+                check["size"], check["precision"], t["batch"] if t else own_batch,
+                *((harness.ms(t["timing"]["median_s"]["eager"]), harness.ms(t["timing"]["median_s"]["graphs"]),
+                   harness.times(t["speedup"]), f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}")
+                  if t else ["-"] * 4),
+                harness.times(loop["eager"] / loop["graphs"])
+                if on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch) else "-",
+                " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
+                f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
+                "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
+                f"{check['graphs']['captures']} / {check['graphs']['invalidations']}", t["noise"] if t else "-",
+            ])
+    return harness.table(["size", "precision", "batch", "eager step", "graphed step", "speed-up", "paired range",
+                          "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff (own batch)",
+                          "identical", "captures / re-captures", "clean rounds"], rows)
+
+
+def verdicts(timings: list[dict]) -> list[dict]:
+    """The GPU issue's target, per size and precision timed at ``TARGET_BATCH``."""
+    return [{"target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",
+             "size": t["size"], "precision": t["precision"], "batch": t["batch"], "measured": t["speedup"],
+             "met": t["speedup"] >= TARGET_SPEEDUP} for t in timings if t["batch"] == TARGET_BATCH]
 
 
 def plot(timings: list[dict]):
-    """Bars of the speed-up per size and precision, with every paired round's ratio as dots."""
-    fig, [ax] = harness.new_figure(1, 6.0, 3.5)
-    ax.bar([f"{t['size']}\n{t['precision']}" for t in timings], [t["speedup"] for t in timings], color="tab:green")
+    """Bars of the speed-up per size, precision and batch, with every paired round's ratio as dots."""
+    fig, [ax] = harness.new_figure(1, max(6.0, 1.2 * len(timings)), 3.5)
+    ax.bar([f"{t['size']}\n{t['precision']}\nbatch {t['batch']}" for t in timings], [t["speedup"] for t in timings],
+           color="tab:green")
     for i, t in enumerate(timings):
         ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.axhline(TARGET_SPEEDUP, color="tab:red", linewidth=0.8, linestyle="--",
+               label=f"target at batch {TARGET_BATCH}: {TARGET_SPEEDUP:g}x")
+    ax.legend(fontsize=7)
     ax.set_ylabel("eager / graphed step time")
     ax.set_title("CUDA graphs speed-up (bare training step)")
     return fig
@@ -272,9 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
     parser.add_argument("--backend", choices=["cuda", "replay"], default="cuda",
                         help="replay: identity check with the eager replay backend on the CPU (no timing)")
+    parser.add_argument("--timing-batches", type=harness.positive_int, nargs="+", default=None, metavar="B",
+                        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own "
+                             "batch, 32); the identity check always runs at the size's own batch")
     args = harness.parse(parser, argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
+    if args.timing_batches and args.backend == "replay":
+        parser.error("--timing-batches sets the step timing, which only the cuda backend runs; drop it or use "
+                     "--backend cuda")
     on_gpu = args.backend == "cuda"
     json_path = args.out_dir / "cuda_graphs.json"
     if on_gpu and not torch.cuda.is_available():
@@ -289,13 +319,21 @@ def main(argv: list[str] | None = None) -> int:
         for precision in args.precision:
             identity.append(compare_training(size, steps, precision, "cuda" if on_gpu else "cpu", args.backend))
             if on_gpu:
-                timings.append(time_steps(size, precision, **harness.timing_options(args)))
+                for batch in timing_batches(size, args.timing_batches):
+                    timings.append(time_steps(size, precision, batch, **harness.timing_options(args)))
     print(f"CUDA graphs vs eager ({args.backend} backend, {steps} steps per identity run)\n")
     print(report(identity, timings, on_gpu))
+    checks = verdicts(timings)
+    if checks:
+        print("\n" + harness.table(["target", "size", "precision", "measured", "verdict"],
+                                   [[c["target"], c["size"], c["precision"], harness.times(c["measured"]),
+                                     "met" if c["met"] else "MISSED"] for c in checks]))
     settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,
-                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE}
+                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE,
+                "timing_batches": {s.name: timing_batches(s, args.timing_batches) for s in sizes} if on_gpu else {}}
     harness.emit(json_path, {"skipped": False, "machine": harness.machine_info(), "settings": settings,
-                             "identity": identity, "timing": timings}, fig=plot(timings) if timings else None)
+                             "identity": identity, "timing": timings, "verdicts": checks},
+                 fig=plot(timings) if timings else None)
     return 0 if all(check["identical"] for check in identity) else 1
 
 

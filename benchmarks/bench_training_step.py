@@ -7,18 +7,20 @@ benchmarks/README.md describes both.
 
     python benchmarks/bench_training_step.py --part step --wait-quiet 60
     python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
+    python benchmarks/bench_training_step.py --device cuda --precision bf16-mixed   # on a GPU: *_cuda_bf16.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, ContextManager, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,45 @@ GALORE_SETTINGS = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_typ
 GALORE_MISSING = "galore-torch is not installed: `pip install -e .[galore]` (galore-torch==1.0)"
 TARGET_SPEEDUP_VS_DENSE = 4.0
 TARGET_MEMORY_VS_GALORE = 9.0
+DEVICES, PRECISIONS = ("cpu", "cuda"), ("32-true", "bf16-mixed")
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Where and how every candidate runs: its model, optimiser state and batch live on ``device``; with
+    ``precision`` ``bf16-mixed`` its forward and loss run under bfloat16 autocast while parameters, gradients and
+    optimiser state stay float32 (Lightning's ``bf16-mixed``); ``32-true`` is plain float32."""
+
+    device: str = "cpu"
+    precision: str = "32-true"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    def autocast(self) -> ContextManager:
+        """The context of forward + loss: bfloat16 autocast on ``device`` for ``bf16-mixed``, else nothing."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def stem(self) -> str:
+        """Suffix of the output files: empty for float32 on the CPU (the default), else e.g. ``_cuda_bf16``."""
+        device = "" if self.device == "cpu" else f"_{self.device}"
+        return device + ("_bf16" if self.precision == "bf16-mixed" else "")
+
+    def describe(self) -> str:
+        """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed CUDA (NVIDIA H200)``."""
+        precision = "float32" if self.precision == "32-true" else "bf16-mixed (float32 weights)"
+        where = (f"CPU, {torch.get_num_threads()} threads" if self.device == "cpu"
+                 else f"CUDA ({torch.cuda.get_device_name()})")
+        return f"{precision} {where}"
+
+
+CPU_FP32 = Execution()
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -83,8 +124,9 @@ def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
     return replace(base, d_model=d_model, num_heads=d_model // 64, d_ff=4 * d_model, num_layers=num_layers)
 
 
-def build_model(shape: Shape, tt: bool, seed: int = 0) -> SequenceClassifier:
-    """The classifier, dense (``tt=False``) or CoMERA (TT linears and TT word embedding), in train mode."""
+def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu") -> SequenceClassifier:
+    """The classifier, dense (``tt=False``) or CoMERA (TT linears and TT word embedding), in train mode, on
+    ``device`` (initialised on the CPU, so every device starts from the same weights)."""
     torch.manual_seed(seed)
     return SequenceClassifier(
         vocab_size=shape.vocab_size, num_classes=shape.num_classes, d_model=shape.d_model, num_heads=shape.num_heads,
@@ -92,14 +134,15 @@ def build_model(shape: Shape, tt: bool, seed: int = 0) -> SequenceClassifier:
         packed_dropout=shape.packed_dropout,
         layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank,
                           dense_layers=shape.dense_layers),
-    ).train()
+    ).train().to(device)
 
 
-def make_batch(shape: Shape, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels."""
+def make_batch(shape: Shape, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels, drawn on the CPU
+    (the same on every device) and put on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, shape.vocab_size, (batch, shape.seq_len), generator=gen)
-    return ids, torch.randint(0, shape.num_classes, (batch,), generator=gen)
+    return ids.to(device), torch.randint(0, shape.num_classes, (batch,), generator=gen).to(device)
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -253,16 +296,24 @@ def galore_candidate(name: str, model: nn.Module, targets: list[nn.Parameter], l
     return cand
 
 
-def classifier_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Cross-entropy of the classifier on one batch."""
-    return lambda: F.cross_entropy(model(ids), labels)
+def classifier_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                    execution: Execution = CPU_FP32) -> Callable[[], torch.Tensor]:
+    """Cross-entropy of the classifier on one batch, forward and loss under ``execution.autocast()``."""
+
+    def loss() -> torch.Tensor:
+        with execution.autocast():
+            return F.cross_entropy(model(ids), labels)
+
+    return loss
 
 
-def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> Candidate:
+def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
+                execution: Execution = CPU_FP32) -> Candidate:
     """Dense model + ``torch.optim.AdamW``; primed."""
-    model = build_model(shape, tt=False, seed=seed)
+    model = build_model(shape, tt=False, seed=seed, device=execution.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
-    return Candidate(DENSE, model, optimizer, train_step(optimizer, classifier_loss(model, ids, labels))).prime()
+    return Candidate(DENSE, model, optimizer,
+                     train_step(optimizer, classifier_loss(model, ids, labels, execution))).prime()
 
 
 def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
@@ -271,20 +322,21 @@ def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
 
 
 def dense_galore(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
-                 settings: dict | None = None) -> Candidate:
+                 settings: dict | None = None, execution: Execution = CPU_FP32) -> Candidate:
     """Dense model + ``GaLoreAdamW`` (:func:`galore_candidate`)."""
-    model = build_model(shape, tt=False, seed=seed)
-    return galore_candidate(GALORE, model, galore_targets(model), classifier_loss(model, ids, labels), shape.lr_other,
-                            0.0, GALORE_SETTINGS if settings is None else settings)
+    model = build_model(shape, tt=False, seed=seed, device=execution.device)
+    return galore_candidate(GALORE, model, galore_targets(model), classifier_loss(model, ids, labels, execution),
+                            shape.lr_other, 0.0, GALORE_SETTINGS if settings is None else settings)
 
 
 def comera(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0, gamma: float = 0.01,
-           model: nn.Module | None = None, name: str = COMERA) -> Candidate:
-    """CoMERA model + AdamW over ``comera_parameter_groups`` + RankAdaptation's per-step work; primed."""
-    model = build_model(shape, tt=True, seed=seed) if model is None else model
+           model: nn.Module | None = None, name: str = COMERA, execution: Execution = CPU_FP32) -> Candidate:
+    """CoMERA model (``model``, already on the device, or a new one) + AdamW over ``comera_parameter_groups`` +
+    RankAdaptation's per-step work; primed."""
+    model = build_model(shape, tt=True, seed=seed, device=execution.device) if model is None else model
     optimizer = torch.optim.AdamW(
         comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0))
-    return comera_candidate(name, model, optimizer, classifier_loss(model, ids, labels), gamma)
+    return comera_candidate(name, model, optimizer, classifier_loss(model, ids, labels, execution), gamma)
 
 
 def parameters_after_cut(model: nn.Module, keep: float) -> int:
@@ -323,12 +375,12 @@ def cut(model: nn.Module, optimizer: torch.optim.Optimizer, keep: float) -> None
 
 
 def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: torch.Tensor,
-                   fraction: float = 0.25, gamma: float = 0.01) -> Candidate:
+                   fraction: float = 0.25, gamma: float = 0.01, execution: Execution = CPU_FP32) -> Candidate:
     """A copy of ``base``'s CoMERA model physically truncated to about ``fraction`` of its parameters.
 
     The copy gets its own AdamW and one step (so its state exists, as in a real run) before the cut."""
     model = copy.deepcopy(base.model)
-    cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER)
+    cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER, execution=execution)
     keep, basis, target = quarter_keep(model, fraction)
     cut(model, cand.optimizer, keep)
     cand.prime()
@@ -352,27 +404,40 @@ def measure(cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 
             **timing) -> tuple[harness.Timing, dict]:
     """The candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords), then per
     candidate its trainable parameters, median and fastest step, peak memory, page faults and system time of a
-    step, and its ``info``; a skipped candidate gets why. Returns (timing, entries by name)."""
+    step, and its ``info``; a skipped candidate gets why. A candidate on CUDA also gets ``cuda_peak_bytes``, the
+    allocator's peak over one step (``harness.peak_memory``'s ``cuda_allocator_peak_bytes``: the peak stats are
+    reset before the step), which counts everything resident on the GPU, the other candidates too, and
+    ``cuda_step_peak_bytes``, that peak less what was allocated before the step (what the step itself adds).
+    Returns (timing, entries by name)."""
     inputs = list(inputs)
     live = [c for c in cands if c.skipped is None]
     timing = harness.interleave({c.name: c.step for c in live}, seed=seed, **timing)
     entries = {c.name: {"skipped": c.skipped} for c in cands}
     for c in live:
+        memory = measure_memory(c, inputs)
         entries[c.name].update({"parameters": c.parameters, "median_s": timing.median(c.name),
-                                "min_s": timing.minimum(c.name), "memory": measure_memory(c, inputs),
+                                "min_s": timing.minimum(c.name), "memory": memory,
                                 "kernel": harness.kernel_work(c.step),
                                 **{k: v for k, v in c.info.items() if k != "refresh_step"}})
+        if next(c.model.parameters()).is_cuda:
+            entries[c.name].update(cuda_peak_bytes=memory["cuda_allocator_peak_bytes"],
+                                   cuda_step_peak_bytes=memory["cuda_allocator_peak_bytes"]
+                                   - memory["cuda_allocated_before_bytes"])
     return timing, entries
 
 
 def time_galore_refresh(cand: Candidate, samples: int) -> dict:
     """Extra time of GaLore's projection-refresh step: each refresh step minus a steady step right before."""
+    sync = torch.cuda.synchronize if next(cand.model.parameters()).is_cuda else lambda: None
     steady, refresh = [], []
     for _ in range(samples):
+        sync()
         t0 = time.perf_counter()
         cand.step()
+        sync()
         t1 = time.perf_counter()
         cand.info["refresh_step"]()
+        sync()
         steady.append(t1 - t0)
         refresh.append(time.perf_counter() - t1)
     extra = [max(r - s, 0.0) for r, s in zip(refresh, steady)]
@@ -381,7 +446,8 @@ def time_galore_refresh(cand: Candidate, samples: int) -> dict:
 
 def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> str:
     """A "why" line from two ``harness.profile_ops``: CoMERA's top ops, and the op types it did not make at least
-    2x cheaper than ``against`` (their time alone caps the speedup at the other's total / their total)."""
+    2x cheaper than ``against`` (their time alone caps the speedup at the other's total / their total). Host
+    (CPU) time; profiles of a CUDA step add a sentence on the GPU's own time and CoMERA's costliest ops there."""
     top = ", ".join(f"{t['op']} {t['share']:.0%}" for t in comera_profile["top"][:4])
     c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
@@ -392,18 +458,29 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
     return (f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
             f"{stuck_s * 1e3:.0f} ms of its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone "
             f"cap the speedup over {against} at {bound:.1f}x ({against} profiled step: "
-            f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)")
+            f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)" + _device_line(comera_profile, other_profile, against))
+
+
+def _device_line(comera_profile: dict, other_profile: dict, against: str) -> str:
+    """The GPU sentence of :func:`explain` (empty for CPU profiles)."""
+    if "total_self_device_s" not in comera_profile or "total_self_device_s" not in other_profile:
+        return ""
+    top = ", ".join(f"{op} {t * 1e3:.2f} ms" for op, t in list(comera_profile["device_ops_s"].items())[:4])
+    return (f". On the GPU (self device time per step): CoMERA {comera_profile['total_self_device_s'] * 1e3:.2f} ms, "
+            f"{against} {other_profile['total_self_device_s'] * 1e3:.2f} ms; CoMERA's costliest ops there: {top} "
+            f"(the CPU times above are the host's dispatch and launches)")
 
 
 def run_batch(shape: Shape, batch: int, refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
-              **timing) -> tuple[dict, dict]:
+              execution: Execution = CPU_FP32, **timing) -> tuple[dict, dict]:
     """All four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's refresh step and the TT
     layers' sizes; returns (results, candidates)."""
-    ids, labels = make_batch(shape, batch, seed)
+    ids, labels = make_batch(shape, batch, seed, execution.device)
     t0 = time.perf_counter()
-    base = comera(shape, ids, labels, seed)
-    cands = [dense_adamw(shape, ids, labels, seed), dense_galore(shape, ids, labels, seed), base,
-             comera_quarter(base, shape, ids, labels)]
+    base = comera(shape, ids, labels, seed, execution=execution)
+    cands = [dense_adamw(shape, ids, labels, seed, execution=execution),
+             dense_galore(shape, ids, labels, seed, execution=execution), base,
+             comera_quarter(base, shape, ids, labels, execution=execution)]
     log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     timing, entries = measure(cands, (ids, labels), seed=seed, **timing)
     log(f"  timed ({timing.noise_cell()} clean rounds) and measured at {time.perf_counter() - t0:.0f} s")
@@ -488,14 +565,24 @@ def quarter_note(cands: dict) -> str:
     return "".join(f"\n\n{line}" for line in lines)
 
 
+CUDA_HEADER = "CUDA peak MiB (all resident; + this step)"
+
+
+def _cuda_cell(entry: dict) -> str:
+    """A table cell: the CUDA allocator's peak over the step (every candidate resident), + what the step added."""
+    return f"{harness.mib(entry['cuda_peak_bytes'])} (+{harness.mib(entry['cuda_step_peak_bytes'])})"
+
+
 def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
-    """Markdown: one table per batch (time, tokens/s, memory breakdown), then ratios and verdicts."""
+    """Markdown: one table per batch (time, tokens/s, memory breakdown, and the CUDA allocator's peak for a run
+    on CUDA), then ratios and verdicts."""
     parts = []
     for batch, res in results.items():
+        cuda = any("cuda_peak_bytes" in e for e in res["candidates"].values())
         rows = []
         for name, e in res["candidates"].items():
             if e["skipped"]:
-                rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * 10])
+                rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * (11 if cuda else 10)])
                 continue
             m = e["memory"]
             step = harness.ms(e["median_s"]) + (f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e
@@ -505,12 +592,14 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
                          *(harness.mib(v) for v in (m["total"], m["parameters"], m["gradients"], persistent,
                                                     max(m["optimizer_state"] - persistent, 0), m["activations"],
                                                     m["temporaries"], m["other"] + m["buffers"])),
+                         *([_cuda_cell(e)] if cuda else []),
                          f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s"])
         parts.append(f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
                      f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
                      + harness.table(["candidate", "trainable params", "step ms (median)", "tokens/s", "peak MiB",
                                       "params", "grads", "opt state", "opt-step work", "activations", "temporaries",
-                                      "other", "page faults / system time"], rows) + quarter_note(res["candidates"]))
+                                      "other", *([CUDA_HEADER] if cuda else []), "page faults / system time"],
+                                     rows) + quarter_note(res["candidates"]))
     keys = list(next(iter(results.values()))["ratios"])
     ratio = lambda x: "skipped" if x is None else harness.times(x)  # noqa: E731
     parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)],
@@ -521,7 +610,7 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def plot_step(results: dict[int, dict], shape: Shape):
+def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU_FP32):
     """Bars: step time and peak memory per candidate, one bar per batch size (log scales)."""
     fig, axes = harness.new_figure(2, 6.5, 4.2)
     names = list(next(iter(results.values()))["candidates"])
@@ -531,11 +620,12 @@ def plot_step(results: dict[int, dict], shape: Shape):
         harness.bars(ax, names, {f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n])
                                                 for n in names] for b, r in results.items()}, label)
     fig.suptitle(f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
-                 f"vocab {shape.vocab_size}), float32 CPU, {torch.get_num_threads()} threads")
+                 f"vocab {shape.vocab_size}), {execution.describe()}")
     return fig
 
 
-def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int]) -> dict:
+def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int],
+                  execution: Execution = CPU_FP32) -> dict:
     """Every batch of the step part, profiles where a target is missed (or always); returns the JSON payload."""
     results: dict[int, dict] = {}
     svd_extra = None
@@ -546,7 +636,8 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int]) ->
         # short steps varied by 30 % from run to run, more than the differences being measured
         refresh = args.refresh_samples if b == 1 else 0
         res, cands = run_batch(shape, b, refresh, min_sample_s=0.01 if args.quick else 1.0,
-                               min_total_s=args.min_total_s, **harness.timing_options(args))
+                               min_total_s=args.min_total_s, execution=execution,
+                               **harness.timing_options(args))
         finish_batch(res, svd_extra)
         svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
         results[b] = res
@@ -586,13 +677,14 @@ def _modes(model: nn.Module) -> dict:
 
 
 def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed: int = 0,
-                log: Callable[[str], None] = print, **timing) -> list[dict]:
+                log: Callable[[str], None] = print, execution: Execution = CPU_FP32, **timing) -> list[dict]:
     """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory (:func:`measure`)."""
     rows = []
     for d in d_models:
         shape = scaling_shape(d, num_layers, base)
-        ids, labels = make_batch(shape, batch, seed)
-        cands = [dense_adamw(shape, ids, labels, seed), comera(shape, ids, labels, seed)]
+        ids, labels = make_batch(shape, batch, seed, execution.device)
+        cands = [dense_adamw(shape, ids, labels, seed, execution=execution),
+                 comera(shape, ids, labels, seed, execution=execution)]
         timing_, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
         for entry in entries.values():
             entry["tokens_per_s"] = batch * shape.seq_len / entry["median_s"]
@@ -606,7 +698,8 @@ def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: in
 
 
 def scaling_table(rows: list[dict]) -> str:
-    """Markdown table of the scaling part."""
+    """Markdown table of the scaling part (with the CUDA allocator's peaks for a run on CUDA)."""
+    cuda = any("cuda_peak_bytes" in e for r in rows for e in r["candidates"].values())
     body = []
     for r in rows:
         d, c = r["candidates"][DENSE], r["candidates"][COMERA]
@@ -614,13 +707,14 @@ def scaling_table(rows: list[dict]) -> str:
                      harness.ms(c["median_s"]), harness.times(r["time dense/CoMERA"]),
                      harness.mib(d["memory"]["total"]), harness.mib(c["memory"]["total"]),
                      harness.times(r["memory dense/CoMERA"]),
+                     *([_cuda_cell(d), _cuda_cell(c)] if cuda else []),
                      f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}"])
     return harness.table(["d_model", "dense params", "CoMERA params", "dense step ms", "CoMERA step ms",
                           "time dense/CoMERA", "dense peak MiB", "CoMERA peak MiB", "memory dense/CoMERA",
-                          "rounds"], body)
+                          *([f"dense {CUDA_HEADER}", f"CoMERA {CUDA_HEADER}"] if cuda else []), "rounds"], body)
 
 
-def plot_scaling(rows: list[dict]):
+def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
     """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
     fig, axes = harness.new_figure(2, 5.5, 4.2)
     ds = [r["d_model"] for r in rows]
@@ -634,7 +728,7 @@ def plot_scaling(rows: list[dict]):
         harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
     r0 = rows[0]
     fig.suptitle(f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
-                 f"vocab {r0['shape']['vocab_size']}, float32 CPU")
+                 f"vocab {r0['shape']['vocab_size']}, {execution.describe()}")
     return fig
 
 
@@ -676,6 +770,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "the realistic batch when any target is missed, batch 1 when one of its targets is)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where every candidate's model, optimiser state and batch live (default cpu)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="32-true: float32; bf16-mixed: forward and loss under bfloat16 autocast, parameters and "
+                             "optimiser state float32, as Lightning's bf16-mixed (default 32-true)")
     parser.add_argument("--torch-dropout", action="store_true",
                         help="every candidate with torch's dropout masks instead of the models' default packed ones "
                              "(SequenceClassifier(packed_dropout=False))")
@@ -688,32 +787,41 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(parser, argv)
     if args.refresh_samples < 0:
         parser.error(f"--refresh-samples must be >= 0, got {args.refresh_samples}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch.cuda.is_available() is False (no CUDA device, or torch {torch.__version__} "
+                     f"is a CPU-only build); run on a GPU machine with a CUDA build of torch, or use --device cpu")
+    execution = Execution(args.device, args.precision)
     paper = replace(paper_shape(), packed_dropout=not args.torch_dropout)
-    stem = "_torch_dropout" if args.torch_dropout else ""
+    stem = execution.stem + ("_torch_dropout" if args.torch_dropout else "")
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
+    cuda = execution.device == "cuda"
     settings = {**harness.settings(args), "threads": torch.get_num_threads(), "dtype": "float32",
-                "argv": argv or sys.argv[1:]}
+                "device": execution.device, "precision": execution.precision,
+                "autocast_dtype": "bfloat16" if execution.precision == "bf16-mixed" else None,
+                "cuda_device": torch.cuda.get_device_name() if cuda else None,
+                "float32_matmul_precision": torch.get_float32_matmul_precision(), "argv": argv or sys.argv[1:]}
     started = time.perf_counter()
     if args.part in ("step", "all"):
         shape = replace(paper, num_layers=args.layers or paper.num_layers)
         batches = [1] if args.batch == 1 else [1, args.batch]
         print(f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
-              f"batches {batches}, {args.repeats} rounds, {torch.get_num_threads()} threads", flush=True)
-        payload = run_step_part(args, shape, batches)
+              f"batches {batches}, {args.repeats} rounds, {execution.describe()}", flush=True)
+        payload = run_step_part(args, shape, batches, execution)
         harness.emit(args.out_dir / f"training_step{stem}.json",
                      {"machine": harness.machine_info(), "settings": {**settings, "shape": shape.__dict__,
                       "batches": batches, "galore": GALORE_SETTINGS}, **payload},
-                     fig=plot_step(payload["results"], shape))
+                     fig=plot_step(payload["results"], shape, execution))
     if args.part in ("scaling", "all"):
         print(f"\n## scaling: d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x "
-              f"{paper.seq_len}, {args.repeats} rounds", flush=True)
-        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch,
+              f"{paper.seq_len}, {args.repeats} rounds, {execution.describe()}", flush=True)
+        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch, execution=execution,
                            **harness.timing_options(args))
         print("\n" + scaling_table(rows))
         harness.emit(args.out_dir / f"training_scaling{stem}.json",
-                     {"machine": harness.machine_info(), "rows": rows, "settings": settings}, fig=plot_scaling(rows))
+                     {"machine": harness.machine_info(), "rows": rows, "settings": settings},
+                     fig=plot_scaling(rows, execution))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -328,19 +328,49 @@ def slope(points: Sequence[tuple[float, float]]) -> float | None:
 
 def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
     """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls,
-    after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares."""
+    after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares.
+
+    When CUDA is initialised the GPU is profiled too (the CPU times are then the host's side: dispatch and
+    launches), adding :func:`device_times`' ``total_self_device_s`` and ``device_ops_s``, and ``self_device_s``
+    to every ``top`` entry."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    _synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for _ in range(iterations):
             step()
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        _synchronize()  # every kernel of the profiled calls finishes inside the profile
+    averages = prof.key_averages()
+    # with CUDA profiled the averages also hold kernels, copies and memsets: no CPU time, counted by device_times
+    events = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU),
+                    key=lambda e: -e.self_cpu_time_total)
     ops = {e.key: e.self_cpu_time_total / 1e6 / iterations for e in events}
     total = sum(ops.values()) or 1e-12
-    return {"total_self_cpu_s": total, "ops_s": ops,
-            "top": [{"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
-                    for e in events[:top]]}
+    out = {"total_self_cpu_s": total, "ops_s": ops,
+           "top": [{"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
+                   for e in events[:top]]}
+    if cuda:
+        out.update(device_times(averages, iterations))
+        for entry in out["top"]:
+            entry["self_device_s"] = out["device_ops_s"].get(entry["op"], 0.0)
+    return out
+
+
+def device_times(events: Iterable, iterations: int = 1) -> dict:
+    """GPU time per call from a CUDA profile's key averages: ``total_self_device_s``, the device events' own time
+    (kernels, copies, memsets; as the profiler table's "Self CUDA time total"), and ``device_ops_s``, the self
+    device time of every CPU-side op that launched some (the kernels each op launched itself), largest first."""
+    cpu = torch.autograd.DeviceType.CPU
+    events = list(events)
+    # torch < 2.4 names the field self_cuda_time_total and has no user-annotation events on the device
+    self_us = lambda e: (e.self_device_time_total if hasattr(e, "self_device_time_total")  # noqa: E731
+                         else e.self_cuda_time_total)
+    total = sum(self_us(e) for e in events
+                if e.device_type != cpu and not getattr(e, "is_user_annotation", False)) / 1e6 / iterations
+    by_op = {e.key: self_us(e) / 1e6 / iterations for e in events if e.device_type == cpu and self_us(e) > 0}
+    return {"total_self_device_s": total, "device_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
 
 def keep_freed_memory_for_run() -> None:

@@ -204,6 +204,91 @@ def test_profile_and_explanation(batch):
     assert "top ops" in line and "cap the speedup" in line
 
 
+def test_bf16_mixed_autocasts_forward_and_keeps_float32_state(batch):
+    ids, labels = batch
+    cand = bts.comera(TINY, ids, labels, execution=bts.Execution(precision="bf16-mixed"))
+    outputs = []
+    hook = cand.model.classifier.register_forward_hook(lambda module, inputs, out: outputs.append(out.dtype))
+    try:
+        assert math.isfinite(float(cand.step()))
+    finally:
+        hook.remove()
+    assert outputs == [torch.bfloat16]
+    assert {p.dtype for p in cand.model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in cand.model.parameters() if p.grad is not None} == {torch.float32}
+    assert {v.dtype for state in cand.optimizer.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.is_floating_point()} == {torch.float32}
+
+
+def test_execution_validates_and_names_the_outputs():
+    assert bts.Execution().stem == "" and bts.CPU_FP32 == bts.Execution("cpu", "32-true")
+    assert bts.Execution(precision="bf16-mixed").stem == "_bf16"
+    assert bts.Execution("cuda", "bf16-mixed").stem == "_cuda_bf16" and bts.Execution("cuda").stem == "_cuda"
+    assert bts.Execution().describe().startswith("float32 CPU")
+    with pytest.raises(ValueError, match="device must be one of"):
+        bts.Execution("tpu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        bts.Execution(precision="16-mixed")
+
+
+def test_explain_adds_the_gpu_sentence_only_for_device_profiles():
+    def profile(cpu_s: float, device_s: float | None) -> dict:
+        out = {"total_self_cpu_s": cpu_s, "ops_s": {"aten::mm": cpu_s}, "top": [{"op": "aten::mm", "share": 1.0}]}
+        if device_s is not None:
+            out.update(total_self_device_s=device_s, device_ops_s={"aten::mm": device_s})
+        return out
+
+    assert "GPU" not in bts.explain(profile(0.01, None), profile(0.02, None))
+    line = bts.explain(profile(0.01, 0.002), profile(0.02, 0.008))
+    assert "On the GPU" in line and "CoMERA 2.00 ms" in line and "dense+AdamW 8.00 ms" in line
+
+
+def test_device_times_reads_a_cuda_profiles_key_averages():
+    from types import SimpleNamespace
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    event = lambda key, device, us, note=False: SimpleNamespace(  # noqa: E731
+        key=key, device_type=device, self_device_time_total=us, is_user_annotation=note)
+    events = [event("aten::mm", cpu, 300.0), event("aten::add", cpu, 100.0), event("aten::view", cpu, 0.0),
+              event("gemm_kernel", cuda, 300.0), event("add_kernel", cuda, 100.0), event("step", cuda, 999.0, True)]
+    out = harness.device_times(events, iterations=2)
+    assert out["total_self_device_s"] == pytest.approx(200e-6)
+    assert out["device_ops_s"] == pytest.approx({"aten::mm": 150e-6, "aten::add": 50e-6})
+    assert list(out["device_ops_s"]) == ["aten::mm", "aten::add"]
+
+
+def test_main_bf16_mixed_on_the_cpu_records_it_and_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
+    assert bts.main(["--quick", "--part", "step", "--precision", "bf16-mixed", "--batch", "2", "--repeats", "1",
+                     "--refresh-samples", "0", "--profile", "never", "--max-other-load", "1",
+                     "--out-dir", str(tmp_path)]) == 0
+    assert "bf16-mixed (float32 weights) CPU" in capsys.readouterr().out
+    assert not (tmp_path / "training_step.json").exists()  # the float32 results are not overwritten
+    step = json.loads((tmp_path / "training_step_bf16.json").read_text())
+    settings = step["settings"]
+    assert (settings["device"], settings["precision"], settings["autocast_dtype"]) == ("cpu", "bf16-mixed", "bfloat16")
+    for res in step["results"].values():
+        for name, entry in res["candidates"].items():
+            if entry["skipped"]:
+                continue
+            assert math.isfinite(entry["first_loss"]) and entry["median_s"] > 0, name
+            assert "cuda_peak_bytes" not in entry
+            entry.update(cuda_peak_bytes=3 * 2**20, cuda_step_peak_bytes=2**20)  # as a CUDA run records them
+    assert (tmp_path / "training_step_bf16.png").exists()
+    table = bts.step_tables({int(b): r for b, r in step["results"].items()}, step["verdicts"])
+    assert bts.CUDA_HEADER in table and "| 3.00 (+1.00) |" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
+def test_device_cuda_without_cuda_fails_clearly(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bts.main(["--device", "cuda", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "torch.cuda.is_available() is False" in err and "--device cpu" in err
+
+
 @pytest.mark.slow
 def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
@@ -258,6 +343,8 @@ def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     (["--batch", "0"], "positive integer"),
     (["--batch", "many"], "positive integer"),
     (["--d-models", "100"], "multiples of 64"),
+    (["--precision", "16-mixed"], "invalid choice"),
+    (["--device", "tpu"], "invalid choice"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -37,9 +37,9 @@ def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, com
         "skipped": False, "identity": [{"identical": True}, {"identical": True}],
         "timing": [{"size": "quickstart", "precision": "bf16-mixed", "batch": 1, "speedup": graphs_speedup},
                    {"size": "quickstart", "precision": "bf16-mixed", "batch": 32, "speedup": 1.05}]})
-    cands = {"dense+AdamW": {"skipped": None, "cuda_peak_bytes": 900},
-             "dense+GaLore": {"skipped": None, "cuda_peak_bytes": 1000},
-             "CoMERA r30": {"skipped": None, "cuda_peak_bytes": 100}}
+    cands = {"dense+AdamW": {"skipped": None, "memory": {"total": 900}},
+             "dense+GaLore": {"skipped": None, "memory": {"total": 1000}},
+             "CoMERA r30": {"skipped": None, "memory": {"total": 100}}}
     _write(work / "training_step" / "training_step_cuda_bf16.json", {
         "results": {"1": {"candidates": cands, "ratios": {"time dense/CoMERA": 1.1}},
                     "32": {"candidates": cands, "ratios": {"time dense/CoMERA": step_speedup}}},
@@ -57,7 +57,7 @@ def test_summary_judges_every_target(tmp_path):
     status = {name: {"status": "ok", "wall_s": 1.0} for name in ("cuda_graphs", "training_step", "fit_resume", "llm")}
     gpu_checks.write_summary(tmp_path, work, status, {"cuda": "NVIDIA H200"})
     summary = json.loads((tmp_path / "summary.json").read_text())["results"]
-    assert summary["memory_galore_over_comera_batch1"] == pytest.approx(10.0)  # from cuda_peak_bytes
+    assert summary["memory_galore_over_comera_batch1"] == pytest.approx(10.0)
     assert summary["cuda_graphs_speedup_batch1"] == 1.4 and summary["step_batch"] == 32
     text = (tmp_path / "summary.md").read_text()
     assert "NVIDIA H200" in text and text.count("| met |") == 5 and "MISSED" not in text
