@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -144,9 +143,9 @@ def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None 
 # step time and memory, interleaved in this process
 
 
-def device_of(spec: StudySpec) -> str:
-    """The torch device type of the spec's accelerator."""
-    return "cuda" if spec.accelerator in ("cuda", "gpu") else "cpu"
+def execution(spec: StudySpec) -> bts.Execution:
+    """Where and in which precision the spec trains, for the step timing."""
+    return bts.Execution("cuda" if spec.accelerator in ("cuda", "gpu") else "cpu", spec.precision)
 
 
 def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str, torch.Tensor]) -> list:
@@ -154,14 +153,13 @@ def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[st
     spec's device; forward and loss under bf16 autocast with ``precision="bf16-mixed"``, as Lightning does."""
     from comera_lightning.optim import comera_parameter_groups
 
-    device = device_of(spec)
-    bf16 = spec.precision == "bf16-mixed"
+    run = execution(spec)
     cands = []
     for method in METHODS:
-        task = build_task(spec, "dense" if method == "galore" else method, task_kwargs).to(device)
+        task = build_task(spec, "dense" if method == "galore" else method, task_kwargs).to(run.device)
 
         def loss(task=task) -> torch.Tensor:
-            with torch.autocast(device, dtype=torch.bfloat16) if bf16 else nullcontext():
+            with run.autocast():
                 return task._cross_entropy(*task._logits_and_labels(batch))
 
         o = task.optim
@@ -183,7 +181,7 @@ def measure_steps(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str,
     (``bench_training_step.measure``), with their active parameters and compression."""
     from comera_lightning.nn import size_report
 
-    batch = {k: v.to(device_of(spec)) for k, v in batch.items()}
+    batch = {k: v.to(execution(spec).device) for k, v in batch.items()}
     cands = step_candidates(spec, task_kwargs, batch)
     timing, methods = bts.measure(cands, batch.values(), seed=spec.seed, min_sample_s=min_sample_s, **timing)
     for c in cands:
