@@ -254,7 +254,7 @@ def run_checks(out: Path, dry: bool, llm_budget_s: float, deadline_s: float,
     for check in [*checks(work, dry), None]:
         left = deadline_s - (time.perf_counter() - started)
         if check is None:  # the llm check trains for what the deadline leaves, at most llm_budget_s per method
-            budget = llm_budget_s if dry else min(llm_budget_s, (left - LLM_OVERHEAD_S) / 2)
+            budget = min(llm_budget_s, 5.0 if dry else (left - LLM_OVERHEAD_S) / 2)
             check = llm_check(work, dry, max(budget, 1.0))
             if budget < 15:
                 left = 0.0
@@ -290,6 +290,15 @@ def run_checks(out: Path, dry: bool, llm_budget_s: float, deadline_s: float,
     return status
 
 
+def _worth_keeping(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """The archive's filter: results and logs, not checkpoints, exported weights or data caches (fit_check.json
+    already holds what the checkpoints say), so the archive stays far below the device's 16 MiB a file."""
+    name = info.name
+    if name.endswith((".ckpt", ".safetensors", ".bin", ".pt")) or "/cache" in name or "/.cache" in name:
+        return None
+    return info
+
+
 def write_summary(out: Path, work: Path, status: dict[str, dict], machine: dict) -> None:
     """summary.json, summary.md and results.tar.gz from what the checks wrote so far."""
     results = read_results(work)
@@ -297,7 +306,7 @@ def write_summary(out: Path, work: Path, status: dict[str, dict], machine: dict)
     (out / "summary.md").write_text(summary_markdown(results, status, machine))
     partial = out / "results.tar.gz.tmp"
     with tarfile.open(partial, "w:gz") as tar:
-        tar.add(work, arcname="gpu_checks", filter=lambda info: None if "/cache" in info.name else info)
+        tar.add(work, arcname="gpu_checks", filter=_worth_keeping)
     partial.replace(out / "results.tar.gz")
 
 

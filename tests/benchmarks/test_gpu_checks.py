@@ -54,6 +54,7 @@ def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, com
 def test_summary_judges_every_target(tmp_path):
     work = tmp_path / "work"
     _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_ppl=29.0)
+    (work / "fit_resume" / "last.ckpt").write_bytes(b"0" * 1000)  # checkpoints stay out of the archive
     status = {name: {"status": "ok", "wall_s": 1.0} for name in ("cuda_graphs", "training_step", "fit_resume", "llm")}
     gpu_checks.write_summary(tmp_path, work, status, {"cuda": "NVIDIA H200"})
     summary = json.loads((tmp_path / "summary.json").read_text())["results"]
@@ -63,7 +64,9 @@ def test_summary_judges_every_target(tmp_path):
     assert "NVIDIA H200" in text and text.count("| met |") == 5 and "MISSED" not in text
     assert "aten::mm 40 %" in text  # the profile travels with the summary
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
-        assert "gpu_checks/llm_60m/llm_study.json" in tar.getnames()
+        names = tar.getnames()
+    assert "gpu_checks/llm_60m/llm_study.json" in names and "gpu_checks/fit_resume/fit_check.json" in names
+    assert not any(name.endswith(".ckpt") for name in names)
 
 
 def test_summary_reports_misses_and_missing_checks(tmp_path):
