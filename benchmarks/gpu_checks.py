@@ -99,8 +99,8 @@ def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
 
 def fit_check(folder: Path, dry: bool) -> dict[str, Any]:
     """``comera fit`` of the quickstart in bf16-mixed (``dry``: 32-true on the CPU) with the late stage from step 60
-    and truncations every 20 steps, 200 steps; then a resume from its last checkpoint (written after the truncations) to step 240; returns
-    :func:`inspect_fit` of both checkpoints."""
+    and truncations every 20 steps, 200 steps; then a resume from its last checkpoint (written after the
+    truncations) to step 240; returns :func:`inspect_fit` of both checkpoints."""
     folder.mkdir(parents=True, exist_ok=True)
     callbacks = folder / "early_late_stage.yaml"
     callbacks.write_text(
