@@ -105,8 +105,8 @@ def fit_check(folder: Path, dry: bool) -> dict[str, Any]:
     callbacks = folder / "early_late_stage.yaml"
     callbacks.write_text(
         "trainer:\n  callbacks:\n"
-        "    - class_path: RankAdaptation\n      init_args: {gamma: 0.005, late_start_step: 60, target_compression: 20.0,"
-        " truncate_every_n_steps: 20, min_dead_fraction: 0.2}\n"
+        "    - class_path: RankAdaptation\n      init_args: {gamma: 0.005, late_start_step: 60,"
+        " target_compression: 20.0, truncate_every_n_steps: 20, min_dead_fraction: 0.2}\n"
         "    - class_path: ContractionPlanner\n      init_args: {verbose: false}\n"
         "    - class_path: RankMonitor\n      init_args: {log_every_n_steps: 10}\n"
         "    - class_path: ModelCheckpoint\n      init_args: {save_last: true}\n")

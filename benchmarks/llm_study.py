@@ -266,8 +266,8 @@ def markdown(result: dict[str, Any]) -> str:
     """Training runs (perplexity, parameters, time) and the interleaved step/memory table."""
     config = Path(result.get("settings", {}).get("config", CONFIG)).name
     runs = study.runs_table(result["runs"], [
-        "method", "protocol", "steps", "tokens", "train s", ("tokens/s", lambda r: f"{r['tokens'] / r['train_s']:,.0f}"),
-        "median step ms",
+        "method", "protocol", "steps", "tokens", "train s",
+        ("tokens/s", lambda r: f"{r['tokens'] / r['train_s']:,.0f}"), "median step ms",
         ("val perplexity", study.metric_cell("val/perplexity", 3)), ("val loss", study.metric_cell("val/loss")),
         "trainable params", "compression", "other load"])
     rows = []
