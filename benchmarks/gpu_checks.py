@@ -256,7 +256,7 @@ def run_checks(out: Path, dry: bool, llm_budget_s: float, deadline_s: float,
         if check is None:  # the llm check trains for what the deadline leaves, at most llm_budget_s per method
             budget = min(llm_budget_s, 5.0 if dry else (left - LLM_OVERHEAD_S) / 2)
             check = llm_check(work, dry, max(budget, 1.0))
-            if budget < 15:
+            if budget < 15 and not dry:
                 left = 0.0
         folder = work / check.name
         folder.mkdir(parents=True, exist_ok=True)
