@@ -243,6 +243,10 @@ def run_study(spec: StudySpec, progress: study.Progress, *, methods: tuple[str, 
                 steps.append(measure_steps(spec, kwargs, batch, min_sample_s, **timing))
         progress.save(**fixed, step_measurements=steps, runs=[])
     runs = progress.state.get("runs", [])
+    schedule = (spec.task_kwargs.get("optim") or {}).get("schedule", "constant")
+    if "time" in protocols and schedule != "constant":
+        log(f"note: the time protocol trains up to 1,000,000 steps, so the {schedule} schedule barely decays "
+            "within the budget; --protocols matched runs it to its end within the same seconds")
     for protocol in protocols:
         for method in methods:
             if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
