@@ -314,6 +314,10 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
         fit_wall_s = time.perf_counter() - wall0
         if not recorder.validations or recorder.validations[-1]["step"] != trainer.global_step:
             trainer.validate(task, datamodule=dm, verbose=False)
+    if not recorder.validations:
+        raise ValueError(f"{spec.name} / {method}: no validation batch ran, so the run has no metric: the "
+                         f"datamodule's validation set is empty ({len(dm.val_dataset)} rows); give it more data or a "
+                         "larger validation share (e.g. data.val_fraction, data.val_files)")
     steps_s = recorder.step_s
     # the first step pays one-off costs (planning, first allocations): medians leave it out where possible
     steady = steps_s[1:] if len(steps_s) > 2 else steps_s

@@ -62,7 +62,7 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
 def test_matched_protocol_on_a_text_corpus_in_bf16(tmp_path):
     argv = ["--quick", "--config", str(LLM_60M), "--protocols", "matched", "--methods", "dense", "comera",
             "--precision", "bf16-mixed", "--budget-s", "1.5", "--threads", "1", "--out-dir", str(tmp_path),
-            "--cache-dir", str(tmp_path / "cache"), "--set", "data.root=stdlib", "--set", "data.files='json/*.py'",
+            "--cache-dir", str(tmp_path / "cache"), "--set", "data.root=stdlib", "--set", "data.files='email/*.py'",
             "--set", "data.val_files=null", "--set", "data.tokenizer_path=null", "--set", "data.num_workers=0",
             "--set", "data.val_fraction=0.2"]
     assert llm_study.main(argv) == 0
@@ -78,3 +78,12 @@ def test_matched_protocol_on_a_text_corpus_in_bf16(tmp_path):
         assert torch.isfinite(torch.tensor(run["final"]["metrics"]["val/perplexity"]))
     assert runs["comera"]["final"]["compression_ratio"] > 1.0
     assert "tokens/s" in (tmp_path / "llm_study.md").read_text()
+
+
+def test_a_corpus_too_small_to_validate_on_is_refused_by_name(tmp_path):
+    argv = ["--quick", "--config", str(LLM_60M), "--protocols", "steps", "--methods", "dense", "--steps", "2",
+            "--threads", "1", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+            "--set", "data.root=stdlib", "--set", "data.files='json/*.py'", "--set", "data.val_files=null",
+            "--set", "data.tokenizer_path=null", "--set", "data.num_workers=0", "--set", "data.val_fraction=0.01"]
+    with pytest.raises(ValueError, match="validation set is empty .* data.val_fraction"):
+        llm_study.main(argv)
