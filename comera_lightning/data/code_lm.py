@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
@@ -62,7 +62,57 @@ class LMCollator:
         return {k: v.long() for k, v in batch.items() if self.keep_index or k != "index"}
 
 
-class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
+class CausalLMEvaluation:
+    """The loaders both causal-LM datamodules serve from their validation rows, their prompts and ``decode``.
+
+    A datamodule using it sets ``train_dataset`` and ``val_dataset`` in ``setup``, provides ``_eval_loader(rows)``
+    (its in-order loader), and has ``batch_size``, ``prompt_len``, ``num_prompts`` and ``tokenizer``.
+    """
+
+    def _datasets(self, stage: str) -> tuple[Any, Any]:
+        """The training and validation rows, set up for ``stage`` on first use."""
+        if self.train_dataset is None or self.val_dataset is None:
+            self.setup(stage)
+        return self.train_dataset, self.val_dataset
+
+    def _validation_rows_loader(self, stage: str) -> DataLoader | list:
+        rows = self._datasets(stage)[1]
+        return [] if len(rows) == 0 else self._eval_loader(rows)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation rows in order; ``[]`` without validation rows."""
+        return self._validation_rows_loader("validate")
+
+    @override
+    def test_dataloader(self) -> DataLoader | list:
+        """The validation rows again (the corpus is split into training and validation only)."""
+        return self._validation_rows_loader("test")
+
+    def prompts(self) -> torch.Tensor:
+        """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
+        rows = self._datasets("predict")[1]
+        if len(rows) == 0:
+            return torch.zeros(0, self.prompt_len, dtype=torch.long)
+        picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
+        return rows.__getitems__(picks.tolist())["input_ids"][:, : self.prompt_len].long()
+
+    @override
+    def predict_dataloader(self) -> DataLoader | list:
+        """Prompts for sampling (:meth:`prompts`): batches of ``input_ids`` and ``index`` (the prompt number)."""
+        prompts = self.prompts()
+        if len(prompts) == 0:
+            return []
+        return DataLoader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
+                          collate_fn=LMCollator(keep_index=True))
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Text of a sequence of token ids (special tokens dropped)."""
+        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule):
     """Packed next-token batches from a local corpus of source files (default: the Python standard library).
 
     Batches: ``input_ids`` (B, T) and ``labels`` (B, T) long (``-100`` only on the padded end of the last
@@ -189,15 +239,8 @@ class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
         self.val_dataset = TensorDictDataset(input_ids=splits["val"][0], labels=splits["val"][1])
 
     # ------------------------------------------------------------------ loaders
-    def _datasets(self, stage: str) -> tuple[TensorDictDataset, TensorDictDataset]:
-        if self.train_dataset is None or self.val_dataset is None:
-            self.setup(stage)
-        return self.train_dataset, self.val_dataset  # type: ignore[return-value]
 
-    def _eval_loader(self, stage: str) -> DataLoader | list:
-        rows = self._datasets(stage)[1]
-        if len(rows) == 0:
-            return []
+    def _eval_loader(self, rows: TensorDictDataset) -> DataLoader:
         return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=False, seed=self.seed,
                            num_workers=self.num_workers)
 
@@ -208,35 +251,3 @@ class CodeLMDataModule(SourceCorpus, pl.LightningDataModule):
         return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=True, seed=self.seed,
                            num_workers=self.num_workers)
 
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation rows in order; ``[]`` when there is no validation file."""
-        return self._eval_loader("validate")
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        """The validation rows again (the corpus is split into training and validation files only)."""
-        return self._eval_loader("test")
-
-    def prompts(self) -> torch.Tensor:
-        """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
-        rows = self._datasets("predict")[1].tensors["input_ids"]
-        if len(rows) == 0:
-            return torch.zeros(0, self.prompt_len, dtype=torch.long)
-        picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
-        return rows[picks, : self.prompt_len].long()
-
-    @override
-    def predict_dataloader(self) -> DataLoader | list:
-        """Prompts for sampling (:meth:`prompts`), batches of ``input_ids`` and ``index`` (the prompt number)."""
-        prompts = self.prompts()
-        if len(prompts) == 0:
-            return []
-        return rows_loader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
-                           collate_fn=LMCollator(keep_index=True), train=False, seed=self.seed,
-                           num_workers=self.num_workers)
-
-    def decode(self, ids: Any) -> str:
-        """Text of a sequence of token ids (special tokens dropped)."""
-        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .code_lm import LMCollator
+from .code_lm import CausalLMEvaluation, LMCollator
 from .common import ResumableDataLoader, TensorDictDataset, cache_key, stable_unit
 from .corpus import stdlib_root
 from .text_sources import Piece, TextSource, dataset_sources, iter_pieces, resolve_files, sources_fingerprint
@@ -49,7 +49,7 @@ _STORE_VERSION = 1
 _BATCH_BYTES = 4 << 20
 
 
-class TextLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
+class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataModule):
     """Packed next-token batches from local text, JSON lines, Parquet or a ``datasets`` folder (module docstring).
 
     Batches: ``input_ids`` and ``labels`` (B, ``seq_len``) long; ``labels`` is ``-100`` only on the padded end
@@ -322,10 +322,6 @@ class TextLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 "data.val_files"
             )
 
-    def _datasets(self, stage: str) -> tuple[TokenRows, TokenRows]:
-        if self.train_dataset is None or self.val_dataset is None:
-            self.setup(stage)
-        return self.train_dataset, self.val_dataset  # type: ignore[return-value]
 
     def _loader(self, rows: Any, sampler: ShardedShuffleSampler, loader: type[DataLoader] = DataLoader,
                 keep_index: bool = False) -> DataLoader:
@@ -339,40 +335,7 @@ class TextLMDataModule(TokenizerLifecycle, pl.LightningDataModule):
         rows = self._datasets("fit")[0]
         return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=True, seed=self.seed), ResumableDataLoader)
 
-    def _eval_loader(self, stage: str) -> DataLoader | list:
-        rows = self._datasets(stage)[1]
-        if len(rows) == 0:
-            return []
+    def _eval_loader(self, rows: TokenRows) -> DataLoader:
+        """In order, this rank's share."""
         return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=False))
 
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation rows in order, this rank's share; ``[]`` without validation documents."""
-        return self._eval_loader("validate")
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        """The validation rows again."""
-        return self._eval_loader("test")
-
-    def prompts(self) -> torch.Tensor:
-        """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
-        rows = self._datasets("predict")[1]
-        if len(rows) == 0:
-            return torch.zeros(0, self.prompt_len, dtype=torch.long)
-        picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
-        return rows.__getitems__(picks.tolist())["input_ids"][:, : self.prompt_len]
-
-    @override
-    def predict_dataloader(self) -> DataLoader | list:
-        """Prompts for sampling (:meth:`prompts`): ``input_ids`` and ``index`` (the prompt number)."""
-        prompts = self.prompts()
-        if len(prompts) == 0:
-            return []
-        return DataLoader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
-                          collate_fn=LMCollator(keep_index=True))
-
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Text of a sequence of token ids (special tokens dropped)."""
-        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
