@@ -247,22 +247,18 @@ def run_study(spec: StudySpec, progress: study.Progress, *, methods: tuple[str, 
     if "time" in protocols and schedule != "constant":
         log(f"note: the time protocol trains up to 1,000,000 steps, so the {schedule} schedule barely decays "
             "within the budget; --protocols matched runs it to its end within the same seconds")
-    for protocol in protocols:
-        for method in methods:
-            if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
-                log(f"[train] {method} / {protocol}: already in {progress.path}, skipped")
-                continue
-            run_spec = spec
-            if protocol == "matched":  # the budget in this method's steps, timed at the config's width and batch
-                step_s = steps[0]["methods"][method]["median_s"]
-                run_spec = run_length(spec, max(1, round(spec.budget_s / step_s)))
-            log(f"[train] {method} / {protocol}" + (f": {run_spec.steps} steps" if protocol == "matched" else ""))
-            run = study.run_one(run_spec, method, protocol, dm, task=build_task(run_spec, method),
-                                max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
-            run["tokens"] = run["steps"] * spec.data_kwargs["batch_size"] * spec.data_kwargs["seq_len"]
-            runs.append(run)
-            log(study.run_log_line(run, spec.metric))
-            progress.save(**fixed, runs=runs)
+    for protocol, method in study.pending_runs(runs, protocols, methods, progress.path, log, "[train]"):
+        run_spec = spec
+        if protocol == "matched":  # the budget in this method's steps, timed at the config's width and batch
+            step_s = steps[0]["methods"][method]["median_s"]
+            run_spec = run_length(spec, max(1, round(spec.budget_s / step_s)))
+        log(f"[train] {method} / {protocol}" + (f": {run_spec.steps} steps" if protocol == "matched" else ""))
+        run = study.run_one(run_spec, method, protocol, dm, task=build_task(run_spec, method),
+                            max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
+        run["tokens"] = run["steps"] * spec.data_kwargs["batch_size"] * spec.data_kwargs["seq_len"]
+        runs.append(run)
+        log(study.run_log_line(run, spec.metric))
+        progress.save(**fixed, runs=runs)
     return progress.save(**fixed, step_measurements=steps, runs=runs, total_s=time.perf_counter() - t0)
 
 

@@ -225,19 +225,15 @@ def run_study(spec: StudySpec, *, cache_dir: Path = DEFAULT_CACHE, protocols: tu
     def save() -> dict[str, Any]:
         return progress.save(**fixed, runs=runs, summary=summarise(spec, runs), total_s=time.perf_counter() - t0)
 
-    for protocol in protocols:
-        for method in methods:
-            if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
-                log(f"[{spec.name}] {method} / {protocol}: already in {progress.path}, skipped")
-                continue
-            steps = None
-            if protocol == "matched" and method != "dense":  # the dense run's wall-clock in CoMERA steps
-                steps = max(1, round(spec.steps * step_ratio["ratio_dense_over_comera"]))
-            log(f"[{spec.name}] {method} / {protocol}")
-            runs.append(study.run_one(spec, method, protocol, dm, steps=steps, max_other_load=max_other_load,
-                                      wait_quiet_s=wait_quiet_s))
-            log(study.run_log_line(runs[-1], spec.metric))
-            save()
+    for protocol, method in study.pending_runs(runs, protocols, methods, progress.path, log, f"[{spec.name}]"):
+        steps = None
+        if protocol == "matched" and method != "dense":  # the dense run's wall-clock in CoMERA steps
+            steps = max(1, round(spec.steps * step_ratio["ratio_dense_over_comera"]))
+        log(f"[{spec.name}] {method} / {protocol}")
+        runs.append(study.run_one(spec, method, protocol, dm, steps=steps, max_other_load=max_other_load,
+                                  wait_quiet_s=wait_quiet_s))
+        log(study.run_log_line(runs[-1], spec.metric))
+        save()
     return save()
 
 

@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -338,6 +338,17 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
     if rank_cb is not None:
         result["rank_adaptation"] = {**rank_cb.state_dict(), "metrics": rank_cb.comera_metrics()}
     return result
+
+
+def pending_runs(runs: list[dict[str, Any]], protocols: Sequence[str], methods: Sequence[str], where: Path | None,
+                 log: Callable[[str], None], prefix: str) -> Iterator[tuple[str, str]]:
+    """The (protocol, method) pairs of a study not yet in ``runs``, in order; logs those a resumed study skips."""
+    for protocol in protocols:
+        for method in methods:
+            if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
+                log(f"{prefix} {method} / {protocol}: already in {where}, skipped")
+                continue
+            yield protocol, method
 
 
 def run_log_line(run: dict[str, Any], metric: str) -> str:
