@@ -326,13 +326,19 @@ def slope(points: Sequence[tuple[float, float]]) -> float | None:
     return statistics.linear_regression([x for x, _ in points], [y for _, y in points]).slope
 
 
+def _device_drain(key: str) -> bool:
+    """The runtime call that waits for the whole device (the end of a CUDA profile window), not host work of a step
+    (CUPTI may add an API version suffix to the name)."""
+    return key.startswith("cudaDeviceSynchronize")
+
+
 def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
     """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls,
     after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares.
 
     When CUDA is initialised the GPU is profiled too (the CPU times are then the host's side: dispatch and
-    launches), adding :func:`device_times`' ``total_self_device_s`` and ``device_ops_s``, and ``self_device_s``
-    to every ``top`` entry."""
+    launches, without the final wait for the GPU, which is ``device_drain_wait_s``), adding :func:`device_times`'
+    ``total_self_device_s`` and ``device_ops_s``, and ``self_device_s`` to every ``top`` entry."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -343,8 +349,12 @@ def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) 
             step()
         _synchronize()  # every kernel of the profiled calls finishes inside the profile
     averages = prof.key_averages()
-    # with CUDA profiled the averages also hold kernels, copies and memsets: no CPU time, counted by device_times
-    events = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU),
+    # with CUDA profiled the averages also hold kernels, copies and memsets: no CPU time, counted by device_times.
+    # The window ends by draining the GPU (the synchronize above, and torch's profiler synchronises again on exit):
+    # that cudaDeviceSynchronize is host time spent waiting for the device, not the step's dispatch and launches
+    # (none of the profiled steps calls it), so it is reported apart and left out of the host ops.
+    drain = _device_drain if cuda else (lambda key: False)
+    events = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and not drain(e.key)),
                     key=lambda e: -e.self_cpu_time_total)
     ops = {e.key: e.self_cpu_time_total / 1e6 / iterations for e in events}
     total = sum(ops.values()) or 1e-12
@@ -352,6 +362,7 @@ def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) 
            "top": [{"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
                    for e in events[:top]]}
     if cuda:
+        out["device_drain_wait_s"] = sum(e.self_cpu_time_total for e in averages if drain(e.key)) / 1e6 / iterations
         out.update(device_times(averages, iterations))
         for entry in out["top"]:
             entry["self_device_s"] = out["device_ops_s"].get(entry["op"], 0.0)

@@ -286,13 +286,11 @@ class CudaGraphs(Callback):
                            "with tensor_lr=True) or Python state changing every step are typical causes",
                            category=UserWarning)
             self._warned_often = True
-        self._drop_graphs(clear_grads=True)
+        # the gradients stay (the next eager step replaces them): invalidated between the backward and the optimiser
+        # step (a hook changed what the graphs read, or called this), the step then runs eagerly on them
+        self._drop_graphs()
 
-    def _drop_graphs(self, clear_grads: bool) -> None:
-        if clear_grads:
-            for param, grad in zip(self._grad_params, self._static_grads):
-                if param.grad is grad:
-                    param.grad = None  # the graph pool's tensor; the next (eager) step makes a fresh one
+    def _drop_graphs(self) -> None:
         self._reset_graphs()
         if self._backend is not None:
             self._backend.release()
@@ -465,7 +463,7 @@ class CudaGraphs(Callback):
                 optimizer.step = self._saved_step
             self._saved_step = None
         if module is not None or optimizer is not None:
-            self._drop_graphs(clear_grads=False)  # the last step's gradients stay readable, as in eager training
+            self._drop_graphs()  # the last step's gradients stay readable, as in eager training
         self._module = self._optimizer = None
 
     # --- the fingerprint of everything a graph bakes in ----------------------------------------------------

@@ -107,3 +107,45 @@ def test_keep_freed_memory_without_glibc_is_a_clear_exit(monkeypatch):
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)
     with pytest.raises(SystemExit, match="needs glibc's malloc"):
         harness.keep_freed_memory_for_run()
+
+
+def test_cuda_profile_leaves_the_final_device_drain_out_of_the_host_ops(monkeypatch):
+    """On CUDA the profile window ends with cudaDeviceSynchronize (profile_ops' own and torch's profiler's on
+    exit): waiting for the GPU, not host work of the step. Faked here: a CUDA profile's key averages."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(key, device, cpu_us, device_us=0.0):
+        return SimpleNamespace(key=key, device_type=device, self_cpu_time_total=cpu_us, count=2,
+                               self_device_time_total=device_us, is_user_annotation=False)
+
+    averages = [event("aten::mm", cpu, 300.0, 500.0), event("cudaLaunchKernel", cpu, 100.0),
+                event("cudaDeviceSynchronize", cpu, 5000.0), event("gemm_kernel", cuda, 0.0, 500.0)]
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert torch.profiler.ProfilerActivity.CUDA in activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return averages
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    out = harness.profile_ops(lambda: None, iterations=2)
+    assert out["ops_s"] == pytest.approx({"aten::mm": 150e-6, "cudaLaunchKernel": 50e-6})
+    assert out["total_self_cpu_s"] == pytest.approx(200e-6)
+    assert [t["op"] for t in out["top"]] == ["aten::mm", "cudaLaunchKernel"]
+    assert out["device_drain_wait_s"] == pytest.approx(2500e-6)
+    assert out["total_self_device_s"] == pytest.approx(250e-6)
+    assert out["top"][0]["self_device_s"] == pytest.approx(250e-6)

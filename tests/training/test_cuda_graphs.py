@@ -210,6 +210,32 @@ def test_explicit_invalidation_recaptures(tmp_path):
     assert graphs.captures == 2 and graphs.invalidations == ["test"]
 
 
+class BeforeStepAt(Callback):
+    """At one step, in on_before_optimizer_step (after the gradients, before the step): change eps, or invalidate."""
+
+    def __init__(self, step: int, action: str) -> None:
+        self.step, self.action = step, action
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step != self.step:
+            return
+        if self.action == "eps":
+            for group in optimizer.param_groups:
+                group["eps"] = 1e-6
+        else:
+            cg.invalidate_cuda_graphs(trainer, "test")
+
+
+@pytest.mark.parametrize("action", ["eps", "invalidate"])
+def test_invalidation_between_backward_and_step_keeps_that_steps_gradients(tmp_path, action):
+    # the graphs are dropped mid-step; that step's optimiser step runs eagerly on its gradients, not on none
+    graphs = CudaGraphs(backend="replay", warmup_steps=1)
+    model, _, _ = _fit(tmp_path, [BeforeStepAt(4, action), graphs], max_steps=8)
+    plain, _, _ = _fit(tmp_path, [BeforeStepAt(4, action)] if action == "eps" else [], max_steps=8)
+    _assert_same_parameters(model, plain, rtol=1e-5, atol=1e-6)
+    assert graphs.captures == 2 and len(graphs.invalidations) == 1
+
+
 def test_short_last_batch_runs_eagerly_or_raises(tmp_path):
     loader = regression_loader(n=80, batch_size=32)  # batches of 32, 32, 16 per epoch
     graphs = CudaGraphs(backend="replay", warmup_steps=1)
