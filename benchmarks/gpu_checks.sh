@@ -4,6 +4,9 @@
 #                                          # wheels in .whl/ (about 30 MiB; .git/info/exclude should list /.whl/)
 #   bash benchmarks/gpu_checks.sh [ARGS]   # on the GPU machine (carry .whl): installs .whl/ into /tmp/site, then
 #                                          # runs benchmarks/gpu_checks.py --out "$OUT" ARGS (about 8 minutes)
+#   bash benchmarks/gpu_checks.sh rehearse [VENV]   # here, before device time: the GPU image's Python and packages
+#                                          # (IMAGE below; torch's CUDA build, about 5 GB, runs on the CPU) in VENV
+#                                          # (default /tmp/gpu_image), then this script with --cpu-dry-run in it
 # The GPU machine's image has torch (CUDA), lightning, torchmetrics, transformers, tokenizers, safetensors, pandas,
 # pyarrow, scipy and matplotlib; the list below is what a `comera fit` with the MLflow logger imports beyond them
 # (measured with importlib.metadata.packages_distributions on this project's CI environment). galore-torch imports
@@ -21,6 +24,22 @@ WHEELS=(
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
   opentelemetry-semantic-conventions==0.66b2 truststore==0.10.5
 )
+
+# the GPU image's versions that matter here (the device tool's KINDS.md, read 2026-11)
+IMAGE=(
+  torch==2.11.0 numpy==2.5.2 lightning==2.6.6 torchmetrics==1.9.0 transformers==5.17.0 tokenizers==0.23.2
+  safetensors==0.8.0 scipy pandas pyarrow matplotlib rich pyyaml protobuf psutil requests pytest
+)
+
+if [[ "${1:-}" == "rehearse" ]]; then
+  venv="${2:-/tmp/gpu_image}"
+  if [[ ! -x "$venv/bin/python3" ]]; then
+    "${PYTHON312:-python3.12}" -m venv "$venv"
+    "$venv/bin/pip" install -q "${IMAGE[@]}"
+  fi
+  rm -rf /tmp/site
+  PATH="$venv/bin:$PATH" OUT="${OUT:-/tmp/gpu_rehearsal}" exec bash "$0" --cpu-dry-run
+fi
 
 if [[ "${1:-}" == "wheels" ]]; then
   mkdir -p .whl
