@@ -193,7 +193,8 @@ def timing_batches(size: Size, chosen: list[int] | None) -> list[int]:
 
 def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
     """Bare step time (no Lightning loop) at ``batch`` sequences, eager vs captured, interleaved (``timing``:
-    :func:`harness.interleave`'s keywords); plus peak CUDA memory of each."""
+    :func:`harness.interleave`'s keywords); plus peak CUDA memory of each (the graphs': peak allocated plus
+    their pool's idle bytes)."""
     batches = make_batches(replace(size, batch=batch), 8, "cuda", seed=1)
     bf16 = precision == "bf16-mixed"
     eager_module = BenchMLM(size, log_loss=False).cuda()
@@ -226,7 +227,8 @@ def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-            memory[name] = torch.cuda.max_memory_allocated()
+            # a replay allocates nothing: the graphs' step uses its pool's idle blocks besides the live tensors
+            memory[name] = torch.cuda.max_memory_allocated() + (graphs.pool_idle_bytes() if name == "graphs" else 0)
         timing = harness.interleave({"eager": eager_step, "graphs": graph_step}, min_sample_s=0.2, **timing)
         assert graphs.captures == 1 and graphs.replays > 0, "the captured step never replayed"
     finally:

@@ -77,6 +77,10 @@ class GraphBackend:
     def release(self) -> None:
         """Forget memory pools of dropped graphs."""
 
+    def pool_idle_bytes(self) -> int:
+        """Bytes the graphs' private memory pool reserves that no live tensor holds (none without a pool)."""
+        return 0
+
 
 class _CudaGraph(Graph):
     def __init__(self, graph: Any, outputs: list[Tensor]) -> None:
@@ -131,6 +135,14 @@ class CudaGraphBackend(GraphBackend):
 
     def release(self) -> None:
         self._pool = None
+
+    def pool_idle_bytes(self) -> int:
+        # a replay allocates nothing: its intermediates live in the pool's blocks freed after capture, which
+        # torch.cuda.max_memory_allocated does not count
+        if self._pool is None:
+            return 0
+        return sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment["segment_pool_id"]) == tuple(self._pool))
 
 
 class _ReplayGraph(Graph):

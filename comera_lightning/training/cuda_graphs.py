@@ -257,6 +257,11 @@ class CudaGraphs(Callback):
         """True while steps go through the graph backend (fit on a supported setup)."""
         return self._backend is not None
 
+    def pool_idle_bytes(self) -> int:
+        """Bytes the captured graphs' private memory pool holds beyond live tensors: the replayed step's
+        intermediates, which ``torch.cuda.max_memory_allocated`` misses (0 on the replay backend or inactive)."""
+        return self._backend.pool_idle_bytes() if self._backend is not None else 0
+
     def _reset_graphs(self) -> None:
         self._graph_fb: Graph | None = None
         self._graph_step: Graph | None = None

@@ -390,6 +390,25 @@ def test_cuda_backend_prepares_optimizers_without_needing_a_gpu():
     assert sgd.param_groups[0]["lr"] == 0.3  # SGD would call .item() on a tensor lr: kept a float
 
 
+def test_cuda_pool_idle_bytes_count_only_the_graphs_pool_blocks_no_tensor_holds(monkeypatch):
+    # a replay allocates nothing, so max_memory_allocated misses the step's intermediates in the graph pool
+    segments = [{"segment_pool_id": (0, 7), "total_size": 8 << 20, "allocated_size": 3 << 20},
+                {"segment_pool_id": (0, 7), "total_size": 2 << 20, "allocated_size": 0},
+                {"segment_pool_id": (0, 0), "total_size": 64 << 20, "allocated_size": 1 << 20}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    backend = CudaGraphBackend.__new__(CudaGraphBackend)  # no stream: the pool's accounting needs none
+    backend._pool = None
+    assert backend.pool_idle_bytes() == 0  # nothing captured yet
+    backend._pool = (0, 7)
+    assert backend.pool_idle_bytes() == 7 << 20
+    graphs = CudaGraphs(backend="replay")
+    assert graphs.pool_idle_bytes() == 0  # inactive
+    graphs._backend = backend
+    assert graphs.pool_idle_bytes() == 7 << 20
+    backend.release()
+    assert graphs.pool_idle_bytes() == 0
+
+
 def test_the_fast_check_sees_what_the_full_fingerprint_sees():
     model = StaticRegressor()
     optimizer = model.configure_optimizers()
