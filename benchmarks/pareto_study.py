@@ -41,22 +41,25 @@ class Point:
     """One model of the study: a family and its size knob (width, rank or compression target).
 
     CoMERA points take options: ``floor=F`` (``ScheduledLateStage(layer_floor=F)``; without it, the policy's
-    default at run time, recorded in the JSON) and ``head=R`` (the MLM's output decoder as a gated low-rank
-    product of rank ``R`` instead of a TT over split token ids).
+    default at run time, recorded in the JSON), ``ramp=F`` (``ScheduledLateStage(ramp_fraction=F)``: the share of
+    the late stage the size schedule takes) and ``head=R`` (the MLM's output decoder as a gated low-rank product
+    of rank ``R`` instead of a TT over split token ids).
     """
 
     kind: str
     value: float
     layer_floor: float | None = None
     head_rank: int | None = None
+    ramp_fraction: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> Point:
-        """``dense:W``, ``lowrank:R``, ``comera:T`` or ``comera:T:floor=F:head=R``."""
+        """``dense:W``, ``lowrank:R``, ``comera:T`` or ``comera:T:floor=F:ramp=F:head=R``."""
         kind, _, rest = text.partition(":")
         size, *options = rest.split(":") if rest else [""]
         if kind not in KINDS or not size:
-            raise ValueError(f"point {text!r}: write dense:WIDTH, lowrank:RANK or comera:TARGET[:floor=F][:head=R]")
+            raise ValueError(f"point {text!r}: write dense:WIDTH, lowrank:RANK or "
+                             "comera:TARGET[:floor=F][:ramp=F][:head=R]")
         try:
             value = float(size)
         except ValueError:
@@ -66,14 +69,17 @@ class Point:
         found: dict[str, float] = {}
         for option in options:
             key, _, number = option.partition("=")
-            if kind != "comera" or key not in ("floor", "head"):
-                raise ValueError(f"point {text!r}: only comera points take options, and only floor=F and head=R")
+            if kind != "comera" or key not in ("floor", "ramp", "head"):
+                raise ValueError(f"point {text!r}: only comera points take options, and only floor=F, ramp=F and "
+                                 "head=R")
             try:
                 found[key] = float(number)
             except ValueError:
                 raise ValueError(f"point {text!r}: {key} needs a number, got {number!r}") from None
+        if not 0 < found.get("ramp", 1.0) <= 1:
+            raise ValueError(f"point {text!r}: ramp is the late stage's share for the schedule, in (0, 1]")
         head = found.get("head")
-        return cls(kind, value, found.get("floor"), None if head is None else int(head))
+        return cls(kind, value, found.get("floor"), None if head is None else int(head), found.get("ramp"))
 
     @property
     def name(self) -> str:
@@ -81,6 +87,7 @@ class Point:
         if self.kind != "comera":
             return f"{self.kind}:{int(self.value)}"
         return (f"comera:{self.value:g}" + ("" if self.layer_floor is None else f":floor={self.layer_floor:g}")
+                + ("" if self.ramp_fraction is None else f":ramp={self.ramp_fraction:g}")
                 + ("" if self.head_rank is None else f":head={self.head_rank}"))
 
     @property
@@ -158,7 +165,8 @@ def build_point(spec: StudySpec, point: Point):
 
     rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
     rank["target_compression"] = point.value
-    rank["late_stage"] = ScheduledLateStage(**({} if point.layer_floor is None else {"layer_floor": point.layer_floor}))
+    options = {"layer_floor": point.layer_floor, "ramp_fraction": point.ramp_fraction}
+    rank["late_stage"] = ScheduledLateStage(**{k: v for k, v in options.items() if v is not None})
     return task, replace(spec, rank_kwargs=rank), "comera"
 
 
@@ -179,6 +187,7 @@ def run_points(spec: StudySpec, points: list[Point], progress: study.Progress,
         runs[point.name] = {
             "point": point.name, "kind": point.kind, "family": point.family, "value": point.value,
             "layer_floor": run_spec.rank_kwargs["late_stage"].layer_floor if point.kind == "comera" else None,
+            "ramp_fraction": run_spec.rank_kwargs["late_stage"].ramp_fraction if point.kind == "comera" else None,
             "head_rank": point.head_rank, "metric": spec.metric, "final_metric": final["metrics"].get(spec.metric),
             "params_active": final["params_active"], "compression_ratio": final["compression_ratio"],
             "params_dense_equivalent": final["params_dense_equivalent"], "ranks_final": run["ranks_final"],

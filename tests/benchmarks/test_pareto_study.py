@@ -19,11 +19,14 @@ def test_points_parse_and_refuse_bad_input():
     assert ps.Point.parse("comera:20:floor=0.5:head=64") == ps.Point("comera", 20.0, 0.5, 64)
     assert ps.Point.parse("comera:20:floor=0.5").name == "comera:20:floor=0.5"
     assert ps.Point.parse("comera:20:floor=0.5").family == "comera:floor=0.5"
+    assert ps.Point.parse("comera:50:ramp=0.9") == ps.Point("comera", 50.0, ramp_fraction=0.9)
+    assert ps.Point.parse("comera:50:floor=1:ramp=0.9").name == "comera:50:floor=1:ramp=0.9"
     assert ps.Point.parse("lowrank:8").family == "lowrank" and ps.Point.parse("comera:5").family == "comera"
     for bad, match in [("sparse:3", "write dense:WIDTH"), ("dense", "write dense:WIDTH"), ("dense:x", "not a number"),
                        ("dense:4.5", "positive integers"), ("comera:0", "positive"),
                        ("dense:8:floor=1", "only comera points take options"), ("comera:5:gamma=1", "only floor=F"),
-                       ("comera:5:floor=high", "floor needs a number")]:
+                       ("comera:5:floor=high", "floor needs a number"), ("comera:5:ramp=0", r"in \(0, 1\]"),
+                       ("comera:5:ramp=1.5", r"in \(0, 1\]")]:
         with pytest.raises(ValueError, match=match):
             ps.Point.parse(bad)
 
@@ -69,6 +72,9 @@ def test_comera_points_carry_their_target_and_allocation(spec):
     _, run_spec, method = ps.build_point(spec, ps.Point.parse("comera:20:floor=0.5"))
     assert method == "comera" and run_spec.rank_kwargs["target_compression"] == 20.0
     assert run_spec.rank_kwargs["late_stage"].layer_floor == 0.5
+    _, run_spec, _ = ps.build_point(spec, ps.Point.parse("comera:50:ramp=0.9"))
+    assert run_spec.rank_kwargs["late_stage"].ramp_fraction == 0.9
+    assert run_spec.rank_kwargs["late_stage"].layer_floor == 0.0  # the policy's default
     task, _, _ = ps.build_point(spec, ps.Point.parse("comera:20:head=16"))
     decoder = task.model.get_submodule("head.decoder")
     assert (len(decoder.cores), decoder.ranks[1]) == (2, 16)
