@@ -12,6 +12,7 @@ from tiny import TinyRegressor, regression_loader
 
 from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
+from comera_lightning.late_stage import ramp_fraction_for
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.objectives import (
     compressible_target_size, layer_removal_caps, plan_rank_cuts, scheduled_size, slice_importance,
@@ -262,6 +263,22 @@ def test_scheduled_policy_needs_a_known_length():
     policy = ScheduledLateStage()
     policy.start(10, 100.0, 50.0, 100)
     assert policy.ramp == round(0.6 * 90)
+
+
+def test_deeper_cuts_get_longer_ramps_by_default():
+    # 0.6 of the late stage up to a 5x cut, growing with log(cut) beyond, at most 0.9 (docs/results.md)
+    assert ramp_fraction_for(100.0, 100.0) == ramp_fraction_for(100.0, 400.0) == 0.6
+    assert ramp_fraction_for(100.0, 20.0) == pytest.approx(0.6)
+    assert ramp_fraction_for(100.0, 12.5) == pytest.approx(0.6 * math.log(8) / math.log(5))
+    assert ramp_fraction_for(100.0, 100.0 / 12.8) == 0.9  # the masked-LM's 50x: 3.9x at the switch
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        ramp_fraction_for(0.0, 1.0)
+    by_default, fixed = ScheduledLateStage(), ScheduledLateStage(ramp_fraction=0.6)
+    by_default.start(480, 12.8e4, 1e4, 1200)
+    fixed.start(480, 12.8e4, 1e4, 1200)
+    assert (by_default.ramp, fixed.ramp) == (round(0.9 * 720), round(0.6 * 720))
+    assert by_default.goal(480 + 648) == pytest.approx(1e4) and fixed.goal(480 + 648) == pytest.approx(1e4)
+    assert by_default.goal(480 + 324) == pytest.approx(math.sqrt(12.8e4 * 1e4))  # still geometric, half-way
 
 
 def test_switch_on_the_last_step_is_harmless(tmp_path):

@@ -157,6 +157,7 @@ def test_end_to_end_resumes_and_aggregates(tmp_path, capsys):
     hashes = {r["first_batch_hash"] for r in study["runs"].values()}
     assert len(hashes) == 1  # every model saw the same first batch
     assert study["runs"]["comera:4:floor=1"]["layer_floor"] == 1.0
+    assert study["runs"]["comera:4:floor=1"]["ramp_steps"] >= 1  # the default rule's ramp, as run
     assert ps.main(argv) == 0  # a rerun skips what is there
     assert capsys.readouterr().out.count("already in") == 3
     assert ps.main(["--aggregate", str(out), "--out", str(tmp_path / "agg")]) == 0
