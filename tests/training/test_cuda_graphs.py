@@ -66,8 +66,9 @@ class TruncateAt(Callback):
             after_truncation(trainer, layer.truncate_to_share_(0.5))
 
 
-class TouchGrads(Callback):
-    """At one step, in on_before_optimizer_step: drop every gradient, or replace each by a new tensor."""
+class BeforeStepAt(Callback):
+    """At one step, in on_before_optimizer_step (after the gradients, before the step): drop every gradient
+    ("drop"), replace each by a new tensor ("replace"), change eps ("eps"), or invalidate the graphs."""
 
     def __init__(self, step: int, action: str) -> None:
         self.step, self.action = step, action
@@ -75,9 +76,13 @@ class TouchGrads(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step != self.step:
             return
+        if self.action == "invalidate":
+            cg.invalidate_cuda_graphs(trainer, "test")
         for group in optimizer.param_groups:
+            if self.action == "eps":
+                group["eps"] = 1e-6
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None and self.action in ("drop", "replace"):
                     p.grad = None if self.action == "drop" else p.grad * 0.5
 
 
@@ -192,8 +197,8 @@ def test_replaced_optimizer_state_is_detected(tmp_path):
 @pytest.mark.parametrize("action", ["drop", "replace"])
 def test_hooks_that_drop_or_replace_gradients_get_an_eager_optimizer_step(tmp_path, action):
     graphs = CudaGraphs(backend="replay", warmup_steps=1)
-    model, _, _ = _fit(tmp_path, [TouchGrads(4, action), graphs], max_steps=8)
-    plain, _, _ = _fit(tmp_path, [TouchGrads(4, action)], max_steps=8)
+    model, _, _ = _fit(tmp_path, [BeforeStepAt(4, action), graphs], max_steps=8)
+    plain, _, _ = _fit(tmp_path, [BeforeStepAt(4, action)], max_steps=8)
     _assert_same_parameters(model, plain, rtol=1e-5, atol=1e-6)
     assert graphs.captures == 1 and graphs.invalidations == []
     assert graphs.step_replays == 8 - 1 - 1  # the warm-up step and the touched step ran the optimiser eagerly
@@ -208,22 +213,6 @@ def test_explicit_invalidation_recaptures(tmp_path):
     graphs = CudaGraphs(backend="replay", warmup_steps=1)
     _fit(tmp_path, [Invalidate(), graphs], max_steps=8)
     assert graphs.captures == 2 and graphs.invalidations == ["test"]
-
-
-class BeforeStepAt(Callback):
-    """At one step, in on_before_optimizer_step (after the gradients, before the step): change eps, or invalidate."""
-
-    def __init__(self, step: int, action: str) -> None:
-        self.step, self.action = step, action
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step != self.step:
-            return
-        if self.action == "eps":
-            for group in optimizer.param_groups:
-                group["eps"] = 1e-6
-        else:
-            cg.invalidate_cuda_graphs(trainer, "test")
 
 
 @pytest.mark.parametrize("action", ["eps", "invalidate"])
