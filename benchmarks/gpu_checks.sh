@@ -28,7 +28,8 @@ WHEELS=(
 # the GPU image's versions that matter here (the device tool's KINDS.md, read 2026-11)
 IMAGE=(
   torch==2.11.0 numpy==2.5.2 lightning==2.6.6 torchmetrics==1.9.0 transformers==5.17.0 tokenizers==0.23.2
-  safetensors==0.8.0 scipy pandas pyarrow matplotlib rich pyyaml protobuf psutil requests pytest
+  safetensors==0.8.0 scipy pandas pyarrow matplotlib rich pyyaml protobuf psutil requests pytest click jinja2
+  opt-einsum werkzeug markdown python-dateutil six packaging
 )
 
 if [[ "${1:-}" == "rehearse" ]]; then
