@@ -3,9 +3,20 @@
 from .base import TTLayer, TruncationRecord
 from .embedding import TTEmbedding
 from .linear import TTLinear
-from .tensorize import LayerSize, SizeReport, TensorizeRecord, size_report, tensorize, tt_layers, untensorize
+from .tensorize import (
+    LayerSize,
+    SizeReport,
+    TensorizeRecord,
+    size_report,
+    tensorize,
+    tensorize_like,
+    tensorize_specs,
+    tt_layers,
+    untensorize,
+)
 
 __all__ = [
     "TTLayer", "TruncationRecord", "TTEmbedding", "TTLinear",
-    "LayerSize", "SizeReport", "TensorizeRecord", "size_report", "tensorize", "tt_layers", "untensorize",
+    "LayerSize", "SizeReport", "TensorizeRecord", "size_report", "tensorize", "tensorize_like", "tensorize_specs",
+    "tt_layers", "untensorize",
 ]

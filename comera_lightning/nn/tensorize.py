@@ -1,12 +1,19 @@
 """``tensorize()``: swap a model's large ``nn.Linear`` / ``nn.Embedding`` modules for comera layers,
-``untensorize()``: the way back to dense modules, and ``size_report()``: what every comera layer costs
-against the dense layer it replaced."""
+``untensorize()``: the way back to dense modules, ``tensorize_like()``: the same swap again from a state dict,
+and ``size_report()``: what every comera layer costs against the dense layer it replaced.
+
+``tensorize()`` records its arguments on the module it was called on, and that module's ``state_dict()`` carries
+them in its metadata (``state_dict._metadata[prefix]["comera_tensorize"]``, which ``torch.save``/``torch.load``
+keep, also with ``weights_only=True``). A fresh, dense instance of the same model then gets the same structure
+from the state dict alone (:func:`tensorize_like`) before the weights load; the checkpoint's ranks are adopted by
+the layers while loading.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -14,9 +21,15 @@ from torch import nn
 from ..tt.rank import train_parameter_count
 from .base import TTLayer
 from .embedding import TTEmbedding
+from .fast_path import restore_fast_paths, steer_off_fast_paths
 from .linear import TTLinear
 
-__all__ = ["tensorize", "untensorize", "TensorizeRecord", "size_report", "LayerSize", "SizeReport", "tt_layers"]
+__all__ = ["tensorize", "untensorize", "tensorize_like", "tensorize_specs", "TensorizeRecord", "size_report",
+           "LayerSize", "SizeReport", "tt_layers"]
+
+#: the key of tensorize()'s arguments in a module's state-dict metadata
+SPEC_KEY = "comera_tensorize"
+_SPECS_ATTR = "_comera_tensorize"  # on the module tensorize() was called on: the list of its specs
 
 
 @dataclass
@@ -122,7 +135,108 @@ def tensorize(
         replaced[id(module)] = layer
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
                                        layer.dense_parameters, layer.allocated_parameters(), error))
+    if records:
+        _record_spec(model, dict(rank=rank, min_features=min_features, include=include, exclude=exclude,
+                                 linears=linears, embeddings=embeddings, embedding_rank=embedding_rank,
+                                 layer_kwargs=layer_kwargs))
+        steer_off_fast_paths(model)
     return records
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as data a ``weights_only`` load accepts (tuples as lists), or raise TypeError."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v) for k, v in value.items()}
+    raise TypeError(type(value).__name__)
+
+
+def _record_spec(model: nn.Module, arguments: dict[str, Any]) -> None:
+    spec: dict[str, Any] = {}
+    for key, value in arguments.items():
+        if key == "layer_kwargs":
+            continue
+        spec[key] = _plain(value)
+    spec["layer_kwargs"], unportable = {}, []
+    for key, value in arguments["layer_kwargs"].items():
+        try:
+            spec["layer_kwargs"][key] = _plain(value)
+        except TypeError:
+            unportable.append(f"{key}={value!r}")
+    if unportable:  # kept by name only: a weights_only load refuses arbitrary objects
+        spec["unportable"] = unportable
+    specs = model.__dict__.get(_SPECS_ATTR)
+    if specs is None:
+        specs = []
+        object.__setattr__(model, _SPECS_ATTR, specs)
+        register = getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
+        register(_write_specs)
+    specs.append(spec)
+
+
+def _write_specs(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
+    """State-dict hook: the module's tensorize() arguments into its metadata entry."""
+    specs = module.__dict__.get(_SPECS_ATTR)
+    if specs:
+        local_metadata[SPEC_KEY] = [dict(spec, layer_kwargs=dict(spec["layer_kwargs"])) for spec in specs]
+
+
+def tensorize_specs(state_dict: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The :func:`tensorize` calls recorded in a state dict: ``{module name: [arguments, ...]}`` in call order."""
+    metadata = getattr(state_dict, "_metadata", None) or {}
+    return {prefix: list(entry[SPEC_KEY]) for prefix, entry in metadata.items()
+            if isinstance(entry, Mapping) and entry.get(SPEC_KEY)}
+
+
+def tensorize_like(model: nn.Module, state_dict: Mapping[str, Any],
+                   specs: Mapping[str, list[dict[str, Any]]] | None = None) -> list[TensorizeRecord]:
+    """Give a dense ``model`` the comera layers that ``state_dict`` was saved with, so that it loads.
+
+    Repeats, on the same submodules, the :func:`tensorize` calls recorded in the state dict's metadata (or given as
+    ``specs``, as :func:`tensorize_specs` returns them); calls the model already made (a model that tensorises
+    itself in ``__init__``) are not repeated. Layers are built at their initial ranks and adopt the state dict's
+    ranks in ``load_state_dict``; ``decompose`` is skipped, the weights come from the state dict.
+
+    Raises:
+        ValueError: the state dict holds comera layers where ``model`` has none and records no way to build them,
+            or a recorded call took a layer argument a checkpoint cannot carry.
+    """
+    specs = tensorize_specs(state_dict) if specs is None else specs
+    records: list[TensorizeRecord] = []
+    for prefix, calls in specs.items():
+        try:
+            target = model.get_submodule(prefix)
+        except AttributeError as err:
+            raise ValueError(f"the state dict records tensorize() on submodule {prefix!r}, which this "
+                             f"{type(model).__name__} does not have: it is from a different model") from err
+        done = target.__dict__.get(_SPECS_ATTR, [])
+        for spec in calls:
+            if spec in done:
+                continue
+            if spec.get("unportable"):
+                raise ValueError(
+                    f"tensorize() on {prefix or 'the model'} was called with {', '.join(spec['unportable'])}, which a "
+                    f"checkpoint cannot carry; call tensorize() with these arguments in the model's __init__ (or by "
+                    f"hand before loading)")
+            arguments = {k: v for k, v in spec.items() if k not in ("layer_kwargs", "decompose")}
+            records += tensorize(target, **arguments, **spec["layer_kwargs"])
+    missing = _missing_tt_layers(model, state_dict)
+    if missing:
+        raise ValueError(
+            f"the state dict holds comera layers at {missing}, which this {type(model).__name__} builds dense, and "
+            f"records no tensorize() call that builds them (saved before tensorize() recorded its arguments, or "
+            f"its metadata was lost, e.g. by copying into a plain dict); call tensorize() with the arguments used "
+            f"in training, then load_state_dict")
+    return records
+
+
+def _missing_tt_layers(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    prefixes = {key[: -len(".cores.0")] for key in state_dict if key.endswith(".cores.0")}
+    modules = dict(model.named_modules())
+    return sorted(p for p in prefixes if p in modules and not isinstance(modules[p], TTLayer))
 
 
 def untensorize(model: nn.Module) -> list[TensorizeRecord]:
@@ -156,6 +270,10 @@ def untensorize(model: nn.Module) -> list[TensorizeRecord]:
             module.num_embeddings, module.embedding_dim)
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", shape, module.active_ranks,
                                        module.dense_parameters, module.active_parameters(), None))
+    restore_fast_paths(model)
+    if not tt_layers(model):  # a dense model's state dict must not ask for comera layers again
+        for module in model.modules():
+            module.__dict__.pop(_SPECS_ATTR, None)
     return records
 
 
