@@ -5,11 +5,16 @@ through :func:`atomic_write`: the bytes go to a hidden temporary file in the tar
 fsync'ed and then renamed onto the target (``os.replace``, atomic on POSIX); the folder is fsync'ed so
 the rename survives a power loss too. A killed writer can leave a hidden ``.<name>.<random>.tmp`` file
 behind, never a partial file under the target's name.
+
+A full disk is reported as such, whatever the writer: ``OSError(ENOSPC, "no space left on device while
+writing <path> ...")`` naming the file, instead of, for instance, torch's ``unexpected pos 768 vs 662``
+(:func:`atomic_torch_save` writes through a Python file object, so torch's writer sees the ``OSError``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -18,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TEMP_SUFFIX", "atomic_torch_save", "atomic_write", "fsync_dir"]
+__all__ = ["TEMP_SUFFIX", "atomic_torch_save", "atomic_write", "fsync_dir", "is_disk_full"]
 
 TEMP_SUFFIX = ".tmp"
 
@@ -37,6 +42,20 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) says the file system is full."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(current) or "os error 28" in str(current):  # e.g. safetensors' Rust IO
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a hidden temporary path beside ``path``; on a clean exit it becomes ``path``, durably.
@@ -49,6 +68,9 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Ite
         path: the target file; its folder is created when missing.
         overwrite: with ``False`` an existing ``path`` is never replaced, not even one created while
             writing (the file is hard-linked into place): ``FileExistsError``.
+
+    Raises:
+        OSError: ``ENOSPC`` with a message naming ``path`` when the disk fills up while writing.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,12 +78,19 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Ite
     os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDWR)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            yield tmp
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                os.fsync(fd)  # a delayed allocation on a full disk fails here
+            finally:
+                os.close(fd)
+        except Exception as error:
+            if is_disk_full(error):
+                kept = "the earlier file is intact" if path.exists() else "nothing was written under that name"
+                raise OSError(errno.ENOSPC, f"no space left on device while writing {str(path)!r} ({kept}): free "
+                              f"space on the file system of {str(path.parent)!r} or write elsewhere") from error
+            raise
         if overwrite:
             os.replace(tmp, path)
         else:
@@ -84,5 +113,6 @@ def _link_new(tmp: Path, path: Path) -> None:
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)`` through :func:`atomic_write`."""
-    with atomic_write(path) as tmp:
-        torch.save(obj, tmp)
+    with atomic_write(path) as tmp, open(tmp, "wb") as fh:
+        # through a file object: a full disk then surfaces as OSError(ENOSPC), not as a torch RuntimeError
+        torch.save(obj, fh)

@@ -12,7 +12,18 @@ and keeps the newest ``keep`` (``monitor="step", mode="max"``). This subclass ad
   folder's step checkpoints, a resumed one those its restored state does not track (an abandoned
   continuation, orphans of a kill); stale temporary files go too;
 * MLflow tags on a resumed run, and :func:`find_resume_checkpoint` (the newest checkpoint that loads with
-  ``torch.load(weights_only=True)``, skipping with a warning any that does not).
+  ``torch.load(weights_only=True)``, skipping with a warning any that does not);
+* pre-emption: on SIGTERM or SIGUSR1 (what SLURM, Kubernetes and spot machines send before they take a
+  machine back) the step in flight finishes, a step checkpoint is written at once and the process exits with
+  ``128 + signal number`` (143 for SIGTERM) instead of Lightning's 0, so a scheduler sees that the run did not
+  finish. Under SLURM with auto-requeue, the requeue signal also requeues the job.
+
+Why not Lightning's own signal handling: on SIGTERM it stops at the end of the step with exit code 0 and
+saves nothing (``OnExceptionCheckpoint`` would save, but during validation too, where a mid-evaluation
+checkpoint does not resume exactly), and its SLURM handler saves inside the signal handler, in the middle of
+whatever step is running. Here the handler only records the signal; the save happens where the periodic
+checkpoints are written (after the optimiser step, ``on_train_batch_end``), so the pre-emption checkpoint
+resumes exactly like them. A second signal during the save only records again, and the write is atomic.
 
 The rest of a resume is Lightning's (weights, optimiser, scheduler, loops), the callbacks' own state, and
 the training loader's (:class:`~comera_lightning.data.common.ResumableDataLoader`: the position in the epoch).
@@ -23,15 +34,21 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
+import subprocess
 import warnings
+from collections.abc import Sequence
+from types import FrameType
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from .atomic import TEMP_SUFFIX
@@ -43,6 +60,7 @@ __all__ = [
     "capture_rng_state",
     "checkpoint_files",
     "find_resume_checkpoint",
+    "requeue_slurm_job",
     "restore_rng_state",
 ]
 
@@ -134,6 +152,26 @@ def find_resume_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def requeue_slurm_job() -> None:
+    """Put this SLURM job (or array task) back into the queue (``scontrol requeue``), as Lightning's SLURM
+    handler does; a failure is reported, not raised."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        rank_zero_warn("FaultTolerance: cannot requeue, SLURM_JOB_ID is not set")
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
+    except OSError as error:
+        rank_zero_warn(f"FaultTolerance: `scontrol requeue {job}` failed: {error}; resubmit the job by hand")
+        return
+    if result.returncode == 0:
+        rank_zero_info(f"FaultTolerance: requeued SLURM job {job}")
+    else:
+        rank_zero_warn(f"FaultTolerance: `scontrol requeue {job}` failed ({result.returncode}): "
+                       f"{result.stderr.strip()}; resubmit the job by hand")
+
+
 # ---------------------------------------------------------------------------------------------- callback
 class FaultTolerance(RemovalPolicyCheckpoint):
     """Write a resumable checkpoint every ``every_n_steps`` optimiser steps, atomically, keeping ``keep``.
@@ -153,14 +191,22 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         keep: how many of the newest step checkpoints to keep (>= 1).
         atomic_io: replace the trainer's plain ``TorchCheckpointIO`` by
             :class:`~comera_lightning.training.checkpoint_io.AtomicCheckpointIO`.
+        signals: the signals that pre-empt the run (names): the step in flight finishes, a step checkpoint is
+            written and the process exits with ``128 + signal number``; ``[]`` leaves signals to Lightning.
+            Under SLURM with auto-requeue (Lightning's default there) the requeue signal is always one of
+            them, and after its save global rank 0 requeues the job (``scontrol requeue``).
     """
 
     def __init__(self, every_n_steps: int = 100, dirpath: str | None = None, keep: int = 2,
-                 atomic_io: bool = True) -> None:
+                 atomic_io: bool = True, signals: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> None:
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0 (0 disables), got {every_n_steps}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        known = {s.name for s in signal.Signals}
+        unknown = [name for name in signals if str(name).upper() not in known]
+        if unknown:
+            raise ValueError(f"signals: unknown signal name(s) {unknown}; use names such as SIGTERM, SIGUSR1")
         # save_on_train_epoch_end: never defer a step checkpoint to the end of a validation
         super().__init__(dirpath=dirpath, filename="step={step:09d}", monitor="step", mode="max", save_top_k=keep,
                          auto_insert_metric_name=False, every_n_train_steps=every_n_steps, every_n_epochs=0,
@@ -173,6 +219,10 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._current_run_id: str | None = None
         self._restored_step: int | None = None
+        self.signals = [signal.Signals[str(name).upper()] for name in signals]
+        self.received_signal: int | None = None  #: the pre-empting signal this process received, if any
+        self._previous_handlers: dict[int, Any] = {}
+        self._step_at_batch_start = -1
 
     @property
     @override
@@ -221,12 +271,84 @@ class FaultTolerance(RemovalPolicyCheckpoint):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._install_signal_handlers(trainer)
         self._current_run_id = self._run_id(trainer) if trainer.is_global_zero else None
         if self._pending_rng is not None:
             self._restore_rng(trainer, self._pending_rng)
             self._pending_rng = None
         if self.resumed_from is not None:
             self._tag_resumed_run(trainer)
+
+    # --- pre-emption ----------------------------------------------------------------------------------
+    def _preemption_signals(self, trainer: Trainer) -> list[signal.Signals]:
+        wanted = list(self.signals)
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+            wanted.append(signal.Signals(environment.requeue_signal))
+        return list(dict.fromkeys(wanted))
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # only record: a signal handler runs between two bytecodes of whatever is running (a step, a save)
+        if self.received_signal is None:
+            self.received_signal = signum
+
+    def _install_signal_handlers(self, trainer: Trainer) -> None:
+        # after Lightning's own (registered just before the loops run), which are put back at teardown
+        self.received_signal = None
+        for signum in self._preemption_signals(trainer):
+            try:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+            except ValueError:  # not the main thread: signals cannot be handled here
+                return
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            try:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            except ValueError:
+                pass
+        self._previous_handlers = {}
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not self._previous_handlers or trainer.global_step == self._step_at_batch_start:
+            return  # not handling signals, or an accumulation micro-batch: no optimiser step yet
+        # every process decides together (a signal may reach the ranks at different steps)
+        if not trainer.strategy.reduce_boolean_decision(self.received_signal is not None, all=False):
+            return
+        self._preempt(trainer)
+
+    def _preempt(self, trainer: Trainer) -> None:
+        signum = self.received_signal or signal.SIGTERM  # another rank's signal: exit as it does
+        self.save_now(trainer)
+        path = self.best_model_path or None  # monitor "step", mode "max": the newest step checkpoint
+        name = signal.Signals(signum).name
+        code = 128 + int(signum)
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        requeue = (isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+                   and signum == environment.requeue_signal)
+        if trainer.is_global_zero:
+            where = f"wrote the step checkpoint {path}" if path else "no checkpoint folder"
+            rank_zero_info(f"FaultTolerance: received {name}; finished step {trainer.global_step}, "
+                           f"{where}; exiting with code {code}. Resume with `comera fit ... --resume auto` "
+                           "(or Trainer.fit(..., ckpt_path=find_resume_checkpoint(dirpath))).")
+            if requeue:
+                requeue_slurm_job()
+        raise SIGTERMException(code)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore_signal_handlers()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore_signal_handlers()
 
     @override
     def should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:

@@ -10,6 +10,8 @@ against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used
 
 * ``ModelCheckpoint._should_remove_checkpoint`` (Lightning): :class:`RemovalPolicyCheckpoint`, for
   ``training.fault_tolerance``;
+* ``ModelCheckpoint._monitor_candidates``, ``_save_topk_checkpoint`` and ``_last_global_step_saved`` (Lightning):
+  :meth:`RemovalPolicyCheckpoint.save_now`, the pre-emption save of ``training.fault_tolerance``;
 * ``DataLoader._index_sampler`` (torch.utils.data): :class:`IndexSamplerHook`, for ``data.common``;
 * ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
 * ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
@@ -48,6 +50,20 @@ class RemovalPolicyCheckpoint(ModelCheckpoint):
     @override
     def _should_remove_checkpoint(self, trainer: Trainer, previous: str, current: str) -> bool:
         return self.should_remove(trainer, previous, current)
+
+    def save_now(self, trainer: Trainer) -> bool:
+        """Write this callback's top-k checkpoint for the current step now, off its schedule (every process
+        must call it, as for any checkpoint); ``False`` when one was already written at this step.
+
+        Lightning saves only on its ``every_n_*`` schedule; its top-k bookkeeping (file name, which old file
+        to delete) lives in the private ``_monitor_candidates`` / ``_save_topk_checkpoint``, and
+        ``_last_global_step_saved`` is the step it last wrote.
+        """
+        if self._last_global_step_saved == trainer.global_step:
+            return False
+        self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._last_global_step_saved = trainer.global_step
+        return True
 
 
 # --- torch ----------------------------------------------------------------------------------------------
