@@ -131,7 +131,7 @@ def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None 
                 return optimizer
             total = 1 if o.schedule == "constant" else max(1, int(self.trainer.estimated_stepping_batches))
             scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: warmup_decay_factor(step, o.warmup_steps, total, o.schedule))
+                optimizer, lambda step: warmup_decay_factor(step, o.warmup_steps, total, o.schedule, o.final_lr_ratio))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     torch.manual_seed(spec.seed)

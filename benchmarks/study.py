@@ -56,7 +56,8 @@ class StudySpec:
     ``data_kwargs`` to its datamodule, ``rank_kwargs`` to ``RankAdaptation`` (the late stage starts at
     ``late_fraction`` of the run). ``metric`` is the headline validation metric, ``secondary`` a second one.
     ``accelerator`` and ``precision`` go to the Trainer (the CPU studies: ``cpu``, ``32-true``); ``datamodule``
-    names a datamodule of ``comera_lightning.data`` other than the task's (a config's ``TextLMDataModule``).
+    names a datamodule of ``comera_lightning.data`` other than the task's (a config's ``TextLMDataModule``);
+    ``grad_clip`` clips the gradients' global norm (the Trainer's ``gradient_clip_val``; None: no clipping).
     """
 
     name: str
@@ -75,6 +76,7 @@ class StudySpec:
     accelerator: str = "cpu"
     precision: str = "32-true"
     datamodule: str | None = None
+    grad_clip: float | None = None
 
     def check(self) -> None:
         """Refuse settings that cannot give a meaningful run, naming the fix."""
@@ -306,6 +308,7 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
             max_steps=1_000_000 if protocol == "time" else spec.steps, max_epochs=-1,
             val_check_interval=spec.val_every, check_val_every_n_epoch=None,
             limit_val_batches=spec.limit_val_batches, num_sanity_val_steps=0, logger=False,
+            gradient_clip_val=spec.grad_clip,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=root, callbacks=callbacks,
         )

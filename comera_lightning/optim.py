@@ -29,8 +29,10 @@ class OptimConfig(GroupedOptions):
             parameter (the paper: 1e-4, 1e-3, 5e-5).
         weight_decay: for cores and other parameters (never for gates).
         warmup_steps: linear LR warmup (optimiser steps).
-        schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to zero at the end
-            of training (``trainer.estimated_stepping_batches``).
+        schedule: after warmup, ``constant`` (the paper), ``linear`` or ``cosine`` decay to ``final_lr_ratio``
+            times each rate at the end of training (``trainer.estimated_stepping_batches``).
+        final_lr_ratio: where a decaying schedule ends, as a fraction of the peak rate (0: to zero; the LLaMA
+            recipes of GaLore and CoLA decay to 0.1).
     """
 
     lr_cores: float = 1e-4
@@ -39,6 +41,7 @@ class OptimConfig(GroupedOptions):
     weight_decay: float = 0.0
     warmup_steps: int = 0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    final_lr_ratio: float = 0.0
 
     argument: ClassVar[str] = "optim"
 
@@ -48,6 +51,9 @@ class OptimConfig(GroupedOptions):
                 raise ValueError(f"optim.{name} must be > 0, got {getattr(self, name)}")
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"optim.schedule must be 'constant', 'linear' or 'cosine', got {self.schedule!r}")
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise ValueError(f"optim.final_lr_ratio is the end of the decay as a fraction of the peak rate, in [0, 1]; "
+                             f"got {self.final_lr_ratio}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError(f"optim.warmup_steps and optim.weight_decay must be >= 0, got {self.warmup_steps}, "
                              f"{self.weight_decay}")

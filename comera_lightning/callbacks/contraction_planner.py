@@ -32,6 +32,8 @@ __all__ = ["ContractionPlanner"]
 class ContractionPlanner(Callback):
     """Fix every TTLinear's contraction plan for the shapes it actually sees.
 
+    Layers with a ``bottleneck_activation`` are left alone: they always run ``act(x L) R``.
+
     Args:
         autotune: time the ``candidates`` best-modelled plans on the device and keep the fastest.
         candidates: how many plans to time when autotuning.
@@ -54,7 +56,8 @@ class ContractionPlanner(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         stale = [(name, layer) for name, layer in tt_layers(pl_module)
-                 if isinstance(layer, TTLinear) and self._planned_ranks.get(name) != layer.ranks]
+                 if isinstance(layer, TTLinear) and layer.bottleneck_activation is None
+                 and self._planned_ranks.get(name) != layer.ranks]
         if not stale or self._hooks:
             return
         for name, layer in stale:

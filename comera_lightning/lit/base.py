@@ -18,16 +18,16 @@ from .checks import check_output_dirs, check_state_dict_fits
 __all__ = ["ComeraTask", "warmup_decay_factor"]
 
 
-def warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """LR multiplier at ``step``: linear warmup, then constant, linear or cosine decay to 0 at ``total_steps``."""
+def warmup_decay_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, floor: float = 0.0) -> float:
+    """LR multiplier at ``step``: linear warmup, then constant, linear or cosine decay to ``floor`` at
+    ``total_steps``."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * decay
 
 
 class ComeraTask(LightningModule):
@@ -109,7 +109,8 @@ class ComeraTask(LightningModule):
                 )
             total = max(1, int(estimated))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_decay_factor(step, optim.warmup_steps, total, optim.schedule)
+            optimizer,
+            lambda step: warmup_decay_factor(step, optim.warmup_steps, total, optim.schedule, optim.final_lr_ratio),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

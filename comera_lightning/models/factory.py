@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence, Union
 
 from torch import nn
 
 from ..config import GroupedOptions
 from ..nn import TTEmbedding, TTLinear
+from ..tt import BOTTLENECK_ACTIVATIONS
 
 __all__ = ["LayerConfig", "LayerFactory"]
 
@@ -57,7 +58,8 @@ class LayerConfig(GroupedOptions):
             (``None``: the model's choice, which is ``min_features`` except for :class:`DLRM`'s 1000).
         layer_ranks: ``{regex: rank}``; the first pattern (in order) found in a TT layer's qualified name
             sets its rank instead of ``rank`` / ``embedding_rank``. Output heads over a vocabulary are the
-            usual candidates: they lose the most when cut to the blocks' rank.
+            usual candidates: they lose the most when cut to the blocks' rank. A list gives every internal
+            rank of that layer's train exactly (a fixed-rank TT at the ranks a CoMERA run ended with).
         low_rank_linears: regex; TT linears whose name matches get one mode per side, i.e. two cores
             ``(1, in, r) (r, out, 1)``: a rank-``r`` product ``W = A B`` with CoMERA's gate on its one bond.
             For layers whose index has no tensor structure: splitting a vocabulary's token ids into digits
@@ -65,6 +67,13 @@ class LayerConfig(GroupedOptions):
         low_rank_embeddings: regex; TT embeddings whose name matches become ``E = A B`` (``A``: rows x ``r``,
             ``B``: ``r`` x width; ALBERT's factorised embedding) with the gate on the one bond, instead of a
             TT-matrix over split token ids. With ``low_rank_linears``, the plain low-rank baseline.
+        bottleneck_activation: None, or a non-linearity (``silu``, ``gelu``, ``relu``, ``tanh``) on the middle
+            bond of the TT linears matching ``activation_layers``: ``y = act(x L) R + b``. With
+            ``low_rank_linears`` and ``learn_gates: false`` that is CoLA (Liu et al. 2025); on a gated TT it is
+            CoLA's idea inside CoMERA.
+        activation_layers: regex of the TT linears that get ``bottleneck_activation`` (None: every TT linear).
+        learn_gates: False freezes every rank gate at 1: a fixed-rank model (plain TT, low-rank or CoLA) that
+            no rank callback may shrink.
     """
 
     tt_linears: bool = True
@@ -75,9 +84,12 @@ class LayerConfig(GroupedOptions):
     dense_layers: str | None = None
     min_features: int = 64
     min_embedding_rows: int | None = None
-    layer_ranks: dict[str, int] | None = None
+    layer_ranks: dict[str, Union[int, list[int]]] | None = None
     low_rank_linears: str | None = None
     low_rank_embeddings: str | None = None
+    bottleneck_activation: str | None = None
+    activation_layers: str | None = None
+    learn_gates: bool = True
 
     argument: ClassVar[str] = "layer_config"
 
@@ -91,13 +103,21 @@ class LayerConfig(GroupedOptions):
                 raise ValueError(f"layer_config.{name} must be >= 1, got {getattr(self, name)}")
         if self.dense_layers:
             _compile(self.dense_layers, "layer_config.dense_layers")
-        for name in ("low_rank_linears", "low_rank_embeddings"):
+        for name in ("low_rank_linears", "low_rank_embeddings", "activation_layers"):
             if getattr(self, name):
                 _compile(getattr(self, name), f"layer_config.{name}")
+        if self.bottleneck_activation is not None and self.bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
+            raise ValueError(f"layer_config.bottleneck_activation must be null or one of "
+                             f"{sorted(BOTTLENECK_ACTIVATIONS)}, got {self.bottleneck_activation!r}")
+        if self.activation_layers is not None and self.bottleneck_activation is None:
+            raise ValueError("layer_config.activation_layers picks the layers for bottleneck_activation, which is "
+                             "not set: set bottleneck_activation (e.g. silu) or drop activation_layers")
         for pattern, rank in (self.layer_ranks or {}).items():
             _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
-            if int(rank) < 1:
-                raise ValueError(f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1, got {rank}")
+            ranks = rank if isinstance(rank, (list, tuple)) else [rank]
+            if not ranks or any(int(r) < 1 for r in ranks):
+                raise ValueError(f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1 or a non-empty list "
+                                 f"of ranks >= 1, got {rank}")
 
 
 class LayerFactory:
@@ -111,7 +131,10 @@ class LayerFactory:
             else None
         self._low_rank_embedding_re = (_compile(self.config.low_rank_embeddings, "low_rank_embeddings")
                                        if self.config.low_rank_embeddings else None)
-        self._rank_res = [(_compile(p, "layer_ranks"), int(r)) for p, r in (self.config.layer_ranks or {}).items()]
+        self._rank_res = [(_compile(p, "layer_ranks"), [int(x) for x in r] if isinstance(r, (list, tuple)) else int(r))
+                          for p, r in (self.config.layer_ranks or {}).items()]
+        self._activation_re = (_compile(self.config.activation_layers, "activation_layers")
+                               if self.config.activation_layers else None)
         #: qualified name -> "tt" or "dense", in build order
         self.layers: dict[str, str] = {}
 
@@ -126,7 +149,7 @@ class LayerFactory:
         """Whether ``dense_layers`` keeps the layer called ``name`` dense."""
         return self._dense_re is not None and self._dense_re.search(name) is not None
 
-    def rank_of(self, name: str, default: int) -> int:
+    def rank_of(self, name: str, default: int) -> int | list[int]:
         """The rank of the TT layer ``name``: its first matching ``layer_ranks`` entry, else ``default``."""
         return next((rank for pattern, rank in self._rank_res if pattern.search(name)), default)
 
@@ -152,10 +175,20 @@ class LayerFactory:
                 raise ValueError(f"layer {name!r} matches low_rank_linears but its model gives it modes "
                                  f"{in_modes} x {out_modes}: leave it out of low_rank_linears")
             in_modes, out_modes = [in_features], [out_features]
-        return TTLinear(
+        activated = config.bottleneck_activation is not None and (
+            self._activation_re is None or self._activation_re.search(name) is not None)
+        if activated:
+            tt_kwargs.setdefault("bottleneck_activation", config.bottleneck_activation)
+        return self._gates_as_configured(TTLinear(
             in_features, out_features, self.rank_of(name, config.rank), in_modes=in_modes, out_modes=out_modes,
             bias=bias, rank_threshold=config.rank_threshold, **tt_kwargs,
-        )
+        ))
+
+    def _gates_as_configured(self, layer: nn.Module) -> nn.Module:
+        if not self.config.learn_gates:
+            for gate in layer.gates:
+                gate.requires_grad_(False)
+        return layer
 
     def embedding(
         self,
@@ -180,10 +213,10 @@ class LayerFactory:
                 raise ValueError(f"embedding {name!r} matches low_rank_embeddings but its model gives it modes "
                                  f"{vocab_modes} x {dim_modes}: leave it out of low_rank_embeddings")
             vocab_modes, dim_modes = [num_embeddings, 1], [1, embedding_dim]
-        return TTEmbedding(
+        return self._gates_as_configured(TTEmbedding(
             num_embeddings, embedding_dim, self.rank_of(name, config.embedding_rank), vocab_modes=vocab_modes,
             dim_modes=dim_modes, padding_idx=padding_idx, rank_threshold=config.rank_threshold, **tt_kwargs,
-        )
+        ))
 
     def __repr__(self) -> str:
         return f"LayerFactory({self.config!r})"

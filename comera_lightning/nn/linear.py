@@ -9,7 +9,8 @@ import tensorly as tl
 import torch
 from torch import nn
 
-from ..tt.contract import check_plan, compute_dtype, merge_tt_linear, merged_tt_linear, tt_linear
+from ..tt.contract import (BOTTLENECK_ACTIVATIONS, chain_merge, check_plan, compute_dtype, merge_tt_linear,
+                           merged_tt_linear, tt_linear)
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
@@ -31,6 +32,12 @@ class TTLinear(TTLayer):
     merging). See :class:`~comera_lightning.nn.TTLayer` for when the cache is refreshed; set
     ``inference_cache = False`` to merge on every call.
 
+    With ``bottleneck_activation`` the layer is no longer linear: ``y = act(x L) R + b``, a non-linearity on the
+    middle bond (CoLA's low-rank activation, Liu et al. 2025, applied to a tensor train). With one mode per side
+    that is CoLA's ``B act(A x)``. The activation maps 0 to 0, so a gate or mask that switches a bond slice off
+    removes it exactly, as in the linear case. Such a layer always runs the bottleneck order and has no dense
+    weight (:meth:`weight_dense` refuses).
+
     Args:
         in_features: size of each input sample.
         out_features: size of each output sample.
@@ -41,6 +48,8 @@ class TTLinear(TTLayer):
         bias: learn an additive bias.
         rank_threshold: gate magnitude at or below which a rank slice is switched off.
         init_std: std of the reconstructed weight; default ``sqrt(1 / (in + out))`` as in the paper.
+        bottleneck_activation: None (a linear layer) or one of
+            :data:`~comera_lightning.tt.contract.BOTTLENECK_ACTIVATIONS` applied to ``x L``.
         dtype, device: of the cores (gates are always fp32).
     """
 
@@ -56,8 +65,13 @@ class TTLinear(TTLayer):
         init_std: float | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        bottleneck_activation: str | None = None,
     ) -> None:
         super().__init__()
+        if bottleneck_activation is not None and bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
+            raise ValueError(f"bottleneck_activation must be None or one of {sorted(BOTTLENECK_ACTIVATIONS)}, got "
+                             f"{bottleneck_activation!r}")
+        self.bottleneck_activation = bottleneck_activation
         if in_features < 1 or out_features < 1:
             raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
         self.in_features, self.out_features = int(in_features), int(out_features)
@@ -114,21 +128,42 @@ class TTLinear(TTLayer):
         bias = self.bias
         if bias is not None and padded_out != self.out_features:
             bias = nn.functional.pad(bias, (0, padded_out - self.out_features))
+        if self.bottleneck_activation is not None:
+            y = self._activated_forward(x, bias)
+            return y if padded_out == self.out_features else y[..., : self.out_features]
         y = tt_linear(x, self.gated_cores(), self.in_modes, self.contraction_plan, bias)
         return y if padded_out == self.out_features else y[..., : self.out_features]
+
+    def _activated_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``act(x L) R + b`` on padded features, differentiable (plain autograd through the side merges)."""
+        cores = self.gated_cores()
+        num_in = len(self.in_modes)
+        left = chain_merge(cores[:num_in])[-1]
+        right = chain_merge(cores[num_in:])[-1].reshape(left.shape[1], -1)
+        hidden = BOTTLENECK_ACTIVATIONS[self.bottleneck_activation](x @ left)
+        y = hidden @ right
+        return y if bias is None else y + bias
 
     def _cached_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward from the merged factors kept for inference (built on the first call)."""
         compute = compute_dtype(x)
+        activation = self.bottleneck_activation
         # the compute dtype is the rest of the key: it folds in autocast's state and the input's dtype
         merged = self._inference_cached(compute, lambda: merge_tt_linear(
-            self.gated_cores(), len(self.in_modes), compute, self.in_features, self.out_features))
+            self.gated_cores(), len(self.in_modes), compute, self.in_features, self.out_features,
+            keep_factors=activation is not None))
         bias = None if self.bias is None else self.bias.to(compute)
-        y = merged_tt_linear(x.reshape(-1, self.in_features).to(compute), merged, bias)
+        y = merged_tt_linear(x.reshape(-1, self.in_features).to(compute), merged, bias,
+                             None if activation is None else BOTTLENECK_ACTIVATIONS[activation])
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_dense(self) -> torch.Tensor:
         """The ``(out_features, in_features)`` matrix ``nn.Linear`` would hold (differentiable)."""
+        if self.bottleneck_activation is not None:
+            raise ValueError(
+                f"this TTLinear computes act(x L) R with bottleneck_activation={self.bottleneck_activation!r}: it is "
+                "not a linear map and has no dense weight; keep it as a TT layer (export it with its cores), or "
+                "train it with bottleneck_activation=None if you need nn.Linear")
         full = tt_to_dense(self.gated_cores(), len(self.in_modes))
         return full[: self.in_features, : self.out_features].transpose(0, 1)
 
@@ -182,11 +217,16 @@ class TTLinear(TTLayer):
     def set_contraction_plan(self, plan: str | None) -> None:
         """Force one of :data:`comera_lightning.tt.PLANS`, or None to let the planner choose per call."""
         check_plan(plan)
+        if self.bottleneck_activation is not None and plan not in (None, "half_merge"):
+            raise ValueError(f"a TTLinear with bottleneck_activation={self.bottleneck_activation!r} always runs the "
+                             f"bottleneck order act(x L) R (half_merge); plan {plan!r} would skip the activation")
         self.contraction_plan = plan
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, in_modes={self.in_modes}, "
-            f"out_modes={self.out_modes}, bias={self.bias is not None}, {super().extra_repr()}"
+            f"out_modes={self.out_modes}, bias={self.bias is not None}, "
+            + ("" if self.bottleneck_activation is None else f"bottleneck_activation={self.bottleneck_activation}, ")
+            + super().extra_repr()
         )
 

@@ -8,6 +8,7 @@
 """
 
 from .contract import (
+    BOTTLENECK_ACTIVATIONS,
     PLANS,
     MergedTTLinear,
     PlanCost,
@@ -35,7 +36,7 @@ from .rank import (
 from .ttm import merge_ttm, ttm_halves, ttm_lookup, ttm_lookup_chain, ttm_lookup_halves
 
 __all__ = [
-    "PLANS", "PlanCost", "chain_merge", "plan_costs", "plan_tt_linear", "tt_linear",
+    "BOTTLENECK_ACTIVATIONS", "PLANS", "PlanCost", "chain_merge", "plan_costs", "plan_tt_linear", "tt_linear",
     "MergedTTLinear", "merge_tt_linear", "merged_tt_linear",
     "init_cores", "max_ranks", "resolve_ranks", "tt_from_dense", "tt_to_dense", "ttm_from_dense", "ttm_to_dense",
     "default_num_modes", "factorize", "padded_modes", "validate_modes",

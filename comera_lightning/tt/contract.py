@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -34,9 +34,15 @@ from .cores import grad_in_layout
 __all__ = [
     "PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "check_plan", "chain_merge", "compute_dtype", "tt_linear",
     "TTLinearFunction", "bottleneck_padding", "MergedTTLinear", "merge_tt_linear", "merged_tt_linear",
+    "BOTTLENECK_ACTIVATIONS",
 ]
 
 PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense")
+# non-linearities a TT linear may apply on its middle bond (CoLA's low-rank activation); each maps 0 to 0, so a
+# switched-off bond slice stays exactly removed
+BOTTLENECK_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu, "tanh": torch.tanh,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,14 +464,16 @@ class MergedTTLinear(NamedTuple):
 
 
 def merge_tt_linear(
-    cores: Sequence[torch.Tensor], num_in: int, dtype: torch.dtype, rows: int | None = None, cols: int | None = None
+    cores: Sequence[torch.Tensor], num_in: int, dtype: torch.dtype, rows: int | None = None, cols: int | None = None,
+    keep_factors: bool = False,
 ) -> MergedTTLinear:
     """The batch-free part of ``y = x W`` for the TT ``cores`` whose first ``num_in`` cores are the input side.
 
     Merges each side with :func:`chain_merge` in the cores' dtype, as :class:`TTLinearFunction` does, then casts
     to ``dtype`` (the compute dtype of the calls that will reuse it). ``rows`` / ``cols`` keep only the first
     ``rows`` input and ``cols`` output features (a layer's unpadded sizes), so callers neither pad ``x`` nor
-    slice ``y``. Run it without autograd: the result is meant to be kept, not differentiated.
+    slice ``y``. ``keep_factors`` never merges ``L R`` into one matrix (a bottleneck activation sits between
+    them). Run it without autograd: the result is meant to be kept, not differentiated.
     """
     with torch.autocast(cores[0].device.type, enabled=False):
         left = chain_merge(cores[:num_in])[-1]
@@ -473,7 +481,7 @@ def merge_tt_linear(
         right = chain_merge(cores[num_in:])[-1].reshape(rank, -1)
         left, right = left[:rows], right[:, :cols]
         M, N = left.shape[0], right.shape[1]
-        if M * N <= rank * (M + N):
+        if not keep_factors and M * N <= rank * (M + N):
             return MergedTTLinear(None, None, (left @ right).to(dtype).contiguous(), rank)
         pad = bottleneck_padding(rank, left.device.type)
         left, right = left.to(dtype).contiguous(), right.to(dtype).contiguous()
@@ -483,9 +491,15 @@ def merge_tt_linear(
     return MergedTTLinear(*padded, None, rank, (left, right))
 
 
-def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor | None = None,
+                     activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``x (B, M) @ W + bias`` from a :class:`MergedTTLinear` in ``x``'s dtype: one GEMM, or two through the
-    rank-``r`` bottleneck (``(x L) R``)."""
+    rank-``r`` bottleneck (``(x L) R``, or ``activation(x L) R``)."""
+    if activation is not None:
+        if merged.weight is not None:
+            raise ValueError("a bottleneck activation needs the factors L and R: merge with keep_factors=True")
+        # zero padding slices stay zero through the activation (it maps 0 to 0)
+        return _matmul_bias(activation(x @ merged.left), merged.right, bias)
     if merged.weight is not None:
         return _matmul_bias(x, merged.weight, bias)
     left, right = merged.left, merged.right

@@ -1,0 +1,534 @@
+"""The tuned quality protocol: every method at its own learning rate, perplexity at a stated token budget.
+
+A comparison at one shared, untuned rate measures which model leaves the unigram plateau first, not what a model
+of that size learns. This study gives each family its own rate and only then compares:
+
+1. **Sweep.** Each family at its middle size (5x; the full-width models at 1x) trains ``--sweep-steps`` at every
+   rate of a log grid a factor of 2 apart (:data:`GRID`). When the best rate sits at an edge, the grid grows past
+   that edge (at most :data:`MAX_EXTENSIONS` times).
+2. **Check.** At every other size the chosen rate is checked at best, x2 and /2 (short runs); the best of the three
+   is that size's rate.
+3. **Final.** Each (family, size) trains ``--steps`` at its rate for every seed of ``--seeds``.
+
+Every run: AdamW, one learning rate for every weight (cores and other parameters alike; CoMERA's gates keep their
+own 5e-3), linear warm-up, cosine decay to a tenth, gradient clipping at 1.0, the same batches for every method
+(one datamodule per seed). Families, each sized to the full dense model's active parameters over ``size``:
+
+- ``dense``: the full-width model (the reference); ``narrow``: the same architecture at a smaller d_model;
+- ``lowrank``: every linear and embedding a plain ``A B`` (frozen gates); ``cola``: the same with SiLU between the
+  factors of every block linear (CoLA, Liu et al. 2025: ``B silu(A x)``);
+- ``tt``: a TT with CoMERA's final ranks (seed 0, same size) trained from scratch without gates: what rank
+  adaptation adds; ``comera``: the full-width TT cut by the scheduled late stage to ``size``;
+- ``galore``: the full-width model trained with GaLore (the memory reference: its parameters are not reduced).
+
+Rivals are sized to at least CoMERA's target (the closest width or rank at or above it), so a CoMERA win is at
+the same or fewer active parameters. Each run records its validation curve, the training FLOPs (torch's
+FlopCounterMode on one step at the start and at the end) and, for seed 0, the peak memory of a training step.
+Runs go to ``docs/data/<task>_<corpus>.json`` (the format :mod:`quality_report` reads), rewritten after every run;
+a rerun resumes. Two worker processes of one torch thread each train at once.
+
+    python benchmarks/tuned_study.py                         # the decoder LM on the standard library
+    python benchmarks/tuned_study.py --corpus site:sqlalchemy --seeds 0
+    python benchmarks/tuned_study.py --quick --out /tmp/q.json
+    python benchmarks/quality_report.py                      # tables and plots into docs/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "galore")
+FULL_WIDTH = ("dense", "galore")  # trained at the full model's size only
+SIZES = (2.0, 5.0, 20.0)
+MIDDLE = 5.0
+GRID = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2)
+MAX_EXTENSIONS = 2
+GATE_LR = 5e-3
+FINAL_LR_RATIO = 0.1
+GRAD_CLIP = 1.0
+PHASES = ("sweep", "check", "final")
+FORMAT = "comera-quality-study/1"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the study."""
+
+    phase: str
+    family: str
+    size: float
+    seed: int
+    lr: float
+    steps: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.phase, self.family, float(self.size), int(self.seed), round(float(self.lr), 12), int(self.steps))
+
+
+def job_of(run: dict[str, Any]) -> Job:
+    return Job(run["phase"], run["family"], float(run["size"]), int(run["seed"]), float(run["lr"]), int(run["steps"]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the protocol's decisions (pure functions of the finished runs, so a resumed study decides alike)
+
+
+def best_rate(runs: Sequence[dict[str, Any]]) -> float:
+    """The rate of the lowest final validation loss (ties: the smaller rate); diverged runs (no finite loss) lose."""
+    if not runs:
+        raise ValueError("no runs to choose a rate from")
+    return min(runs, key=lambda r: (r["val_loss"] if _finite(r["val_loss"]) else math.inf, r["lr"]))["lr"]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def sweep_rates(done: dict[float, float], grid: Sequence[float] = GRID, max_extensions: int = MAX_EXTENSIONS
+                ) -> tuple[list[float], float | None]:
+    """(rates still to run, the chosen rate or None) of a sweep whose finished runs map rate -> final loss.
+
+    The grid runs first; when its best rate is at an edge, the next rate past that edge (a factor of 2) is added,
+    at most ``max_extensions`` times in all. The choice is made once nothing is left to run.
+    """
+    rates = sorted(grid)
+    for _ in range(max_extensions + 1):
+        missing = [lr for lr in rates if not any(math.isclose(lr, d) for d in done)]
+        if missing:
+            return missing, None
+        losses = {lr: next(v for d, v in done.items() if math.isclose(lr, d)) for lr in rates}
+        best = min(rates, key=lambda lr: (losses[lr] if _finite(losses[lr]) else math.inf, lr))
+        if best == rates[0]:
+            rates.insert(0, rates[0] / 2)
+        elif best == rates[-1]:
+            rates.append(rates[-1] * 2)
+        else:
+            return [], best
+    return [], best
+
+
+def check_rates(chosen: float) -> list[float]:
+    """The rates that check a chosen rate at another size: best, x2 and /2."""
+    return [chosen / 2, chosen, chosen * 2]
+
+
+class Plan:
+    """Which runs the study still needs, given the finished ones: the sweep, the checks and the finals in order."""
+
+    def __init__(self, families: Sequence[str], sizes: Sequence[float], seeds: Sequence[int], steps: int,
+                 sweep_steps: int, grid: Sequence[float] = GRID) -> None:
+        unknown = sorted(set(families) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"unknown families {unknown}; use some of {FAMILIES}")
+        if "tt" in families and "comera" not in families:
+            raise ValueError("the tt family trains at CoMERA's final ranks: add comera to the families")
+        self.families, self.sizes, self.seeds = list(families), [float(s) for s in sizes], list(seeds)
+        self.steps, self.sweep_steps, self.grid = steps, sweep_steps, list(grid)
+        self.middle = MIDDLE if MIDDLE in self.sizes else self.sizes[len(self.sizes) // 2]
+
+    def sizes_of(self, family: str) -> list[float]:
+        return [1.0] if family in FULL_WIDTH else self.sizes
+
+    def sweep_size(self, family: str) -> float:
+        return 1.0 if family in FULL_WIDTH else self.middle
+
+    def chosen(self, runs: Sequence[dict[str, Any]], family: str, size: float) -> float | None:
+        """The rate a (family, size) trains its finals at, or None while its sweep or check is unfinished."""
+        sweep_size = self.sweep_size(family)
+        sweep = {r["lr"]: r["val_loss"] for r in runs
+                 if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size}
+        _, best = sweep_rates(sweep, self.grid)
+        if best is None or size == sweep_size:
+            return best
+        checks = [r for r in runs if r["phase"] == "check" and r["family"] == family and r["size"] == size]
+        wanted = check_rates(best)
+        found = [r for r in checks if any(math.isclose(r["lr"], lr) for lr in wanted)]
+        return best_rate(found) if len(found) == len(wanted) else None
+
+    def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
+        """Every job whose inputs exist and that has not run, in priority order (sweeps, checks, seed 0's finals,
+        the other seeds' finals)."""
+        jobs: list[Job] = []
+        for family in self.families:
+            if family == "tt" and not self._comera_ranks_known(runs, self.sweep_size("comera")):
+                continue  # the tt sweep trains at CoMERA's ranks of the middle size
+            sweep_size = self.sweep_size(family)
+            sweep = {r["lr"]: r["val_loss"] for r in runs
+                     if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size}
+            missing, best = sweep_rates(sweep, self.grid)
+            jobs += [Job("sweep", family, sweep_size, self.seeds[0], lr, self.sweep_steps) for lr in missing]
+            if best is None:
+                continue
+            for size in self.sizes_of(family):
+                if family == "tt" and not self._comera_ranks_known(runs, size):
+                    continue
+                if size != sweep_size:
+                    jobs += [Job("check", family, size, self.seeds[0], lr, self.sweep_steps) for lr in check_rates(best)]
+                lr = self.chosen(runs, family, size)
+                if lr is not None:
+                    jobs += [Job("final", family, size, seed, lr, self.steps) for seed in self.seeds]
+        done = {job_of(r).key for r in runs}
+        todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
+        order = {"sweep": 0, "check": 1}
+        return sorted(todo, key=lambda j: (order.get(j.phase, 2 if j.seed == self.seeds[0] else 3),
+                                           self.families.index(j.family), j.size))
+
+    def _comera_ranks_known(self, runs: Sequence[dict[str, Any]], size: float) -> bool:
+        return comera_ranks(runs, size, self.seeds[0]) is not None
+
+
+def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict[str, list[int]] | None:
+    """The final ranks of CoMERA's seed-``seed`` final run at ``size`` (what the tt family trains at)."""
+    found = [r for r in runs if r["phase"] == "final" and r["family"] == "comera" and r["size"] == size
+             and r["seed"] == seed]
+    return found[0]["ranks_final"] if found else None
+
+
+# ------------------------------------------------------------------------------------------------------
+# models
+
+
+def base_spec(task: str, corpus: str, seed: int, steps: int, quick: bool):
+    """The study spec of ``task`` on ``corpus`` with the protocol's clipping (models come from :func:`task_kwargs`)."""
+    import pareto_study
+
+    spec = pareto_study.study_spec(task, corpus, seed, steps, quick)
+    val_every = max(1, steps // 12)
+    return replace(spec, grad_clip=GRAD_CLIP, val_every=val_every,
+                   limit_val_batches=None if spec.limit_val_batches is None else 2 * spec.limit_val_batches)
+
+
+def with_optim(kwargs: dict[str, Any], lr: float, steps: int) -> dict[str, Any]:
+    """``kwargs`` with the protocol's optimiser settings at learning rate ``lr``."""
+    warmup = max(1, min(100, steps // 10))
+    optim = {**(kwargs.get("optim") or {}), "lr_cores": lr, "lr_other": lr, "lr_gates": GATE_LR,
+             "warmup_steps": warmup, "schedule": "cosine", "final_lr_ratio": FINAL_LR_RATIO}
+    return {**kwargs, "optim": optim}
+
+
+def _layers(kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return {**kwargs, "layer_config": {**(kwargs.get("layer_config") or {}), **options}}
+
+
+def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[int]] | None = None
+                  ) -> dict[str, Any]:
+    """The model arguments of ``family`` at width, rank or start rank ``knob`` (None: the spec's own)."""
+    import study
+
+    kwargs = dict(spec.task_kwargs)
+    if family in FULL_WIDTH:
+        return _layers(kwargs, tt_linears=False, tt_embeddings=False)
+    if family == "narrow":
+        return _layers(study.at_width(kwargs, int(knob)), tt_linears=False, tt_embeddings=False)
+    if family in ("lowrank", "cola"):
+        rank = int(knob)
+        low = dict(tt_linears=True, tt_embeddings=True, rank=rank, embedding_rank=rank, layer_ranks=None,
+                   low_rank_linears=".", low_rank_embeddings=".", learn_gates=False)
+        if family == "cola":
+            low.update(bottleneck_activation="silu", activation_layers=r"(^|\.)layers\.")
+        return _layers(kwargs, **low)
+    if family == "comera":
+        layer = kwargs.get("layer_config") or {}
+        if knob is None:
+            return _layers(kwargs, tt_linears=True, tt_embeddings=True)
+        # a larger start rank for the sizes the default start is already below; the head keeps its 2x share
+        head = {k: 2 * int(knob) for k in (layer.get("layer_ranks") or {})}
+        return _layers(kwargs, tt_linears=True, tt_embeddings=True, rank=int(knob), embedding_rank=int(knob),
+                       layer_ranks=head or None)
+    if family == "tt":
+        if ranks is None:
+            raise ValueError("the tt family needs CoMERA's final ranks")
+        exact = {r"(^|\.)" + re.escape(name.split("model.", 1)[-1]) + "$": list(r[1:-1]) for name, r in ranks.items()}
+        base = family_kwargs(spec, "comera", knob)
+        return _layers(base, layer_ranks=exact, learn_gates=False)
+    raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
+
+
+def active_parameters(spec, kwargs: dict[str, Any]) -> int:
+    import torch
+
+    import study
+    from comera_lightning.nn import size_report
+
+    torch.manual_seed(0)
+    return size_report(study.task_class(spec.name)(**kwargs)).active_parameters
+
+
+def smallest_at_least(count: Callable[[int], int], target: float, low: int, high: int) -> int:
+    """The smallest integer knob in [low, high] whose count reaches ``target`` (counts grow with the knob)."""
+    if count(high) < target:
+        return high
+    while low < high:
+        mid = (low + high) // 2
+        if count(mid) >= target:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def knob_for(spec, family: str, size: float, full: int) -> float | None:
+    """The width (narrow), rank (lowrank, cola) or start rank (comera, tt) of ``family`` at ``size``."""
+    width = spec.task_kwargs["d_model"]
+    target = full / size
+    if family == "narrow":
+        # even widths: rotary embeddings rotate channel pairs of each head
+        half = smallest_at_least(lambda k: active_parameters(spec, family_kwargs(spec, "narrow", 2 * k)), target, 1,
+                                 width // 2)
+        return 2 * half
+    if family in ("lowrank", "cola"):
+        return smallest_at_least(lambda r: active_parameters(spec, family_kwargs(spec, "lowrank", r)), target, 1,
+                                 width)
+    if family in ("comera", "tt"):
+        # start above the target: the default rank when its model is at least 1.2x the target, else larger
+        rank = int(spec.task_kwargs["layer_config"]["rank"])
+        while active_parameters(spec, family_kwargs(spec, "comera", rank)) < 1.2 * target and rank < width:
+            rank += rank // 2
+        return rank
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------
+# one run (in a worker process)
+
+_DATAMODULES: dict[tuple, Any] = {}
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def step_flops(task, batch) -> int:
+    """FLOPs of one training step's forward and backward on ``batch`` (torch's FlopCounterMode)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    task.train()
+    with FlopCounterMode(display=False) as counter:
+        loss = task._cross_entropy(*task._logits_and_labels(batch))
+        loss.backward()
+    task.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def step_memory(task, batch, galore: bool) -> dict[str, int]:
+    """Peak bytes of one steady training step (forward, backward, optimiser) of ``task`` (harness.peak_memory);
+    float32 weights and AdamW state (GaLore's projected state for ``galore``)."""
+    import torch
+
+    import harness
+
+    task.train()
+    if galore:
+        import bench_training_step as bts
+        import llm_study
+
+        o = task.optim
+        optimizer = bts.galore_optimizer(list(task.parameters()), llm_study.galore_targets(task.model), o.lr_other,
+                                         o.weight_decay, llm_study.galore_settings(task.model.d_model))
+    else:
+        from comera_lightning.optim import comera_parameter_groups
+
+        optimizer = torch.optim.AdamW(comera_parameter_groups(task, 1e-4, 1e-4, 1e-4))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        task._cross_entropy(*task._logits_and_labels(batch)).backward()
+        optimizer.step()
+
+    # MemTracker hooks every parameter's gradient: frozen gates (a few hundred floats) get one for the measurement
+    frozen = [p for p in task.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    step()
+    peak = harness.peak_memory(step, modules=[task], optimizers=[optimizer])
+    for p in frozen:
+        p.requires_grad_(False)
+    keys = ("parameters", "gradients", "optimizer_state_persistent", "activations", "total")
+    return {k: int(peak[k]) for k in keys if k in peak}
+
+
+def run_job(job: dict[str, Any], task_name: str, corpus: str, quick: bool, knob: float | None,
+            ranks: dict[str, list[int]] | None, cache_dir: str) -> dict[str, Any]:
+    """Train one job and return its record (the fields of a ``runs`` entry)."""
+    import torch
+
+    import llm_study
+    import study
+    from comera_lightning.callbacks import ScheduledLateStage
+
+    job = Job(**job)
+    spec = base_spec(task_name, corpus, job.seed, job.steps, quick)
+    key = (task_name, corpus, job.seed, quick)
+    if key not in _DATAMODULES:
+        _DATAMODULES.clear()
+        _DATAMODULES[key] = study.build_datamodule(spec, Path(cache_dir))
+    dm = _DATAMODULES[key]
+    kwargs = with_optim(family_kwargs(spec, job.family, knob, ranks), job.lr, job.steps)
+    method = "dense"
+    if job.family == "galore":
+        task = llm_study.build_task(replace(spec, task_kwargs=kwargs), "galore", kwargs)
+    else:
+        torch.manual_seed(job.seed)
+        task = study.task_class(spec.name)(**kwargs)
+    if job.family == "comera":
+        method = "comera"
+        rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
+        rank.update(target_compression=job.size, late_stage=ScheduledLateStage())
+        spec = replace(spec, rank_kwargs=rank)
+    batch = next(iter(dm.val_dataloader()))  # the same shape as a training batch; leaves the training order alone
+    flops_start = step_flops(task, batch)
+    run = study.run_one(spec, method, "steps", dm, task=task, max_other_load=1.0)
+    flops_end = step_flops(task, batch)
+    late = spec.late_start_step if job.family == "comera" else job.steps
+    # FLOPs: the start model's until the late stage, then the mean of start and end while ranks shrink
+    train_flops = late * flops_start + (job.steps - late) * (flops_start + flops_end) / 2
+    tokens_per_step = int(batch["input_ids"].numel())
+    curve = [[v["step"] * tokens_per_step, v["metrics"]["val/loss"]] for v in run["validations"]]
+    final = run["final"]
+    record = {
+        **asdict(job), "knob": knob, "tokens": job.steps * tokens_per_step,
+        "params_active": int(final["params_active"]), "params_trainable": int(run["size_final"]["params_trainable"]),
+        "val_loss": float(final["metrics"]["val/loss"]), "val_perplexity": float(final["metrics"]["val/perplexity"]),
+        "curve": curve, "flops_per_step_start": flops_start, "flops_per_step_end": flops_end,
+        "train_flops": train_flops, "train_s": run["train_s"], "median_step_s": run["median_step_s"],
+        "ranks_final": run["ranks_final"] if job.family in ("comera", "tt") else None,
+        "late_start_step": spec.late_start_step if job.family == "comera" else None,
+        "first_batch_hash": run["first_batch_hash"],
+    }
+    if job.phase == "final" and job.seed == 0:
+        record["peak_memory"] = step_memory(task, batch, job.family == "galore")
+    return record
+
+
+# ------------------------------------------------------------------------------------------------------
+# the driver
+
+
+class Study:
+    """The study's JSON (``runs`` plus the protocol) and the plan that extends it, two runs at a time."""
+
+    def __init__(self, path: Path, task: str, corpus: str, plan: Plan, quick: bool, cache_dir: Path) -> None:
+        import harness
+
+        self.path, self.task, self.corpus, self.plan, self.quick, self.cache_dir = path, task, corpus, plan, quick, cache_dir
+        protocol = {"families": plan.families, "sizes": plan.sizes, "seeds": plan.seeds, "steps": plan.steps,
+                    "sweep_steps": plan.sweep_steps, "grid": plan.grid, "gate_lr": GATE_LR,
+                    "final_lr_ratio": FINAL_LR_RATIO, "grad_clip": GRAD_CLIP, "quick": quick}
+        if path.exists():
+            state = harness.read_json(path)
+            old = state.get("protocol", {})
+            if any(old.get(k) != protocol[k] for k in ("steps", "sweep_steps", "grid", "quick")):
+                raise ValueError(f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
+                                 " give another --out, or move that file away")
+            self.state = {**state, "protocol": {**old, **protocol}}
+        else:
+            self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
+        self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick)
+        self.full = active_parameters(self.spec, family_kwargs(self.spec, "dense", None))
+        self.state["full_dense_params"] = self.full
+        self._knobs: dict[tuple[str, float], float | None] = {}
+
+    @property
+    def runs(self) -> list[dict[str, Any]]:
+        return self.state["runs"]
+
+    def knob(self, family: str, size: float) -> float | None:
+        if (family, size) not in self._knobs:
+            self._knobs[(family, size)] = knob_for(self.spec, family, size, self.full)
+        return self._knobs[(family, size)]
+
+    def save(self) -> None:
+        import harness
+
+        self.state["machine"] = harness.machine_info()
+        tmp = self.path.with_suffix(".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        import json
+
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.path)
+
+    def run(self, workers: int, threads: int, deadline: float | None) -> None:
+        ctx = get_context("spawn")
+        running: dict[Future, Job] = {}
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
+            while True:
+                busy = {j.key for j in running.values()}
+                pending = [j for j in self.plan.pending(self.runs) if j.key not in busy]
+                out_of_time = deadline is not None and time.time() > deadline
+                while pending and len(running) < workers and not out_of_time:
+                    job = pending.pop(0)
+                    ranks = comera_ranks(self.runs, job.size, self.plan.seeds[0]) if job.family == "tt" else None
+                    knob = self.knob(job.family, job.size)
+                    print(f"[{time.strftime('%H:%M:%S')}] start {job.phase} {job.family} x{job.size:g} seed "
+                          f"{job.seed} lr {job.lr:.3g} ({job.steps} steps, knob {knob})", flush=True)
+                    running[pool.submit(run_job, asdict(job), self.task, self.corpus, self.quick, knob, ranks,
+                                        str(self.cache_dir))] = job
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    job = running.pop(future)
+                    try:
+                        record = future.result()
+                    except Exception as err:  # a failed run is recorded as such: it must not stop the others
+                        record = {**asdict(job), "knob": self.knob(job.family, job.size), "error": repr(err),
+                                  "val_loss": math.nan, "tokens": 0, "params_active": 0, "curve": []}
+                        print(f"    FAILED {job}: {err!r}", flush=True)
+                    self.runs.append(record)
+                    self.save()
+                    print(f"[{time.strftime('%H:%M:%S')}] done  {job.phase} {job.family} x{job.size:g} seed {job.seed}"
+                          f" lr {job.lr:.3g}: val loss {record['val_loss']:.4f}, {record['params_active']:,} params",
+                          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="lm", choices=("lm",),
+                        help="the decoder LM (the masked-LM task's FLOP and memory probes are not written yet)")
+    parser.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--sizes", nargs="+", type=float, default=list(SIZES),
+                        help="compressions of the full dense model's active parameters")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1500, help="optimiser steps of a final run")
+    parser.add_argument("--sweep-steps", type=int, default=500, help="steps of a sweep or check run")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--hours", type=float, default=None, help="start no run after this many hours")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and data: a smoke run")
+    parser.add_argument("--out", type=Path, default=None, help="default docs/data/<task>_<corpus>.json")
+    parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "comera")
+    args = parser.parse_args(argv)
+    corpus = args.corpus.replace("site:", "").replace("/", "_").strip("_") or "corpus"
+    out = args.out or REPO / "docs" / "data" / f"{args.task}_{corpus}.json"
+    try:
+        plan = Plan(args.families, args.sizes, args.seeds, args.steps, args.sweep_steps)
+        study = Study(out, args.task, args.corpus, plan, args.quick, args.cache_dir)
+    except ValueError as err:
+        parser.error(str(err))
+    deadline = None if args.hours is None else time.time() + 3600 * args.hours
+    study.run(args.workers, args.threads, deadline)
+    left = plan.pending(study.runs)
+    print(f"JSON: {out} ({len(study.runs)} runs; {len(left)} runnable runs left)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
