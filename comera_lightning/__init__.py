@@ -3,7 +3,9 @@
 Layers live in :mod:`comera_lightning.nn`, the math under them in :mod:`comera_lightning.tt`.
 """
 
-from .nn import TTEmbedding, TTLinear, size_report, tensorize
+from .loading import load_from_checkpoint
+from .nn import TTEmbedding, TTLinear, size_report, tensorize, tensorize_like, untensorize
 
 __version__ = "0.1.0"
-__all__ = ["TTEmbedding", "TTLinear", "size_report", "tensorize", "__version__"]
+__all__ = ["TTEmbedding", "TTLinear", "load_from_checkpoint", "size_report", "tensorize", "tensorize_like",
+           "untensorize", "__version__"]

@@ -1,4 +1,5 @@
-"""CoMERA's Lightning callbacks: rank adaptation and its late-stage policies, rank monitoring, contraction planning.
+"""CoMERA's Lightning callbacks: tensorizing from the trainer side, rank adaptation and its late-stage policies,
+rank monitoring, contraction planning.
 
 Generic training aids that know nothing of tensor trains live in :mod:`comera_lightning.training`.
 """
@@ -7,6 +8,7 @@ from ..late_stage import LateStagePolicy, PaperLateStage, ScheduledLateStage
 from .contraction_planner import ContractionPlanner
 from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
+from .tensorize import Tensorize
 
 __all__ = ["ContractionPlanner", "LateStagePolicy", "PaperLateStage", "RankAdaptation", "RankMonitor",
-           "ScheduledLateStage"]
+           "ScheduledLateStage", "Tensorize"]
