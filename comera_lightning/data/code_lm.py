@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .code_mlm import _compact
-from .common import TensorDictDataset, atomic_torch_save, cache_key, load_tensor_cache, read_source_text, rows_loader
+from .cache import cached_tensors
+from .common import TensorDictDataset, cache_key, read_source_text, rows_loader
 from .corpus import SourceCorpus
 from .tokenizer import encode_texts, file_sha1
 
@@ -181,13 +182,15 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
 
     # ------------------------------------------------------------------ encoding and caching
     def _stream_cache_path(self) -> Path:
-        key = cache_key({
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-lm-{cache_key(self._stream_source())}.pt"
+
+    def _stream_source(self) -> dict[str, Any]:
+        return ({
             "tokenizer": file_sha1(self._ensure_tokenizer_file()),
             "train": self._fingerprint("train"),
             "val": self._fingerprint("val"),
             "version": _STREAM_VERSION,
         })
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-lm-{key}.pt"
 
     def _encode_split(self, files: list[str]) -> torch.Tensor:
         docs = encode_texts(self.tokenizer, [read_source_text(self.corpus_root / rel) for rel in files])
@@ -198,14 +201,11 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
 
     def streams(self) -> dict[str, torch.Tensor]:
         """The encoded ``train`` and ``val`` token streams (cached)."""
-        path = self._stream_cache_path()
-        cached = load_tensor_cache(path)
-        if cached is not None:
-            return cached
         train, val = self.split_files()
-        data = {"train": self._encode_split(train), "val": self._encode_split(val)}
-        atomic_torch_save(data, path)
-        return data
+        return cached_tensors(self._stream_cache_path(), source=self._stream_source(),
+                              make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
+                              what="encoded token streams",
+                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
 
     @override
     def prepare_data(self) -> None:

@@ -30,12 +30,11 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 from typing_extensions import override
 
+from .cache import cached_tensors
 from .common import (
     KeepIndex,
     TensorDictDataset,
-    atomic_torch_save,
     cache_key,
-    load_tensor_cache,
     read_source_text,
     rows_loader,
     uses_validation_rows_notice,
@@ -320,8 +319,11 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
 
     # ------------------------------------------------------------------ encoding and caching
     def _encoded_cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-mlm-{cache_key(self._encoded_source())}.pt"
+
+    def _encoded_source(self) -> dict[str, Any]:
         tok_file = self._ensure_tokenizer_file()
-        key = cache_key(
+        return (
             {
                 "tokenizer": file_sha1(tok_file),
                 "train": self._fingerprint("train"),
@@ -330,7 +332,6 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
                 "version": _ENCODING_VERSION,
             }
         )
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-mlm-{key}.pt"
 
     def _encode_split(self, files: list[str]) -> torch.Tensor:
         ids = self.special_ids
@@ -339,14 +340,11 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         return _compact(rows, self.vocab_size_actual)
 
     def _load_or_build_encoded(self) -> dict[str, torch.Tensor]:
-        path = self._encoded_cache_path()
-        cached = load_tensor_cache(path)
-        if cached is not None:
-            return cached
         train, val = self.split_files()
-        data = {"train": self._encode_split(train), "val": self._encode_split(val)}
-        atomic_torch_save(data, path)
-        return data
+        return cached_tensors(self._encoded_cache_path(), source=self._encoded_source(),
+                              make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
+                              what="encoded masked-LM rows",
+                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
 
     @override
     def prepare_data(self) -> None:

@@ -46,14 +46,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .code_mlm import stdlib_root
+from .cache import cached_tensors
 from .common import (
     KeepIndex,
     TensorDictDataset,
-    atomic_torch_save,
     cache_key,
     discover_files,
     fingerprint_files,
-    load_tensor_cache,
     read_source_text,
     rows_loader,
     split_by_hash,
@@ -420,6 +419,7 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 texts,
                 self.vocab_size,
                 add_prefix_space=False,
+                origin=f"the functions of {len(train):,} training files under {self.corpus_root}",
             )
         return self._tokenizer_file
 
@@ -435,7 +435,10 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
 
     # ------------------------------------------------------------------ encoding and caching
     def _encoded_cache_path(self) -> Path:
-        key = cache_key(
+        return Path(self.cache_dir).expanduser() / "encoded" / f"code-pairs-{cache_key(self._encoded_source())}.pt"
+
+    def _encoded_source(self) -> dict[str, Any]:
+        return (
             {
                 "tokenizer": file_sha1(self._ensure_tokenizer_file()),
                 "train": self._fingerprint("train"),
@@ -447,7 +450,6 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION],
             }
         )
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-pairs-{key}.pt"
 
     def _encode(self, split: str) -> dict[str, torch.Tensor]:
         pairs = self.examples(split)
@@ -461,13 +463,11 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         )
 
     def _load_or_build_encoded(self) -> dict[str, dict[str, torch.Tensor]]:
-        path = self._encoded_cache_path()
-        cached = load_tensor_cache(path)
-        if cached is not None:
-            return cached
-        data = {"train": self._encode("train"), "val": self._encode("val")}
-        atomic_torch_save(data, path)
-        return data
+        train, val = self.split_files()
+        return cached_tensors(self._encoded_cache_path(), source=self._encoded_source(),
+                              make=lambda: {"train": self._encode("train"), "val": self._encode("val")},
+                              what="encoded code-pair examples",
+                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
 
     @override
     def prepare_data(self) -> None:

@@ -1,8 +1,8 @@
-"""Shared plumbing of the data modules: stable hashing, file discovery, fingerprints, caches, datasets.
+"""Shared plumbing of the data modules: stable hashing, file discovery, fingerprints, cache keys, datasets.
 
 Everything here is deterministic across processes and machines: hashes come from :mod:`hashlib`
-(Python's ``hash()`` is salted per process), file lists are sorted, cache files are written atomically
-(temporary file + ``os.replace``) so a crashed or concurrent writer never leaves a half-written cache.
+(Python's ``hash()`` is salted per process) and file lists are sorted. Caches themselves (verified, built
+under a lock, written atomically) are :mod:`.cache`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ __all__ = [
     "ResumableDataLoader",
     "TEST_DIR_NAMES",
     "TensorDictDataset",
-    "atomic_torch_save",
     "cache_key",
     "discover_files",
     "fingerprint_files",
     "identity_collate",
     "is_binary_bytes",
-    "load_tensor_cache",
     "read_source_text",
     "rows_loader",
     "split_by_hash",
@@ -282,24 +280,6 @@ def fingerprint_files(root: str | os.PathLike[str], rel_paths: Iterable[str]) ->
                 inner.update(block)
         outer.update(rel.encode("utf-8") + b"\0" + inner.digest())
     return outer.hexdigest()
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """:func:`comera_lightning.training.atomic.atomic_torch_save` (imported on use: this module also loads on its own)."""
-    from ..training.atomic import atomic_torch_save as save
-
-    save(obj, path)
-
-
-def load_tensor_cache(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """Load a cache written by :func:`atomic_torch_save` (tensors and primitives only), or ``None``."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a cache from an incompatible version: rebuild it
-        return None
 
 
 class TensorDictDataset(Dataset):

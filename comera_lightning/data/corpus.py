@@ -94,5 +94,6 @@ class SourceCorpus(TokenizerLifecycle):
                     texts,
                     self.vocab_size,
                     add_prefix_space=False,
+                    origin=f"{len(train):,} training files under {root}",
                 )
         return self._tokenizer_file

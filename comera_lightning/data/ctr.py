@@ -30,10 +30,10 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .cache import cached_tensors
 from .common import (
     KeepIndex,
     TensorDictDataset,
-    atomic_torch_save,
     cache_key,
     rows_loader,
     stable_hash_many,
@@ -379,24 +379,18 @@ class CriteoDataModule(pl.LightningDataModule):
             data["sparse"] = data["sparse"].to(torch.int32)
             return data
         files = _criteo_files(Path(self.data_dir).expanduser())
-        cache = self._cache_path(files)
-        if cache is not None and cache.is_file():
-            try:
-                return torch.load(cache, map_location="cpu", weights_only=True, mmap=True)
-            except Exception:  # unreadable (e.g. another version's format): parse again
-                pass
-        parts = [read_criteo_tsv(p, self.table_sizes) for p in files]
-        data = {k: torch.cat([p[k] for p in parts]) for k in ("dense", "sparse", "labels")}
-        if cache is not None:
-            atomic_torch_save(data, cache)
-        return data
 
-    def _cache_path(self, files: list[Path]) -> Path | None:
+        def parse() -> dict[str, torch.Tensor]:
+            parts = [read_criteo_tsv(p, self.table_sizes) for p in files]
+            return {k: torch.cat([p[k] for p in parts]) for k in ("dense", "sparse", "labels")}
+
         if self.cache_dir is None:
-            return None
+            return parse()
         stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-        key = cache_key({"files": stats, "table_sizes": self.table_sizes, "version": 1})
-        return Path(self.cache_dir).expanduser() / "encoded" / f"criteo-{key}.pt"
+        source = {"files": stats, "table_sizes": self.table_sizes, "version": 1}
+        path = Path(self.cache_dir).expanduser() / "encoded" / f"criteo-{cache_key(source)}.pt"
+        return cached_tensors(path, source=source, make=parse, what="parsed Criteo rows",
+                              origin=f"{len(files)} file(s) in {self.data_dir}", mmap=True)
 
     @override
     def prepare_data(self) -> None:

@@ -41,13 +41,12 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .cache import cached_tensors
 from .common import (
     KeepIndex,
     TensorDictDataset,
-    atomic_torch_save,
     cache_key,
     fingerprint_files,
-    load_tensor_cache,
     rows_loader,
     uses_validation_rows_notice,
 )
@@ -492,6 +491,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
                     texts,
                     self.vocab_size,
                     add_prefix_space=True,
+                    origin=f"the MNLI training split under {self.root}",
                 )
         return self._tokenizer_file
 
@@ -523,7 +523,7 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
 
     def _encoded(self, split: str) -> dict[str, torch.Tensor]:
         tok_file = self._ensure_tokenizer_file()
-        key = cache_key(
+        source = (
             {
                 "tokenizer": file_sha1(tok_file),
                 "source": self._source_fingerprint(split),
@@ -534,14 +534,14 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 "version": _ENCODING_VERSION,
             }
         )
-        path = Path(self.cache_dir).expanduser() / "encoded" / f"mnli-{split}-{key}.pt"
-        cached = load_tensor_cache(path)
-        if cached is not None:
-            return cached
-        a, b, y = self._read(split)
-        data = encode_pair_rows(self.tokenizer, a, b, y, self.seq_len, self.special_ids)
-        atomic_torch_save(data, path)
-        return data
+        path = Path(self.cache_dir).expanduser() / "encoded" / f"mnli-{split}-{cache_key(source)}.pt"
+
+        def make() -> dict[str, torch.Tensor]:
+            a, b, y = self._read(split)
+            return encode_pair_rows(self.tokenizer, a, b, y, self.seq_len, self.special_ids)
+
+        return cached_tensors(path, source=source, make=make, what=f"encoded MNLI split {split!r}",
+                              origin=f"{self.root} ({self.resolved_format})")
 
     @override
     def prepare_data(self) -> None:

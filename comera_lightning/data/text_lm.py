@@ -37,7 +37,10 @@ from .code_lm import CausalLMEvaluation, LMCollator
 from .common import ResumableDataLoader, TensorDictDataset, cache_key, stable_unit
 from .corpus import stdlib_root
 from .text_sources import Piece, TextSource, dataset_sources, iter_pieces, resolve_files, sources_fingerprint
-from .token_store import ShardedShuffleSampler, TokenRows, TokenStoreWriter, read_token_store, token_dtype
+from .cache import Progress, load_or_build
+from .token_store import (
+    STORE_FILES, ShardedShuffleSampler, TokenRows, TokenStoreWriter, read_token_store, token_dtype,
+)
 from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, encode_texts, file_sha1, load_tokenizer
 
 __all__ = ["EOS_TOKEN_NAMES", "TextLMDataModule"]
@@ -248,23 +251,30 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         )
 
     def tokenize(self) -> Path:
-        """Write the token store if it is missing (checking an existing one against this corpus and tokenizer)."""
+        """Write the token store if it is missing, or again if it does not verify (:mod:`.cache`: cut short,
+        damaged); a store of another corpus or tokenizer in ``token_dir`` is refused, never overwritten."""
         folder = self.token_folder()
-        meta = read_token_store(folder)
-        if meta is not None:
+        try:
+            meta = read_token_store(folder)
+        except ValueError:  # a damaged meta.json: the store does not verify and is written again below
+            meta = {}
+        if meta:
             self._check_store(folder, meta)
-            return folder
-        if folder.exists() and any(folder.iterdir()):
+        elif meta is None and folder.exists() and any(folder.iterdir()):
             raise ValueError(
                 f"token_dir {str(folder)!r} exists and is not a token store (no meta.json); nothing was "
                 "overwritten: pass an empty or new folder as data.token_dir"
             )
-        if folder.exists():
+        elif meta is None and folder.exists():
             folder.rmdir()  # an empty folder: the store's rename needs the name free
         identity = self._identity()
-        writer = TokenStoreWriter(folder, token_dtype(self.vocab_size_actual))
-        try:
-            self._write_tokens(writer)
+
+        def build(target: Path, progress: Progress) -> None:
+            writer = TokenStoreWriter(target, token_dtype(self.vocab_size_actual))
+            try:
+                self._write_tokens(writer, progress)
+            finally:
+                writer.close()
             if writer.counts["train"] < 2:
                 raise ValueError(
                     f"the training documents of {self.files or self.dataset_path!r} give {writer.counts['train']} "
@@ -272,12 +282,15 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 )
             writer.commit({**identity, "tokenizer": str(self._tokenizer_file), "vocab_size": self.vocab_size_actual,
                            "pad_id": self.pad_id})
-        except BaseException:
-            writer.abort()
-            raise
+
+        sources = self.sources()
+        count = len(sources["train"]) + len(sources["val"])
+        load_or_build(folder, kind="token-store", version=_STORE_VERSION, source=identity, build=build,
+                      files=STORE_FILES, what="token store",
+                      origin=f"{count:,} source(s) ({self.files or self.dataset_path}) with {self._tokenizer_file}")
         return folder
 
-    def _write_tokens(self, writer: TokenStoreWriter) -> None:
+    def _write_tokens(self, writer: TokenStoreWriter, progress: Progress = lambda text: None) -> None:
         eos = np.asarray([self.eos_id], dtype=np.int64)
         batch: list[tuple[str, Piece]] = []
         size = 0
@@ -288,6 +301,8 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 if piece.doc_end:
                     writer.append(side, eos)
             batch.clear()
+            tokens = writer.counts["train"] + writer.counts["val"]
+            progress(f"{tokens / 1e6:,.1f} M tokens written ({writer.counts['val'] / 1e6:,.1f} M of them validation)")
 
         for split in ("train", "val"):
             for side, piece in self._pieces(split):

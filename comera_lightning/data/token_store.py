@@ -5,9 +5,12 @@ A token store is a folder written once by :class:`TokenStoreWriter`:
 * ``train.bin`` and ``val.bin``: each split's token stream (documents one after the other, each followed
   by the end-of-document token), raw little-endian ``uint16`` (vocabularies up to 65,536) or ``uint32``;
 * ``meta.json``: what wrote it (tokenizer hash, corpus fingerprint, special ids, token counts), so a
-  folder written by another tokenizer or from another corpus is refused instead of silently mixed.
+  folder written by another tokenizer or from another corpus is refused instead of silently mixed;
+* ``manifest.json``: the verified-cache manifest (:mod:`.cache`: sizes, checksums, source), so a store cut
+  short on disk (a full disk, a killed writer) is tokenised again instead of trained on in part.
 
-The folder appears only when it is complete: it is written under a temporary name and renamed into place.
+The folder appears only when it is complete: :func:`~.cache.load_or_build` has it written under a temporary
+name and renames it into place.
 
 :class:`TokenRows` reads row ``i`` (tokens ``i*T .. i*T+T`` of a stream) with one ``pread``: nothing is
 memory-mapped or loaded whole, so a process's memory does not grow with the corpus (a memory map's touched
@@ -29,8 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -48,6 +49,7 @@ __all__ = ["ShardedShuffleSampler", "TokenRows", "TokenStoreWriter", "keyed_perm
 IGNORE_INDEX = -100
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
+STORE_FILES = (*(f"{split}.bin" for split in SPLITS), META_FILE)  #: what a complete store holds
 _FEISTEL_ROUNDS = 4
 
 
@@ -57,19 +59,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class TokenStoreWriter:
-    """Append each split's tokens to files in a temporary folder; :meth:`commit` renames it into place.
-
-    Nothing is ever overwritten: when ``folder`` already exists at commit time (another process finished
-    first), the temporary folder is discarded and the existing store is kept.
-    """
+    """Append each split's tokens to files in ``folder`` (a new, empty one: the temporary folder of
+    :func:`~.cache.load_or_build`); :meth:`commit` writes ``meta.json``."""
 
     def __init__(self, folder: str | os.PathLike[str], dtype: np.dtype) -> None:
         self.folder = Path(folder)
-        self.folder.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(dir=self.folder.parent, prefix=f".{self.folder.name}.", suffix=".tmp"))
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
         self.counts = dict.fromkeys(SPLITS, 0)
-        self._files = {split: open(self.tmp / f"{split}.bin", "wb") for split in SPLITS}
+        self._files = {split: open(self.folder / f"{split}.bin", "wb") for split in SPLITS}
 
     def append(self, split: str, ids: np.ndarray) -> None:
         """Append token ids (any integer array) to a split's stream."""
@@ -77,25 +75,15 @@ class TokenStoreWriter:
         self.counts[split] += len(ids)
 
     def commit(self, meta: Mapping[str, Any]) -> None:
-        """Write ``meta.json`` (plus the dtype and token counts) and move the folder into place, durably."""
-        for handle in self._files.values():
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
+        """Close the token files and write ``meta.json`` (``meta`` plus the dtype and token counts)."""
+        self.close()
         full = {**meta, "dtype": self.dtype.name, "tokens": dict(self.counts)}
-        (self.tmp / META_FILE).write_text(json.dumps(full, indent=1, sort_keys=True))
-        try:
-            os.rename(self.tmp, self.folder)
-        except OSError:
-            if not (self.folder / META_FILE).is_file():
-                raise
-            self.abort()
+        (self.folder / META_FILE).write_text(json.dumps(full, indent=1, sort_keys=True))
 
-    def abort(self) -> None:
-        """Remove the temporary folder (the target is untouched)."""
+    def close(self) -> None:
+        """Close the token files (the folder's fate is its caller's)."""
         for handle in self._files.values():
             handle.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def read_token_store(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

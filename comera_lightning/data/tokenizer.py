@@ -10,20 +10,22 @@ rather than assuming them.
 
 Trained tokenizers are cached under ``<cache_dir>/tokenizers/<name>-v<vocab>-<key>/tokenizer.json`` where
 the key hashes what the tokenizer was trained on (file list and contents) and the recipe, so a second run
-loads the file instead of training again, and a changed corpus or vocabulary size trains a new one.
+loads the file instead of training again, and a changed corpus or vocabulary size trains a new one. The file
+is a verified cache entry (:mod:`.cache`): a damaged or truncated one is trained again, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..training.atomic import atomic_write
+from .cache import load_or_build
 from .common import cache_key
 
 __all__ = [
@@ -73,6 +75,7 @@ def train_bpe_tokenizer(
     length: int | None = None,
     add_prefix_space: bool = False,
     min_frequency: int = 2,
+    show_progress: bool = False,
 ) -> Any:
     """Train a byte-level BPE ``tokenizers.Tokenizer`` on ``texts`` (no download, no network).
 
@@ -87,6 +90,7 @@ def train_bpe_tokenizer(
         add_prefix_space: treat the first word like one after a space (natural language: ``True``;
             code, where leading whitespace is meaningful: ``False``).
         min_frequency: pairs seen fewer times are not merged.
+        show_progress: the ``tokenizers`` trainer's own progress bars (on a terminal).
     """
     if vocab_size < min_bpe_vocab_size():
         raise ValueError(
@@ -102,7 +106,7 @@ def train_bpe_tokenizer(
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tokenizer.train_from_iterator(texts, trainer, length=length)
     return tokenizer
@@ -116,8 +120,10 @@ def cached_bpe_tokenizer(
     vocab_size: int,
     *,
     add_prefix_space: bool = False,
+    origin: str | None = None,
 ) -> tuple[Path, bool]:
-    """Path of a cached byte-level BPE tokenizer.json, training and saving it first when missing.
+    """Path of a cached byte-level BPE tokenizer.json, training and saving it first when missing, damaged or
+    stale (:func:`~.cache.load_or_build`: verified by size, checksum and source, built under a lock).
 
     Args:
         cache_dir: cache root; the file goes to ``<cache_dir>/tokenizers/<name>-v<vocab>-<key>/``.
@@ -126,6 +132,7 @@ def cached_bpe_tokenizer(
             together with ``vocab_size``, ``add_prefix_space`` and the recipe version.
         texts: called only when training is needed; returns the training texts.
         vocab_size: target vocabulary size.
+        origin: what the texts are, for the message that says what is trained ("412 files under /src").
 
     Returns:
         ``(path, trained)``: the tokenizer.json and whether it was trained by this call.
@@ -134,26 +141,37 @@ def cached_bpe_tokenizer(
         {**key_parts, "vocab_size": vocab_size, "prefix_space": add_prefix_space, "recipe": _RECIPE_VERSION}
     )
     path = Path(cache_dir).expanduser() / "tokenizers" / f"{name}-v{vocab_size}-{key}" / "tokenizer.json"
-    if path.is_file():
-        return path, False
-    items = list(texts())
-    if not any(items):
-        raise ValueError(f"no training text to fit the {name!r} tokenizer on (all inputs are empty)")
-    tokenizer = train_bpe_tokenizer(items, vocab_size, length=len(items), add_prefix_space=add_prefix_space)
-    with atomic_write(path) as tmp:
-        tokenizer.save(str(tmp))
-    return path, True
+
+    def build(target: Path, progress: Any) -> None:
+        items = list(texts())
+        if not any(items):
+            raise ValueError(f"no training text to fit the {name!r} tokenizer on (all inputs are empty)")
+        progress(f"training on {len(items):,} texts")
+        tokenizer = train_bpe_tokenizer(items, vocab_size, length=len(items), add_prefix_space=add_prefix_space,
+                                        show_progress=sys.stderr.isatty())
+        tokenizer.save(str(target))
+
+    return load_or_build(path, kind="bpe-tokenizer", version=_RECIPE_VERSION,
+                         source={**key_parts, "vocab_size": vocab_size, "prefix_space": add_prefix_space},
+                         build=build, what=f"{name!r} byte-level BPE tokenizer (vocabulary {vocab_size:,})",
+                         origin=origin or f"the {name!r} training text")
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """Load a ``tokenizers`` tokenizer.json from a local path (a clear error if it is not there)."""
+    """Load a ``tokenizers`` tokenizer.json from a local path (a clear error if it is not there or unreadable)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(
             f"tokenizer file {str(path)!r} does not exist; pass tokenizer_path= a local tokenizer.json "
             "(HuggingFace `tokenizers` format) or tokenizer_path=None to train one on the training data"
         )
-    return _tokenizers().Tokenizer.from_file(str(path))
+    try:
+        return _tokenizers().Tokenizer.from_file(str(path))
+    except Exception as error:  # the tokenizers library names neither the file nor a fix
+        raise ValueError(
+            f"tokenizer file {str(path)!r} does not load ({error}): it is damaged, cut short or not a HuggingFace "
+            "tokenizer.json; copy it again from where it came from, or pass tokenizer_path=None to train one"
+        ) from error
 
 
 def file_sha1(path: str | os.PathLike[str]) -> str:
