@@ -24,6 +24,9 @@ Defaults that differ from plain LightningCLI:
   the hash. ``comera fit ... --resume auto`` continues from the newest complete checkpoint there (weights,
   ranks, gates, optimiser, scheduler, stage, data position, random state), or starts fresh when there is
   none;
+* ``fit`` stops at SIGTERM/SIGUSR1 after the step in flight, with a step checkpoint and exit code 128 + signal
+  (``FaultTolerance``), and under several processes ends them all within a minute of one dying, naming it
+  (:class:`~comera_lightning.training.DeadRankWatchdog`);
 * ``fit`` on a CPU (Linux, glibc) keeps freed memory in the process (:class:`~comera_lightning.training.KeepFreedMemory`)
   unless the config lists the callback itself: a step stops page-faulting its activations in again;
 * ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
@@ -72,6 +75,7 @@ from .callbacks.model_summary import ComeraModelSummary
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
 from .training.final_validation import FinalValidation
+from .training.dead_rank import DeadRankWatchdog
 from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
 from .training.predictions import PredictionWriter
 from .training.progress import StepProgressBar
@@ -336,6 +340,8 @@ class ComeraCLI(LightningCLI):
             added.append(StepProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
             added.append(FinalValidation())
+        if self.subcommand == "fit" and not any(isinstance(c, DeadRankWatchdog) for c in configured):
+            added.append(DeadRankWatchdog())  # idle in one process; several: a dead one does not hang the rest
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
                                                                          for c in configured):
             added.append(ComeraModelSummary())

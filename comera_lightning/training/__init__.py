@@ -4,6 +4,7 @@ Any Lightning project can use these; CoMERA's own callbacks live in :mod:`comera
 """
 
 from .cuda_graphs import CudaGraphs
+from .dead_rank import DeadRankWatchdog
 from .divergence import DivergenceError, DivergenceGuard
 from .fault_tolerance import FaultTolerance
 from .final_validation import FinalValidation
@@ -12,5 +13,5 @@ from .loggers import ResilientMLFlowLogger
 from .predictions import PredictionWriter
 from .progress import StepProgressBar
 
-__all__ = ["CudaGraphs", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation",
+__all__ = ["CudaGraphs", "DeadRankWatchdog", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation",
            "KeepFreedMemory", "PredictionWriter", "ResilientMLFlowLogger", "StepProgressBar"]
