@@ -257,6 +257,25 @@ def gpu_config_warning(config_paths: Any, cuda_available: bool) -> str | None:
     return None
 
 
+def _link_vocab_sizes(config: Any, args: Any, parser: LightningArgumentParser) -> None:
+    """``data.vocab_size`` sets ``model.vocab_size``, unless the command line gives the model's, which must then
+    be at least the data's. (Lightning logs the model's and the data's hyperparameters as one set and refuses
+    two values for one key, so a model vocabulary kept larger than a changed data vocabulary would stop the run.)"""
+    model = (config.get("model") or {}).get("init_args") or {}
+    data = (config.get("data") or {}).get("init_args") or {}
+    model_vocab, data_vocab = model.get("vocab_size"), data.get("vocab_size")
+    if not (isinstance(model_vocab, int) and isinstance(data_vocab, int)) or model_vocab == data_vocab:
+        return
+    argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if not isinstance(args, dict) else []
+    explicit = any(a.split("=")[0] in ("--model.vocab_size", "--model.init_args.vocab_size") for a in argv)
+    if not explicit:
+        model["vocab_size"] = data_vocab
+    elif model_vocab < data_vocab:
+        parser.error(f"model.vocab_size={model_vocab} is smaller than data.vocab_size={data_vocab}: the tokenizer "
+                     f"would produce ids the embedding has no rows for; set model.vocab_size to at least "
+                     f"{data_vocab}, or leave it out (it follows data.vocab_size)")
+
+
 class ComeraCLI(LightningCLI):
     """LightningCLI with comera's defaults (see the module docstring)."""
 
@@ -309,6 +328,7 @@ class ComeraCLI(LightningCLI):
         if ckpt_path:
             # a clear error now, before LightningCLI loads the checkpoint for its hyperparameters (next step)
             check_checkpoint_file(ckpt_path)
+        _link_vocab_sizes(self.config[subcommand] if subcommand else self.config, args, parser)
         if subcommand == "fit":
             fit = self.config["fit"]
             try:
