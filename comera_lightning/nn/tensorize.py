@@ -184,9 +184,13 @@ def _write_specs(module: nn.Module, state_dict: Any, prefix: str, local_metadata
         local_metadata[SPEC_KEY] = [dict(spec, layer_kwargs=dict(spec["layer_kwargs"])) for spec in specs]
 
 
-def tensorize_specs(state_dict: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """The :func:`tensorize` calls recorded in a state dict: ``{module name: [arguments, ...]}`` in call order."""
-    metadata = getattr(state_dict, "_metadata", None) or {}
+def tensorize_specs(source: nn.Module | Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The :func:`tensorize` calls recorded on a model or in its state dict: ``{module name: [arguments, ...]}``,
+    each module's calls in order."""
+    if isinstance(source, nn.Module):
+        return {name: [dict(spec) for spec in module.__dict__[_SPECS_ATTR]] for name, module in source.named_modules()
+                if module.__dict__.get(_SPECS_ATTR)}
+    metadata = getattr(source, "_metadata", None) or {}
     return {prefix: list(entry[SPEC_KEY]) for prefix, entry in metadata.items()
             if isinstance(entry, Mapping) and entry.get(SPEC_KEY)}
 
