@@ -194,8 +194,8 @@ class _Reporter:
             rank_zero_info(f"comera:   {self.what}: {text} ({now - self.start:.0f} s)")
 
     def done(self, size: int) -> None:
-        rank_zero_info(f"comera: built the {self.what} in {time.monotonic() - self.start:.1f} s "
-                       f"({size / 2**20:.1f} MiB): {self.path}")
+        amount = f"{size / 2**20:,.1f} MiB" if size >= 1 << 20 else f"{size / 2**10:,.1f} KiB"
+        rank_zero_info(f"comera: built the {self.what} in {time.monotonic() - self.start:.1f} s ({amount}): {self.path}")
 
 
 def _remove(path: Path, files: Sequence[str] | None) -> None:
