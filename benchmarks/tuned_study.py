@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "galore")
 FULL_WIDTH = ("dense", "galore")  # trained at the full model's size only
+FINAL_ORDER = ("dense", "comera", "tt", "narrow", "lowrank", "cola", "galore")
 SIZES = (2.0, 5.0, 20.0)
 MIDDLE = 5.0
 GRID = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2)
@@ -159,8 +160,8 @@ class Plan:
         return best_rate(found) if len(found) == len(wanted) else None
 
     def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
-        """Every job whose inputs exist and that has not run, in priority order (sweeps, checks, seed 0's finals,
-        the other seeds' finals)."""
+        """Every job whose inputs exist and that has not run, in priority order (sweeps, checks, then the finals
+        seed by seed)."""
         jobs: list[Job] = []
         for family in self.families:
             if family == "tt" and not self._comera_ranks_known(runs, self.sweep_size("comera")):
@@ -182,9 +183,11 @@ class Plan:
                     jobs += [Job("final", family, size, seed, lr, self.steps) for seed in self.seeds]
         done = {job_of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
-        order = {"sweep": 0, "check": 1}
-        return sorted(todo, key=lambda j: (order.get(j.phase, 2 if j.seed == self.seeds[0] else 3),
-                                           self.families.index(j.family), j.size))
+        # finals seed by seed, CoMERA and its tt twin first: a study cut short still compares whole seeds
+        order = {"sweep": 0, "check": 1, "final": 2}
+        return sorted(todo, key=lambda j: (order[j.phase], self.seeds.index(j.seed) if j.phase == "final" else 0,
+                                           FINAL_ORDER.index(j.family) if j.phase == "final"
+                                           else self.families.index(j.family), j.size))
 
     def _comera_ranks_known(self, runs: Sequence[dict[str, Any]], size: float) -> bool:
         return comera_ranks(runs, size, self.seeds[0]) is not None

@@ -65,3 +65,21 @@ def test_a_task_without_optim_takes_its_own_defaults_also_under_a_partial_overri
     config = parser.parse_args(["--model=ClickThrough", "--model.table_sizes=[1000, 1200]", "--model.optim.lr_gates=0.2"])
     task = parser.instantiate(config).model
     assert task.optim == OptimConfig(lr_cores=1e-3, lr_gates=0.2, lr_other=1e-3)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_decay_ends_at_final_lr_ratio_of_the_peak(schedule):
+    from comera_lightning.lit.base import warmup_decay_factor
+
+    factors = [warmup_decay_factor(step, 10, 110, schedule, 0.1) for step in range(120)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)  # the linear warmup
+    assert factors[10] == pytest.approx(1.0) and factors[110] == pytest.approx(0.1) == factors[119]
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))  # monotone decay
+    midpoint = 0.55 if schedule == "linear" else 0.1 + 0.9 * 0.5  # both halfway between 1 and 0.1
+    assert factors[60] == pytest.approx(midpoint)
+    assert warmup_decay_factor(110, 10, 110, schedule) == pytest.approx(0.0)  # the default decays to zero
+
+
+def test_final_lr_ratio_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match=r"final_lr_ratio .* in \[0, 1\]; got 1.5"):
+        OptimConfig(final_lr_ratio=1.5)

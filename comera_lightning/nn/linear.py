@@ -142,7 +142,7 @@ class TTLinear(TTLayer):
         right = chain_merge(cores[num_in:])[-1].reshape(left.shape[1], -1)
         hidden = BOTTLENECK_ACTIVATIONS[self.bottleneck_activation](x @ left)
         y = hidden @ right
-        return y if bias is None else y + bias
+        return y if bias is None else y + bias.to(y.dtype)  # under autocast, as nn.Linear: the GEMMs' dtype
 
     def _cached_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward from the merged factors kept for inference (built on the first call)."""

@@ -144,3 +144,41 @@ def test_low_rank_embeddings_are_a_gated_product_of_two_factors_in_float64():
         f.embedding("x.word", 64, 16, vocab_modes=[8, 8], dim_modes=[4, 4])
     with pytest.raises(ValueError, match="layer_config.low_rank_embeddings is not a valid regular expression"):
         LayerConfig(low_rank_embeddings="(")
+
+
+def test_cola_layers_are_a_low_rank_product_with_silu_between_the_factors_in_float64():
+    f = LayerFactory({"rank": 5, "min_features": 8, "low_rank_linears": ".", "bottleneck_activation": "silu",
+                      "activation_layers": r"(^|\.)layers\.", "learn_gates": False})
+    block, head = f.linear("layers.0.fc1", 24, 40), f.linear("lm_head", 24, 40, bias=False)
+    assert (block.bottleneck_activation, head.bottleneck_activation) == ("silu", None)
+    assert block.ranks == [1, 5, 1] and not any(g.requires_grad for g in block.gates)
+    block = block.double()
+    a, b = block.cores[0][0], block.cores[1][..., 0]  # (24, 5), (5, 40); frozen gates are 1
+    x = torch.randn(3, 24, dtype=torch.float64, requires_grad=True)
+    expected = torch.nn.functional.silu(x @ a) @ b + block.bias
+    torch.testing.assert_close(block(x), expected)
+    grad = torch.randn(3, 40, dtype=torch.float64)
+    for got, ref in zip(torch.autograd.grad(block(x), [x, block.cores[0]], grad),
+                        torch.autograd.grad(expected, [x, block.cores[0]], grad), strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+def test_a_list_in_layer_ranks_fixes_every_internal_rank_and_frozen_gates_stay_at_one():
+    f = LayerFactory({"rank": 8, "min_features": 8, "learn_gates": False,
+                      "layer_ranks": {r"(^|\.)fc$": [3, 5, 2], "embed": [4, 3]}})
+    fc = f.linear("block.fc", 64, 64, in_modes=[4, 4, 4], out_modes=[64])
+    embed = f.embedding("embed", 64, 16, vocab_modes=[8, 8, 1], dim_modes=[2, 2, 4])
+    assert fc.ranks == [1, 3, 5, 2, 1] and embed.ranks == [1, 4, 3, 1]
+    assert all(not g.requires_grad and bool((g == 1).all()) for layer in (fc, embed) for g in layer.gates)
+    assert LayerFactory({"rank": 8}).linear("fc", 64, 64).gates[0].requires_grad
+
+
+def test_bad_layer_kind_options_name_the_fix():
+    with pytest.raises(ValueError, match="bottleneck_activation must be null or one of"):
+        LayerConfig(bottleneck_activation="softmax")
+    with pytest.raises(ValueError, match="activation_layers picks the layers for bottleneck_activation"):
+        LayerConfig(activation_layers="layers")
+    with pytest.raises(ValueError, match=r"layer_ranks\['fc'\] must be a rank >= 1 or a non-empty list"):
+        LayerConfig(layer_ranks={"fc": [3, 0]})
+    with pytest.raises(ValueError, match="must be a rank >= 1 or a non-empty list"):
+        LayerConfig(layer_ranks={"fc": []})

@@ -1,0 +1,366 @@
+"""Tables and plots of the tuned quality studies, generated from their raw results in ``docs/data/``.
+
+``docs/data/<task>_<corpus>.json`` (written by ``tuned_study.py``) holds a list ``runs``; each run has at least
+``family``, ``size``, ``seed``, ``lr``, ``tokens``, ``params_active``, ``val_loss`` (final) and ``curve`` (a list
+of ``[tokens, val_loss]``), plus its ``phase`` (``sweep``, ``check`` or ``final``). A file that does not have that
+shape is refused with the run and the field at fault. From each file this script makes:
+
+- the headline table: every (family, size) at its chosen rate, validation perplexity as mean (min .. max) over the
+  seeds, active parameters, training FLOPs and peak training memory;
+- CoMERA against each rival at each size (perplexity ratio and seeds won), and the issue's targets;
+- the learning-rate sweeps and checks, the full dense model's convergence over the last fifth of its run, and
+  CoMERA's late-stage spike;
+- one figure: perplexity against active parameters, training FLOPs and peak memory, and the dense curves.
+
+The markdown goes between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md
+(``--write``); ``--check`` fails when the page differs from what the data give (the suite runs it).
+
+    python benchmarks/quality_report.py --write          # every docs/data/*.json into docs/results.md
+    python benchmarks/quality_report.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "docs" / "data"
+RESULTS = REPO / "docs" / "results.md"
+IMAGES = REPO / "docs" / "img"
+ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera")
+RIVALS = ("narrow", "lowrank", "cola", "tt")
+LABELS = {"dense": "dense (full width)", "galore": "dense + GaLore", "narrow": "dense-narrowed",
+          "lowrank": "low-rank A B", "cola": "CoLA (B silu(A x))", "tt": "fixed-rank TT", "comera": "CoMERA"}
+REQUIRED = {"family": str, "size": (int, float), "seed": int, "lr": (int, float), "tokens": int,
+            "params_active": int, "val_loss": (int, float), "curve": list}
+FREE_TOLERANCE = 0.05  # "free compression": within 5 % of the full dense model's perplexity
+SPIKE_TOLERANCE = 0.05
+
+
+class StudyFileError(ValueError):
+    """A results file that is not a tuned quality study."""
+
+
+def validate(study: Any, where: str) -> dict[str, Any]:
+    """``study`` when it has the documented shape; else a :class:`StudyFileError` naming the run and the field."""
+    fix = "(docs/data files are written by benchmarks/tuned_study.py; see benchmarks/quality_report.py's docstring)"
+    if not isinstance(study, dict) or not isinstance(study.get("runs"), list):
+        raise StudyFileError(f"{where}: not a quality study: expected a JSON object with a list 'runs' {fix}")
+    for i, run in enumerate(study["runs"]):
+        if not isinstance(run, dict):
+            raise StudyFileError(f"{where}: runs[{i}] is a {type(run).__name__}, not an object {fix}")
+        for key, kind in REQUIRED.items():
+            if key not in run:
+                raise StudyFileError(f"{where}: runs[{i}] has no '{key}' {fix}")
+            if isinstance(run[key], bool) or not isinstance(run[key], kind):
+                raise StudyFileError(f"{where}: runs[{i}]['{key}'] is {run[key]!r}, which is not a "
+                                     f"{getattr(kind, '__name__', 'number')} {fix}")
+        if "error" in run:
+            continue
+        if not math.isfinite(run["val_loss"]) and run.get("phase") == "final":
+            raise StudyFileError(f"{where}: runs[{i}] (a final run) has val_loss {run['val_loss']} {fix}")
+        for point in run["curve"]:
+            if not (isinstance(point, list) and len(point) == 2
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)):
+                raise StudyFileError(f"{where}: runs[{i}]['curve'] holds {point!r}; each point is [tokens, val_loss] "
+                                     f"{fix}")
+    return study
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A study file, validated."""
+    try:
+        study = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise StudyFileError(f"{path}: not valid JSON ({err}); restore it from git or rerun tuned_study.py") from err
+    return validate(study, str(path))
+
+
+# ------------------------------------------------------------------------------------------------------
+# summaries
+
+
+def finals(study: dict[str, Any]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """The finished final runs by (family, size), seeds in order."""
+    out: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for run in study["runs"]:
+        if run.get("phase", "final") == "final" and "error" not in run:
+            out.setdefault((run["family"], float(run["size"])), []).append(run)
+    for runs in out.values():
+        runs.sort(key=lambda r: r["seed"])
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], ORDER.index(kv[0][0]) if kv[0][0] in ORDER else 99)))
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def perplexities(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    return spread([math.exp(r["val_loss"]) for r in runs])
+
+
+def cell(stats: dict[str, float], digits: int = 2) -> str:
+    if stats["n"] == 1:
+        return f"{stats['mean']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f} ({stats['min']:.{digits}f} .. {stats['max']:.{digits}f})"
+
+
+def full_dense(study: dict[str, Any]) -> dict[str, float] | None:
+    runs = finals(study).get(("dense", 1.0))
+    return None if not runs else perplexities(runs)
+
+
+def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """CoMERA against each rival at each size: perplexity ratio (rival / CoMERA - 1) and seeds won."""
+    by = finals(study)
+    rows = []
+    for (family, size), runs in by.items():
+        if family != "comera":
+            continue
+        mine = perplexities(runs)
+        row: dict[str, Any] = {"size": size, "comera": mine, "params": statistics.fmean(r["params_active"] for r in runs)}
+        for rival in RIVALS:
+            theirs = by.get((rival, size))
+            if not theirs:
+                continue
+            ppl = perplexities(theirs)
+            seeds = {r["seed"]: r["val_loss"] for r in theirs}
+            wins = [r["val_loss"] < seeds[r["seed"]] for r in runs if r["seed"] in seeds]
+            row[rival] = {"ratio": ppl["mean"] / mine["mean"] - 1.0, "won": f"{sum(wins)}/{len(wins)}",
+                          "params": statistics.fmean(r["params_active"] for r in theirs)}
+        rows.append(row)
+    return rows
+
+
+def last_fifth_change(run: dict[str, Any]) -> float | None:
+    """Relative fall of the validation loss over the last fifth of the run's tokens (None without such points)."""
+    curve = run["curve"]
+    if len(curve) < 2:
+        return None
+    end_tokens, end_loss = curve[-1]
+    start = [loss for tokens, loss in curve if tokens <= 0.8 * end_tokens]
+    return None if not start else (start[-1] - end_loss) / end_loss
+
+
+def late_spike(run: dict[str, Any]) -> float | None:
+    """CoMERA's worst perplexity after the late-stage switch over its value at the switch, minus 1."""
+    step = run.get("late_start_step")
+    if step is None or not run["curve"] or run["steps"] <= 0:
+        return None
+    switch_tokens = step * run["tokens"] / run["steps"]
+    before = [loss for tokens, loss in run["curve"] if tokens <= switch_tokens]
+    after = [loss for tokens, loss in run["curve"] if tokens > switch_tokens]
+    if not before or not after:
+        return None
+    return math.exp(max(after) - before[-1]) - 1.0
+
+
+def free_compression(study: dict[str, Any]) -> float | None:
+    """The largest compression at which CoMERA's mean perplexity is within 5 % of the full dense model's."""
+    reference = full_dense(study)
+    if reference is None:
+        return None
+    sizes = [size for (family, size), runs in finals(study).items()
+             if family == "comera" and perplexities(runs)["mean"] <= (1 + FREE_TOLERANCE) * reference["mean"]]
+    return max(sizes, default=None)
+
+
+# ------------------------------------------------------------------------------------------------------
+# markdown
+
+
+def _k(value: float) -> str:
+    return f"{value / 1e3:,.0f} k"
+
+
+def markdown(study: dict[str, Any], name: str) -> str:
+    """Every table of one study as markdown (deterministic: the same data give the same text)."""
+    protocol = study.get("protocol", {})
+    by = finals(study)
+    tokens = next((r["tokens"] for runs in by.values() for r in runs), None)
+    full = study.get("full_dense_params")
+    lines = [f"Generated by `python benchmarks/quality_report.py --write` from `docs/data/{name}.json` "
+             f"({len(study['runs'])} runs); the figure is `docs/img/quality_{name}.png`.", ""]
+    if tokens is not None:
+        per_param = f", {tokens / full:.1f} tokens per parameter of the full dense model" if full else ""
+        lines += [f"Final runs: {protocol.get('steps')} steps, {tokens / 1e6:.2f} M tokens each{per_param}; seeds "
+                  f"{protocol.get('seeds')}. Sweeps and checks: {protocol.get('sweep_steps')} steps. Every run: "
+                  f"AdamW, one rate for all weights (gates {protocol.get('gate_lr')}), warm-up, cosine to "
+                  f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}.", ""]
+    rows = []
+    for (family, size), runs in by.items():
+        mem = runs[0].get("peak_memory", {}).get("total")
+        flops = statistics.fmean(r.get("train_flops", math.nan) for r in runs)
+        rows.append([f"{size:g}x" if family not in ("dense", "galore") else "1x", LABELS.get(family, family),
+                     _k(statistics.fmean(r["params_active"] for r in runs)), f"{runs[0]['lr']:.3g}",
+                     cell(perplexities(runs)), len(runs), f"{flops / 1e12:.2f}",
+                     "-" if mem is None else f"{mem / 2**20:.1f}"])
+    lines += ["| size | model | active params | lr | val perplexity, mean (min .. max) | seeds | training TFLOPs | "
+              "peak step memory, MiB |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines.append("")
+    compare = comparisons(study)
+    if compare:
+        lines += ["CoMERA against each rival at the same target size (rival perplexity / CoMERA's - 1: positive means "
+                  "CoMERA is better; seeds won: seeds where CoMERA's loss is lower than the same seed's rival):", ""]
+        header = ["size", "CoMERA active params", "CoMERA perplexity"] + [LABELS[r] for r in RIVALS]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in compare:
+            cells = [f"{row['size']:g}x", _k(row["params"]), cell(row["comera"])]
+            for rival in RIVALS:
+                r = row.get(rival)
+                cells.append("-" if r is None else f"{r['ratio']:+.1%}, {r['won']} ({_k(r['params'])})")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    reference = full_dense(study)
+    free = free_compression(study)
+    if reference is not None:
+        lines.append(f"Full dense model: perplexity {cell(reference)}. Free compression (CoMERA within "
+                     f"{FREE_TOLERANCE:.0%} of it): " + ("none of the sizes" if free is None else f"{free:g}x") + ".")
+        changes = [(r["seed"], last_fifth_change(r)) for r in by.get(("dense", 1.0), [])]
+        shown = ", ".join(f"seed {s}: {c:.1%}" for s, c in changes if c is not None)
+        lines += [f"Convergence: the full dense model's validation loss fell by {shown} over the last fifth of its "
+                  "run (the protocol asks for less than 1 %).", ""]
+    spikes = [(size, r["seed"], late_spike(r)) for (family, size), runs in by.items() if family == "comera"
+              for r in runs]
+    spikes = [s for s in spikes if s[2] is not None]
+    if spikes:
+        worst = max(spikes, key=lambda s: s[2])
+        lines += [f"Late-stage spike (worst perplexity after the switch over the value at the switch): at most "
+                  f"{worst[2]:+.1%} ({worst[0]:g}x, seed {worst[1]}); target at most +{SPIKE_TOLERANCE:.0%}.", ""]
+    lines += sweep_table(study)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def sweep_table(study: dict[str, Any]) -> list[str]:
+    """Every sweep and check run: final validation loss by family, size and rate (the chosen rate in bold)."""
+    cells: dict[tuple[str, float], dict[float, float]] = {}
+    for run in study["runs"]:
+        if run.get("phase") in ("sweep", "check"):
+            loss = run["val_loss"] if "error" not in run else math.nan
+            cells.setdefault((run["family"], float(run["size"])), {})[run["lr"]] = loss
+    if not cells:
+        return []
+    chosen = {key: runs[0]["lr"] for key, runs in finals(study).items()}
+    rates = sorted({lr for row in cells.values() for lr in row})
+    lines = [f"Learning-rate sweeps and checks ({study.get('protocol', {}).get('sweep_steps')} steps, final "
+             "validation loss; bold: the rate the finals use):", "",
+             "| model | size | " + " | ".join(f"{lr:.3g}" for lr in rates) + " |", "|---|---|" + "---|" * len(rates)]
+    for (family, size), row in sorted(cells.items(), key=lambda kv: (ORDER.index(kv[0][0]) if kv[0][0] in ORDER
+                                                                      else 99, kv[0][1])):
+        out = []
+        for lr in rates:
+            if lr not in row:
+                out.append("")
+                continue
+            text = "diverged" if not math.isfinite(row[lr]) else f"{row[lr]:.3f}"
+            out.append(f"**{text}**" if chosen.get((family, size)) is not None and math.isclose(
+                chosen[(family, size)], lr) else text)
+        lines.append(f"| {LABELS.get(family, family)} | {size:g}x | " + " | ".join(out) + " |")
+    return lines + [""]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the figure
+
+
+def figure(study: dict[str, Any], name: str):
+    """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves."""
+    import harness
+
+    fig, axes = harness.new_figure(4, width=18.0, height=4.2)
+    by = finals(study)
+    families = [f for f in ORDER if any(family == f for family, _ in by)]
+    for i, family in enumerate(families):
+        points = [(runs, perplexities(runs)) for (fam, _), runs in by.items() if fam == family]
+        for ax, key in zip(axes[:3], ("params_active", "train_flops", "peak_memory"), strict=True):
+            xs, ys, errs = [], [], [[], []]
+            for runs, ppl in points:
+                if key == "peak_memory":
+                    value = runs[0].get("peak_memory", {}).get("total")
+                else:
+                    value = statistics.fmean(r.get(key, math.nan) for r in runs)
+                if value is None or not math.isfinite(value):
+                    continue
+                xs.append(value)
+                ys.append(ppl["mean"])
+                errs[0].append(ppl["mean"] - ppl["min"])
+                errs[1].append(ppl["max"] - ppl["mean"])
+            if xs:
+                order = sorted(range(len(xs)), key=xs.__getitem__)
+                ax.errorbar([xs[j] for j in order], [ys[j] for j in order],
+                            yerr=[[errs[0][j] for j in order], [errs[1][j] for j in order]], marker="o", capsize=3,
+                            label=LABELS[family], color=f"C{i}")
+    for ax, xlabel in zip(axes[:3], ("active parameters at the end", "training FLOPs", "peak step memory, bytes"),
+                          strict=True):
+        harness.label_axes(ax, xlabel, "validation perplexity", xlog=True, ylog=True)
+    for run in by.get(("dense", 1.0), []):
+        axes[3].plot([t for t, _ in run["curve"]], [math.exp(v) for _, v in run["curve"]], label=f"seed {run['seed']}")
+    harness.label_axes(axes[3], "tokens", "full dense: validation perplexity", ylog=True)
+    fig.suptitle(f"{name}: tuned quality study")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------------
+# docs/results.md
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- quality:{name} begin -->", f"<!-- quality:{name} end -->"
+
+
+def replace_block(page: str, name: str, block: str) -> str:
+    """``page`` with the text between ``name``'s markers replaced by ``block``."""
+    begin, end = markers(name)
+    if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
+        raise StudyFileError(f"docs/results.md needs exactly one '{begin}' line followed by one '{end}' line where "
+                             f"the {name} tables go; add them and run again")
+    head, rest = page.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{block}{end}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", type=Path, help="study files (default: docs/data/*.json)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="update docs/results.md and the figures")
+    mode.add_argument("--check", action="store_true", help="fail when docs/results.md is not what the data give")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    files = args.files or sorted(DATA.glob("*.json"))
+    page = args.results.read_text() if (args.write or args.check) else ""
+    updated = page
+    try:
+        for path in files:
+            study = load(path)
+            block = markdown(study, path.stem)
+            if args.write or args.check:
+                updated = replace_block(updated, path.stem, block)
+            else:
+                print(block)
+            if args.write:
+                fig = figure(study, path.stem)
+                IMAGES.mkdir(parents=True, exist_ok=True)
+                fig.savefig(IMAGES / f"quality_{path.stem}.png", dpi=110, bbox_inches="tight")
+    except StudyFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.check and updated != page:
+        print(f"{args.results} differs from what docs/data gives: run python benchmarks/quality_report.py --write",
+              file=sys.stderr)
+        return 1
+    if args.write and updated != page:
+        args.results.write_text(updated)
+        print(f"updated {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""The tuned quality protocol: the sweep picks the known best rate, the plan's order and dependencies, the sizes
+of the families, and the report's refusal of malformed results."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import quality_report as qr
+import tuned_study as ts
+
+from comera_lightning.nn import tt_layers
+
+
+def run_sweep(train, grid=ts.GRID):
+    """The driver's loop in miniature: run what sweep_rates asks for until it chooses."""
+    done: dict[float, float] = {}
+    while True:
+        missing, best = ts.sweep_rates(done, grid)
+        if not missing:
+            return best, done
+        for lr in missing:
+            done[lr] = train(lr)
+
+
+def test_a_sweep_on_a_tiny_model_picks_the_known_best_rate():
+    # gradient descent on f(w) = curvature / 2 |w|^2 converges in one step exactly at lr = 1 / curvature, and
+    # |1 - lr * curvature| per step elsewhere: the known best rate is 1 / curvature
+    curvature = 100.0
+
+    def train(lr: float) -> float:
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(8))
+        optimizer = torch.optim.SGD([w], lr=lr)
+        for _ in range(5):
+            optimizer.zero_grad()
+            (0.5 * curvature * w.pow(2).sum()).backward()
+            optimizer.step()
+        loss = float(0.5 * curvature * w.detach().pow(2).sum())
+        return loss if math.isfinite(loss) else math.nan
+
+    best, done = run_sweep(train, grid=(2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2))
+    assert best == pytest.approx(1 / curvature) and len(done) == 5
+    # the same model with the best rate below the grid: the grid grows downwards until the best is inside
+    best, done = run_sweep(train, grid=(2e-2, 4e-2, 8e-2))
+    assert best == pytest.approx(1e-2) and min(done) == pytest.approx(5e-3)
+
+
+def test_the_grid_grows_past_an_edge_at_most_twice_and_diverged_rates_lose():
+    best, done = run_sweep(lambda lr: (math.log2(lr) - math.log2(1e-5)) ** 2)  # the best rate far below the grid
+    assert len(done) == 5 + ts.MAX_EXTENSIONS and best == pytest.approx(ts.GRID[0] / 4)
+    runs = [{"lr": 1e-3, "val_loss": 3.0}, {"lr": 2e-3, "val_loss": math.nan}, {"lr": 4e-3, "val_loss": 2.5}]
+    assert ts.best_rate(runs) == 4e-3
+    assert ts.best_rate(runs[:2]) == 1e-3
+
+
+def finished(job: ts.Job, loss: float, **extra) -> dict:
+    return {**job.__dict__, "val_loss": loss, **extra}
+
+
+def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
+    plan = ts.Plan(["dense", "narrow", "comera", "tt"], [2.0, 5.0], [0, 1], steps=100, sweep_steps=20,
+                   grid=(1e-3, 2e-3, 4e-3))
+    first = plan.pending([])
+    assert {(j.phase, j.family, j.size) for j in first} == {("sweep", "dense", 1.0), ("sweep", "narrow", 5.0),
+                                                           ("sweep", "comera", 5.0)}
+    assert all(j.steps == 20 and j.seed == 0 for j in first)
+    # every sweep's best is its middle rate
+    runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in first]
+    second = plan.pending(runs)
+    checks = [j for j in second if j.phase == "check"]
+    assert {(j.family, j.size) for j in checks} == {("narrow", 2.0), ("comera", 2.0)}
+    assert sorted(j.lr for j in checks if j.family == "narrow") == pytest.approx([1e-3, 2e-3, 4e-3])
+    finals = [j for j in second if j.phase == "final"]
+    assert {(j.family, j.size, j.seed) for j in finals} == {(f, s, seed) for f, s in [("dense", 1.0), ("narrow", 5.0),
+                                                                                       ("comera", 5.0)]
+                                                            for seed in (0, 1)}
+    assert all(j.lr == 2e-3 and j.steps == 100 for j in finals)
+    assert [j.phase for j in second] == sorted((j.phase for j in second), key=["check", "final"].index)
+    assert [j.seed for j in finals] == sorted(j.seed for j in finals)  # seed 0's finals first
+    assert not any(j.family == "tt" for j in second)
+    # the checks prefer x2 at 2x; CoMERA's seed-0 final at 5x unlocks the tt sweep
+    runs += [finished(j, 2.0 if math.isclose(j.lr, 4e-3) else 3.0) for j in checks]
+    comera_final = next(j for j in finals if j.family == "comera" and j.seed == 0)
+    runs.append(finished(comera_final, 2.9, ranks_final={"model.fc": [1, 3, 1]}))
+    third = plan.pending(runs)
+    assert {(j.family, j.size, j.lr) for j in third if j.phase == "final" and j.size == 2.0} == {
+        ("narrow", 2.0, 4e-3), ("comera", 2.0, 4e-3)}
+    assert {(j.phase, j.family, j.size) for j in third if j.family == "tt"} == {("sweep", "tt", 5.0)}
+    assert comera_final.key not in {j.key for j in third}
+
+
+def test_plan_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="unknown families"):
+        ts.Plan(["dense", "sparse"], [5.0], [0], 10, 5)
+    with pytest.raises(ValueError, match="add comera to the families"):
+        ts.Plan(["dense", "tt"], [5.0], [0], 10, 5)
+
+
+@pytest.fixture(scope="module")
+def quick_spec():
+    return ts.base_spec("lm", "stdlib", 0, 20, quick=True)
+
+
+def test_rivals_are_sized_at_or_just_above_the_target(quick_spec):
+    full = ts.active_parameters(quick_spec, ts.family_kwargs(quick_spec, "dense", None))
+    for family, step in (("narrow", 2), ("lowrank", 1), ("cola", 1)):
+        knob = ts.knob_for(quick_spec, family, 5.0, full)
+        count = ts.active_parameters(quick_spec, ts.family_kwargs(quick_spec, family, knob))
+        smaller = ts.active_parameters(quick_spec, ts.family_kwargs(quick_spec, family, knob - step))
+        assert smaller < full / 5 <= count, family
+    # CoMERA starts at least 1.2x above its target: the default rank at 5x, a larger one at 1.1x
+    assert ts.knob_for(quick_spec, "comera", 5.0, full) == quick_spec.task_kwargs["layer_config"]["rank"]
+    assert ts.knob_for(quick_spec, "comera", 1.1, full) > quick_spec.task_kwargs["layer_config"]["rank"]
+
+
+def test_the_families_build_what_they_claim(quick_spec):
+    import study
+
+    def build(family, knob, ranks=None):
+        torch.manual_seed(0)
+        return study.task_class("lm")(**ts.family_kwargs(quick_spec, family, knob, ranks))
+
+    cola, lowrank = build("cola", 4), build("lowrank", 4)
+    kinds = {name: layer.bottleneck_activation for name, layer in tt_layers(cola) if hasattr(layer, "in_modes")}
+    assert kinds and all((act == "silu") == (".layers." in name) for name, act in kinds.items())
+    assert all(getattr(layer, "bottleneck_activation", None) is None for _, layer in tt_layers(lowrank))
+    assert not any(g.requires_grad for _, layer in tt_layers(cola) for g in layer.gates)
+    comera = build("comera", 8)
+    ranks = {name: [1] + [max(1, r // 2) for r in layer.ranks[1:-1]] + [1] for name, layer in tt_layers(comera)}
+    fixed = build("tt", 8, ranks)
+    assert {name: layer.ranks for name, layer in tt_layers(fixed)} == ranks
+    assert not any(g.requires_grad for _, layer in tt_layers(fixed) for g in layer.gates)
+    assert all(g.requires_grad for _, layer in tt_layers(comera) for g in layer.gates)
+    with pytest.raises(ValueError, match="needs CoMERA's final ranks"):
+        ts.family_kwargs(quick_spec, "tt", 8)
+
+
+def test_optimiser_settings_follow_the_protocol():
+    kwargs = ts.with_optim({"optim": {"lr_gates": 1.0, "weight_decay": 0.1}}, 3e-3, 1500)
+    assert kwargs["optim"] == {"lr_gates": ts.GATE_LR, "weight_decay": 0.1, "lr_cores": 3e-3, "lr_other": 3e-3,
+                               "warmup_steps": 100, "schedule": "cosine", "final_lr_ratio": 0.1}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the report
+
+
+def study_file(tmp_path, runs, name="lm_test"):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"task": "lm", "protocol": {"steps": 10, "seeds": [0, 1], "sweep_steps": 5},
+                                "full_dense_params": 1000, "runs": runs}))
+    return path
+
+
+def final_run(family, size, seed, loss, params, lr=1e-3, curve=None, **extra):
+    return {"phase": "final", "family": family, "size": size, "seed": seed, "lr": lr, "tokens": 1000, "steps": 10,
+            "params_active": params, "val_loss": loss, "curve": curve or [[500, loss + 0.5], [1000, loss]], **extra}
+
+
+def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_path):
+    runs = [final_run("dense", 1.0, s, 3.0, 1000, curve=[[200, 4.0], [800, 3.02], [1000, 3.0]]) for s in (0, 1)]
+    runs += [final_run("comera", 5.0, s, 3.0 + 0.01 * s, 200, late_start_step=4,
+                       curve=[[400, 3.5], [600, 3.6], [1000, 3.0 + 0.01 * s]]) for s in (0, 1)]
+    runs += [final_run("narrow", 5.0, 0, 3.2, 210), final_run("narrow", 5.0, 1, 2.9, 210)]
+    runs += [{**final_run("lowrank", 5.0, 0, 3.5, 205, lr=2e-3), "phase": "sweep"},
+             {**final_run("lowrank", 5.0, 0, 3.4, 205, lr=4e-3), "phase": "sweep"}]
+    study = qr.load(study_file(tmp_path, runs))
+    [row] = qr.comparisons(study)
+    expected = (math.exp(3.2) + math.exp(2.9)) / (math.exp(3.0) + math.exp(3.01)) - 1
+    assert row["narrow"]["ratio"] == pytest.approx(expected) and row["narrow"]["won"] == "1/2"
+    assert "lowrank" not in row  # sweeps are not finals
+    assert qr.free_compression(study) == 5.0
+    assert qr.last_fifth_change(study["runs"][0]) == pytest.approx(0.02 / 3.0)
+    assert qr.late_spike(study["runs"][2]) == pytest.approx(math.exp(0.1) - 1)
+    text = qr.markdown(study, "lm_test")
+    assert "| 5x | CoMERA | 0 k |" in text and "seed 0: 0.7%" in text and "**3.400**" not in text
+    assert "| model | size | 0.002 | 0.004 |" in text and "| low-rank A B | 5x | 3.500 | 3.400 |" in text
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda s: s.pop("runs"), "expected a JSON object with a list 'runs'"),
+    (lambda s: s["runs"][0].pop("curve"), r"runs\[0\] has no 'curve'"),
+    (lambda s: s["runs"][0].update(seed="0"), r"runs\[0\]\['seed'\] is '0', which is not a int"),
+    (lambda s: s["runs"][0].update(val_loss=float("nan")), "a final run\\) has val_loss nan"),
+    (lambda s: s["runs"][0].update(curve=[[1, 2, 3]]), r"each point is \[tokens, val_loss\]"),
+])
+def test_a_malformed_results_file_is_refused_with_the_run_and_field(tmp_path, corrupt, match):
+    study = {"runs": [final_run("dense", 1.0, 0, 3.0, 1000)]}
+    corrupt(study)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(study))
+    with pytest.raises(qr.StudyFileError, match=match):
+        qr.load(path)
+    assert qr.main([str(path)]) == 2
+
+
+def test_a_file_that_is_not_json_and_missing_markers_name_the_fix(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text("{not json")
+    with pytest.raises(qr.StudyFileError, match="not valid JSON"):
+        qr.load(path)
+    with pytest.raises(qr.StudyFileError, match="needs exactly one '<!-- quality:x begin -->'"):
+        qr.replace_block("# Results\n", "x", "table\n")
+    page = "a\n<!-- quality:x begin -->\nold\n<!-- quality:x end -->\nb\n"
+    assert qr.replace_block(page, "x", "new\n") == "a\n<!-- quality:x begin -->\nnew\n<!-- quality:x end -->\nb\n"
+
+
+def test_docs_results_are_what_docs_data_gives():
+    # the committed tables are generated: a hand edit or a stale table fails here
+    assert qr.main(["--check"]) == 0
