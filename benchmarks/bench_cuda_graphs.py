@@ -21,12 +21,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import harness
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
-import harness
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.callbacks.rank_adaptation import after_truncation
 from comera_lightning.models import MaskedLanguageModel

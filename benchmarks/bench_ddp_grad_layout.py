@@ -25,11 +25,10 @@ import time
 import warnings
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import harness
 
 VARIANTS = ("before", "kept")
 BATCH, SEQ = 16, 64

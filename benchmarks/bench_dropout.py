@@ -13,11 +13,11 @@ dropout for scale). Writes ``dropout.json``.
 
 from __future__ import annotations
 
+import harness
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import harness
 from comera_lightning.nn.dropout import PackedDropout, attention
 
 

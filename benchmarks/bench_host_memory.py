@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import bench_training_step as bts
 import harness
+
 from comera_lightning.training.host_memory import keep_freed_memory
 
 MODES = ("glibc default", "kept")

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
+import harness
 import torch
+from bench_training_step import build_model, make_batch, paper_shape
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import harness
-from bench_training_step import build_model, make_batch, paper_shape
 from comera_lightning.lit import CausalLM
 from comera_lightning.models import MaskedLanguageModel
 from comera_lightning.nn import size_report, tt_layers, untensorize

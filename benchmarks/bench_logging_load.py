@@ -23,13 +23,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import harness
 import torch
 import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import MLFlowLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-import harness
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor
 from comera_lightning.lit.mlm import IGNORE, MaskedLM
 from comera_lightning.nn import size_report

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import harness
 import torch
 from torch import nn
 
 import comera_lightning.tt.contract as contract
-import harness
 from comera_lightning.models import paper_linear_modes
 from comera_lightning.nn import TTLinear
 

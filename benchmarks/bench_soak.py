@@ -34,11 +34,11 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import harness
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, Dataset
 
-import harness
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor
 from comera_lightning.lit import MaskedLM
 from comera_lightning.training import ResilientMLFlowLogger

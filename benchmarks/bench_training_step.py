@@ -18,15 +18,16 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, ContextManager, Iterable, Sequence
+from typing import ContextManager
 
+import harness
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import harness
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.objectives import add_rank_objective_, all_finite, early_stage_weights, rank_gates, refresh_masks_

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 
+import harness
 import torch
+from bench_training_step import Candidate, cut, train_step
 from torch import nn
 
-import harness
-from bench_training_step import Candidate, cut, train_step
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.nn.linear import TTLinear
 from comera_lightning.optim import comera_parameter_groups

@@ -14,19 +14,19 @@ import math
 import string
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+import harness
 import tensorly as tl
 import torch
+from harness import mib, ms, table
 from tensorly import plugins
 from torch import nn
 
-import harness
 from comera_lightning import TTLinear
 from comera_lightning.tt import PLANS, plan_costs, plan_tt_linear
-from harness import mib, ms, table
 
 SHAPES = {
     "768x768": (768, 768, (12, 8, 8), (8, 8, 12)),

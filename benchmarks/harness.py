@@ -21,9 +21,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-import yaml
+from typing import Any
 
 import bench_training_step as bts
 import harness
 import study
+import torch
+import yaml
 from study import StudySpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ import argparse
 import json
 import re
 
+import harness
 import torch
 from torch import nn
 
-import harness
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import size_report
 

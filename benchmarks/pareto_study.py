@@ -20,11 +20,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import harness
 import quality_study as qs
 import study
+import torch
 from llm_study import spec_from_config
 from study import StudySpec
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 import harness
 import study
+import torch
 from study import DEFAULT_CACHE, METHODS, PROTOCOLS, StudySpec, build_task
 
 STUDIES = ("mlm", "pairs", "dlrm")

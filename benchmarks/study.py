@@ -24,14 +24,15 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
+import harness
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-import harness
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
 

@@ -7,5 +7,13 @@ from .loading import load_from_checkpoint
 from .nn import TTEmbedding, TTLinear, size_report, tensorize, tensorize_like, untensorize
 
 __version__ = "0.1.0"
-__all__ = ["TTEmbedding", "TTLinear", "load_from_checkpoint", "size_report", "tensorize", "tensorize_like",
-           "untensorize", "__version__"]
+__all__ = [
+           "TTEmbedding",
+           "TTLinear",
+           "__version__",
+           "load_from_checkpoint",
+           "size_report",
+           "tensorize",
+           "tensorize_like",
+           "untensorize",
+]

@@ -52,39 +52,44 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import torch
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import (
-    BasePredictionWriter, Callback, Checkpoint, ModelCheckpoint, ModelSummary, ProgressBar,
-)
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.cli import LRSchedulerTypeTuple, LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    Checkpoint,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+)
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
-from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
+from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from .callbacks import RankAdaptation
 from .callbacks.model_summary import ComeraModelSummary
-from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .export import export_checkpoint, export_model, read_export_metadata
-from .training.final_validation import FinalValidation
-from .training.dead_rank import DeadRankWatchdog
-from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
-from .training.predictions import PredictionWriter
-from .training.progress import StepProgressBar
 from .lit.base import ComeraTask
-from .training.loggers import ResilientMLFlowLogger
 from .lit.checks import check_checkpoint_file, check_output_dirs
 from .nn.tensorize import size_report
+from .training.dead_rank import DeadRankWatchdog
+from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
+from .training.final_validation import FinalValidation
+from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
+from .training.loggers import ResilientMLFlowLogger
+from .training.predictions import PredictionWriter
+from .training.progress import StepProgressBar
 
-__all__ = ["ComeraCLI", "main", "tracking_uri", "ConfigArtifact", "experiment_key", "config_path", "packaged_configs"]
+__all__ = ["ComeraCLI", "ConfigArtifact", "config_path", "experiment_key", "main", "packaged_configs", "tracking_uri"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "comera"

@@ -8,8 +8,9 @@ hyper-parameters (``torch.load(weights_only=True)`` needs plain values), and nes
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["GroupedOptions"]
 

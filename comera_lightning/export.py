@@ -16,21 +16,22 @@ import copy
 import json
 import os
 import pkgutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .training.atomic import atomic_write
 from .nn.base import TTLayer
 from .nn.embedding import TTEmbedding
 from .nn.linear import TTLinear
 from .nn.tensorize import size_report
+from .training.atomic import atomic_write
 
-__all__ = ["export_model", "export_checkpoint", "load_exported", "read_export_metadata", "EXPORT_KEY"]
+__all__ = ["EXPORT_KEY", "export_checkpoint", "export_model", "load_exported", "read_export_metadata"]
 
 EXPORT_KEY = "comera"
 """Safetensors metadata key of the export's JSON record."""
@@ -181,7 +182,7 @@ def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with safe_open(file, framework="pt") as handle:
             header = handle.metadata() or {}
-    except Exception as err:  # noqa: BLE001 - every failure to read means the same to the user
+    except Exception as err:
         raise ValueError(f"{os.fspath(path)!r} cannot be read as a safetensors file (truncated, corrupt or another "
                          f"format) [{type(err).__name__}: {err}]") from err
     if EXPORT_KEY not in header:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ __all__ = ["load_from_checkpoint"]
 M = TypeVar("M", bound=nn.Module)
 
 
-def load_from_checkpoint(module_class: type[M], path: Union[str, Path], *, map_location: Any = "cpu",
+def load_from_checkpoint(module_class: type[M], path: str | Path, *, map_location: Any = "cpu",
                          strict: bool = True, **init_kwargs: Any) -> M:
     """An instance of ``module_class`` with the checkpoint's comera layers, ranks and weights.
 

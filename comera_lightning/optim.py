@@ -3,8 +3,9 @@ optimiser state that follows a physical truncation."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn

@@ -15,7 +15,11 @@ from comera_lightning.callbacks import PaperLateStage, RankAdaptation, Scheduled
 from comera_lightning.late_stage import ramp_fraction_for
 from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.objectives import (
-    compressible_target_size, layer_removal_caps, plan_rank_cuts, scheduled_size, slice_importance,
+    compressible_target_size,
+    layer_removal_caps,
+    plan_rank_cuts,
+    scheduled_size,
+    slice_importance,
 )
 from comera_lightning.tt import bond_weights, minimum_train_size
 

@@ -34,10 +34,9 @@ class ComeraModelSummary(RichModelSummary):
     def summarize(self, summary_data: list[tuple[str, list[str]]], total_parameters: int,
                   trainable_parameters: int, model_size: float, total_training_modes: dict[str, int],
                   total_flops: int, **summarize_kwargs: Any) -> None:
+        from lightning.pytorch.utilities.model_summary import get_human_readable_count
         from rich import get_console
         from rich.table import Table
-
-        from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
         if not total_flops:
             summary_data = [(name, values) for name, values in summary_data if name != _FLOPS]

@@ -23,7 +23,8 @@ checkpoint with :func:`comera_lightning.load_from_checkpoint` instead. ``strateg
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -49,16 +50,16 @@ class Tensorize(Callback):
 
     def __init__(
         self,
-        rank: Union[int, Sequence[int]] = 30,
+        rank: int | Sequence[int] = 30,
         *,
         min_features: int = 128,
-        include: Optional[str] = None,
-        exclude: Optional[str] = None,
+        include: str | None = None,
+        exclude: str | None = None,
         linears: bool = True,
         embeddings: bool = True,
-        embedding_rank: Union[int, Sequence[int], None] = None,
+        embedding_rank: int | Sequence[int] | None = None,
         decompose: bool = False,
-        layer_kwargs: Optional[dict[str, Any]] = None,
+        layer_kwargs: dict[str, Any] | None = None,
         **extra_layer_kwargs: Any,
     ) -> None:
         self.arguments: dict[str, Any] = dict(
@@ -69,8 +70,8 @@ class Tensorize(Callback):
         self.layer_kwargs: dict[str, Any] = {**(layer_kwargs or {}), **extra_layer_kwargs}
         #: what the swaps of this run did, one record per replaced module
         self.records: list[TensorizeRecord] = []
-        self._module: Optional[LightningModule] = None
-        self._hook: Optional[RemovableHandle] = None
+        self._module: LightningModule | None = None
+        self._hook: RemovableHandle | None = None
 
     @property
     @override

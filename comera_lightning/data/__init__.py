@@ -26,8 +26,8 @@ from .ctr import (
     synthetic_criteo,
     write_synthetic_criteo_tsv,
 )
-from .text_lm import TextLMDataModule
 from .glue import MNLI_LABELS, MNLIDataModule, read_mnli_split, write_synthetic_mnli
+from .text_lm import TextLMDataModule
 from .tokenizer import (
     SPECIAL_TOKENS,
     SpecialTokenIds,
@@ -39,16 +39,16 @@ from .tokenizer import (
 __all__ = [
     "CODE_PAIR_LABELS",
     "CRITEO_KAGGLE_CARDINALITIES",
+    "DEFAULT_TABLE_SIZES",
+    "MNLI_LABELS",
+    "SPECIAL_TOKENS",
     "CodeLMDataModule",
     "CodeMLMDataModule",
     "CodePairsDataModule",
     "CriteoDataModule",
-    "DEFAULT_TABLE_SIZES",
     "LMCollator",
     "MLMCollator",
     "MNLIDataModule",
-    "MNLI_LABELS",
-    "SPECIAL_TOKENS",
     "SpecialTokenIds",
     "TensorDictDataset",
     "TextLMDataModule",

@@ -301,7 +301,7 @@ def _try_load(path: Path, load: Callable[[Path], Any] | None) -> tuple[Any, str 
         return path, None
     try:
         return load(path), None
-    except Exception as error:  # noqa: BLE001  (any failure to read means: rebuild)
+    except Exception as error:
         return None, f"does not load ({type(error).__name__}: {error})"
 
 

@@ -14,8 +14,9 @@ document boundary, as in GPT/LLaMA pre-training). The last, partial row is padde
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -23,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .code_mlm import _compact
 from .cache import cached_tensors
+from .code_mlm import _compact
 from .common import TensorDictDataset, cache_key, read_source_text, rows_loader
 from .corpus import SourceCorpus
 from .tokenizer import encode_texts, file_sha1

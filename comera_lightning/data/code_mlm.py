@@ -21,8 +21,9 @@ Pipeline (each step cached under ``cache_dir``, so a second run starts in about 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np

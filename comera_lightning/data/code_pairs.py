@@ -35,9 +35,10 @@ from __future__ import annotations
 import ast
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -45,8 +46,8 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .code_mlm import stdlib_root
 from .cache import cached_tensors
+from .code_mlm import stdlib_root
 from .common import (
     KeepIndex,
     TensorDictDataset,
@@ -63,11 +64,11 @@ from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, file_sha1, min_
 
 __all__ = [
     "CODE_PAIR_LABELS",
+    "MIN_BODY_TOKENS",
+    "MIN_DOC_WORDS",
     "CodePair",
     "CodePairsDataModule",
     "DocumentedFunction",
-    "MIN_BODY_TOKENS",
-    "MIN_DOC_WORDS",
     "extract_documented_functions",
     "make_code_pairs",
 ]

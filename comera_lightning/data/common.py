@@ -13,8 +13,9 @@ import itertools
 import json
 import os
 import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,10 +28,10 @@ from comera_lightning.training.internals import IndexSamplerHook
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",
+    "TEST_DIR_NAMES",
     "EpochShuffleSampler",
     "KeepIndex",
     "ResumableDataLoader",
-    "TEST_DIR_NAMES",
     "TensorDictDataset",
     "cache_key",
     "discover_files",
@@ -381,7 +382,7 @@ class _SkipFirstBatches:
     and a reference cycle through worker-process queues makes garbage collection stall on worker shutdown.
     """
 
-    def __init__(self, loader: "ResumableDataLoader", inner: Any) -> None:
+    def __init__(self, loader: ResumableDataLoader, inner: Any) -> None:
         self._loader = weakref.ref(loader)
         self.inner = inner
 
@@ -405,11 +406,11 @@ class _ResumableIterator:
     index prefetching wait until the first batch is requested.
     """
 
-    def __init__(self, loader: "ResumableDataLoader") -> None:
+    def __init__(self, loader: ResumableDataLoader) -> None:
         self.loader = loader
         self._it: Iterator[Any] | None = None
 
-    def __iter__(self) -> "_ResumableIterator":
+    def __iter__(self) -> _ResumableIterator:
         return self
 
     def __len__(self) -> int:

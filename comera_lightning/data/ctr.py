@@ -21,8 +21,9 @@ effects (about 25% positives, like Criteo), so a model can reach a validation AU
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -42,11 +43,11 @@ from .common import (
 
 __all__ = [
     "CRITEO_KAGGLE_CARDINALITIES",
-    "CTRCollator",
-    "CriteoDataModule",
     "DEFAULT_TABLE_SIZES",
     "NUM_DENSE",
     "NUM_SPARSE",
+    "CTRCollator",
+    "CriteoDataModule",
     "hash_categorical",
     "read_criteo_tsv",
     "synthetic_criteo",

@@ -31,13 +31,14 @@ import csv
 import json
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -61,9 +62,9 @@ from .tokenizer import (
 
 __all__ = [
     "MNLI_LABELS",
+    "TEST_SPLITS",
     "MNLIDataModule",
     "PairCollator",
-    "TEST_SPLITS",
     "detect_mnli_format",
     "encode_pair_rows",
     "encode_pairs",

@@ -22,9 +22,9 @@ The data flow goes one way:
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -33,13 +33,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .cache import Progress, load_or_build
 from .code_lm import CausalLMEvaluation, LMCollator
-from .common import ResumableDataLoader, TensorDictDataset, cache_key, stable_unit
+from .common import ResumableDataLoader, cache_key, stable_unit
 from .corpus import stdlib_root
 from .text_sources import Piece, TextSource, dataset_sources, iter_pieces, resolve_files, sources_fingerprint
-from .cache import Progress, load_or_build
 from .token_store import (
-    STORE_FILES, ShardedShuffleSampler, TokenRows, TokenStoreWriter, read_token_store, token_dtype,
+    STORE_FILES,
+    ShardedShuffleSampler,
+    TokenRows,
+    TokenStoreWriter,
+    read_token_store,
+    token_dtype,
 )
 from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, encode_texts, file_sha1, load_tokenizer
 

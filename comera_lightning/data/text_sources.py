@@ -28,9 +28,10 @@ import io
 import itertools
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any
 
 from .common import DEFAULT_EXCLUDED_DIRS, _name_some
 

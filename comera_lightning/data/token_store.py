@@ -32,8 +32,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,18 +30,18 @@ from .cache import load_or_build
 from .common import cache_key
 
 __all__ = [
-    "SPECIAL_TOKENS",
-    "PAD_ID",
-    "UNK_ID",
     "CLS_ID",
-    "SEP_ID",
     "MASK_ID",
+    "PAD_ID",
+    "SEP_ID",
+    "SPECIAL_TOKENS",
+    "UNK_ID",
     "SpecialTokenIds",
+    "TokenizerLifecycle",
     "cached_bpe_tokenizer",
     "check_vocab_size",
     "encode_texts",
     "file_sha1",
-    "TokenizerLifecycle",
     "load_checked_tokenizer",
     "load_tokenizer",
     "min_bpe_vocab_size",

@@ -19,7 +19,14 @@ from .transformer import (
 )
 
 __all__ = [
-    "LayerConfig", "LayerFactory", "TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "DecoderLM", "KVCache",
     "DLRM",
-    "paper_linear_modes", "paper_embedding_modes",
+    "DecoderLM",
+    "KVCache",
+    "LayerConfig",
+    "LayerFactory",
+    "MaskedLanguageModel",
+    "SequenceClassifier",
+    "TransformerEncoder",
+    "paper_embedding_modes",
+    "paper_linear_modes",
 ]

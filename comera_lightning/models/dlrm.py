@@ -11,8 +11,7 @@ lot within a batch); small tables and small linears stay dense.
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -18,8 +18,9 @@ mean what they say; the factory records every decision in :attr:`LayerFactory.la
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence, Union
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -84,7 +85,7 @@ class LayerConfig(GroupedOptions):
     dense_layers: str | None = None
     min_features: int = 64
     min_embedding_rows: int | None = None
-    layer_ranks: dict[str, Union[int, list[int]]] | None = None
+    layer_ranks: dict[str, int | list[int]] | None = None
     low_rank_linears: str | None = None
     low_rank_embeddings: str | None = None
     bottleneck_activation: str | None = None

@@ -19,8 +19,13 @@ from ..nn.dropout import attention, dropout_layer
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
-__all__ = ["TransformerEncoder", "SequenceClassifier", "MaskedLanguageModel", "paper_linear_modes",
-           "paper_embedding_modes"]
+__all__ = [
+    "MaskedLanguageModel",
+    "SequenceClassifier",
+    "TransformerEncoder",
+    "paper_embedding_modes",
+    "paper_linear_modes",
+]
 
 # (in_features, out_features) -> (in_modes, out_modes) of the paper's six-encoder run.
 _PAPER_LINEAR_MODES: dict[tuple[int, int], tuple[list[int], list[int]]] = {

@@ -1,6 +1,6 @@
 """Torch modules built on :mod:`comera_lightning.tt`: TT layers, ``tensorize()`` and size reports."""
 
-from .base import TTLayer, TruncationRecord
+from .base import TruncationRecord, TTLayer
 from .embedding import TTEmbedding
 from .linear import TTLinear
 from .tensorize import (
@@ -16,7 +16,17 @@ from .tensorize import (
 )
 
 __all__ = [
-    "TTLayer", "TruncationRecord", "TTEmbedding", "TTLinear",
-    "LayerSize", "SizeReport", "TensorizeRecord", "size_report", "tensorize", "tensorize_like", "tensorize_specs",
-    "tt_layers", "untensorize",
+    "LayerSize",
+    "SizeReport",
+    "TTEmbedding",
+    "TTLayer",
+    "TTLinear",
+    "TensorizeRecord",
+    "TruncationRecord",
+    "size_report",
+    "tensorize",
+    "tensorize_like",
+    "tensorize_specs",
+    "tt_layers",
+    "untensorize",
 ]

@@ -18,7 +18,7 @@ The masks differ from ``nn.Dropout``'s for the same seed (a different stream), t
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

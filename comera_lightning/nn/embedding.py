@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorly as tl
 import torch
@@ -91,7 +91,7 @@ class TTEmbedding(TTLayer):
     @classmethod
     def from_embedding(
         cls, embedding: nn.Embedding, rank: int | Sequence[int] = 32, **kwargs
-    ) -> tuple["TTEmbedding", float]:
+    ) -> tuple[TTEmbedding, float]:
         """A TTEmbedding initialised by TT-matrix SVD of ``embedding.weight``; returns it and the relative error."""
         layer = cls(
             embedding.num_embeddings, embedding.embedding_dim, rank, padding_idx=embedding.padding_idx,
@@ -162,7 +162,7 @@ class TTEmbedding(TTLayer):
         num_embeddings: int | None = None,
         padding_idx: int | None = None,
         **kwargs,
-    ) -> "TTEmbedding":
+    ) -> TTEmbedding:
         """The inverse of :meth:`to_tensorly`: a TTEmbedding whose cores are ``ttm``'s factors (gates 1, all active).
 
         Args:

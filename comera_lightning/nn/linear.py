@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorly as tl
 import torch
 from torch import nn
 
-from ..tt.contract import (BOTTLENECK_ACTIVATIONS, chain_merge, check_plan, compute_dtype, merge_tt_linear,
-                           merged_tt_linear, tt_linear)
+from ..tt.contract import (
+    BOTTLENECK_ACTIVATIONS,
+    chain_merge,
+    check_plan,
+    compute_dtype,
+    merge_tt_linear,
+    merged_tt_linear,
+    tt_linear,
+)
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
@@ -93,7 +100,7 @@ class TTLinear(TTLayer):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, rank: int | Sequence[int] = 30, **kwargs
-    ) -> tuple["TTLinear", float]:
+    ) -> tuple[TTLinear, float]:
         """A TTLinear initialised by TT-SVD of ``linear.weight``; returns it with the relative error."""
         layer = cls(
             linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
@@ -182,7 +189,7 @@ class TTLinear(TTLayer):
         out_features: int | None = None,
         bias: torch.Tensor | None = None,
         **kwargs,
-    ) -> "TTLinear":
+    ) -> TTLinear:
         """The inverse of :meth:`to_tensorly`: a TTLinear whose cores are ``tt``'s factors (gates 1, all active).
 
         Args:

@@ -13,7 +13,8 @@ A backend captures a function (the training step's forward + backward, or the op
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

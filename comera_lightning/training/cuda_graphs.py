@@ -70,7 +70,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer

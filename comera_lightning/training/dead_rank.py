@@ -25,8 +25,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -96,7 +97,7 @@ class Heartbeat:
                     if value != self._seen[peer][0]:
                         self._seen[peer] = (value, now)
                 self._store_silent_since = None
-            except Exception as error:  # noqa: BLE001  (a store that stops answering is the signal)
+            except Exception as error:
                 if self._stop.is_set():
                     return
                 self._store_silent_since = self._store_silent_since or now
@@ -143,7 +144,7 @@ class Heartbeat:
             try:
                 self.store.set(_VERDICT, f"{self.rank}:{','.join(map(str, lost))}")
                 time.sleep(1.5 * self.interval_s)
-            except Exception:  # noqa: BLE001  (the store is going too: nothing to tell)
+            except Exception:
                 pass
         if lost == [0] and self._store_silent_since is not None:
             message = (f"comera: lost rank 0 (the process that hosts the rendezvous store at {_store_address()} "

@@ -30,7 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-__all__ = ["DivergenceGuard", "DivergenceError"]
+__all__ = ["DivergenceError", "DivergenceGuard"]
 
 _FIX = ("lower the learning rates (model.optim.lr_cores / lr_gates / lr_other), enable gradient clipping "
         "(trainer.gradient_clip_val, e.g. 1.0), add or lengthen LR warmup, and check the data for NaN/inf or "

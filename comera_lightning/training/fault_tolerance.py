@@ -38,8 +38,8 @@ import signal
 import subprocess
 import warnings
 from collections.abc import Sequence
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -144,7 +144,7 @@ def find_resume_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
     for path in checkpoint_files(dirpath):
         try:
             _check_loadable(path)
-        except Exception as error:  # noqa: BLE001  (any failure means: not this one)
+        except Exception as error:
             warnings.warn(f"FaultTolerance: skipping checkpoint {str(path)!r}, it does not load with "
                           f"weights_only=True: {type(error).__name__}: {error}", stacklevel=2)
             continue
@@ -361,7 +361,7 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         """Collate functions of the training loaders that keep random state in this process."""
         try:
             loaders = trainer.train_dataloader
-        except Exception:  # noqa: BLE001  (no training loader yet)
+        except Exception:
             return []
         if isinstance(loaders, dict):
             loaders = list(loaders.values())

@@ -16,13 +16,15 @@ against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used
 * ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
 * ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
   ``training.cuda_graphs``;
-* ``optimizer._opt_called`` (torch.optim.lr_scheduler): :func:`record_optimizer_step`, for ``training.cuda_graphs``.
+* ``optimizer._opt_called`` (torch.optim.lr_scheduler): :func:`record_optimizer_step`, for ``training.cuda_graphs``;
+* FSDP2's per-parameter state (``FSDPModule._get_fsdp_state``, ``FSDPParamGroup.fsdp_params``, ``FSDPParam``;
+  torch.distributed.fsdp._fully_shard): :func:`reshard_fsdp_parameters_`, for ``training.fsdp``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
@@ -31,7 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 __all__ = ["IndexSamplerHook", "RemovalPolicyCheckpoint", "buffer_slots", "carry_scheduler_mark",
-           "record_optimizer_step"]
+           "record_optimizer_step", "reshard_fsdp_parameters_"]
 
 
 # --- Lightning ------------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ class IndexSamplerHook(DataLoader):
         return self.wrap_index_sampler(super()._index_sampler)
 
 
-def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, Optional[torch.Tensor]], str]]:
+def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
     """``(buffer dict, name)`` of every buffer of ``module`` and its submodules, ``None`` entries included.
 
     ``Module._buffers`` is the dict a buffer lives in; ``slot[0].get(slot[1])`` reads one in a dict lookup,
@@ -114,3 +116,39 @@ def record_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     (``optimizer._opt_called``; without it the scheduler's first ``step()`` warns that it was called before
     ``optimizer.step()``), for a step that replayed a CUDA graph instead of calling the wrapper."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def reshard_fsdp_parameters_(
+    root: torch.nn.Module, new_values: dict[torch.nn.Parameter, torch.Tensor]
+) -> dict[torch.nn.Parameter, torch.nn.Parameter]:
+    """Give parameters that ``fully_shard`` manages new full values, of other shapes; returns old -> new parameter.
+
+    FSDP2 fixes a parameter's shape, padding and sharding when ``fully_shard`` runs (one ``FSDPParam`` per
+    parameter, kept in the module's ``FSDPParamGroup``) and has no public way to change it. This builds a fresh
+    ``FSDPParam`` from the new value with the old one's module, mesh and mixed-precision settings, as
+    ``fully_shard`` would, and puts it in the old one's place (it sets the new sharded ``nn.Parameter`` on the
+    module); the buffers FSDP2 allocates per step follow the new sizes. Call it on every process, between
+    steps, with the same values. Parameters not managed by FSDP2 are left alone (not in the result). If an
+    upgrade breaks it: compare with ``FSDPParamGroup.__init__`` and ``FSDPParam.__init__``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    mapping: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for i, old in enumerate(group.fsdp_params):
+                value = new_values.get(old.sharded_param)
+                if value is None:
+                    continue
+                old._post_load_hook_handle.remove()
+                new = FSDPParam(torch.nn.Parameter(value, requires_grad=old.sharded_param.requires_grad),
+                                old._module_info, old.mesh_info, old.post_forward_mesh_info, old.device, None,
+                                old.mp_policy, group.offload_policy)
+                new._param_fqn = old._param_fqn
+                new.init_dtype_attrs(group.mp_policy)
+                group.fsdp_params[i] = new
+                mapping[old.sharded_param] = new.sharded_param
+    return mapping

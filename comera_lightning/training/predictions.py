@@ -39,8 +39,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer

@@ -23,18 +23,30 @@ applies it to each batch with one or two GEMMs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
 from .cores import grad_in_layout
 
 __all__ = [
-    "PLANS", "PlanCost", "plan_costs", "plan_tt_linear", "check_plan", "chain_merge", "compute_dtype", "tt_linear",
-    "TTLinearFunction", "bottleneck_padding", "MergedTTLinear", "merge_tt_linear", "merged_tt_linear",
     "BOTTLENECK_ACTIVATIONS",
+    "PLANS",
+    "MergedTTLinear",
+    "PlanCost",
+    "TTLinearFunction",
+    "bottleneck_padding",
+    "chain_merge",
+    "check_plan",
+    "compute_dtype",
+    "merge_tt_linear",
+    "merged_tt_linear",
+    "plan_costs",
+    "plan_tt_linear",
+    "tt_linear",
 ]
 
 PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "dense")
@@ -481,7 +493,7 @@ def merge_tt_linear(
         right = chain_merge(cores[num_in:])[-1].reshape(rank, -1)
         left, right = left[:rows], right[:, :cols]
         M, N = left.shape[0], right.shape[1]
-        if not keep_factors and M * N <= rank * (M + N):
+        if not keep_factors and rank * (M + N) >= M * N:
             return MergedTTLinear(None, None, (left @ right).to(dtype).contiguous(), rank)
         pad = bottleneck_padding(rank, left.device.type)
         left, right = left.to(dtype).contiguous(), right.to(dtype).contiguous()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorly as tl
 import torch
@@ -26,14 +26,14 @@ from .modes import _as_int, _int_list
 
 __all__ = [
     "grad_in_layout",
+    "init_cores",
     "keep_grad_layout",
     "max_ranks",
     "resolve_ranks",
-    "init_cores",
-    "tt_to_dense",
-    "ttm_to_dense",
     "tt_from_dense",
+    "tt_to_dense",
     "ttm_from_dense",
+    "ttm_to_dense",
 ]
 
 

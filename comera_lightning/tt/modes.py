@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 __all__ = ["default_num_modes", "factorize", "padded_modes", "validate_modes"]
 
@@ -32,7 +32,7 @@ def default_num_modes(n: int) -> int:
     return max(1, round(math.log(n) / math.log(_TYPICAL_MODE_SIZE))) if n > 1 else 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _best_factorization(n: int, num_modes: int, largest_allowed: int) -> tuple[int, ...] | None:
     """Non-increasing factors of n (exactly num_modes of them) with the smallest largest factor."""
     if num_modes == 1:

@@ -8,22 +8,22 @@ momentum), and :func:`truncate_train` can remove it physically from ``G_k``, ``G
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 __all__ = [
     "DEFAULT_THRESHOLD",
-    "refresh_mask",
-    "leading_share",
-    "apply_gates",
-    "train_parameter_count",
-    "bond_weights",
-    "minimum_train_size",
-    "truncate_train",
-    "select_rank_slices",
     "CoreSelection",
+    "apply_gates",
+    "bond_weights",
+    "leading_share",
+    "minimum_train_size",
+    "refresh_mask",
+    "select_rank_slices",
+    "train_parameter_count",
+    "truncate_train",
 ]
 
 DEFAULT_THRESHOLD = 1e-2

@@ -11,11 +11,11 @@ looks up many times with unchanged cores (inference) can keep the halves.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["merge_ttm", "ttm_halves", "ttm_lookup", "ttm_lookup_halves", "ttm_lookup_chain", "split_point"]
+__all__ = ["merge_ttm", "split_point", "ttm_halves", "ttm_lookup", "ttm_lookup_chain", "ttm_lookup_halves"]
 
 
 def split_point(num_cores: int) -> int:

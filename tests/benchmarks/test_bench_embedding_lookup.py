@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import bench_embedding_lookup as bench
 import pytest
 import torch
-
-import bench_embedding_lookup as bench
 
 TINY = bench.Shape(vocab=500, dim=24, vocab_modes=(5, 10, 10), dim_modes=(2, 3, 4), batch=4, seq_len=16)
 TINY_ARGS = ["--vocab-size", "500", "--embedding-dim", "24", "--vocab-modes", "5,10,10", "--dim-modes", "2,3,4",
@@ -19,7 +18,7 @@ def test_zipf_ids_are_seeded_in_range_and_repeat_far_more_than_uniform_ids():
     assert torch.equal(a, bench.zipf_ids(30522, (32, 128), 1.1, seed=3))
     assert not torch.equal(a, bench.zipf_ids(30522, (32, 128), 1.1, seed=4))
     assert a.shape == (32, 128) and a.dtype == torch.int64
-    assert 0 <= int(a.min()) and int(a.max()) < 30522
+    assert int(a.min()) >= 0 and int(a.max()) < 30522
     uniform = bench.make_ids("uniform", 30522, 32, 128, 3, 1.1, "unused")
     assert torch.unique(a).numel() < 0.5 * torch.unique(uniform).numel()
     # the most frequent id holds about 1 / H(V, 1.1) of the tokens (~10% for V = 30522)
@@ -64,7 +63,7 @@ def test_stdlib_ids_tokenise_a_code_corpus(tmp_path):
             "\n".join(f"def function_{k}_{j}(value):\n    return value * {j} + {k}\n" for j in range(40)))
     ids = bench.stdlib_ids(300, batch=3, seq_len=16, seed=0, cache_dir=str(tmp_path / "cache"), root=str(corpus))
     assert ids.shape == (3, 16) and ids.dtype == torch.int64
-    assert 0 <= int(ids.min()) and int(ids.max()) < 300
+    assert int(ids.min()) >= 0 and int(ids.max()) < 300
     with pytest.raises(ValueError, match="need 1000"):
         bench.stdlib_ids(300, batch=1000, seq_len=16, seed=0, cache_dir=str(tmp_path / "cache"), root=str(corpus))
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import platform
 
-import pytest
-
 import bench_host_memory as bench
+import pytest
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import bench_rank_padding as bench
+
 import comera_lightning.tt.contract as contract
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import bench_text_data as bench
+import pytest
 
 
 @pytest.mark.slow

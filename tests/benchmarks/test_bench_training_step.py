@@ -7,12 +7,12 @@ import math
 import sys
 from dataclasses import replace
 
+import bench_training_step as bts
+import harness
 import pytest
 import torch
 import torch.nn.functional as F
 
-import bench_training_step as bts
-import harness
 from comera_lightning.nn import tt_layers
 from comera_lightning.nn.dropout import PackedDropout
 from comera_lightning.objectives import rank_penalty
@@ -221,7 +221,7 @@ def test_bf16_mixed_autocasts_forward_and_keeps_float32_state(batch):
 
 
 def test_execution_validates_and_names_the_outputs():
-    assert bts.Execution().stem == "" and bts.CPU_FP32 == bts.Execution("cpu", "32-true")
+    assert bts.Execution().stem == "" and bts.Execution("cpu", "32-true") == bts.CPU_FP32
     assert bts.Execution(precision="bf16-mixed").stem == "_bf16"
     assert bts.Execution("cuda", "bf16-mixed").stem == "_cuda_bf16" and bts.Execution("cuda").stem == "_cuda"
     assert bts.Execution().describe().startswith("float32 CPU")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import bench_tt_linear as bench
 import pytest
 import torch
-
-import bench_tt_linear as bench
 
 ONE_CASE = ["--quick", "--shapes", "768x768", "--rows", "1", "--ranks", "8", "--repeats", "1", "--min-case-s", "0",
             "--min-sample-ms", "1", "--max-other-load", "1", "--threads", "1"]

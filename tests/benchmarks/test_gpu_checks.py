@@ -6,10 +6,9 @@ import json
 import tarfile
 from pathlib import Path
 
+import gpu_checks
 import pytest
 import torch
-
-import gpu_checks
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import harness
 import pytest
+import run as bench_run
 import torch
 from torch import nn
-
-import harness
-import run as bench_run
 
 
 def _param_bytes(module: nn.Module) -> int:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
+import llm_study
 import pytest
 import torch
-
-import llm_study
 from study import REPO
 
 LLM_60M = REPO / "configs" / "llm_60m.yaml"

@@ -6,9 +6,8 @@ import json
 import math
 from pathlib import Path
 
-import pytest
-
 import pareto_study as ps
+import pytest
 import study
 
 from comera_lightning.nn import size_report, tt_layers

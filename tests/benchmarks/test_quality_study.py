@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 import quality_seeds
 import quality_study as qs
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import CONFIGS, TINY_TRAINER, _callbacks_config, _run, _small_source_tree, _tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import tt_layers
-from helpers.cli import CONFIGS, TINY_TRAINER, _callbacks_config, _run, _small_source_tree, _tiny_overrides
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))

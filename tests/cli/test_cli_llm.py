@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree
 
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import size_report, tt_layers
-
-from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run, _small_source_tree
 
 LLM_CONFIGS = {"llm_cpu.yaml": "CodeLMDataModule", "llm_text_cpu.yaml": "TextLMDataModule",
                "llm_60m.yaml": "TextLMDataModule", "llm_130m.yaml": "TextLMDataModule"}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _run
 from jsonargparse import Namespace
 
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.cli import ComeraCLI, apply_rank_adaptation_knobs
-
-from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _run
 
 KNOBS = ["--rank_adaptation.target_compression=5", "--rank_adaptation.gamma=0.02",
          "--rank_adaptation.late_start_step=100", "--rank_adaptation.truncate_every_n_steps=10"]

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import CONFIGS, TINY_TRAINER, _tiny_overrides
 from mlflow.tracking import MlflowClient
 
 import comera_lightning
 from comera_lightning.cli import EXPERIMENT, main
 from comera_lightning.data import MNLI_LABELS, CodeMLMDataModule
-
-from helpers.cli import CONFIGS, TINY_TRAINER, _tiny_overrides
 
 #: the shipped configs (in a checkout, or installed with the package)
 CONFIG_DIR = CONFIGS if (CONFIGS / "quickstart.yaml").is_file() else Path(comera_lightning.__file__).parent / "configs"
@@ -68,7 +67,7 @@ def test_masked_lm_test_and_predict_after_fit(workdir):
     for record in records:
         assert len(record["top_ids"]) == len(record["top_probs"]) == len(record["top_tokens"]) == 3
         assert record["top_probs"] == sorted(record["top_probs"], reverse=True)
-        assert 0.0 <= record["top_probs"][-1] and sum(record["top_probs"]) <= 1.0 + 1e-5
+        assert record["top_probs"][-1] >= 0.0 and sum(record["top_probs"]) <= 1.0 + 1e-5
         assert isinstance(record["true_token"], str) and all(isinstance(t, str) for t in record["top_tokens"])
     assert records[0]["true_token"] == dm.tokenizer.decode([records[0]["true_id"]], skip_special_tokens=False)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides
 from mlflow.tracking import MlflowClient
 
 from comera_lightning.training import StepProgressBar
-from helpers.cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides
 
 QUICKSTART = f"--config={CONFIGS / 'quickstart.yaml'}"
 

@@ -162,7 +162,7 @@ def _build_concurrently(path: str, barrier, results, damage_first: bool) -> None
 
         _, built = load_or_build(path, kind="test", version=1, source=SOURCE, build=build)
         results.put(("ok", built))
-    except BaseException as error:  # noqa: BLE001  (reported to the parent)
+    except BaseException as error:
         results.put(("failed", repr(error)))
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.code_tree import small_source_tree
 
 from comera_lightning.data import CodeLMDataModule, CodeMLMDataModule, pack_stream
 from comera_lightning.data import code_lm as code_lm_mod
-
-from helpers.code_tree import small_source_tree
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run
+from helpers.code_tree import write_tree
 from mlflow.tracking import MlflowClient
 
 from comera_lightning.data import CODE_PAIR_LABELS, CodePairsDataModule, extract_documented_functions
 from comera_lightning.data import code_pairs as code_pairs_mod
 from comera_lightning.data import tokenizer as tokenizer_mod
 
-from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _callbacks_config, _run
-from helpers.code_tree import write_tree
 
 @pytest.fixture
 def tree(tmp_path) -> tuple[Path, dict]:

@@ -110,7 +110,7 @@ BINARY = bytes(range(256)) * 4
 
 
 def test_binary_means_not_utf8_or_containing_nul():
-    assert not is_binary_bytes("x = 'é'  # ünïcode\n".encode("utf-8")) and not is_binary_bytes(b"")
+    assert not is_binary_bytes("x = 'é'  # ünïcode\n".encode()) and not is_binary_bytes(b"")
     assert is_binary_bytes(b"x = 1\0\n")  # valid UTF-8, but a NUL byte
     assert is_binary_bytes("x = 'é'\n".encode("latin-1"))  # no NUL, but not UTF-8
     assert is_binary_bytes(BINARY)

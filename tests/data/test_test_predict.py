@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.code_tree import write_tree
 
 from comera_lightning.data import (
     CODE_PAIR_LABELS,
@@ -18,7 +19,6 @@ from comera_lightning.data import (
     write_synthetic_mnli,
 )
 from comera_lightning.data import common as common_mod
-from helpers.code_tree import write_tree
 
 MNLI_KW = dict(vocab_size=600, seq_len=32, batch_size=16)
 SMALL_TABLES = [100] * 26

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+from helpers.dropin_models import KINDS, MIN_FEATURES, TinyLM, Wrapped, build, dummy_loader, example, forward
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -23,7 +24,6 @@ from torch import nn
 from comera_lightning import load_from_checkpoint, tensorize, tensorize_like, untensorize
 from comera_lightning.callbacks import RankAdaptation, Tensorize
 from comera_lightning.nn import tt_layers
-from helpers.dropin_models import HF_KINDS, KINDS, MIN_FEATURES, TinyLM, Wrapped, build, dummy_loader, example, forward
 
 FULL = 10**6  # clamped to the full rank of each layer's modes
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -7,6 +7,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import TinyRegressor
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -14,7 +15,6 @@ from comera_lightning import load_from_checkpoint, tensorize, untensorize
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor, Tensorize
 from comera_lightning.nn import TTLinear, tt_layers
 from comera_lightning.training.fault_tolerance import FaultTolerance
-from tiny import TinyRegressor
 
 
 class UserModel(LightningModule):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from comera_lightning.cli import ComeraCLI
-
 from helpers.code_tree import small_source_tree
+
+from comera_lightning.cli import ComeraCLI
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

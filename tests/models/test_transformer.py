@@ -8,13 +8,12 @@ import re
 
 import pytest
 import torch
+from helpers.models_reference import TINY, tiny_with
 from torch import nn
 
 from comera_lightning.models import LayerConfig, MaskedLanguageModel, SequenceClassifier, TransformerEncoder
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.nn.base import TTLayer
-
-from helpers.models_reference import TINY, tiny_with
 
 MODELS = [TransformerEncoder, SequenceClassifier, MaskedLanguageModel]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import tensorly as tl
 import torch
+from helpers.nn_reference import F64, gate_by_hand, randomize_gates_
 
 from comera_lightning.nn import TTLinear
-
-from helpers.nn_reference import F64, gate_by_hand, randomize_gates_
 
 # (in, out, in_modes, out_modes): one mode per side (CoLA), 2 + 2, padded sides, 3 + 1
 SHAPES = [(12, 10, [12], [10]), (12, 10, [4, 3], [2, 5]), (37, 20, [5, 8], [3, 7]), (16, 6, [2, 2, 4], [6])]

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo as dynamo
+from helpers.nn_reference import F64, randomize_gates_
 from torch import nn
 
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.tt import PLANS
-
-from helpers.nn_reference import F64, randomize_gates_
 
 
 def _layers(kind: str) -> tuple[nn.Module, torch.Tensor]:

@@ -7,12 +7,11 @@ import math
 import pytest
 import tensorly as tl
 import torch
+from helpers.nn_reference import F64, FULL_RANK, gate_by_hand, randomize_gates_, reference_embedding_table
 from torch import nn
 
 from comera_lightning.nn import TTEmbedding
 from comera_lightning.tt import ttm_lookup_chain
-
-from helpers.nn_reference import F64, FULL_RANK, gate_by_hand, randomize_gates_, reference_embedding_table
 
 # (num_embeddings, embedding_dim, vocab_modes, dim_modes): 1..4 cores, exact and padded vocabularies
 CONFIGS = [

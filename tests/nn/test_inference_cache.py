@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import copy
 import io
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch._dynamo as dynamo
+from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_embedding_table, reference_linear_weight
 
 from comera_lightning.nn import TTEmbedding, TTLinear
 from comera_lightning.nn.base import TTLayer
-
-from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_embedding_table, reference_linear_weight
 
 LINEARS = {
     "padded": lambda: TTLinear(37, 20, rank=3, in_modes=[5, 8], out_modes=[3, 7]),

@@ -7,12 +7,11 @@ import math
 import pytest
 import tensorly as tl
 import torch
+from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_linear_weight
 from torch import nn
 
 from comera_lightning.nn import TTLinear
 from comera_lightning.tt import PLANS
-
-from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_linear_weight
 
 # (in_features, out_features, in_modes, out_modes): exact, padded (37 is prime), and 1..4 modes per side
 SHAPES = [

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.nn_reference import F64, randomize_gates_, reference_embedding_table, reference_linear_weight
 from torch import nn
 
-from comera_lightning.nn import TTEmbedding, TTLinear, TruncationRecord
+from comera_lightning.nn import TruncationRecord, TTEmbedding, TTLinear
 from comera_lightning.tt import PLANS, CoreSelection, select_rank_slices
-
-from helpers.nn_reference import F64, randomize_gates_, reference_embedding_table, reference_linear_weight
 
 
 def linear_layer(seed=0, **kw):

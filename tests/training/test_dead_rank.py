@@ -9,7 +9,6 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch

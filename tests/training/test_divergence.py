@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from comera_lightning import tensorize
 from comera_lightning.callbacks import RankAdaptation
-from comera_lightning.training import DivergenceError, DivergenceGuard
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import comera_parameter_groups
+from comera_lightning.training import DivergenceError, DivergenceGuard
 
 
 class Faulty(LightningModule):

@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyRegressor, regression_loader
 
+from comera_lightning.data import MLMCollator, TensorDictDataset
+from comera_lightning.data.common import ResumableDataLoader, rows_loader
 from comera_lightning.training.atomic import atomic_torch_save, atomic_write
+from comera_lightning.training.checkpoint_io import AtomicCheckpointIO
 from comera_lightning.training.fault_tolerance import (
     FaultTolerance,
     capture_rng_state,
@@ -32,9 +34,6 @@ from comera_lightning.training.fault_tolerance import (
     find_resume_checkpoint,
     restore_rng_state,
 )
-from comera_lightning.data import MLMCollator, TensorDictDataset
-from comera_lightning.training.checkpoint_io import AtomicCheckpointIO
-from comera_lightning.data.common import ResumableDataLoader, rows_loader
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EVERY = 5

@@ -11,8 +11,7 @@ import pytest
 from lightning.pytorch import Callback, Trainer
 from tiny import TinyRegressor, regression_loader
 
-from comera_lightning.training import host_memory
-from comera_lightning.training import KeepFreedMemory
+from comera_lightning.training import KeepFreedMemory, host_memory
 from comera_lightning.training.host_memory import keep_freed_memory
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",

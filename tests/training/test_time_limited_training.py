@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from tiny import TinyRegressor, regression_loader
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
-from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.lit.base import ComeraTask

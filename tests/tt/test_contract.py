@@ -7,6 +7,16 @@ import math
 
 import pytest
 import torch
+from helpers.tt_reference import (
+    F64,
+    FULL_RANK,
+    MODE_CONFIGS,
+    MODE_IDS,
+    dense_reference,
+    gate_by_hand,
+    random_gates,
+    random_train,
+)
 
 from comera_lightning.tt import (
     PLANS,
@@ -17,8 +27,6 @@ from comera_lightning.tt import (
     tt_linear,
 )
 from comera_lightning.tt.contract import TTLinearFunction
-
-from helpers.tt_reference import F64, FULL_RANK, MODE_CONFIGS, MODE_IDS, dense_reference, gate_by_hand, random_gates, random_train
 
 RANKS = [1, FULL_RANK]
 RANK_IDS = ["rank1", "full"]

@@ -7,6 +7,7 @@ import math
 import pytest
 import tensorly as tl
 import torch
+from helpers.tt_reference import F64, einsum_dense
 
 from comera_lightning.tt import (
     init_cores,
@@ -17,8 +18,6 @@ from comera_lightning.tt import (
     ttm_from_dense,
     ttm_to_dense,
 )
-
-from helpers.tt_reference import F64, einsum_dense
 
 
 # --- max_ranks / resolve_ranks -----------------------------------------------------------------------------

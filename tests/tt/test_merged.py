@@ -7,6 +7,16 @@ import math
 
 import pytest
 import torch
+from helpers.tt_reference import (
+    F64,
+    FULL_RANK,
+    MODE_CONFIGS,
+    MODE_IDS,
+    dense_reference,
+    gate_by_hand,
+    random_gates,
+    random_train,
+)
 
 from comera_lightning.tt import (
     apply_gates,
@@ -19,10 +29,6 @@ from comera_lightning.tt import (
     ttm_lookup_halves,
 )
 from comera_lightning.tt.contract import bottleneck_padding
-
-from helpers.tt_reference import (
-    F64, FULL_RANK, MODE_CONFIGS, MODE_IDS, dense_reference, gate_by_hand, random_gates, random_train,
-)
 
 
 def _gated_train(in_modes, out_modes, rank, dtype=F64):
@@ -42,7 +48,7 @@ def test_merged_linear_matches_dense_reference(in_modes, out_modes, rank, rows):
     merged = merge_tt_linear(gated, p, F64)
     bottleneck = gated[p - 1].shape[-1]
     # the dense weight exactly when it is no larger than the two halves
-    assert (merged.weight is not None) == (M * N <= bottleneck * (M + N)) and merged.rank == bottleneck
+    assert (merged.weight is not None) == (bottleneck * (M + N) >= M * N) and merged.rank == bottleneck
     torch.testing.assert_close(merged_tt_linear(x, merged, bias), x @ weight + bias, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged_tt_linear(x, merged), x @ weight, rtol=1e-12, atol=1e-12)
 

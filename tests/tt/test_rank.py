@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.tt_reference import F64, random_train
 
 from comera_lightning.tt import (
     DEFAULT_THRESHOLD,
@@ -20,8 +21,6 @@ from comera_lightning.tt import (
     tt_linear,
     tt_to_dense,
 )
-
-from helpers.tt_reference import F64, random_train
 
 
 def test_default_threshold_is_the_papers_tau():

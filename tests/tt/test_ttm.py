@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
+from helpers.tt_reference import F64, FULL_RANK
 
 from comera_lightning.tt import merge_ttm, resolve_ranks, ttm_lookup, ttm_lookup_chain, ttm_to_dense
 from comera_lightning.tt.ttm import split_point
-
-from helpers.tt_reference import F64, FULL_RANK
 
 TTM_CONFIGS = [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3]), ([2, 3, 2, 2], [2, 2, 1, 2])]
 TTM_IDS = ["1core", "2cores", "3cores", "4cores"]

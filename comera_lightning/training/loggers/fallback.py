@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 __all__ = ["FALLBACK_FOLDER", "MAX_BATCH", "MAX_PARAMS", "METRICS_CSV", "FallbackStore", "main", "metric_rows",
            "upload_fallback"]
@@ -67,8 +67,8 @@ class FallbackStore:
     def __init__(self, locate: Callable[[], Path], run_info: Callable[[], dict[str, Any]]) -> None:
         self._locate = locate
         self._run_info = run_info
-        self.folder: Optional[Path] = None  #: the folder, once something was kept
-        self.status: Optional[str] = None  #: the run's final status, when it could not be sent
+        self.folder: Path | None = None  #: the folder, once something was kept
+        self.status: str | None = None  #: the run's final status, when it could not be sent
         self._kept = {"metrics": 0, "artifacts": 0, "other": []}  # totals over the logger's life, for messages
         self._csv_sent_bytes = 0  # bytes of metrics.csv already uploaded
         self._csv_bytes = 0  # bytes of metrics.csv written
@@ -263,7 +263,7 @@ def _csv_field(key: str) -> str:
     return f'"{key}"' if "," in key or '"' in key else key
 
 
-def _parse_csv_line(line: bytes) -> Optional[Row]:
+def _parse_csv_line(line: bytes) -> Row | None:
     """``(key, value, timestamp_ms, step)`` of a ``metrics.csv`` line; ``None`` for the header or a blank line."""
     text = line.decode().rstrip("\n")
     if not text or text == _CSV_HEADER.rstrip("\n"):
@@ -273,8 +273,8 @@ def _parse_csv_line(line: bytes) -> Optional[Row]:
 
 
 # --- the upload after the fact ---------------------------------------------------------------------------
-def upload_fallback(folder: Union[str, Path], tracking_uri: Optional[str] = None,
-                    experiment_name: Optional[str] = None) -> str:
+def upload_fallback(folder: str | Path, tracking_uri: str | None = None,
+                    experiment_name: str | None = None) -> str:
     """Upload a :class:`~comera_lightning.training.loggers.ResilientMLFlowLogger` fallback folder to MLflow.
 
     The run recorded in ``run.json`` gets the values not uploaded yet if it exists on the target store;
@@ -299,7 +299,7 @@ def upload_fallback(folder: Union[str, Path], tracking_uri: Optional[str] = None
     if run_id is not None and uri == info["tracking_uri"]:
         try:
             client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - not on this store: a new run
+        except Exception:
             run_id = None
     else:
         run_id = None
@@ -345,7 +345,7 @@ def upload_fallback(folder: Union[str, Path], tracking_uri: Optional[str] = None
     return run_id
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """``python -m comera_lightning.training.loggers upload <folder> [--tracking-uri U] [--experiment-name E]``."""
     parser = argparse.ArgumentParser(prog="python -m comera_lightning.training.loggers",
                                      description="Upload a ResilientMLFlowLogger fallback folder to MLflow.")

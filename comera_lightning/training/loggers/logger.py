@@ -22,7 +22,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
@@ -104,22 +104,22 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def __init__(
         self,
         experiment_name: str = "lightning_logs",
-        run_name: Optional[str] = None,
-        tracking_uri: Optional[str] = None,
-        tags: Optional[dict[str, Any]] = None,
-        save_dir: Optional[str] = "./mlruns",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: dict[str, Any] | None = None,
+        save_dir: str | None = "./mlruns",
         log_model: Literal[True, False, "all"] = False,
         prefix: str = "",
-        artifact_location: Optional[str] = None,
-        run_id: Optional[str] = None,
-        synchronous: Optional[bool] = None,
-        local_dir: Optional[str] = None,
+        artifact_location: str | None = None,
+        run_id: str | None = None,
+        synchronous: bool | None = None,
+        local_dir: str | None = None,
         flush_interval_s: float = 2.0,
         sender: Literal["thread", "inline"] = "thread",
         max_buffered: int = 100_000,
         retry_interval_s: float = 30.0,
-        http_timeout_s: Optional[int] = 5,
-        http_max_retries: Optional[int] = 2,
+        http_timeout_s: int | None = 5,
+        http_max_retries: int | None = 2,
         log_system_metrics: bool = False,
         system_metrics_interval_s: float = 10.0,
     ) -> None:
@@ -195,7 +195,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 if not self._connected and not self._degraded:
                     try:
                         self._connect()
-                    except Exception as err:  # noqa: BLE001 - any store failure degrades, none stops training
+                    except Exception as err:
                         self._degrade(err, "creating the experiment/run")
         return self._guarded
 
@@ -221,14 +221,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     @property
     @override
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         """The experiment id, or ``"offline"`` when MLflow could not give one (checkpoint folder names)."""
         experiment_id = self.experiment_id
         return experiment_id if experiment_id is not None else "offline"
 
     @property
     @override
-    def version(self) -> Optional[str]:
+    def version(self) -> str | None:
         """The run id, or a local ``offline-<time>-<hex>`` id when the run could not be created."""
         run_id = self.run_id
         return run_id if run_id is not None else self._local_run_id
@@ -244,17 +244,17 @@ class ResilientMLFlowLogger(MLFlowLogger):
         return self._experiment_title
 
     @property
-    def run_name(self) -> Optional[str]:
+    def run_name(self) -> str | None:
         """The run's name as given (``None``: MLflow picks one)."""
         return self._run_title
 
     @property
-    def local_dir(self) -> Optional[str]:
+    def local_dir(self) -> str | None:
         """Root of the fallback folders as given (``None``: ``./runs``); settable until the first failure."""
         return self._local_dir
 
     @local_dir.setter
-    def local_dir(self, value: Optional[str]) -> None:
+    def local_dir(self, value: str | None) -> None:
         self._local_dir = os.path.abspath(value) if value else None
 
     @property
@@ -263,14 +263,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
         return self._degraded
 
     @property
-    def fallback_dir(self) -> Optional[Path]:
+    def fallback_dir(self) -> Path | None:
         """The local folder that received what could not be sent, once there was something."""
         return self._store.folder
 
     # --- Lightning's logging API (log_hyperparams is MLFlowLogger's, through the guarded client) ----------
     @override
     @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         _ = self.experiment  # create the run in the training thread, before the first send
         if self._metric_prefix:
             metrics = {f"{self._metric_prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
@@ -300,7 +300,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if not self._degraded and self.run_id is not None:
                 try:  # MLFlowLogger's: uploads the checkpoints (log_model=True), closes the run
                     super().finalize(status)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     self._degrade(err, "closing the run")
             if self._degraded:
                 self._store.status = status
@@ -319,14 +319,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if self._store.has_unsent_metrics:  # spilled values wait on disk: they go first
                 try:
                     self._store.send_metrics(self._send_rows)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     self._degrade(err, "sending metrics")
                     self._store.append_metrics(batch)
                     return
             for i in range(0, len(batch), MAX_BATCH):
                 try:
                     self._send_rows(batch[i : i + MAX_BATCH])
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     self._degrade(err, "sending metrics")
                     self._store.append_metrics(batch[i:])
                     return
@@ -355,7 +355,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if not self._degraded and arguments.get("run_id", run_id) is not None:
                 try:
                     return method(*bound.args[1:], **bound.kwargs)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     self._degrade(err, name)
             self._store.keep_call(name, arguments)
         return None
@@ -385,7 +385,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
             else:
                 self._mlflow().get_run(self.run_id)
             self._store.upload(self._mlflow(), self.run_id, self._send_rows)
-        except Exception:  # noqa: BLE001 - still down: try again later, no new warning
+        except Exception:
             self._retry_delay = min(2 * self._retry_delay, _MAX_RETRY_DELAY_S)
             self._next_retry = time.monotonic() + self._retry_delay
             return
@@ -426,7 +426,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         return safe
 
 
-def _bound_http_requests(timeout_s: Optional[int], max_retries: Optional[int]) -> None:
+def _bound_http_requests(timeout_s: int | None, max_retries: int | None) -> None:
     """Bound MLflow's HTTP retries (process-wide environment variables, read per request; set ones win)."""
     if timeout_s is not None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout_s))))

@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 __all__ = ["MetricSender"]
 
@@ -54,7 +54,7 @@ class MetricSender:
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._atexit_registered = False
 
     # --- pickling (ddp_spawn sends the logger to its processes): the buffer travels, the thread does not --
@@ -137,7 +137,7 @@ def _sender_loop(ref: weakref.ref) -> None:
             return
         try:
             sender._flush()
-        except Exception:  # noqa: BLE001 - a bug here must not kill the sender silently forever
+        except Exception:
             log.exception("ResilientMLFlowLogger: sending metrics failed unexpectedly")
         if stop.is_set():
             return
