@@ -60,6 +60,9 @@ def tensorize(
     embeddings: bool = True,
     embedding_rank: int | Sequence[int] | None = None,
     decompose: bool = False,
+    low_rank: bool = False,
+    bottleneck_activation: str | None = None,
+    learn_gates: bool = True,
     **layer_kwargs,
 ) -> list[TensorizeRecord]:
     """Replace, in place, every ``nn.Linear`` / ``nn.Embedding`` of ``model`` that qualifies.
@@ -80,6 +83,12 @@ def tensorize(
         rank: rank for the TT linears (and embeddings unless ``embedding_rank`` is given).
         decompose: initialise from the existing weights by TT-SVD (and report the error) instead of
             training from scratch.
+        low_rank: one mode per side instead of a tensor train: every linear a product ``W = A B`` and every
+            embedding ``E = A B`` of rank ``rank`` (the gate on their one bond), as ``LayerConfig``'s
+            ``low_rank_linears`` / ``low_rank_embeddings``.
+        bottleneck_activation: a non-linearity on the middle bond of every new linear, ``y = act(x L) R + b``
+            (with ``low_rank`` and ``learn_gates=False``: CoLA); see :class:`TTLinear`.
+        learn_gates: False freezes the rank gates at 1 (a fixed-rank model no rank callback shrinks).
         layer_kwargs: forwarded to the layer constructors (e.g. ``rank_threshold``).
 
     Returns:
@@ -87,6 +96,13 @@ def tensorize(
     """
     if min_features < 1:
         raise ValueError(f"min_features must be >= 1, got {min_features}")
+    if decompose and bottleneck_activation is not None:
+        raise ValueError(f"decompose=True initialises each layer from its dense weight, but with "
+                         f"bottleneck_activation={bottleneck_activation!r} a layer is no longer linear; train it from "
+                         f"scratch (decompose=False) or drop the activation")
+    linear_kwargs = dict(layer_kwargs)
+    if bottleneck_activation is not None:
+        linear_kwargs["bottleneck_activation"] = bottleneck_activation
     include_re = re.compile(include) if include else None
     exclude_re = re.compile(exclude) if exclude else None
     records = []
@@ -118,19 +134,24 @@ def tensorize(
             )
         error = None
         if is_linear:
+            modes = dict(in_modes=[rows], out_modes=[cols]) if low_rank else {}
             if decompose:
                 source = _conv1d_as_linear(module) if is_conv1d else module
-                layer, error = TTLinear.from_linear(source, rank, **layer_kwargs)
+                layer, error = TTLinear.from_linear(source, rank, **modes, **linear_kwargs)
             else:
                 layer = TTLinear(rows, cols, rank, bias=module.bias is not None, dtype=module.weight.dtype,
-                                 device=module.weight.device, **layer_kwargs)
+                                 device=module.weight.device, **modes, **linear_kwargs)
         else:
             emb_rank = rank if embedding_rank is None else embedding_rank
+            modes = dict(vocab_modes=[rows, 1], dim_modes=[1, cols]) if low_rank else {}
             if decompose:
-                layer, error = TTEmbedding.from_embedding(module, emb_rank, **layer_kwargs)
+                layer, error = TTEmbedding.from_embedding(module, emb_rank, **modes, **layer_kwargs)
             else:
                 layer = TTEmbedding(rows, cols, emb_rank, padding_idx=module.padding_idx,
-                                    dtype=module.weight.dtype, device=module.weight.device, **layer_kwargs)
+                                    dtype=module.weight.dtype, device=module.weight.device, **modes, **layer_kwargs)
+        if not learn_gates:
+            for gate in layer.gates:
+                gate.requires_grad_(False)
         _set_submodule(model, name, layer)
         replaced[id(module)] = layer
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
@@ -138,7 +159,8 @@ def tensorize(
     if records:
         _record_spec(model, dict(rank=rank, min_features=min_features, include=include, exclude=exclude,
                                  linears=linears, embeddings=embeddings, embedding_rank=embedding_rank,
-                                 layer_kwargs=layer_kwargs))
+                                 low_rank=low_rank, bottleneck_activation=bottleneck_activation,
+                                 learn_gates=learn_gates, layer_kwargs=layer_kwargs))
         steer_off_fast_paths(model)
     return records
 

@@ -255,3 +255,28 @@ def test_size_report_of_a_model_without_tt_layers():
     report = size_report(nn.Linear(4, 3))
     assert report.layers == [] and report.other_parameters == 15
     assert report.compression_ratio == 1.0
+
+
+def test_cola_and_fixed_rank_kinds_through_tensorize_and_back():
+    from comera_lightning.nn.tensorize import tensorize_like
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8)).double()
+
+    model = mlp()
+    records = tensorize(model, 3, min_features=8, low_rank=True, bottleneck_activation="silu", learn_gates=False)
+    first = model[0]
+    assert [r.ranks for r in records] == [[1, 3, 1], [1, 3, 1]] and first.bottleneck_activation == "silu"
+    assert not any(g.requires_grad for g in first.gates)
+    x = torch.randn(5, 16, dtype=torch.float64)
+    a, b = first.cores[0][0], first.cores[1][..., 0]  # (16, 3), (3, 24): CoLA's B silu(A x)
+    torch.testing.assert_close(first(x), torch.nn.functional.silu(x @ a) @ b + first.bias)
+    # the recorded arguments rebuild the same kinds on a fresh dense model, which then loads the weights
+    fresh = mlp()
+    tensorize_like(fresh, model.state_dict())
+    fresh.load_state_dict(model.state_dict())
+    assert fresh[2].bottleneck_activation == "silu" and not fresh[2].gates[0].requires_grad
+    torch.testing.assert_close(fresh(x), model(x))
+    with pytest.raises(ValueError, match="decompose=True initialises each layer from its dense weight"):
+        tensorize(mlp(), 3, min_features=8, decompose=True, bottleneck_activation="silu")
