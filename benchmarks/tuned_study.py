@@ -436,7 +436,8 @@ class Study:
         if path.exists():
             state = harness.read_json(path)
             old = state.get("protocol", {})
-            if any(old.get(k) != protocol[k] for k in ("steps", "sweep_steps", "grid", "quick")):
+            # the final runs' length may change (each final records its steps); the sweeps' may not
+            if any(old.get(k) != protocol[k] for k in ("sweep_steps", "grid", "quick")):
                 raise ValueError(f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
                                  " give another --out, or move that file away")
             self.state = {**state, "protocol": {**old, **protocol}}
