@@ -169,7 +169,7 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     eager, start_e, timer_e = _fit(size, steps, precision, device, None)
     update_rel, max_abs, worst = _update_difference(captured, eager, start_c, start_e)
     losses_c, losses_e = timer_c.losses, timer_e.losses
-    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e))
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e, strict=True))
     tol, update_tol = TOLERANCE[precision], UPDATE_TOLERANCE[precision]
     skip = graphs.warmup_steps + 1  # compare loop times of replayed steps only (not warm-up or capture)
     loop_c, loop_e = (statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan

@@ -154,7 +154,7 @@ def check_agreement(cands: Candidates) -> dict:
         cands.train[name]()
         grads[name] = [p.grad.clone() for p in cands.layer.parameters()]
     grad_err = {name: max((a - b).abs().max().item() / (b.abs().max().item() or 1.0)
-                          for a, b in zip(grads[name], grads["ttm"])) for name in TT_NAMES}
+                          for a, b in zip(grads[name], grads["ttm"], strict=True)) for name in TT_NAMES}
     return {"rows_max_rel_err_vs_dense_table": rows, "grads_max_rel_err_vs_ttm": grad_err}
 
 
@@ -276,7 +276,7 @@ def plot(results: list[dict], paper_rank: int):
     panels = [("forward time (ms)", lambda r, n: r["time_forward"]["median_s"][n] * 1e3),
               ("forward+backward time (ms)", lambda r, n: r["time_train"]["median_s"][n] * 1e3),
               ("peak memory fwd+bwd (MiB)", lambda r, n: r["memory_train_bytes"][n]["total"] / 2**20)]
-    for ax, (title, value) in zip(axes, panels):
+    for ax, (title, value) in zip(axes, panels, strict=True):
         harness.bars(ax, [f"{r['distribution']}\nr{r['rank']}" for r in cases],
                      {name: [value(r, name) for r in cases] for name in NAMES}, "")
         ax.set_title(title)
@@ -288,7 +288,7 @@ def _modes_arg(text: str) -> tuple[int, ...]:
     try:
         modes = tuple(int(v) for v in text.replace("x", ",").split(",") if v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"modes must be integers separated by commas, e.g. 16,20,10,10; got {text!r}")
+        raise argparse.ArgumentTypeError(f"modes must be integers separated by commas, e.g. 16,20,10,10; got {text!r}") from None
     if not modes or any(m < 1 for m in modes):
         raise argparse.ArgumentTypeError(f"modes must be positive integers, got {text!r}")
     return modes

@@ -130,7 +130,7 @@ def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
             for name, task in models.items():
                 for cached in (True, False):
                     steps[f"{name} {'cache' if cached else 'no cache'}"] = (
-                        lambda task=task, cached=cached: task.generate(prompt, args.new_tokens, temperature=0.0,
+                        lambda task=task, cached=cached, prompt=prompt: task.generate(prompt, args.new_tokens, temperature=0.0,
                                                                        use_cache=cached))
             same = torch.equal(steps["comera cache"](), steps["comera no cache"]())
             timing = harness.interleave(steps, warmup=0, min_sample_s=0.0, **harness.timing_options(args))
@@ -192,7 +192,7 @@ def run_forward(args, shape, batches: list[int]) -> dict:
         models = encoder_models(kind, shape)
         for batch in batches:
             ids, _ = make_batch(shape, batch)
-            steps = {name: (lambda m=model: torch.inference_mode()(m)(ids)) for name, model in models.items()}
+            steps = {name: (lambda m=model, ids=ids: torch.inference_mode()(m)(ids)) for name, model in models.items()}
             timing = harness.interleave(steps, **harness.timing_options(args))
             results[f"{kind} b{batch}"] = {
                 "kind": kind, "batch": batch, "latency_s": {n: timing.median(n) for n in steps},

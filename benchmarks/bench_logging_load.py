@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = args.warmup
     rss_warm = [p for p in scheduler.rss if p[0] >= warm] or scheduler.rss
     growth = defaultdict(float)  # RSS growth over each mode's own blocks (after warm-up)
-    for block, following in zip(scheduler.blocks, scheduler.blocks[1:] + [None]):
+    for block, following in zip(scheduler.blocks, [*scheduler.blocks[1:], None], strict=True):
         end = following["rss_start_kb"] if following is not None else block.get("rss_end_kb")
         if end is not None and block["start_step"] >= warm:
             growth[block["mode"]] += end - block["rss_start_kb"]

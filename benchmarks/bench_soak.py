@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_axis = [s["step"] for s in r["samples"]]
         axes[0].plot(steps_axis, [s["rss_bytes"] / 2**20 for s in r["samples"]], label=mode)
         axes[1].plot(steps_axis, [s["python_blocks"] / 1e3 for s in r["samples"]], label=mode)
-    for ax, what in zip(axes, ("resident set (MiB)", "Python memory blocks (thousands)")):
+    for ax, what in zip(axes, ("resident set (MiB)", "Python memory blocks (thousands)"), strict=True):
         ax.set_xlabel("optimiser step")
         ax.set_ylabel(what)
         ax.axvline(warmup, color="grey", linestyle=":")

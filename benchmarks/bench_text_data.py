@@ -49,7 +49,8 @@ def write_corpus(folder: Path, megabytes: float, shard_mb: float = 64.0) -> int:
             if shard is None or shard.tell() > shard_mb * 2**20:
                 if shard is not None:
                     shard.close()
-                shard = open(folder / f"shard{len(list(folder.iterdir())):05d}.jsonl", "w", encoding="utf-8")
+                shard_path = folder / f"shard{len(list(folder.iterdir())):05d}.jsonl"
+                shard = open(shard_path, "w", encoding="utf-8")  # noqa: SIM115 (closed when the next shard opens)
             document = f"# copy {copy} of module {number}\n{text}"
             shard.write(json.dumps({"text": document}) + "\n")
             written += len(document)

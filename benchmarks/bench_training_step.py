@@ -19,9 +19,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import ContextManager
 
 import harness
 import torch
@@ -60,7 +60,7 @@ class Execution:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         """The context of forward + loss: bfloat16 autocast on ``device`` for ``bf16-mixed``, else nothing."""
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device, dtype=torch.bfloat16)
@@ -441,7 +441,7 @@ def time_galore_refresh(cand: Candidate, samples: int) -> dict:
         sync()
         steady.append(t1 - t0)
         refresh.append(time.perf_counter() - t1)
-    extra = [max(r - s, 0.0) for r, s in zip(refresh, steady)]
+    extra = [max(r - s, 0.0) for r, s in zip(refresh, steady, strict=True)]
     return {"steady_s": steady, "refresh_s": refresh, "extra_s": extra, "extra_median_s": statistics.median(extra)}
 
 
@@ -617,7 +617,7 @@ def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU
     names = list(next(iter(results.values()))["candidates"])
     panels = [("training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3),
               ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
-    for ax, (label, value) in zip(axes, panels):
+    for ax, (label, value) in zip(axes, panels, strict=True):
         harness.bars(ax, names, {f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n])
                                                 for n in names] for b, r in results.items()}, label)
     fig.suptitle(f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
@@ -721,7 +721,7 @@ def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
     ds = [r["d_model"] for r in rows]
     panels = [("training step (ms, median)", lambda e: e["median_s"] * 1e3),
               ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
-    for ax, (label, value) in zip(axes, panels):
+    for ax, (label, value) in zip(axes, panels, strict=True):
         for name, marker in ((DENSE, "o"), (COMERA, "s")):
             ax.plot(ds, [value(r["candidates"][name]) for r in rows], marker=marker, label=name)
         ax.set_xscale("log", base=2)

@@ -277,7 +277,7 @@ def plot(results: list[dict]):
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in results:
         groups.setdefault((r["shape"], r["rank"]), []).append(r)
-    for ax, (title, key) in zip(axes, panels):
+    for ax, (title, key) in zip(axes, panels, strict=True):
         for (shape, rank), rs in sorted(groups.items()):
             rs = sorted(rs, key=lambda r: r["rows"])
             ax.plot([r["rows"] for r in rs], [r["ratios"][key] for r in rs], marker="o", label=f"{shape} r{rank}")

@@ -112,7 +112,7 @@ class Timing:
 
     def paired_ratios(self, slower: str, faster: str) -> list[float]:
         """Per-round ratios (same round = same machine state): their spread is the noise of ``ratio``."""
-        return [s / f for s, f in zip(self.samples[slower], self.samples[faster])]
+        return [s / f for s, f in zip(self.samples[slower], self.samples[faster], strict=True)]
 
     def summary(self) -> dict:
         """Medians, minima, every sample and round, and the contention counts, as JSON values."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import sysconfig
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +270,7 @@ def _within(value: float, reference: float, higher_is_better: bool) -> bool:
 def interpolate_log(curve: list[tuple[float, float]], params: float) -> float | None:
     """The baseline's metric at ``params``, linear in log-parameters between its two nearest points (None
     outside the curve's range: no extrapolation)."""
-    for (p0, m0), (p1, m1) in zip(curve, curve[1:]):
+    for (p0, m0), (p1, m1) in pairwise(curve):
         if p0 <= params <= p1:
             if p1 == p0:
                 return m0
@@ -319,7 +320,7 @@ def markdown(agg: dict[str, Any], title: str) -> str:
     lines += [harness.table(["model", "active params", m, "min..max", "seeds", "worst late dip"], rows), ""]
     rows = []
     for name, c in agg["comparisons"].items():
-        def fmt(family):
+        def fmt(family, c=c):
             v = c[f"vs_{family}"]
             if v is None:
                 return "above the curve"

@@ -97,7 +97,7 @@ class StudySpec:
     @property
     def late_start_step(self) -> int:
         """The step the late stage starts at under the step-bounded protocols."""
-        return int(round(self.late_fraction * self.steps))
+        return round(self.late_fraction * self.steps)
 
     def json(self) -> dict[str, Any]:
         """The spec as JSON values (rank options that are objects, such as a late-stage policy, left out)."""

@@ -78,6 +78,7 @@ from . import training as _training  # noqa: F401  (registers the generic callba
 from .callbacks import RankAdaptation
 from .callbacks.model_summary import ComeraModelSummary
 from .export import export_checkpoint, export_model, read_export_metadata
+from .nn.distributed import is_sharded
 from .lit.base import ComeraTask
 from .lit.checks import check_checkpoint_file, check_output_dirs
 from .nn.tensorize import size_report
@@ -216,7 +217,7 @@ def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, 
         parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
     if subcommand == "fit":
         for knob, (kind, what) in RANK_ADAPTATION_KNOBS.items():
-            parser.add_argument(f"--rank_adaptation.{knob}", type=Optional[kind], default=None,
+            parser.add_argument(f"--rank_adaptation.{knob}", type=kind | None, default=None,
                                 help=f"{what}: replaces the value of the config's RankAdaptation callback")
         parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
         parser.add_argument(
@@ -448,7 +449,15 @@ def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
         return None
     run_ids = {logger.run_id: logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and logger.run_id}
     metadata = {"mlflow_run_id": next(iter(run_ids))} if run_ids else None
-    path = export_model(model, Path(folder).parent / "model.safetensors", metadata, overwrite=True)
+    out = Path(folder).parent / "model.safetensors"
+    if any(is_sharded(p) for p in model.parameters()):
+        # FSDP2: this process holds only its shards (and runs alone here), so export what the run last saved
+        saved = checkpoint.last_model_path or checkpoint.best_model_path
+        if not saved:
+            return None
+        path = export_checkpoint(saved, out, metadata=metadata, overwrite=True)
+    else:
+        path = export_model(model, out, metadata, overwrite=True)
     for run_id, logger in run_ids.items():
         logger.experiment.log_artifact(run_id, str(path), "model")
     return path
@@ -565,7 +574,7 @@ def resolve_config_args(argv: list[str]) -> list[str]:
                     value = str(config_path(value))
                 except KeyError as missing:
                     if re.fullmatch(r"[\w./-]+", value):  # a name or a path, not inline YAML
-                        raise SystemExit(f"comera: --config {value}: no such file here, and {missing.args[0]}")
+                        raise SystemExit(f"comera: --config {value}: no such file here, and {missing.args[0]}") from None
             arg = prefix + value
         expect_value = arg in ("--config", "-c")
         resolved.append(arg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import pairwise
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_scheduled_size_is_a_geometric_ramp():
     assert max(shares) - min(shares) < 1e-9
     assert scheduled_size(900, 100, 50, 1000.0, 200.0) == pytest.approx(200.0)
     values = [scheduled_size(t, 0, 40, 1000.0, 200.0) for t in range(41)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in pairwise(values))
     with pytest.raises(ValueError, match="ramp_steps must be >= 1"):
         scheduled_size(0, 0, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="sizes must be positive"):
@@ -235,9 +236,9 @@ def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
     _trainer(tmp_path, [callback], max_steps=80).fit(model, regression_loader())
     assert policy.log, "no cut happened"
     steps = [step for step, _, _ in policy.log]
-    assert steps[0] >= 8 + 4 and all(b - a >= 4 for a, b in zip(steps, steps[1:]))
+    assert steps[0] >= 8 + 4 and all(b - a >= 4 for a, b in pairwise(steps))
     for _, before, after in policy.log:
-        for r0, r1 in zip(before, after):
+        for r0, r1 in zip(before, after, strict=True):
             assert r0 - r1 <= (0 if r0 <= 1 else max(1, math.floor(0.25 * r0))), (before, after)
             assert r1 >= 1
     assert size_report(model).compression_ratio >= 6.0 * 0.98
@@ -260,7 +261,7 @@ def test_scheduled_policy_pauses_while_the_loss_recovers():
 
 
 def test_scheduled_policy_needs_a_known_length():
-    with pytest.raises(ValueError, match="run's length is unknown .* set ramp_steps"):
+    with pytest.raises(ValueError, match=r"run's length is unknown .* set ramp_steps"):
         ScheduledLateStage().start(10, 100.0, 50.0, None)
     with pytest.raises(ValueError, match="run's length is unknown"):
         ScheduledLateStage().start(10, 100.0, 50.0, float("inf"))
@@ -337,7 +338,7 @@ def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_tr
     kept = [j for j in range(before.numel()) if j != lowest]
     torch.testing.assert_close(policy.saliency[f"0.{bond}"], before[kept])
     # without observations there is nothing to rank by: a clear error, not a silent fallback
-    with pytest.raises(RuntimeError, match="no gradient saliency .* use importance='norm'"):
+    with pytest.raises(RuntimeError, match=r"no gradient saliency .* use importance='norm'"):
         ScheduledLateStage(ramp_steps=4)._importances([TTLinear(16, 16, 4, in_modes=[4, 4], out_modes=[4, 4])])
     with pytest.raises(ValueError, match="importance must be 'taylor' or 'norm'"):
         ScheduledLateStage(importance="random")

@@ -83,7 +83,7 @@ def test_add_rank_objective_gives_the_gradient_of_the_weighted_sum(weights, weig
     ref_penalty = rank_penalty(ref_gates, ref_masks, ref_sizes if weighted else None)
     (weights.task * task_loss(reference) + weights.penalty * ref_penalty).backward()
     assert penalty == pytest.approx(float(ref_penalty.detach()), rel=1e-12)
-    for p, q in zip(params, [p for layer in reference for p in layer.parameters()]):
+    for p, q in zip(params, [p for layer in reference for p in layer.parameters()], strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
 
 
@@ -91,8 +91,8 @@ def test_add_rank_objective_fills_missing_gate_gradients():
     layers = _layers()
     gates, masks, sizes = rank_gates(layers)
     add_rank_objective_([], gates, masks, ObjectiveWeights(1.0, 2.0), sizes)
-    normaliser = sum(w * float(m.sum()) for w, m in zip(sizes, masks))
-    for gate, mask, w in zip(gates, masks, sizes):
+    normaliser = sum(w * float(m.sum()) for w, m in zip(sizes, masks, strict=True))
+    for gate, mask, w in zip(gates, masks, sizes, strict=True):
         torch.testing.assert_close(gate.grad, 2.0 * w * torch.sign(gate.detach()) * mask / normaliser)
 
 

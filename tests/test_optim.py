@@ -1,5 +1,7 @@
 """OptimConfig: one options object per task for the learning rates and schedule, stored plain in checkpoints."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_decay_ends_at_final_lr_ratio_of_the_peak(schedule):
     factors = [warmup_decay_factor(step, 10, 110, schedule, 0.1) for step in range(120)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)  # the linear warmup
     assert factors[10] == pytest.approx(1.0) and factors[110] == pytest.approx(0.1) == factors[119]
-    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))  # monotone decay
+    assert all(a >= b for a, b in pairwise(factors[10:]))  # monotone decay
     midpoint = 0.55 if schedule == "linear" else 0.1 + 0.9 * 0.5  # both halfway between 1 and 0.1
     assert factors[60] == pytest.approx(midpoint)
     assert warmup_decay_factor(110, 10, 110, schedule) == pytest.approx(0.0)  # the default decays to zero

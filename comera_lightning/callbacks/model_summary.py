@@ -44,7 +44,7 @@ class ComeraModelSummary(RichModelSummary):
         table.add_column(" ", style="dim")
         for name, _ in summary_data[1:]:
             table.add_column(name, justify="right" if name.startswith(("Params", _FLOPS, "In", "Out")) else "left")
-        for row in zip(*(values for _, values in summary_data)):
+        for row in zip(*(values for _, values in summary_data), strict=True):
             table.add_row(*row)
         console = get_console()
         console.print(table)

@@ -29,6 +29,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -311,7 +312,7 @@ class RankMonitor(Callback):
         p = state_dict.get("params", {})
         self._params = {"steps": [int(s) for s in p.get("steps", [])],
                         "values": [[int(a), int(b), int(c)] for a, b, c in
-                                   zip(p.get("active", []), p.get("allocated", []), p.get("dense_equivalent", []))]}
+                                   zip(p.get("active", []), p.get("allocated", []), p.get("dense_equivalent", []), strict=True)]}
         events = state_dict.get("events") or {}  # absent in histories written before events were kept
         switch, target = events.get("stage_switch"), events.get("target_size")
         self._switch_step = None if switch is None else int(switch)
@@ -374,8 +375,13 @@ def _values_at(change_steps: list[int], values: list, steps: list[int]) -> list:
 
 def _short_names(names: list[str]) -> list[str]:
     """Layer names without their common dotted prefix (``model.encoder.``)."""
-    prefix = os.path.commonprefix(names) if len(names) > 1 else ""
-    prefix = prefix[: prefix.rfind(".") + 1]
+    prefix = ""
+    if len(names) > 1:  # whole dotted parts, and never a layer's own last part
+        parents = [n.split(".")[:-1] for n in names]
+        for parts in zip(*parents, strict=False):  # as far as the shortest name goes
+            if len(set(parts)) > 1:
+                break
+            prefix += parts[0] + "."
     short = [n[len(prefix):] for n in names]
     return names if any(not n or n.isdigit() for n in short) else short  # "0", "2" would say nothing
 
@@ -547,7 +553,7 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
 
     # --- ranks -----------------------------------------------------------------------------------
     if heat is not None:
-        mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+        mids = [(a + b) / 2 for a, b in pairwise(steps)]
         x_edges = [first, *mids, last] if len(steps) > 1 else [first, first + span]
         values = np.ma.masked_invalid(np.array(rows, dtype=float))
         cmap = colormaps["viridis"].with_extremes(bad="0.85")
@@ -555,7 +561,7 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
                                shading="flat", rasterized=True)
         heat.set_ylim(units, 0)
         short = _short_names(names)
-        blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, short)))
+        blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, short)), strict=True)
         pitch = 72 * map_height / units * min(b - a for a, b in layer_rows)  # points of the thinnest layer
         fontsize = max(4.5, min(8.0, 0.7 * pitch))
         centers = [(a + b) / 2 for a, b in layer_rows]
@@ -563,7 +569,7 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
         heat.tick_params(axis="y", length=0)
         # numbered blocks (layers.0, layers.1, ...): thick separators and one label per block further left
         spans: list[tuple[str, float, float]] = []  # (block, top, bottom)
-        for block, (start, stop) in zip(blocks, layer_rows):
+        for block, (start, stop) in zip(blocks, layer_rows, strict=True):
             if spans and spans[-1][0] == block:
                 spans[-1] = (block, spans[-1][1], stop)
             else:
@@ -575,7 +581,7 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
         if any(blocks):
             outer = heat.secondary_yaxis("left")
             outer.spines["left"].set_visible(False)
-            widest = max(len(t) for b, t in zip(blocks, inner) if b)
+            widest = max(len(t) for b, t in zip(blocks, inner, strict=True) if b)
             outer.set_yticks([(a + b) / 2 for blk, a, b in spans if blk], [blk for blk, _, _ in spans if blk],
                              fontsize=fontsize + 1, fontweight="bold")
             outer.tick_params(axis="y", length=0, pad=0.62 * fontsize * widest + 8)

@@ -163,7 +163,7 @@ class MLMCollator:
         if self.deterministic:
             g = torch.Generator()
             rows = []
-            for row, index in zip(ids, batch["index"].tolist()):
+            for row, index in zip(ids, batch["index"].tolist(), strict=True):
                 g.manual_seed((self.seed * 1_000_003 + int(index) * 7919 + 17) % (2**63))
                 rows.append(mask_tokens(row.unsqueeze(0), generator=g, **kwargs))
             inputs = torch.cat([r[0] for r in rows])

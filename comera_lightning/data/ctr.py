@@ -413,11 +413,11 @@ class CriteoDataModule(pl.LightningDataModule):
                 f"13 integer and 26 categorical tab-separated columns) or synthetic=True"
                 if not self.synthetic else "num_samples must be > 0"
             )
-        n_test = int(round(n * self.test_fraction))
+        n_test = round(n * self.test_fraction)
         if self.test_fraction > 0 and n >= 2:
             n_test = min(max(n_test, 1), n - 1)
         test_cut = n - n_test
-        n_val = int(round(n * self.val_fraction))
+        n_val = round(n * self.val_fraction)
         if self.val_fraction > 0 and test_cut >= 2:
             n_val = min(max(n_val, 1), test_cut - 1)
         n_val = min(n_val, max(test_cut - 1, 0))

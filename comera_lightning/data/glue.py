@@ -214,7 +214,7 @@ def _read_disk(root: Path, split: str, label_optional: bool = False) -> tuple[li
         return [], [], []
     names = getattr(ds.features[y_col], "names", None)  # ClassLabel: map through its names, whatever the order
     a, b, y = [], [], []
-    for i, (p, h, raw) in enumerate(zip(ds[a_col], ds[b_col], ds[y_col])):
+    for i, (p, h, raw) in enumerate(zip(ds[a_col], ds[b_col], ds[y_col], strict=True)):
         if names is not None and isinstance(raw, (int, np.integer)) and 0 <= raw < len(names):
             raw = names[raw]
         label = _label_id(raw, f"{root}[{name}][{i}]")
@@ -292,7 +292,7 @@ def encode_pairs(
     ids = np.full((n, seq_len), special.pad, dtype=np.int64)
     length = np.zeros(n, dtype=np.int64)
     type_start = np.zeros(n, dtype=np.int64)
-    for i, (a, b) in enumerate(zip(enc_a, enc_b)):
+    for i, (a, b) in enumerate(zip(enc_a, enc_b, strict=True)):
         ta, tb = truncate_longest_first(len(a), len(b), seq_len - 3)
         row = np.concatenate(([special.cls], a[:ta], [special.sep], b[:tb], [special.sep]))
         ids[i, : len(row)] = row
@@ -655,7 +655,7 @@ def write_synthetic_mnli(
     rng = random.Random(seed)
     names = ("train", "dev_matched", "dev_mismatched") if fmt == "tsv" else (
         "train", "validation_matched", "validation_mismatched")
-    for name, count in zip(names, (num_train, num_val, num_val)):
+    for name, count in zip(names, (num_train, num_val, num_val), strict=True):
         rows = [_synthetic_pair(rng) for _ in range(count)]
         path = out / f"{name}.{fmt}"
         with open(path, "w", encoding="utf-8", newline="") as fh:

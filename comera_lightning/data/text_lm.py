@@ -301,7 +301,7 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         size = 0
 
         def flush() -> None:
-            for (side, piece), ids in zip(batch, encode_texts(self.tokenizer, [p.text for _, p in batch])):
+            for (side, piece), ids in zip(batch, encode_texts(self.tokenizer, [p.text for _, p in batch]), strict=True):
                 writer.append(side, ids)
                 if piece.doc_end:
                     writer.append(side, eos)

@@ -68,7 +68,8 @@ class TokenStoreWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
         self.counts = dict.fromkeys(SPLITS, 0)
-        self._files = {split: open(self.folder / f"{split}.bin", "wb") for split in SPLITS}
+        # open across appends; close() closes them
+        self._files = {split: open(self.folder / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115
 
     def append(self, split: str, ids: np.ndarray) -> None:
         """Append token ids (any integer array) to a split's stream."""

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -190,7 +190,7 @@ class SpecialTokenIds:
     mask: int | None
     unk: int | None
 
-    _NAMES = {
+    _NAMES: ClassVar[dict[str, tuple[str, str]]] = {
         "pad": ("[PAD]", "<pad>"),
         "cls": ("[CLS]", "<s>"),
         "sep": ("[SEP]", "</s>"),

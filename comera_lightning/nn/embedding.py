@@ -82,10 +82,10 @@ class TTEmbedding(TTLayer):
                 f"vocab_modes {self.vocab_modes} and dim_modes {self.dim_modes} must have the same number "
                 f"of modes (one TT-matrix core per pair)"
             )
-        sizes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes)]
+        sizes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes, strict=True)]
         ranks = resolve_ranks(sizes, rank)
         dtype = dtype or torch.get_default_dtype()
-        shapes = [(ranks[k], v, e, ranks[k + 1]) for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes))]
+        shapes = [(ranks[k], v, e, ranks[k + 1]) for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes, strict=True))]
         self._init_train(init_cores(shapes, init_std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
 
     @classmethod
@@ -100,7 +100,7 @@ class TTEmbedding(TTLayer):
         factors = ttm_from_dense(embedding.weight.detach(), layer.vocab_modes, layer.dim_modes, layer.ranks)
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors):
+            for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
             reference = embedding.weight
             error = (layer.weight_dense() - reference).norm() / reference.norm().clamp_min(1e-30)
@@ -181,7 +181,7 @@ class TTEmbedding(TTLayer):
                     dtype=factors[0].dtype, device=factors[0].device, **kwargs)
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors):
+            for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
         return layer
 

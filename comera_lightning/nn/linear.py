@@ -110,7 +110,7 @@ class TTLinear(TTLayer):
         factors = tt_from_dense(weight, layer.in_modes, layer.out_modes, layer.ranks)
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors):
+            for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
@@ -215,7 +215,7 @@ class TTLinear(TTLayer):
                     dtype=factors[0].dtype, device=factors[0].device, **kwargs)
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors):
+            for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
             if bias is not None:
                 layer.bias.copy_(bias)

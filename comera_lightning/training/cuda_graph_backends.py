@@ -156,13 +156,13 @@ class _ReplayGraph(Graph):
             raise StaleGraphError("replaying a graph whose parameters, buffers, optimiser state, hyperparameters or "
                                   "gradient tensors changed since capture; a CUDA graph would use the old ones")
         fresh = self._fn()
-        if len(fresh) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(fresh, self.outputs)):
+        if len(fresh) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(fresh, self.outputs, strict=True)):
             raise CudaGraphCaptureError(
                 "a replay produced other outputs than the capture: the training step is not shape-static. "
                 + CAPTURE_HINT
             )
         with torch.no_grad():
-            for static, value in zip(self.outputs, fresh):
+            for static, value in zip(self.outputs, fresh, strict=True):
                 static.copy_(value)
 
 
@@ -177,7 +177,7 @@ class ReplayBackend(GraphBackend):
         saved = [t.detach().clone() for t in preserve]
         outputs = fn()
         with torch.no_grad():
-            for tensor, value in zip(preserve, saved):
+            for tensor, value in zip(preserve, saved, strict=True):
                 tensor.copy_(value)
         return _ReplayGraph(fn, outputs, key)
 

@@ -161,7 +161,7 @@ class _Watch:
                               if k != "params" and torch.is_tensor(v)]
         self.constant_keys = [[k for k, v in g.items() if k != "params" and not torch.is_tensor(v)]
                               for g in self.groups]
-        self.constants = [tuple(g[k] for k in keys) for g, keys in zip(self.groups, self.constant_keys)]
+        self.constants = [tuple(g[k] for k in keys) for g, keys in zip(self.groups, self.constant_keys, strict=True)]
         self.state_dicts = [st for p in self.params if (st := optimizer.state.get(p)) is not None]
         self.n_state = len(optimizer.state)
         self.state_sizes = [len(st) for st in self.state_dicts]
@@ -187,7 +187,7 @@ class _Watch:
             return False
         # tuple equality tries identity first: unchanged floats cost nothing
         if any(tuple(g.get(k) for k in keys) != values
-               for g, keys, values in zip(self.groups, self.constant_keys, self.constants)):
+               for g, keys, values in zip(self.groups, self.constant_keys, self.constants, strict=True)):
             return False
         if not all(map(operator.is_, [d.get(name) for d, name in self.buffer_keys], self.buffer_values)):
             return False
@@ -532,13 +532,13 @@ class CudaGraphs(Callback):
             self._capture_forward_backward(batch, inputs, args, kwargs)
         else:
             with torch.no_grad():
-                for static, value in zip(self._static_inputs, inputs):
+                for static, value in zip(self._static_inputs, inputs, strict=True):
                     static.copy_(value, non_blocking=True)
         assert self._graph_fb is not None
         self._graph_fb.replay()
         self.replays += 1
         self._mode = "graph"
-        for param, grad in zip(self._grad_params, self._static_grads):
+        for param, grad in zip(self._grad_params, self._static_grads, strict=True):
             if param.grad is not grad:
                 param.grad = grad
         outputs = self._graph_fb.outputs
@@ -634,9 +634,9 @@ class CudaGraphs(Callback):
                 loss = closure()  # training_step (replay or eager) + Lightning's eager hooks and clipping
         mode, self._mode = self._mode, None
         unchanged = mode == "graph" and self._watch is not None and self._watch.unchanged()
-        if mode == "graph" and self._graph_step is None and self._graph_fb is not None and self._grads_static():
-            if unchanged:
-                self._capture_step()
+        if (mode == "graph" and self._graph_step is None and self._graph_fb is not None and self._grads_static()
+                and unchanged):
+            self._capture_step()
         if mode == "graph" and self._graph_step is not None and self._grads_static():
             if unchanged:
                 self._graph_step.replay()
@@ -652,7 +652,7 @@ class CudaGraphs(Callback):
     def _grads_static(self) -> bool:
         if len(self._grad_params) != sum(1 for p in self._params() if p.grad is not None):
             return False
-        return all(p.grad is g for p, g in zip(self._grad_params, self._static_grads))
+        return all(p.grad is g for p, g in zip(self._grad_params, self._static_grads, strict=True))
 
     def _capture_step(self) -> None:
         assert self._backend is not None and self._optimizer is not None and self._original_step is not None

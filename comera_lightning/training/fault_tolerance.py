@@ -31,6 +31,7 @@ the training loader's (:class:`~comera_lightning.data.common.ResumableDataLoader
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -303,10 +304,8 @@ class FaultTolerance(RemovalPolicyCheckpoint):
 
     def _restore_signal_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
-            try:
+            with contextlib.suppress(ValueError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-            except ValueError:
-                pass
         self._previous_handlers = {}
 
     @override

@@ -179,7 +179,7 @@ class PredictionWriter(BasePredictionWriter):
         self._discard()
         self._writing = contextlib.ExitStack()
         tmp = self._writing.enter_context(atomic_write(self.path, overwrite=self.overwrite))
-        self._file = self._writing.enter_context(open(tmp, "w", encoding="utf-8"))
+        self._file = self._writing.enter_context(open(tmp, "w", encoding="utf-8"))  # noqa: SIM115 (the stack closes it)
         self.records_written = 0
 
     @override

@@ -235,7 +235,7 @@ def _sweep_in(x: torch.Tensor, cores: Sequence[torch.Tensor], modes: Sequence[in
     batch, rest = x.shape[0], math.prod(modes)
     state = x
     saved = []
-    for core, mode in zip(cores, modes):
+    for core, mode in zip(cores, modes, strict=True):
         r_prev, _, r_next = core.shape
         rest //= mode
         operand = state.reshape(batch, mode, rest, r_prev).transpose(1, 2).reshape(batch * rest, mode * r_prev)
@@ -306,7 +306,7 @@ class TTLinearFunction(torch.autograd.Function):
                 y = hidden @ right
             else:
                 y = _matmul_bias(hidden, right, bias)
-            saved_in, saved_out = saved_in + [left], saved_out + [right]
+            saved_in, saved_out = [*saved_in, left], [*saved_out, right]
             ctx.counts = (len(saved_in), len(saved_out))
             ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
             return y
@@ -314,14 +314,14 @@ class TTLinearFunction(torch.autograd.Function):
             saved_in = chain_merge(in_cores)
             left = saved_in[-1].to(compute)
             hidden = x @ left
-            saved_in = saved_in + [left]
+            saved_in = [*saved_in, left]
         else:
             hidden, saved_in = _sweep_in(x, [c.to(compute) for c in in_cores], in_modes)
         if merge_out:
             saved_out = chain_merge(out_cores)
             right = saved_out[-1].reshape(hidden.shape[1], -1).to(compute)
             y = _matmul_bias(hidden, right, bias)
-            saved_out = saved_out + [right]
+            saved_out = [*saved_out, right]
         else:
             saved_out = chain_merge([c.to(compute) for c in out_cores], start=hidden)
             y = saved_out[-1].reshape(x.shape[0], math.prod([c.shape[1] for c in out_cores]))
@@ -376,7 +376,7 @@ class TTLinearFunction(torch.autograd.Function):
         else:
             out_compute = [c.to(compute) for c in out_cores]
             g_out, grad_hidden = _chain_merge_backward(out_compute, saved_out, grad_y.reshape(-1, 1), True)
-            g_out = [g.to(c.dtype) for g, c in zip(g_out, out_cores)]
+            g_out = [g.to(c.dtype) for g, c in zip(g_out, out_cores, strict=True)]
 
         if plan in ("half_merge", "merge_in_sweep_out"):
             left = saved_in[-1]
@@ -386,13 +386,13 @@ class TTLinearFunction(torch.autograd.Function):
         else:
             in_compute = [c.to(compute) for c in in_cores]
             g_in, grad_x = _sweep_in_backward(grad_hidden, in_compute, in_modes, saved_in, need_x)
-            g_in = [g.to(c.dtype) for g, c in zip(g_in, in_cores)]
+            g_in = [g.to(c.dtype) for g, c in zip(g_in, in_cores, strict=True)]
         return (grad_x, grad_bias, None, None, *_in_layout(g_in, in_cores), *_in_layout(g_out, out_cores))
 
 
 def _in_layout(grads: Sequence[torch.Tensor], cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each core's gradient in the core's layout (:func:`~comera_lightning.tt.cores.grad_in_layout`)."""
-    return [grad_in_layout(g, c.shape, c.stride()) for g, c in zip(grads, cores)]
+    return [grad_in_layout(g, c.shape, c.stride()) for g, c in zip(grads, cores, strict=True)]
 
 
 def bottleneck_padding(rank: int, device_type: str) -> int:

@@ -108,7 +108,7 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
             f"expected {num_bonds} internal ranks for {len(bounds) - 1} cores (modes {list(mode_sizes)}), "
             f"got {len(ranks)}: {ranks}; pass a single int to use one rank everywhere"
         )
-    for k, (r, bound) in enumerate(zip(ranks, bounds[1:-1]), start=1):
+    for k, (r, bound) in enumerate(zip(ranks, bounds[1:-1], strict=True), start=1):
         if r < 1:
             raise ValueError(f"rank of bond {k} must be >= 1, got {r}")
         if r > bound:
@@ -116,7 +116,7 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
                 f"rank of bond {k} is {r} but modes {list(mode_sizes)} allow at most {bound} there "
                 f"(the smaller unfolding); lower it or pass a single int rank to clamp automatically"
             )
-    return [1] + ranks + [1]
+    return [1, *ranks, 1]
 
 
 def init_cores(

@@ -79,7 +79,7 @@ def ttm_lookup_chain(cores: Sequence[torch.Tensor], ids: torch.Tensor, row_modes
         remaining = torch.div(remaining, mode, rounding_mode="floor")
     digits.reverse()
     state = cores[0][0].index_select(0, digits[0])  # (n, e_1, r_1)
-    for core, digit in zip(cores[1:], digits[1:]):
+    for core, digit in zip(cores[1:], digits[1:], strict=True):
         r_prev, _, e, r_next = core.shape
         sliced = core.index_select(1, digit).permute(1, 0, 2, 3).reshape(ids.shape[0], r_prev, e * r_next)
         state = torch.bmm(state, sliced).reshape(ids.shape[0], state.shape[1] * e, r_next)

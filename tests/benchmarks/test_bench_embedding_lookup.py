@@ -90,7 +90,7 @@ def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count
         fwd = case["memory_forward_bytes"]["nn.Embedding"]
         assert fwd["gradients"] == 0 and fwd["total"] == table_bytes + 64 * 24 * 4  # weight + looked-up rows
         ranks = case["ranks"]
-        core_bytes = 4 * sum(ranks[k] * v * e * ranks[k + 1] for k, (v, e) in enumerate(zip((5, 10, 10), (2, 3, 4))))
+        core_bytes = 4 * sum(ranks[k] * v * e * ranks[k + 1] for k, (v, e) in enumerate(zip((5, 10, 10), (2, 3, 4), strict=True)))
         gate_bytes = 4 * sum(ranks[1:-1])
         for name in bench.TT_NAMES:
             assert mem[name]["parameters"] == core_bytes + gate_bytes

@@ -92,10 +92,10 @@ def test_galore_starts_from_the_dense_model_and_refreshes_only_when_asked(batch)
     first = [galore.optimizer.state[p]["projector"].ortho_matrix for p in targets]
     for _ in range(3):
         assert math.isfinite(float(galore.step()))
-    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is m for p, m in zip(targets, first)), \
+    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is m for p, m in zip(targets, first, strict=True)), \
         "a steady-state step must not recompute the projection"
     galore.info["refresh_step"]()
-    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is not m for p, m in zip(targets, first)), \
+    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is not m for p, m in zip(targets, first, strict=True)), \
         "the refresh step must recompute every projection"
     assert all(galore.optimizer.state[p]["exp_avg"].shape[-1] == GALORE_TINY["rank"]
                or galore.optimizer.state[p]["exp_avg"].shape[0] == GALORE_TINY["rank"] for p in targets)
@@ -149,7 +149,7 @@ def test_rank_adaptation_work_adds_the_penalty_gradient_and_refreshes_masks(batc
     weights = [w for layer in layers for w in bond_weights(layer.mode_sizes, layer.active_ranks)]
     expected = torch.autograd.grad(rank_penalty(gates, masks, weights), gates)
     work.before_step()
-    for gate, t, e in zip(gates, task, expected):
+    for gate, t, e in zip(gates, task, expected, strict=True):
         torch.testing.assert_close(gate.grad, t + 0.5 * e)
     cand.optimizer.step()
     layer = layers[1]

@@ -34,7 +34,7 @@ def test_overrides_set_nested_values_as_yaml():
 @pytest.mark.parametrize("item", ["data.root", "trainer.max_steps=3", "model=3"])
 def test_overrides_refuse_what_they_cannot_place(item):
     spec = llm_study.spec_from_config(LLM_60M)
-    with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+    with pytest.raises(ValueError, match=r"SECTION.KEY=VALUE"):
         llm_study.apply_overrides(spec, [item])
 
 
@@ -84,5 +84,5 @@ def test_a_corpus_too_small_to_validate_on_is_refused_by_name(tmp_path):
             "--threads", "1", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
             "--set", "data.root=stdlib", "--set", "data.files='json/*.py'", "--set", "data.val_files=null",
             "--set", "data.tokenizer_path=null", "--set", "data.num_workers=0", "--set", "data.val_fraction=0.01"]
-    with pytest.raises(ValueError, match="validation set is empty .* data.val_fraction"):
+    with pytest.raises(ValueError, match=r"validation set is empty .* data.val_fraction"):
         llm_study.main(argv)

@@ -36,9 +36,9 @@ def test_penalty_gradient_added_to_gates_once_per_step():
     callback.on_before_optimizer_step(None, model, optimizer)
     # independent computation: d(weighted mean |d|)/dd = w_k * sign(d) / sum_k w_k * r_k
     weights = [bond_weights(layer.mode_sizes, layer.active_ranks) for layer in layers]
-    normaliser = sum(wk * gate.numel() for w, layer in zip(weights, layers) for wk, gate in zip(w, layer.gates))
-    for w, layer in zip(weights, layers):
-        for wk, gate in zip(w, layer.gates):
+    normaliser = sum(wk * gate.numel() for w, layer in zip(weights, layers, strict=True) for wk, gate in zip(w, layer.gates, strict=True))
+    for w, layer in zip(weights, layers, strict=True):
+        for wk, gate in zip(w, layer.gates, strict=True):
             torch.testing.assert_close(gate.grad, torch.full_like(gate, 0.5 * wk / normaliser))
     # the cores' gradients are untouched in the early stage
     assert all(float(layer.cores[0].grad.abs().sum()) == 0.0 for layer in layers)
@@ -141,7 +141,7 @@ def test_resume_after_truncation_matches_uninterrupted_run(tmp_path):
     # model/optimiser/callback state and not about where Lightning restarts a plain DataLoader
     full = TinyRegressor()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
-    _trainer(tmp_path, callbacks() + [checkpoint], max_steps=40, enable_checkpointing=True).fit(
+    _trainer(tmp_path, [*callbacks(), checkpoint], max_steps=40, enable_checkpointing=True).fit(
         full, regression_loader(n=32))
     path = tmp_path / "ckpt" / "epoch=23-step=24.ckpt"
     saved = torch.load(path, weights_only=True)  # tensors and primitives only
@@ -151,10 +151,10 @@ def test_resume_after_truncation_matches_uninterrupted_run(tmp_path):
     resumed = TinyRegressor()  # built with the original, larger ranks
     resumed_callbacks = callbacks()
     _trainer(tmp_path, resumed_callbacks, max_steps=40).fit(resumed, regression_loader(n=32), ckpt_path=path)
-    assert [l.ranks for _, l in tt_layers(resumed)] == [l.ranks for _, l in tt_layers(full)]
+    assert [layer.ranks for _, layer in tt_layers(resumed)] == [layer.ranks for _, layer in tt_layers(full)]
     assert resumed_callbacks[0].stage == 1
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[24:]), rtol=1e-4, atol=1e-6)
-    for (key, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+    for (key, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=key)
 
 
@@ -166,8 +166,8 @@ def test_truncated_checkpoint_loads_into_original_ranks(tmp_path):
     path = tmp_path / "final.ckpt"
     trainer.save_checkpoint(path)
     loaded = TinyRegressor.load_from_checkpoint(path)
-    assert [l.ranks for _, l in tt_layers(loaded)] == [l.ranks for _, l in tt_layers(model)]
-    assert any(l.ranks != TinyRegressor().net[0].ranks for _, l in tt_layers(loaded))
+    assert [layer.ranks for _, layer in tt_layers(loaded)] == [layer.ranks for _, layer in tt_layers(model)]
+    assert any(layer.ranks != TinyRegressor().net[0].ranks for _, layer in tt_layers(loaded))
     x = torch.randn(5, 32)
     torch.testing.assert_close(loaded(x), model(x))
 
@@ -241,7 +241,7 @@ def test_truncate_skips_layers_without_internal_bonds():
             layer.refresh_masks_()
 
     class _Trainer:  # truncate() only needs optimisers and the strategy
-        optimizers = []
+        optimizers = ()
         strategy = None
 
     record = callback.truncate(_Trainer(), model)

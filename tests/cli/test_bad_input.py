@@ -244,11 +244,11 @@ def test_bad_checkpoint_files_fail_clearly_and_stay_untouched(fitted, tmp_path, 
     work, args, good = fitted
     monkeypatch.chdir(work)
     bad = _bad_checkpoints(tmp_path, good)
-    for name, (path, error, message) in bad.items():
+    for path, error, message in bad.values():
         with pytest.raises(error, match=message):
             check_checkpoint_file(path)
     missing = tmp_path / "missing.ckpt"
-    with pytest.raises(FileNotFoundError, match="missing.ckpt' does not exist; pass --ckpt_path"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt' does not exist; pass --ckpt_path"):
         check_checkpoint_file(missing)
     check_checkpoint_file(good)  # a real one passes, and so do Lightning's keywords
     check_checkpoint_file("last")
@@ -339,7 +339,7 @@ def _failed_in_setup(info) -> bool:
 
 
 def test_output_folder_under_a_file_fails_before_training(fitted, tmp_path, monkeypatch):
-    work, args, good = fitted
+    work, args, _good = fitted
     monkeypatch.chdir(work)
     # a logger writing elsewhere: with --trainer.logger=false the CLI's ConfigArtifact writes config.yaml into
     # default_root_dir in its own setup, before this check, and fails there with a plain OSError

@@ -95,7 +95,7 @@ def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(wor
 
 
 def test_scheduler_with_builtin_warmup_is_refused(workdir):
-    with pytest.raises(ValueError, match="warmup_steps=100.*model.optim.warmup_steps 0"):
+    with pytest.raises(ValueError, match=r"warmup_steps=100.*model.optim.warmup_steps 0"):
         _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER,
              "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
 

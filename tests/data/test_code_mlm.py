@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from pathlib import Path
 
 import pytest
@@ -77,7 +79,7 @@ def test_split_is_by_file_disjoint_deterministic_and_from_the_stdlib(stdlib_dm, 
         assert (Path(stdlib_root()) / rel).is_file()
     # more files: the files already in validation stay there (hash of the path, not a shuffle)
     bigger = CodeMLMDataModule(cache_dir=str(stdlib_cache), **{**stdlib_kw, "max_files": 60})
-    train2, val2 = bigger.split_files()
+    _train2, val2 = bigger.split_files()
     assert set(val2) & set(train) == set() and set(val) <= set(val2)
 
 
@@ -125,7 +127,7 @@ def test_validation_masks_identical_across_epochs_and_batch_sizes(stdlib_dm, std
     loader = stdlib_dm.val_dataloader()
     first, second = list(loader), list(stdlib_dm.val_dataloader())
     assert len(first) == len(second) >= 1
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
     other = CodeMLMDataModule(cache_dir=str(stdlib_cache), **{**stdlib_kw, "batch_size": 3})
     other.setup("validate")
@@ -182,7 +184,7 @@ def test_custom_root_directory(tmp_path):
     text = dm.tokenizer.decode(dm.train_dataset.tensors["input_ids"][0].long().tolist())
     assert "def func_" in text
     with_tests = CodeMLMDataModule(root=str(root), include_tests=True, cache_dir=str(tmp_path / "cache"))
-    assert "tests/test_mod.py" in sum(with_tests.split_files(), [])
+    assert "tests/test_mod.py" in functools.reduce(operator.iadd, with_tests.split_files(), [])
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "nomatch"])

@@ -51,7 +51,7 @@ def test_tsv_batches_labels_and_segments(tsv_dir, tmp_path):
     # labels in file order for validation, mapped entailment=0, neutral=1, contradiction=2
     assert batch["labels"].tolist() == _file_labels(tsv_dir / "dev_matched.tsv")[:16]
     sp = dm.special_ids
-    for ids, att, tt in zip(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]):
+    for ids, att, tt in zip(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], strict=True):
         n = int(att.sum())
         seps = (ids == sp.sep).nonzero().flatten().tolist()
         assert ids[0] == sp.cls and len(seps) == 2 and seps[1] == n - 1
@@ -106,7 +106,7 @@ def test_jsonl_int_and_string_labels_and_aliases(tmp_path):
     recs[5]["label"] = -1
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
     assert detect_mnli_format(tmp_path) == "jsonl"
-    a, b, y = read_mnli_split(tmp_path, "train")
+    _a, _b, y = read_mnli_split(tmp_path, "train")
     expected = [MNLI_LABELS[r["label"]] if isinstance(r["label"], str) else r["label"] for r in recs]
     assert y == [e for e in expected if e != -1] and len(y) == 199
     dm = MNLIDataModule(str(tmp_path), cache_dir=str(tmp_path / "cache"), **KW)
@@ -191,7 +191,7 @@ def test_format_errors(tmp_path):
     with pytest.raises(ValueError, match="format must be"):
         MNLIDataModule(str(tmp_path), format="csv")
     (tmp_path / "train.tsv").write_text("sentence1\tsentence2\tgold_label\na\tb\tneutral\n")
-    with pytest.raises(ValueError, match="dev_matched.tsv"):
+    with pytest.raises(ValueError, match=r"dev_matched.tsv"):
         MNLIDataModule(str(tmp_path), cache_dir=str(tmp_path / "c"), vocab_size=300).setup("fit")
 
 

@@ -15,7 +15,7 @@ def test_workers_give_the_same_validation_batches(stdlib_dm, stdlib_cache, stdli
     with_workers = list(dm.val_dataloader())
     in_process = list(stdlib_dm.val_dataloader())
     assert len(with_workers) == len(in_process)
-    for a, b in zip(with_workers, in_process):
+    for a, b in zip(with_workers, in_process, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (16, 64) and (batch["labels"] != -100).any()

@@ -47,7 +47,7 @@ def test_mlm_test_and_predict_are_the_validation_rows_with_the_same_masks(stdlib
     test = list(stdlib_dm.test_dataloader())
     predict = list(stdlib_dm.predict_dataloader())
     assert len(val) == len(test) == len(predict) > 0
-    for v, t, p in zip(val, test, predict):
+    for v, t, p in zip(val, test, predict, strict=True):
         assert set(t) == {"input_ids", "attention_mask", "labels"}
         assert set(p) == {"input_ids", "attention_mask", "labels", "index"}
         for key in ("input_ids", "attention_mask", "labels"):
@@ -56,7 +56,7 @@ def test_mlm_test_and_predict_are_the_validation_rows_with_the_same_masks(stdlib
     assert index.dtype == torch.long and index.tolist() == list(range(len(stdlib_dm.val_dataset)))
     # deterministic: a second predict pass masks the same positions
     again = list(stdlib_dm.predict_dataloader())
-    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(predict, again))
+    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(predict, again, strict=True))
     # said once per stage, naming the module and why
     assert len(notices) == 2 and all("CodeMLMDataModule" in n and "validation" in n for n in notices)
     assert "test" in notices[0] and "predict" in notices[1]
@@ -123,7 +123,7 @@ def test_mnli_labelled_test_file_is_preferred_and_unlabelled_ones_are_skipped(mn
     (data / "test_matched.tsv").write_text("\n".join(unlabelled) + "\n")
     dm = MNLIDataModule(str(data), cache_dir=str(tmp_path / "c"), **MNLI_KW)
     assert dm.resolved_test_split == "validation_mismatched"
-    with pytest.raises(ValueError, match="'test_matched'.*no labelled pairs.*test_split="):
+    with pytest.raises(ValueError, match=r"'test_matched'.*no labelled pairs.*test_split="):
         MNLIDataModule(str(data), cache_dir=str(tmp_path / "c"), test_split="test_matched", **MNLI_KW).setup("test")
     # a labelled test file is held out better than the other validation split
     (data / "test_matched.tsv").write_text((mnli_dir / "dev_matched.tsv").read_text().replace("synthetic", "held"))
@@ -145,7 +145,7 @@ def test_code_pairs_test_and_predict_are_the_validation_examples(tmp_path, notic
     dm.setup("predict")
     val, test, predict = list(dm.val_dataloader()), list(dm.test_dataloader()), list(dm.predict_dataloader())
     assert len(val) == len(test) == len(predict) > 0
-    for v, t, p in zip(val, test, predict):
+    for v, t, p in zip(val, test, predict, strict=True):
         assert set(p) == set(v) | {"index"}
         assert all(torch.equal(v[k], t[k]) and torch.equal(v[k], p[k]) for k in v)
     index = torch.cat([p["index"] for p in predict]).tolist()

@@ -233,8 +233,9 @@ def _trainer(root: Path, steps: int, **kw) -> Trainer:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_resume_mid_epoch_continues_the_token_stream_bit_for_bit(tmp_path, docs, tokenizer_file, workers):
     files = _write_corpus(tmp_path / "corpus", docs, "jsonl")
-    make = lambda: _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=16,
-                      num_workers=workers)
+    def make():
+        return _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=16,
+                          num_workers=workers)
     steps, cut = 40, 13  # ~30 batches an epoch: the runs cross an epoch boundary, the cut is mid-epoch
     torch.manual_seed(0)
     reference = _TinyLM()
@@ -247,7 +248,7 @@ def test_resume_mid_epoch_continues_the_token_stream_bit_for_bit(tmp_path, docs,
     resumed = _TinyLM()
     _trainer(tmp_path / "b", steps).fit(resumed, datamodule=make(), ckpt_path=str(tmp_path / "ckpt" / f"epoch=0-step={cut}.ckpt"))
     assert len(resumed.seen) == steps - cut
-    for a, b in zip(reference.seen[cut:], resumed.seen):
+    for a, b in zip(reference.seen[cut:], resumed.seen, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(reference.table.weight, resumed.table.weight, rtol=0, atol=0)
 

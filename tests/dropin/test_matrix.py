@@ -161,7 +161,7 @@ def test_copies(kind, how):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_dict_round_trip(kind):
-    dense, model = tensorized(kind)
+    _dense, model = tensorized(kind)
     for _, layer in tt_layers(model)[:1]:  # one layer with smaller ranks: loading adopts them
         layer.truncate_to_share_(0.5)
     buffer = io.BytesIO()
@@ -172,7 +172,7 @@ def test_state_dict_round_trip(kind):
     tensorize_like(fresh, state)
     fresh.load_state_dict(state)
     same(eval_outputs(fresh, kind), eval_outputs(model, kind))
-    assert [l.ranks for _, l in tt_layers(fresh)] == [l.ranks for _, l in tt_layers(model)]
+    assert [layer.ranks for _, layer in tt_layers(fresh)] == [layer.ranks for _, layer in tt_layers(model)]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -89,7 +89,7 @@ def test_one_call_reload_of_the_callback_checkpoint(trained, which):
     assert state["arguments"]["rank"] == 16 and state["ranks"]["net.0"] == model.net[0].ranks
     loaded = load_from_checkpoint(UserModel, path)
     assert type(loaded) is UserModel and loaded.hparams.width == 64
-    assert [l.ranks for _, l in tt_layers(loaded)] == [l.ranks for _, l in tt_layers(model)]
+    assert [layer.ranks for _, layer in tt_layers(loaded)] == [layer.ranks for _, layer in tt_layers(model)]
     x = torch.randn(5, 32)
     model.eval(), loaded.eval()
     with torch.no_grad():
@@ -100,7 +100,7 @@ def test_one_call_reload_of_the_callback_checkpoint(trained, which):
 
 
 def test_resume_rebuilds_the_checkpoint_structure(trained, tmp_path):
-    model, _, fit_path = trained
+    _model, _, fit_path = trained
     path = fit_path / "ckpt" / "last.ckpt"
     saved_ranks = torch.load(path, weights_only=True)["callbacks"]
     resumed = UserModel()

@@ -142,7 +142,7 @@ def test_low_rank_embeddings_are_a_gated_product_of_two_factors_in_float64():
     torch.testing.assert_close(da, da_ref)
     with pytest.raises(ValueError, match="matches low_rank_embeddings but its model gives it modes"):
         f.embedding("x.word", 64, 16, vocab_modes=[8, 8], dim_modes=[4, 4])
-    with pytest.raises(ValueError, match="layer_config.low_rank_embeddings is not a valid regular expression"):
+    with pytest.raises(ValueError, match=r"layer_config.low_rank_embeddings is not a valid regular expression"):
         LayerConfig(low_rank_embeddings="(")
 
 

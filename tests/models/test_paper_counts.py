@@ -32,7 +32,7 @@ def test_tt_core_counts_by_hand(counts):
 
 
 def test_totals_and_compression_ratio(counts):
-    module, result = counts
+    _module, result = counts
     d, ff, layers, vocab = 768, 3072, 6, 30522
     dense_layer = 4 * (d * d + d) + (d * ff + ff) + (ff * d + d) + 4 * d  # 4 projections, FFN, 2 LayerNorms
     dense_total = vocab * d + 128 * d + 2 * d + 2 * d + layers * dense_layer + (d * d + d) + (d * 3 + 3)

@@ -51,7 +51,7 @@ def test_forward_and_grads_match_reference(in_f, out_f, in_modes, out_modes, act
     grads_ref = torch.autograd.grad((y_ref * upstream).sum(), params)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     for k, (g, g_ref) in enumerate(zip(grads, grads_ref, strict=True)):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"param {k}: {m}")
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m, k=k: f"param {k}: {m}")
 
 
 def test_gradcheck():

@@ -70,7 +70,7 @@ def test_masked_lm_loss_under_capture_equals_eager_loss_and_gradients(capturing,
     eager_loss, eager_grads = _loss_and_grads(task, batch)
     torch.testing.assert_close(captured_loss, eager_loss, rtol=1e-12, atol=1e-12)
     assert len(captured_grads) == len(eager_grads)
-    for a, b in zip(captured_grads, eager_grads):
+    for a, b in zip(captured_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 

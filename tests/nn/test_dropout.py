@@ -94,7 +94,7 @@ def test_attention_math_path_equals_sdpa_when_nothing_is_dropped(causal):
     ours = attention(q, k, v, attn_mask=key_mask, is_causal=causal, dropout_p=1e-6, packed_masks=True)
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=causal)
     torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
-    for a, b in zip(_grads(ours, (q, k, v)), _grads(reference, (q, k, v))):
+    for a, b in zip(_grads(ours, (q, k, v)), _grads(reference, (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 
@@ -107,7 +107,7 @@ def test_attention_drops_probabilities_with_the_packed_mask():
     torch.manual_seed(11)
     ours = attention(q, k, v, dropout_p=0.2, packed_masks=True)
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
-    for a, b in zip(_grads(ours, (q, k, v)), _grads(expected, (q, k, v))):
+    for a, b in zip(_grads(ours, (q, k, v)), _grads(expected, (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 

@@ -54,7 +54,7 @@ def test_lookup_matches_chain_and_dense(V, D, vocab_modes, dim_modes, rank, dedu
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(chain, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.weight_dense(), table, rtol=1e-12, atol=1e-12)
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
 
 
@@ -66,7 +66,7 @@ def test_module_gradcheck(V, D, vocab_modes, dim_modes):
     ids = torch.tensor([[0, 1, V - 1], [2, 2, 1]])
 
     def fn(*values):
-        return torch.func.functional_call(layer, dict(zip(names, values)), (ids,))
+        return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (ids,))
 
     assert torch.autograd.gradcheck(fn, tuple(tensors))
 
@@ -80,7 +80,7 @@ def test_dedup_equal_including_gradients():
     (a(ids) * upstream).sum().backward()
     (b(ids) * upstream).sum().backward()
     torch.testing.assert_close(a(ids), b(ids), rtol=0, atol=1e-14)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-12)
 
 
@@ -101,7 +101,7 @@ def test_padding_idx(padding_idx, deduplicate):
     keep = ids != pad
     without = layer(ids[keep])
     grads_without = torch.autograd.grad((without * upstream[keep]).sum(), list(layer.parameters()))
-    for g, h in zip(grads, grads_without):
+    for g, h in zip(grads, grads_without, strict=True):
         torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
     # only padding tokens: exactly zero gradient
     only = layer(torch.full((3,), pad))

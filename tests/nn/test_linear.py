@@ -78,8 +78,8 @@ def test_forward_and_grads_match_dense_reference(in_f, out_f, in_modes, out_mode
 
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(layer.weight_dense(), weight, rtol=1e-12, atol=1e-12)
-    for k, (g, g_ref) in enumerate(zip(grads, grads_ref)):
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"param {k}: {m}")
+    for k, (g, g_ref) in enumerate(zip(grads, grads_ref, strict=True)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m, k=k: f"param {k}: {m}")
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -93,7 +93,7 @@ def test_module_gradcheck(in_f, out_f, in_modes, out_modes, plan):
     tensors = [p.detach().clone().double().requires_grad_() for _, p in layer.named_parameters()]
 
     def fn(x, *values):
-        return torch.func.functional_call(layer, dict(zip(names, values)), (x,))
+        return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (x,))
 
     assert torch.autograd.gradcheck(fn, (x, *tensors), fast_mode=True)
 

@@ -136,7 +136,7 @@ def test_truncate_keeps_the_function_and_shrinks(kind, plan):
     for k, core in enumerate(layer.cores):
         assert core.shape[0] == old_active[k] and core.shape[-1] == old_active[k + 1]
         assert core.shape[1:-1] == old_shapes[k][1:-1]
-    for k, (gate, mask) in enumerate(zip(layer.gates, layer.rank_masks)):
+    for k, (gate, mask) in enumerate(zip(layer.gates, layer.rank_masks, strict=True)):
         assert gate.numel() == mask.numel() == old_active[k + 1] and bool(mask.all())
     assert layer.allocated_parameters() == layer.active_parameters() == active_params
     torch.testing.assert_close(layer(inputs), masked_out, rtol=1e-12, atol=1e-12)
@@ -159,13 +159,13 @@ def test_gradients_after_truncation(kind):
     num = len(layer.cores)
     sels = [CoreSelection(keeps[k - 1] if k else None, keeps[k] if k < num - 1 else None) for k in range(num)]
     sels += [CoreSelection(None, keep) for keep in keeps]
-    expected = [select_rank_slices(g, s) for g, s in zip(grads_masked, sels)]
+    expected = [select_rank_slices(g, s) for g, s in zip(grads_masked, sels, strict=True)]
 
     layer.truncate_()
     params = [*layer.cores, *layer.gates]
     grads = torch.autograd.grad((layer(inputs) * upstream).sum(), params)
     grads_ref = torch.autograd.grad((reference_output(kind, layer, inputs) * upstream).sum(), params)
-    for g, e, r in zip(grads, expected, grads_ref):
+    for g, e, r in zip(grads, expected, grads_ref, strict=True):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)  # ... equal the truncated layer's
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)  # and the dense reference's
@@ -181,7 +181,7 @@ def test_gradcheck_after_truncation():
     x = torch.randn(2, 24, dtype=F64, requires_grad=True)
     for plan in PLANS:
         layer.set_contraction_plan(plan)
-        fn = lambda x, *v: torch.func.functional_call(layer, dict(zip(names, v)), (x,))  # noqa: E731
+        fn = lambda x, *v: torch.func.functional_call(layer, dict(zip(names, v, strict=True)), (x,))  # noqa: E731
         assert torch.autograd.gradcheck(fn, (x, *values), fast_mode=True)
 
 
@@ -196,7 +196,7 @@ def test_truncate_slices_existing_grads_and_record():
     params = [*layer.cores, *layer.gates]
     assert [id(p) for p, _ in record] == [id(p) for p in params]
     keep = torch.tensor([0, 2, 3])
-    for (param, selection), old_grad, state in zip(record, old_grads, fake_state):
+    for (param, selection), old_grad, state in zip(record, old_grads, fake_state, strict=True):
         assert param.grad.shape == param.shape
         torch.testing.assert_close(param.grad, select_rank_slices(old_grad, selection))
         assert select_rank_slices(state, selection).shape == param.shape
@@ -212,7 +212,7 @@ def test_truncate_without_masked_slices_is_a_no_op(kind):
     ranks, cores = layer.ranks, [c.detach().clone() for c in layer.cores]
     assert layer.truncate_() == []
     assert layer.ranks == ranks
-    assert all(torch.equal(a, b) for a, b in zip(cores, layer.cores))
+    assert all(torch.equal(a, b) for a, b in zip(cores, layer.cores, strict=True))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -379,7 +379,7 @@ def test_truncate_to_share_keeps_leading_slices_and_the_masked_function(kind):
     record = layer.truncate_to_share_(0.5)
     assert layer.ranks == [1] + [max(1, round(0.5 * r)) for r in before[1:-1]] + [1]
     assert len(record) > 0
-    for gate, kept in zip(layer.gates, kept_gates):
+    for gate, kept in zip(layer.gates, kept_gates, strict=True):
         torch.testing.assert_close(gate.detach(), kept)
     torch.testing.assert_close(layer(inputs), expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(layer(inputs), reference_output(kind, layer, inputs), rtol=1e-10, atol=1e-12)

@@ -105,14 +105,14 @@ def _assert_same_parameters(a: LightningModule, b: LightningModule, **tolerance)
     named_b = dict(b.named_parameters())
     for name, p in a.named_parameters():
         assert p.shape == named_b[name].shape, name
-        torch.testing.assert_close(p, named_b[name], msg=lambda m: f"{name}: {m}", **tolerance)
+        torch.testing.assert_close(p, named_b[name], msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 def test_inactive_on_cpu_warns_once_and_trains_eagerly(tmp_path):
     graphs = CudaGraphs()  # backend auto
-    with pytest.warns(UserWarning, match="CudaGraphs is inactive: .*(no CUDA|not on a CUDA).*runs eagerly"):
-        with pytest.warns(UserWarning, match="experimental and unverified on a GPU.*reduce-overhead"):
-            model, record, _ = _fit(tmp_path, [graphs], max_steps=4)
+    with (pytest.warns(UserWarning, match="CudaGraphs is inactive: .*(no CUDA|not on a CUDA).*runs eagerly"),
+          pytest.warns(UserWarning, match="experimental and unverified on a GPU.*reduce-overhead")):
+        model, record, _ = _fit(tmp_path, [graphs], max_steps=4)
     plain, plain_record, _ = _fit(tmp_path, [], max_steps=4)
     assert not graphs.active and graphs.captures == 0 and graphs.comera_metrics() == {}
     assert "training_step" not in model.__dict__
@@ -308,7 +308,7 @@ def test_capture_refuses_a_step_without_loss_and_torchmetrics_logging(tmp_path):
 
 def test_checkpoints_keep_plain_float_learning_rates(tmp_path):
     graphs = CudaGraphs(backend="replay", warmup_steps=1)
-    model, _, trainer = _fit(tmp_path, [graphs], model=StaticRegressor(schedule=True), max_steps=4)
+    _model, _, trainer = _fit(tmp_path, [graphs], model=StaticRegressor(schedule=True), max_steps=4)
     assert torch.is_tensor(trainer.optimizers[0].param_groups[0]["lr"])
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)

@@ -76,7 +76,7 @@ def trainer(tmp_path, callbacks, max_steps=10, **kwargs):
 def state(model, optimizer):
     """Everything a step may touch: parameters, rank masks and buffers, AdamW moments and step counts."""
     out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for i, (p, s) in enumerate(optimizer.state.items()):
+    for i, s in enumerate(optimizer.state.values()):
         for k, v in s.items():
             out[f"opt{i}.{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
     return out

@@ -187,7 +187,7 @@ def _assert_same(a, b, where: str = "") -> None:
             _assert_same(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}[{i}]")
     elif torch.is_tensor(a):
         assert torch.is_tensor(b) and a.shape == b.shape, f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -299,7 +299,7 @@ def test_training_loader_resumes_mid_epoch_and_at_epoch_end():
         rest += epoch(second, 1)
         got = seen + rest
         assert len(got) == len(uninterrupted)
-        for a, b in zip(got, uninterrupted):
+        for a, b in zip(got, uninterrupted, strict=True):
             for key in a:
                 assert torch.equal(a[key], b[key]), key
 

@@ -77,7 +77,7 @@ def test_callback_applies_for_the_run_and_restores_at_teardown(tmp_path, monkeyp
     trainer.fit(TinyRegressor(), regression_loader())
     kept = [(host_memory._M_MMAP_MAX, 0), (host_memory._M_TRIM_THRESHOLD, 2**31 - 1)]
     assert seen.calls_at_start == kept
-    assert calls == kept + [(host_memory._M_MMAP_MAX, 65536), (host_memory._M_TRIM_THRESHOLD, 128 * 1024), ("trim", 0)]
+    assert calls == [*kept, (host_memory._M_MMAP_MAX, 65536), (host_memory._M_TRIM_THRESHOLD, 128 * 1024), ("trim", 0)]
     assert not keep.applied
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -75,10 +76,8 @@ def _answers(url: str) -> bool:
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (mlflow CLI + uvicorn), SIGKILL what is left after 10 s."""
     for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
-        except ProcessLookupError:
-            pass
         try:
             proc.wait(timeout=wait_s)
             if sig == signal.SIGTERM:  # the leader is gone; SIGKILL any worker that outlived it

@@ -60,11 +60,11 @@ def test_plan_matches_dense_reference_values_and_grads(plan, rank, in_modes, out
 
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     names = ["x", "bias"] + [f"core{k}" for k in range(len(cores))] + [f"gate{k}" for k in range(len(gates))]
-    for name, g, g_ref in zip(names, grads, grads_ref):
+    for name, g, g_ref in zip(names, grads, grads_ref, strict=True):
         assert g.shape == g_ref.shape, name
-        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
     # masked slices receive no gate gradient
-    for gate_grad, mask in zip(grads[2 + len(cores):], masks):
+    for gate_grad, mask in zip(grads[2 + len(cores):], masks, strict=True):
         assert torch.all(gate_grad[~mask] == 0)
 
 
@@ -97,7 +97,7 @@ def test_function_without_input_grad(plan):
     y_ref = x @ dense_reference(cores, 3)
     grads_ref = torch.autograd.grad(y_ref.pow(2).sum(), cores)
     torch.testing.assert_close(y, y_ref)
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref)
 
 
@@ -115,7 +115,7 @@ def test_unusual_upstream_gradients(plan, loss):
     }
     grads = torch.autograd.grad(losses[loss](tt_linear(x, cores, [2, 3], plan)), [x, *cores])
     grads_ref = torch.autograd.grad(losses[loss](x @ dense_reference(cores, 2)), [x, *cores])
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
     # every core's gradient in its core's layout: DDP copies any other layout into its bucket at every step
     assert [g.stride() for g in grads[1:]] == [c.stride() for c in cores]
@@ -206,7 +206,7 @@ def test_bf16_autocast(plan):
 
     scale = y32.abs().max()
     assert (y16.float() - y32).abs().max() <= 3e-2 * scale
-    for g16, g32, param in zip(grads16, grads32, params):
+    for g16, g32, param in zip(grads16, grads32, params, strict=True):
         assert g16.dtype == torch.float32 == param.dtype
         assert torch.isfinite(g16).all()
         assert (g16 - g32).norm() <= 5e-2 * g32.norm()
@@ -360,14 +360,14 @@ def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(mon
     y_ref = x @ weight + bias
     grads_ref = torch.autograd.grad((y_ref * upstream).sum(), params)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.shape == g_ref.shape
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
 
     monkeypatch.setattr(contract, "bottleneck_padding", lambda rank, device_type: 0)
     y_unpadded, grads_unpadded = run()
     torch.testing.assert_close(y, y_unpadded, rtol=1e-13, atol=1e-13)
-    for g, g_unpadded in zip(grads, grads_unpadded):
+    for g, g_unpadded in zip(grads, grads_unpadded, strict=True):
         torch.testing.assert_close(g, g_unpadded, rtol=1e-13, atol=1e-13)
 
 

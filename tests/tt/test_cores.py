@@ -85,13 +85,13 @@ def test_tt_to_dense_matches_explicit_contraction(sizes, num_in):
     # entry by entry for one index, straight from the definition (product of core slices)
     idx = [s - 1 for s in sizes]
     chain = torch.ones(1, 1, dtype=F64)
-    for core, i in zip(cores, idx):
+    for core, i in zip(cores, idx, strict=True):
         chain = chain @ core[:, i, :]
     row = 0
-    for i, s in zip(idx[:num_in], sizes[:num_in]):
+    for i, s in zip(idx[:num_in], sizes[:num_in], strict=True):
         row = row * s + i
     col = 0
-    for i, s in zip(idx[num_in:], sizes[num_in:]):
+    for i, s in zip(idx[num_in:], sizes[num_in:], strict=True):
         col = col * s + i
     torch.testing.assert_close(dense[row, col], chain[0, 0])
 
@@ -106,9 +106,9 @@ def test_tt_to_dense_does_not_change_tensorly_backend():
 
 @pytest.mark.parametrize("row_modes, col_modes", [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3])])
 def test_ttm_to_dense_matches_definition(row_modes, col_modes):
-    sizes = [v * e for v, e in zip(row_modes, col_modes)]
+    sizes = [v * e for v, e in zip(row_modes, col_modes, strict=True)]
     ranks = resolve_ranks(sizes, 3)
-    cores = [torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) for k, (v, e) in enumerate(zip(row_modes, col_modes))]
+    cores = [torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))]
     dense = ttm_to_dense(cores)
     V, D = math.prod(row_modes), math.prod(col_modes)
     assert dense.shape == (V, D)
@@ -116,7 +116,7 @@ def test_ttm_to_dense_matches_definition(row_modes, col_modes):
     for i, j in [(0, 0), (V - 1, D - 1), (V // 2, D // 3)]:
         vi, ej = [], []
         a, b = i, j
-        for v, e in zip(reversed(row_modes), reversed(col_modes)):
+        for v, e in zip(reversed(row_modes), reversed(col_modes), strict=True):
             vi.append(a % v)
             ej.append(b % e)
             a //= v
@@ -124,7 +124,7 @@ def test_ttm_to_dense_matches_definition(row_modes, col_modes):
         vi.reverse()
         ej.reverse()
         chain = torch.ones(1, 1, dtype=F64)
-        for core, v_, e_ in zip(cores, vi, ej):
+        for core, v_, e_ in zip(cores, vi, ej, strict=True):
             chain = chain @ core[:, v_, e_, :]
         torch.testing.assert_close(dense[i, j], chain[0, 0])
 
@@ -153,7 +153,7 @@ def test_init_cores_dtype_and_generator():
     a = init_cores(shapes, 0.1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     b = init_cores(shapes, 0.1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     assert all(x.dtype == torch.float64 for x in a)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # --- TT-SVD -------------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_tt_from_dense_full_rank_is_exact():
     ranks = resolve_ranks(in_modes + out_modes, 10**6)
     cores = tt_from_dense(matrix, in_modes, out_modes, ranks)
     assert len(cores) == 4
-    assert all(c.shape[-1] <= r for c, r in zip(cores, ranks[1:]))
+    assert all(c.shape[-1] <= r for c, r in zip(cores, ranks[1:], strict=True))
     torch.testing.assert_close(tt_to_dense(cores, 2), matrix, rtol=1e-9, atol=1e-9)
 
 

@@ -120,8 +120,8 @@ def test_truncation_preserves_the_function(in_modes, out_modes):
         m[0] = True  # at least one survivor per bond
     before = tt_to_dense(apply_gates(cores, gates, masks), len(in_modes))
     core_sel, gate_sel = truncate_train(masks, len(cores))
-    small_cores = [select_rank_slices(c, s) for c, s in zip(cores, core_sel)]
-    small_gates = [select_rank_slices(g, s) for g, s in zip(gates, gate_sel)]
+    small_cores = [select_rank_slices(c, s) for c, s in zip(cores, core_sel, strict=True)]
+    small_gates = [select_rank_slices(g, s) for g, s in zip(gates, gate_sel, strict=True)]
     small_masks = [torch.ones(int(m.sum()), dtype=torch.bool) for m in masks]
     for k, m in enumerate(masks):
         assert small_cores[k].shape[-1] == int(m.sum()) == small_gates[k].numel()

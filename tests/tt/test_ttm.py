@@ -16,11 +16,11 @@ TTM_IDS = ["1core", "2cores", "3cores", "4cores"]
 
 
 def random_ttm(row_modes, col_modes, rank):
-    sizes = [v * e for v, e in zip(row_modes, col_modes)]
+    sizes = [v * e for v, e in zip(row_modes, col_modes, strict=True)]
     ranks = resolve_ranks(sizes, rank)
     return [
         (torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) / math.sqrt(ranks[k])).requires_grad_()
-        for k, (v, e) in enumerate(zip(row_modes, col_modes))
+        for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))
     ]
 
 
@@ -57,7 +57,7 @@ def test_lookup_matches_chain_and_dense(row_modes, col_modes, rank, deduplicate)
     g_rows = torch.autograd.grad((rows * upstream).sum(), cores)
     g_chain = torch.autograd.grad((chain * upstream).sum(), cores)
     g_dense = torch.autograd.grad((dense * upstream).sum(), cores)
-    for a, b, c in zip(g_rows, g_chain, g_dense):
+    for a, b, c in zip(g_rows, g_chain, g_dense, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-10)
 
@@ -68,7 +68,7 @@ def test_lookup_gradcheck(row_modes, col_modes):
     V = math.prod(row_modes)
     ids = torch.tensor([0, V - 1, 3 % V, 3 % V])
     for dedup in (False, True):
-        assert torch.autograd.gradcheck(lambda *c: ttm_lookup(list(c), ids, dedup), tuple(cores))
+        assert torch.autograd.gradcheck(lambda *c, dedup=dedup: ttm_lookup(list(c), ids, dedup), tuple(cores))
 
 
 def test_dedup_equal_including_gradients_with_heavy_repetition():
@@ -80,7 +80,7 @@ def test_dedup_equal_including_gradients_with_heavy_repetition():
     torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
     ga = torch.autograd.grad((a * upstream).sum(), cores)
     gb = torch.autograd.grad((b * upstream).sum(), cores)
-    for x, y in zip(ga, gb):
+    for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
