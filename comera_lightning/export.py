@@ -106,7 +106,7 @@ def export_checkpoint(
     state dict is loaded (loaded with ``weights_only=True``).
 
     Args:
-        ckpt_path: a ``.ckpt`` file.
+        ckpt_path: a ``.ckpt`` file, or the folder of a sharded run's distributed checkpoint (FSDP2).
         out_path: the ``.safetensors`` file to write.
         task: the task's class path (e.g. ``"comera_lightning.lit.MaskedLM"``), for checkpoints that do not
             record it; takes precedence over the recorded one.
@@ -118,12 +118,13 @@ def export_checkpoint(
         ValueError: the checkpoint is unreadable or not a Lightning checkpoint, or its task class is unknown.
     """
     from .lit.checks import check_checkpoint_file  # here: loading an export needs no Lightning
+    from .training.checkpoint_io import read_checkpoint
 
     check_checkpoint_file(ckpt_path)
-    if not Path(ckpt_path).expanduser().is_file():
-        raise ValueError(f"export_checkpoint needs a checkpoint file, got {os.fspath(ckpt_path)!r}")
+    if not Path(ckpt_path).expanduser().exists():
+        raise ValueError(f"export_checkpoint needs a checkpoint file or folder, got {os.fspath(ckpt_path)!r}")
     _check_output(out_path, overwrite)
-    checkpoint = torch.load(Path(ckpt_path).expanduser(), map_location="cpu", weights_only=True)
+    checkpoint = read_checkpoint(ckpt_path)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     class_path = task or checkpoint.get(_CHECKPOINT_TASK_KEY) or hparams.get("_class_path")
     if not class_path:

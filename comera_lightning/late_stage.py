@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .nn.base import TruncationRecord, TTLayer
+from .nn.distributed import full_tensor
 from .objectives import (
     ObjectiveWeights,
     early_stage_weights,
@@ -218,7 +219,7 @@ class ScheduledLateStage(LateStagePolicy):
                     continue
                 key = f"{i}.{k}"
                 self._gate_keys[id(gate)] = key
-                value = (gate.detach() * gate.grad).abs().float()
+                value = (full_tensor(gate.detach()) * full_tensor(gate.grad)).abs().float()
                 previous = self.saliency.get(key)
                 if previous is None or previous.shape != value.shape:
                     self.saliency[key] = value.clone()

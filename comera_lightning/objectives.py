@@ -28,9 +28,11 @@ from typing import Iterable, Sequence
 import torch
 
 from .nn.base import TruncationRecord, TTLayer
+from .nn.distributed import full_tensor
 
 __all__ = [
     "rank_penalty", "rank_gates", "all_finite", "add_rank_objective_", "refresh_masks_", "truncate_dead_slices_",
+    "layers_to_truncate",
     "ObjectiveWeights", "early_stage_weights", "late_stage_weights", "compressible_target_size", "scheduled_size",
     "slice_importance", "plan_rank_cuts", "layer_removal_caps",
 ]
@@ -50,10 +52,11 @@ def rank_penalty(
         raise ValueError("gates, masks and weights must have one entry per bond")
     if not gates:
         raise ValueError("rank_penalty needs at least one gate; the model has no comera layers")
-    total = gates[0].new_zeros(())
+    total = full_tensor(gates[0]).new_zeros(())
     normaliser = 0.0
     for k, (gate, mask) in enumerate(zip(gates, masks)):
         w = 1.0 if weights is None else float(weights[k])
+        gate = full_tensor(gate)  # FSDP2-sharded gates: the full vector (gradients flow back to the shards)
         active = mask.to(gate.dtype)
         total = total + w * (gate.abs() * active).sum()
         normaliser += w * float(mask.sum())
@@ -74,7 +77,7 @@ def rank_gates(
 
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
     """True when every tensor (None entries skipped) is finite; a single host sync for all of them."""
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    flags = [torch.isfinite(full_tensor(t)).all() for t in tensors if t is not None]
     return not flags or bool(torch.stack(flags).all())
 
 
@@ -139,11 +142,16 @@ def truncate_dead_slices_(layers: Sequence[TTLayer], min_dead_fraction: float) -
     """Physically remove the masked slices of every layer where some bond has ``min_dead_fraction`` or more of
     its slices masked; returns what was resized (for :func:`comera_lightning.optim.slice_optimizer_state`)."""
     record = TruncationRecord()
-    for layer in layers:
-        dead = max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
-        if dead >= min_dead_fraction:
-            record.extend(layer.truncate_())
+    for layer in layers_to_truncate(layers, min_dead_fraction):
+        record.extend(layer.truncate_())
     return record
+
+
+def layers_to_truncate(layers: Sequence[TTLayer], min_dead_fraction: float) -> list[TTLayer]:
+    """The layers where some bond has ``min_dead_fraction`` or more of its slices masked."""
+    def dead(layer: TTLayer) -> float:
+        return max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
+    return [layer for layer in layers if dead(layer) >= min_dead_fraction]
 
 
 def compressible_target_size(size: float, other_parameters: float, ratio: float) -> float:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -39,6 +39,7 @@ from ..objectives import (
 )
 from ..optim import slice_optimizer_state
 from ..late_stage import LateStagePolicy, late_stage_policy
+from ..sharding import FSDP2Strategy
 
 __all__ = ["RankAdaptation", "after_truncation"]
 
@@ -172,13 +173,17 @@ class RankAdaptation(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        # sharded strategies flatten parameters into fixed-size buffers (DeepSpeed is a DDPStrategy subclass)
-        resizable = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
+        # FSDP1 and DeepSpeed flatten parameters into fixed-size buffers (DeepSpeed is a DDPStrategy subclass);
+        # FSDP2 keeps them apart, and FSDP2Strategy reshards them after a cut
+        resizable = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy)) and not isinstance(
             strategy, DeepSpeedStrategy)
         if stage == "fit" and self.truncate_every_n_steps is not None and not resizable:
+            fix = ("use comera_lightning.sharding.FSDP2Strategy, which reshards after a cut"
+                   if isinstance(strategy, ModelParallelStrategy) else "use a DDP strategy or "
+                   "comera_lightning.sharding.FSDP2Strategy (FSDP2)")
             raise ValueError(
-                f"physical rank truncation is not supported under {type(strategy).__name__} (sharded strategies "
-                f"flatten parameters into fixed-size buffers); use a DDP strategy, or keep masking only with "
+                f"physical rank truncation is not supported under {type(strategy).__name__} (a cut changes parameter "
+                f"shapes, which this strategy cannot reshard); {fix}, or keep masking only with "
                 f"RankAdaptation(truncate_every_n_steps=None)"
             )
 
@@ -332,9 +337,13 @@ class RankAdaptation(Callback):
 
     def truncate(self, trainer: Trainer, pl_module: LightningModule) -> TruncationRecord:
         """Physically remove dead slices from every layer with enough of them; returns what changed."""
-        record = truncate_dead_slices_(self._layers(pl_module), self.min_dead_fraction)
-        if record:
+        layers = self._layers(pl_module)
+        if isinstance(trainer.strategy, FSDP2Strategy):
+            record = trainer.strategy.truncate_layers_(layers, self.min_dead_fraction)
+        else:
+            record = truncate_dead_slices_(layers, self.min_dead_fraction)
             after_truncation(trainer, record)
+        if record:
             self.late_stage.after_truncation(record)
             self.truncations += 1
         return record

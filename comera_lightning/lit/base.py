@@ -13,6 +13,7 @@ from lightning.pytorch.cli import LightningCLI, instantiate_class
 from typing_extensions import override
 
 from ..optim import OptimConfig, comera_parameter_groups
+from ..sharding import shard_model
 from .checks import check_output_dirs, check_state_dict_fits
 
 __all__ = ["ComeraTask", "warmup_decay_factor"]
@@ -113,6 +114,13 @@ class ComeraTask(LightningModule):
             lambda step: warmup_decay_factor(step, optim.warmup_steps, total, optim.schedule, optim.final_lr_ratio),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` / :class:`~comera_lightning.sharding.FSDP2Strategy`: FSDP2-shard each
+        transformer block, embedding table and head (:func:`~comera_lightning.sharding.shard_model`); elsewhere
+        nothing."""
+        shard_model(self)
 
     @override
     def setup(self, stage: str) -> None:

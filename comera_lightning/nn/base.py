@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..tt.cores import keep_grad_layout
+from .distributed import full_tensor, is_sharded, write_full_
 from ..tt.rank import (
     CoreSelection,
     apply_gates,
@@ -157,7 +158,9 @@ class TTLayer(nn.Module):
     def gated_cores(self) -> list[torch.Tensor]:
         """Cores with the masked gates folded into their trailing rank index (differentiable); the cores'
         gradients arrive in their own layout, as DDP wants them."""
-        return apply_gates([keep_grad_layout(core) for core in self.cores], list(self.gates), self.rank_masks)
+        # sharded parameters (FSDP2, outside its forward) are combined with the masks as their full values
+        return apply_gates([keep_grad_layout(full_tensor(core)) for core in self.cores],
+                           [full_tensor(gate) for gate in self.gates], self.rank_masks)
 
     # --- inference cache -----------------------------------------------------------------------------
     def _serves_from_cache(self) -> bool:
@@ -238,7 +241,7 @@ class TTLayer(nn.Module):
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
         for k, (gate, mask) in enumerate(zip(self.gates, self.rank_masks)):
-            mask.copy_(refresh_mask(gate, mask, threshold))
+            mask.copy_(refresh_mask(full_tensor(gate.detach()), mask, threshold))
         return self.active_ranks
 
     @torch.no_grad()
@@ -258,7 +261,9 @@ class TTLayer(nn.Module):
         remaining[index] = False
         if not bool(remaining.any()):
             raise ValueError(f"removing slices {list(indices)} would leave bond {bond} without an active slice")
-        self.gates[bond][index] = 0.0
+        gate = full_tensor(self.gates[bond].detach()).clone()
+        gate[index] = 0.0
+        write_full_(self.gates[bond], gate)
         mask.copy_(remaining)
 
     @torch.no_grad()
@@ -268,17 +273,34 @@ class TTLayer(nn.Module):
         Parameters are resized in place (same objects), their ``.grad`` sliced alike. Returns what was
         selected so callers can slice optimiser state the same way.
         """
+        record = self.truncation_plan()
+        if not record:
+            return record
+        if any(is_sharded(param) for param, _ in record):
+            raise RuntimeError(
+                "this layer's parameters are sharded (FSDP2): a cut changes their shapes, which needs the model "
+                "resharded; train with comera_lightning.sharding.FSDP2Strategy, whose truncate_layers_() does it "
+                "(RankAdaptation calls it)")
+        self.clear_inference_cache()
+        for param, selection in record:
+            _resize_parameter(param, selection)
+        self.reset_masks_after_truncation_()
+        return record
+
+    def truncation_plan(self) -> TruncationRecord:
+        """What :meth:`truncate_` would cut, changing nothing: ``(parameter, selection)`` for every core and gate
+        (empty when no slice is masked)."""
         record = TruncationRecord()
         if all(bool(m.all()) for m in self.rank_masks):
             return record
-        self.clear_inference_cache()
         core_sel, gate_sel = truncate_train(self.rank_masks, len(self.cores))
-        for param, selection in [*zip(self.cores, core_sel), *zip(self.gates, gate_sel)]:
-            _resize_parameter(param, selection)
-            record.append((param, selection))
-        for k, mask in enumerate(self.rank_masks):
-            setattr(self, f"rank_mask_{k}", torch.ones(int(mask.sum()), dtype=torch.bool, device=mask.device))
+        record.extend([*zip(self.cores, core_sel), *zip(self.gates, gate_sel)])
         return record
+
+    def reset_masks_after_truncation_(self) -> None:
+        """Masks of all-active slices at the new ranks, once the masked slices were removed from the
+        parameters (:meth:`truncate_` calls it; so does a sharded cut, which resizes the parameters itself)."""
+        self.reset_masks_to_ranks_([int(mask.sum()) for mask in self.rank_masks])
 
     @torch.no_grad()
     def truncate_to_share_(self, keep: float) -> TruncationRecord:
@@ -317,6 +339,29 @@ class TTLayer(nn.Module):
 
     @torch.no_grad()
     def _adopt_core_shapes(self, shapes: list[tuple[int, ...]], prefix: str) -> None:
+        ranks = self.check_core_shapes(shapes, prefix)
+        if ranks == self.ranks:
+            return
+        self.clear_inference_cache()
+        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
+            core.data = core.data.new_zeros(shape)
+            core.grad = None
+        for k, gate in enumerate(self.gates):
+            gate.data = gate.data.new_ones(ranks[k + 1])
+            gate.grad = None
+        self.reset_masks_to_ranks_(ranks[1:-1])
+
+    def reset_masks_to_ranks_(self, bond_ranks: Sequence[int]) -> None:
+        """All-active masks of the given internal bond ranks (after the parameters were resized to them)."""
+        self.clear_inference_cache()
+        device = self.rank_masks[0].device if self.num_bonds else None
+        for k, rank in enumerate(bond_ranks):
+            setattr(self, f"rank_mask_{k}", torch.ones(int(rank), dtype=torch.bool, device=device))
+
+    def check_core_shapes(self, shapes: Sequence[Sequence[int]], prefix: str = "") -> list[int]:
+        """The ranks ``[1, r_1, ..., 1]`` of incoming core ``shapes`` (a checkpoint's), after checking that this layer
+        can take them (same modes, consistent ranks within the modes' limits); raises ``ValueError`` otherwise."""
+        shapes = [tuple(s) for s in shapes]
         for k, (shape, core) in enumerate(zip(shapes, self.cores)):
             if tuple(shape[1:-1]) != tuple(core.shape[1:-1]):
                 raise ValueError(
@@ -334,16 +379,7 @@ class TTLayer(nn.Module):
                 f"layer's modes allow at bonds {too_big}: the checkpoint was made with other modes; build the layer "
                 f"with the modes it was trained with"
             )
-        if ranks == self.ranks:
-            return
-        self.clear_inference_cache()
-        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
-            core.data = core.data.new_zeros(shape)
-            core.grad = None
-        for k, gate in enumerate(self.gates):
-            gate.data = gate.data.new_ones(ranks[k + 1])
-            gate.grad = None
-            setattr(self, f"rank_mask_{k}", torch.ones(ranks[k + 1], dtype=torch.bool, device=gate.device))
+        return ranks
 
     def extra_repr(self) -> str:
         return f"ranks={self.ranks}, active_ranks={self.active_ranks}, threshold={self.rank_threshold}"

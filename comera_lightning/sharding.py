@@ -1,0 +1,198 @@
+"""CoMERA under FSDP2: sharded models whose ranks shrink while they train.
+
+Lightning's ``ModelParallelStrategy`` runs FSDP2 (``fully_shard``) on the model that ``configure_model`` shards.
+Two pieces make CoMERA work under it:
+
+* :func:`shard_model`, the one call for ``configure_model``: one ``fully_shard`` per transformer block, embedding
+  table and head (and TT layer outside a block) on the strategy's data-parallel mesh; nothing without a mesh (DDP,
+  one device), so the same module runs everywhere. The project's tasks call it; a user's module adds it.
+* :class:`FSDP2Strategy`, the strategy that owns the reshard a cut needs. A physical cut changes the cores' and
+  gates' shapes, which FSDP2 fixed when it sharded them: the strategy gathers each affected parameter, slices it,
+  shards the smaller tensor afresh, and moves the optimiser's moments along (gathered, sliced, resharded), so the
+  memory a cut frees is freed on every process during training. A sharded checkpoint folder (Lightning's
+  distributed checkpoint) loads into a model built at its initial ranks: before loading, the strategy reads the
+  checkpoint's core shapes and resizes the layers the same way.
+
+Rank adaptation itself (penalty, masks, decisions) works on the full values of the tiny gate vectors, which every
+process gathers alike (:mod:`comera_lightning.nn.distributed`), so all processes decide the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from typing_extensions import override
+
+from .nn.base import TruncationRecord, TTLayer
+from .nn.distributed import full_tensor
+from .nn.tensorize import tt_layers
+from .objectives import layers_to_truncate
+from .training.fsdp import (
+    as_parameter_like,
+    default_shard_units,
+    fully_shard_model,
+    replace_in_optimizers_,
+    reshard_parameters_,
+)
+from .tt.rank import CoreSelection, select_rank_slices
+
+__all__ = ["FSDP2Strategy", "data_parallel_mesh", "shard_model", "sharded_checkpoint_shapes"]
+
+
+def data_parallel_mesh(module: LightningModule) -> Any | None:
+    """The data-parallel device mesh of the module's ``ModelParallelStrategy``, or None outside one."""
+    mesh = getattr(module, "_device_mesh", None)  # LightningModule.device_mesh, without its error outside a trainer
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"CoMERA shards with FSDP2 only (data parallel); this ModelParallelStrategy asks for tensor parallelism of "
+            f"size {mesh['tensor_parallel'].size()}. Use comera_lightning.sharding.FSDP2Strategy() (all processes data "
+            "parallel), or ModelParallelStrategy(data_parallel_size=<processes>, tensor_parallel_size=1)"
+        )
+    return mesh["data_parallel"] if "data_parallel" in names else mesh
+
+
+def shard_model(module: LightningModule, units: Iterable[str] | None = None) -> list[str]:
+    """FSDP2-shard ``module`` when it runs under ``ModelParallelStrategy``; call it from ``configure_model``.
+
+    Args:
+        module: the LightningModule (``self`` in ``configure_model``).
+        units: names of the submodules to shard one by one (as ``named_modules()`` gives them); default: every
+            entry of an ``nn.ModuleList`` (transformer blocks), then every TT layer, ``nn.Embedding`` and
+            ``nn.Linear`` outside those. The module itself is sharded last, for the rest.
+
+    Returns:
+        the sharded units; empty under DDP or on one device (no mesh), and when already sharded.
+    """
+    mesh = data_parallel_mesh(module)
+    if mesh is None:
+        return []
+    if units is None:
+        units = default_shard_units(module, leaf_types=(TTLayer, nn.Embedding, nn.Linear))
+    return fully_shard_model(module, mesh, units)
+
+
+def sharded_checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model state in a distributed checkpoint folder (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "state_dict."
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {
+        key[len(prefix) :]: tuple(value.size)
+        for key, value in metadata.items()
+        if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)
+    }
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` for CoMERA: FSDP2 over all processes, physical rank cuts resharded, sharded
+    checkpoints with changed ranks loaded.
+
+    Args:
+        data_parallel_size: processes that shard the model; ``"auto"``: all of them (nodes x devices).
+        tensor_parallel_size: must stay 1 (CoMERA's TT layers have no tensor-parallel plan).
+        save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
+
+    The LightningModule must shard itself in ``configure_model`` (:func:`shard_model`; the project's tasks do).
+    """
+
+    strategy_name = "comera_fsdp2"
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if tensor_parallel_size not in (1, "auto"):
+            raise ValueError(
+                f"FSDP2Strategy shards data parallel only: tensor_parallel_size must be 1, got {tensor_parallel_size}"
+            )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    # --- cuts ----------------------------------------------------------------------------------------
+    def truncate_layers_(self, layers: Sequence[TTLayer], min_dead_fraction: float) -> TruncationRecord:
+        """Remove the masked slices of every layer with at least ``min_dead_fraction`` of some bond masked, resharding
+        the resized parameters and their optimiser state; returns ``(old parameter, selection)`` pairs."""
+        record = TruncationRecord()
+        cut = layers_to_truncate(layers, min_dead_fraction)
+        for layer in cut:
+            record.extend(layer.truncation_plan())
+        if not record:
+            return record
+        selections = {param: selection for param, selection in record}
+        self._resize(
+            {p: select_rank_slices(full_tensor(p.detach()), s) for p, s in record},
+            lambda old, value: select_rank_slices(full_tensor(value), selections[old]),
+        )
+        for layer in cut:
+            layer.reset_masks_after_truncation_()
+        return record
+
+    def _resize(self, new_values: dict[nn.Parameter, torch.Tensor], convert: Any) -> None:
+        """Reshard parameters to new full values; ``convert(old, state)`` gives each moment's new full value."""
+        assert self.model is not None
+        mapping = reshard_parameters_(self.model, new_values)
+        replace_in_optimizers_(
+            self.optimizers, mapping, lambda old, new, value: as_parameter_like(convert(old, value), new)
+        )
+        for layer in {id(m): m for m in self.model.modules() if isinstance(m, TTLayer)}.values():
+            layer.clear_inference_cache()
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            self.adopt_checkpoint_ranks_(sharded_checkpoint_shapes(path))
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def adopt_checkpoint_ranks_(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Resize (and reshard) every TT layer whose cores have other shapes in ``shapes`` (a checkpoint's), so the
+        checkpoint's tensors load into it; values are left for the load to fill."""
+        assert self.lightning_module is not None
+        record = TruncationRecord()
+        new_values: dict[nn.Parameter, torch.Tensor] = {}
+        resized = []
+        for name, layer in tt_layers(self.lightning_module):
+            incoming = [shapes.get(f"{name}.cores.{k}") for k in range(len(layer.cores))]
+            current = [tuple(c.shape) for c in layer.cores]
+            if any(s is None for s in incoming) or [tuple(s) for s in incoming] == current:
+                continue
+            ranks = layer.check_core_shapes(incoming, f"{name}.")
+            for core, shape in zip(layer.cores, incoming, strict=True):
+                new_values[core] = torch.zeros(shape, dtype=core.dtype, device=core.device)
+            for gate, rank in zip(layer.gates, ranks[1:-1], strict=True):
+                new_values[gate] = torch.ones(rank, dtype=gate.dtype, device=gate.device)
+            record.extend((p, CoreSelection(None, None)) for p in [*layer.cores, *layer.gates])
+            resized.append((layer, ranks))
+        if not record:
+            return
+        # a checkpoint loads both the weights and the optimiser state: the fresh state here is only a placeholder
+        self._resize(new_values, lambda old, value: torch.zeros_like(new_values[old]))
+        for layer, ranks in resized:
+            layer.reset_masks_to_ranks_(ranks[1:-1])
