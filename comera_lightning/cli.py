@@ -50,7 +50,7 @@ import time
 import warnings
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -76,17 +76,17 @@ from . import data as _data  # noqa: F401  (registers the data modules for short
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
 from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from .callbacks import RankAdaptation
-from .callbacks.model_summary import ComeraModelSummary
 from .export import export_checkpoint, export_model, read_export_metadata
-from .nn.distributed import is_sharded
 from .lit.base import ComeraTask
 from .lit.checks import check_checkpoint_file, check_output_dirs
+from .nn.distributed import is_sharded
 from .nn.tensorize import size_report
 from .training.dead_rank import DeadRankWatchdog
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .training.final_validation import FinalValidation
 from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
 from .training.loggers import ResilientMLFlowLogger
+from .training.model_summary import CompactModelSummary
 from .training.predictions import PredictionWriter
 from .training.progress import StepProgressBar
 
@@ -370,7 +370,7 @@ class ComeraCLI(LightningCLI):
             added.append(DeadRankWatchdog())  # idle in one process; several: a dead one does not hang the rest
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
                                                                          for c in configured):
-            added.append(ComeraModelSummary())
+            added.append(CompactModelSummary(describe=comera_sizes))
             # the summary is ours: with the flag on, Lightning would announce that it skips adding its own
             overrides["enable_model_summary"] = False
         if self.subcommand == "fit":
@@ -493,6 +493,16 @@ def _rank_groups(model: LightningModule) -> list[str]:
         count = f" (x{len(layers)})" if len(layers) > 1 else ""
         lines.append(f"    {key}{count}: {active} of {start}")
     return lines
+
+
+def comera_sizes(model: LightningModule) -> list[str]:
+    """The model summary's CoMERA line: active and dense-equivalent parameters (none for a model without TT layers)."""
+    report = size_report(model)
+    if not report.layers:
+        return []
+    return [f"[bold]CoMERA[/]: {report.active_parameters:,} active parameters of "
+            f"{report.dense_equivalent_parameters:,} dense-equivalent ({report.compression_ratio:.1f}x); "
+            "the counts above are allocated ones, dead rank slices included until truncated"]
 
 
 def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None = None) -> str:

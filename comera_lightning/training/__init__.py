@@ -10,8 +10,11 @@ from .fault_tolerance import FaultTolerance
 from .final_validation import FinalValidation
 from .host_memory import KeepFreedMemory
 from .loggers import ResilientMLFlowLogger
+from .model_summary import CompactModelSummary
 from .predictions import PredictionWriter
 from .progress import StepProgressBar
 
-__all__ = ["CudaGraphs", "DeadRankWatchdog", "DivergenceError", "DivergenceGuard", "FaultTolerance", "FinalValidation",
-           "KeepFreedMemory", "PredictionWriter", "ResilientMLFlowLogger", "StepProgressBar"]
+__all__ = [
+    "CompactModelSummary", "CudaGraphs", "DeadRankWatchdog", "DivergenceError", "DivergenceGuard", "FaultTolerance",
+    "FinalValidation", "KeepFreedMemory", "PredictionWriter", "ResilientMLFlowLogger", "StepProgressBar",
+]
