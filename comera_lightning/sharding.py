@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
@@ -196,3 +196,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._resize(new_values, lambda old, value: torch.zeros_like(new_values[old]))
         for layer, ranks in resized:
             layer.reset_masks_to_ranks_(ranks[1:-1])
+
+
+if FSDP2Strategy.strategy_name not in StrategyRegistry:  # ``--trainer.strategy comera_fsdp2`` on any LightningCLI
+    StrategyRegistry.register(
+        FSDP2Strategy.strategy_name,
+        FSDP2Strategy,
+        description="FSDP2 over all processes, with CoMERA's rank cuts resharded",
+    )

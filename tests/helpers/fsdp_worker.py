@@ -64,8 +64,8 @@ def parity(out: Path) -> None:
 
 def truncation(out: Path) -> None:
     model = ShardedRegressor()
-    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=12, save_top_k=-1)
-    trainer = _trainer(out, [*truncation_callbacks(), checkpoint], max_steps=24)
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=8, save_top_k=-1)
+    trainer = _trainer(out, [*truncation_callbacks(), checkpoint], max_steps=16)
     trainer.fit(model, truncation_loader(BATCH))
     local = sum(p.to_local().numel() for p in model.parameters())
     _write(out, "truncation", model, trainer, local_parameters=local)
@@ -73,8 +73,8 @@ def truncation(out: Path) -> None:
 
 def resume(out: Path) -> None:
     model = ShardedRegressor()  # built at the initial ranks; the checkpoint's are smaller
-    trainer = _trainer(out, truncation_callbacks(), max_steps=24, enable_checkpointing=False)
-    trainer.fit(model, truncation_loader(BATCH), ckpt_path=out / "ckpt" / "step=12.ckpt")
+    trainer = _trainer(out, truncation_callbacks(), max_steps=16, enable_checkpointing=False)
+    trainer.fit(model, truncation_loader(BATCH), ckpt_path=out / "ckpt" / "step=8.ckpt")
     _write(out, "resume", model, trainer)
 
 
@@ -83,7 +83,7 @@ def tensorize(out: Path) -> None:
     callbacks = [Tensorize(rank=8, min_features=16), *truncation_callbacks()]
     trainer = _trainer(out, callbacks, max_steps=16, enable_checkpointing=False)
     trainer.fit(model, truncation_loader(BATCH))
-    _write(out, "tensorize", model, trainer)
+    _write(out, "tensorize", model, trainer, sharded=all(type(p).__name__ == "DTensor" for p in model.parameters()))
 
 
 if __name__ == "__main__":

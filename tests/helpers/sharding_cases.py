@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from comera_lightning.callbacks import RankAdaptation
+from comera_lightning.callbacks import RankAdaptation, ScheduledLateStage
 from comera_lightning.sharding import shard_model
 from tests.tiny import TinyRegressor, regression_loader
 
@@ -71,8 +71,10 @@ def parity_callbacks() -> list:
 
 
 def truncation_callbacks() -> list:
+    """Rank adaptation that cuts within a few steps: slices removed every 2 steps from step 2, truncated every 4."""
+    late = ScheduledLateStage(ramp_steps=8, cut_every_n_steps=2, max_cut_fraction=0.25, loss_tolerance=10.0)
     return [
         RankAdaptation(
-            gamma=1.0, late_start_step=4, target_compression=6.0, truncate_every_n_steps=4, min_dead_fraction=0.1
+            late_start_step=2, target_compression=4.0, late_stage=late, truncate_every_n_steps=4, min_dead_fraction=0.1
         )
     ]
