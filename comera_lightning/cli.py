@@ -85,6 +85,7 @@ from .training.dead_rank import DeadRankWatchdog
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .training.final_validation import FinalValidation
 from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
+from .training.internals import trainer_callbacks
 from .training.loggers import ResilientMLFlowLogger
 from .training.model_summary import CompactModelSummary
 from .training.predictions import PredictionWriter
@@ -397,9 +398,9 @@ class ComeraCLI(LightningCLI):
         overrides["callbacks"] = configured + added
         trainer = super().instantiate_trainer(**overrides)
         if (self.subcommand == "fit" and isinstance(trainer.accelerator, CPUAccelerator) and keeps_freed_memory_here()
-                and not any(isinstance(c, KeepFreedMemory) for c in trainer.callbacks)):
+                and not any(isinstance(c, KeepFreedMemory) for c in trainer_callbacks(trainer))):
             # fast by default: a CPU step stops page-faulting its large activations in again (host_memory.py)
-            trainer.callbacks.append(KeepFreedMemory())
+            trainer_callbacks(trainer).append(KeepFreedMemory())
         for logger in trainer.loggers:
             if isinstance(logger, ResilientMLFlowLogger) and logger.local_dir is None:
                 logger.local_dir = trainer.default_root_dir  # fallback folder next to the run's checkpoints
@@ -428,7 +429,7 @@ class ComeraCLI(LightningCLI):
         fit["weights_only"] = True
 
     def after_predict(self) -> None:
-        writers = [c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)]
+        writers = [c for c in trainer_callbacks(self.trainer) if isinstance(c, PredictionWriter)]
         if self.trainer.is_global_zero:
             for writer in writers:
                 print(f"comera: predictions in {writer.resolve_path(self.trainer)}")
@@ -452,7 +453,7 @@ def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
     out = Path(folder).parent / "model.safetensors"
     if any(is_sharded(p) for p in model.parameters()):
         # FSDP2: this process holds only its shards (and runs alone here), so export what the run last saved
-        saved = checkpoint.last_model_path or checkpoint.best_model_path
+        saved = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if not saved:
             return None
         path = export_checkpoint(saved, out, metadata=metadata, overwrite=True)
@@ -467,7 +468,7 @@ def _plain_dict(value: Any) -> dict[str, Any] | None:
     return value.as_dict() if hasattr(value, "as_dict") else value
 
 
-def run_name(config_files: Any, subcommand: str) -> str:
+def run_name(config_files: Any, subcommand: str | None) -> str:
     """``<first config's stem>-<subcommand>-<local time>``: MLflow runs told apart by what and when."""
     files = list(config_files or [])
     stem = Path(str(files[0])).stem if files else "comera"

@@ -236,13 +236,16 @@ def _retensorize(model: nn.Module, layers: list[dict[str, Any]]) -> None:
             continue
         if type(dense) not in (nn.Linear, nn.Embedding):
             continue  # already a TT layer (the model builds its own), or something the state dict will refuse
-        common = dict(rank=entry["ranks"][1:-1], rank_threshold=entry["rank_threshold"], dtype=dense.weight.dtype,
+        layer: TTLinear | TTEmbedding
+        common: dict[str, Any] = dict(rank=entry["ranks"][1:-1], rank_threshold=entry["rank_threshold"], dtype=dense.weight.dtype,
                       device=dense.weight.device)
         if entry["kind"] == "linear" and type(dense) is nn.Linear:
-            layer = TTLinear(*entry["shape"], in_modes=entry["in_modes"], out_modes=entry["out_modes"],
+            rows, cols = entry["shape"]
+            layer = TTLinear(rows, cols, in_modes=entry["in_modes"], out_modes=entry["out_modes"],
                              bias=dense.bias is not None, **common)
         elif entry["kind"] == "embedding" and type(dense) is nn.Embedding:
-            layer = TTEmbedding(*entry["shape"], vocab_modes=entry["in_modes"], dim_modes=entry["out_modes"],
+            rows, cols = entry["shape"]
+            layer = TTEmbedding(rows, cols, vocab_modes=entry["in_modes"], dim_modes=entry["out_modes"],
                                 padding_idx=dense.padding_idx, **common)
         else:
             continue

@@ -52,11 +52,13 @@ def load_from_checkpoint(module_class: type[M], path: str | Path, *, map_locatio
         raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict or a Lightning checkpoint")
     model = module_class(**_init_arguments(module_class, checkpoint if lightning_checkpoint else {}, init_kwargs))
     specs = tensorize_specs(state_dict) or _callback_specs(checkpoint if lightning_checkpoint else {})
-    if lightning_checkpoint and callable(getattr(model, "configure_model", None)):
-        model.configure_model()  # as Lightning's own loader: layers a module builds there must exist
+    configure_model = getattr(model, "configure_model", None)
+    if lightning_checkpoint and callable(configure_model):
+        configure_model()  # as Lightning's own loader: layers a module builds there must exist
     tensorize_like(model, state_dict, specs)
-    if lightning_checkpoint and callable(getattr(model, "on_load_checkpoint", None)):
-        model.on_load_checkpoint(checkpoint)
+    on_load_checkpoint = getattr(model, "on_load_checkpoint", None)
+    if lightning_checkpoint and callable(on_load_checkpoint):
+        on_load_checkpoint(checkpoint)
     model.load_state_dict(state_dict, strict=strict)
     return model
 
@@ -65,7 +67,7 @@ def _init_arguments(module_class: type, checkpoint: dict[str, Any], init_kwargs:
     """Saved hyperparameters overridden by ``init_kwargs``, kept to what ``__init__`` takes (unless ``**kwargs``)."""
     saved = dict(checkpoint.get("hyper_parameters") or {})
     name = checkpoint.get("hparams_name")
-    parameters = inspect.signature(module_class.__init__).parameters
+    parameters = inspect.signature(module_class).parameters  # __init__'s, without self
     if name and name in parameters:  # ``save_hyperparameters(namespace)`` stores everything under one name
         saved = {name: saved}
     arguments = {**saved, **init_kwargs}

@@ -72,7 +72,8 @@ def comera_parameter_groups(
     Groups are named (``"name"`` key) so schedulers and loggers can tell them apart; empty groups are
     left out.
     """
-    cores, gates = [], []
+    cores: list[nn.Parameter] = []
+    gates: list[nn.Parameter] = []
     for _, layer in tt_layers(model):
         for kind, param in layer.comera_parameters():
             (cores if kind == "core" else gates).append(param)

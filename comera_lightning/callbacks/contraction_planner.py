@@ -71,7 +71,7 @@ class ContractionPlanner(Callback):
         self._hooks = []
         seen, self._seen = self._seen, {}
         for name, layer in tt_layers(pl_module):
-            if name in seen:
+            if name in seen and isinstance(layer, TTLinear):  # the hooks are on the TT linears
                 self.plans[name] = self.plan_layer(layer, *seen[name])
                 layer.set_contraction_plan(self.plans[name]["plan"])
                 self._planned_ranks[name] = list(layer.ranks)
@@ -95,7 +95,7 @@ class ContractionPlanner(Callback):
         if self.autotune:
             timings = {c.plan: self._time_plan(layer, rows, device, dtype, c.plan) for c in costs[: self.candidates]}
             entry["timed_seconds"] = timings
-            entry["plan"] = min(timings, key=timings.get)
+            entry["plan"] = min(timings, key=timings.__getitem__)
         return entry
 
     def _time_plan(self, layer: TTLinear, rows: int, device: torch.device, dtype: torch.dtype, plan: str) -> float:

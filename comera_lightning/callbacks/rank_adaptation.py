@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ..late_stage import LateStagePolicy, late_stage_policy
 from ..nn.base import TruncationRecord, TTLayer
 from ..nn.tensorize import tt_layers
 from ..objectives import (
@@ -38,7 +39,6 @@ from ..objectives import (
     truncate_dead_slices_,
 )
 from ..optim import slice_optimizer_state
-from ..late_stage import LateStagePolicy, late_stage_policy
 from ..sharding import FSDP2Strategy
 
 __all__ = ["RankAdaptation", "after_truncation"]

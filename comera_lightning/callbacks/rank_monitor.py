@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from ..nn.tensorize import SizeReport, size_report, tt_layers
+from ..training.internals import trainer_callbacks
 from .rank_adaptation import RankAdaptation
 
 __all__ = ["RankMonitor", "metric_safe_name", "plot_rank_history"]
@@ -162,7 +163,7 @@ class RankMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._adaptations = [cb for cb in trainer.callbacks if isinstance(cb, RankAdaptation)]
+        self._adaptations = [cb for cb in trainer_callbacks(trainer) if isinstance(cb, RankAdaptation)]
         # a resumed fit restored the counter from its checkpoint: only later truncations are new
         self._seen_truncations = sum(cb.truncations for cb in self._adaptations)
         self._watch_events(trainer)
@@ -240,7 +241,7 @@ class RankMonitor(Callback):
         metrics["params/allocated"] = float(report.allocated_parameters)
         metrics["params/dense_equivalent"] = float(report.dense_equivalent_parameters)
         metrics["compression_ratio"] = float(report.compression_ratio)
-        for callback in trainer.callbacks:
+        for callback in trainer_callbacks(trainer):
             provider = getattr(callback, "comera_metrics", None)
             if callback is self or not callable(provider):
                 continue
@@ -267,7 +268,7 @@ class RankMonitor(Callback):
             return []
         pl_module = trainer.lightning_module
         final = size_report(pl_module).as_dict() if pl_module is not None and tt_layers(pl_module) else None
-        payload = {"history": self.history, "log_every_n_steps": self.log_every_n_steps, "final_size_report": final}
+        payload: dict[str, Any] = {"history": self.history, "log_every_n_steps": self.log_every_n_steps, "final_size_report": final}
         mlflow_loggers = [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
         local_dirs = _local_dirs(trainer)
         written: list[str] = []
@@ -353,6 +354,7 @@ def _local_dirs(trainer: Trainer) -> list[str]:
     for logger in loggers:
         if isinstance(logger, MLFlowLogger):
             continue
+        directory: str | None
         if isinstance(logger, (CSVLogger, TensorBoardLogger)):
             directory = logger.log_dir
         else:

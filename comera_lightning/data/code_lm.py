@@ -14,7 +14,7 @@ document boundary, as in GPT/LLaMA pre-training). The last, partial row is padde
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +60,26 @@ class LMCollator:
     def __init__(self, keep_index: bool = False) -> None:
         self.keep_index = keep_index
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: Any) -> dict[str, torch.Tensor]:
+        """``batch``: the dict of tensors a :class:`TensorDictDataset` returns for a list of indices."""
         return {k: v.long() for k, v in batch.items() if self.keep_index or k != "index"}
 
 
-class CausalLMEvaluation:
+class CausalLMEvaluation(pl.LightningDataModule):
     """The loaders both causal-LM datamodules serve from their validation rows, their prompts and ``decode``.
 
     A datamodule using it sets ``train_dataset`` and ``val_dataset`` in ``setup``, provides ``_eval_loader(rows)``
     (its in-order loader), and has ``batch_size``, ``prompt_len``, ``num_prompts`` and ``tokenizer``.
     """
+
+    # rows with __len__ and __getitems__ (TensorDictDataset, TokenRows); None until set up
+    train_dataset: Any
+    val_dataset: Any
+    batch_size: int
+    prompt_len: int
+    num_prompts: int
+    tokenizer: Any
+    _eval_loader: Callable[[Any], DataLoader]
 
     def _datasets(self, stage: str) -> tuple[Any, Any]:
         """The training and validation rows, set up for ``stage`` on first use."""
@@ -235,7 +245,8 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
                 rows = len(splits[name][0])
                 if rows > keep:
                     chosen = torch.randperm(rows, generator=g)[:keep].sort().values
-                    splits[name] = tuple(t[chosen] for t in splits[name])
+                    inputs, labels = splits[name]
+                    splits[name] = inputs[chosen], labels[chosen]
         self.train_dataset = TensorDictDataset(input_ids=splits["train"][0], labels=splits["train"][1])
         self.val_dataset = TensorDictDataset(input_ids=splits["val"][0], labels=splits["val"][1])
 

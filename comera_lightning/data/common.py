@@ -115,7 +115,7 @@ def stable_hash_many(values: Sequence[str], salt: str = "") -> np.ndarray:
     out = _splitmix64(parsed ^ np.uint64(stable_hash(salt)))
     if not ok.all():
         bad = np.flatnonzero(~ok)
-        out[bad] = np.fromiter((stable_hash(values[i], salt) for i in bad), dtype=np.uint64, count=len(bad))
+        out[bad] = np.fromiter((stable_hash(values[int(i)], salt) for i in bad), dtype=np.uint64, count=len(bad))
     return out
 
 

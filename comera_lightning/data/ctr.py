@@ -97,7 +97,7 @@ def hash_categorical(values: Sequence[str | None], column: int, table_size: int)
     if mod <= 0 or not present.any():
         return out
     idx = np.flatnonzero(present)
-    h = stable_hash_many([values[i] for i in idx], f"criteo-c{column}")
+    h = stable_hash_many([v for v in values if v is not None and v != ""], f"criteo-c{column}")  # idx's order
     out[idx] = (1 + h % np.uint64(mod)).astype(np.int64)
     return out
 
@@ -379,6 +379,8 @@ class CriteoDataModule(pl.LightningDataModule):
             data = synthetic_criteo(self.num_samples, self.table_sizes, seed=self.seed)
             data["sparse"] = data["sparse"].to(torch.int32)
             return data
+        if self.data_dir is None:
+            raise ValueError("CriteoDataModule needs data_dir= a folder of Criteo-format TSV files, or synthetic=True")
         files = _criteo_files(Path(self.data_dir).expanduser())
 
         def parse() -> dict[str, torch.Tensor]:
@@ -428,7 +430,7 @@ class CriteoDataModule(pl.LightningDataModule):
                              else self.val_dataset)
 
     def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
-        return rows_loader(dataset, batch_size=self.batch_size,  # type: ignore[arg-type]
+        return rows_loader(dataset, batch_size=self.batch_size,
                            collate_fn=collate_fn or CTRCollator(), train=train, seed=self.seed,
                            num_workers=self.num_workers)
 

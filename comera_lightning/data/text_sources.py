@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from .common import DEFAULT_EXCLUDED_DIRS, _name_some
 
@@ -179,7 +179,7 @@ def iter_pieces(source: TextSource, text_field: str = "text", piece_bytes: int =
         raise ValueError(f"unknown source format {source.format!r}")
 
 
-def _open(path: Path) -> IO[bytes]:
+def _open(path: Path) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
@@ -219,7 +219,7 @@ def _safe_cut(buffer: bytes, start: int, hard_limit: int) -> int:
     return cut
 
 
-def _text_pieces(fh: IO[bytes], source: TextSource, piece_bytes: int) -> Iterator[Piece]:
+def _text_pieces(fh: io.BufferedIOBase, source: TextSource, piece_bytes: int) -> Iterator[Piece]:
     buffer = b""
     offset = 0
     ended = False

@@ -146,8 +146,9 @@ class TokenRows(Dataset):
         return {**self.__dict__, "_fd": None, "_pid": -1}
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
-            os.close(self._fd)
+        fd = getattr(self, "_fd", None)
+        if fd is not None and self._pid == os.getpid():
+            os.close(fd)
 
 
 def keyed_permutation(positions: np.ndarray, n: int, key: int) -> np.ndarray:

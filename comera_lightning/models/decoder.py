@@ -211,6 +211,9 @@ class DecoderLM(nn.Module):
         packed_dropout: cheaper dropout masks on a CPU (see :class:`TransformerEncoder`).
     """
 
+    rope_cos: torch.Tensor  # rotary tables (buffers)
+    rope_sin: torch.Tensor
+
     def __init__(
         self,
         vocab_size: int,
@@ -302,7 +305,7 @@ class DecoderLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)
         embed = self.embed_tokens
-        table = embed.weight_dense() if isinstance(embed, TTEmbedding) else embed.weight
+        table = embed.weight_dense() if isinstance(embed, TTEmbedding) else embed.get_parameter("weight")
         return F.linear(hidden, table)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,7 @@ class LayerFactory:
             bias=bias, rank_threshold=config.rank_threshold, **tt_kwargs,
         ))
 
-    def _gates_as_configured(self, layer: nn.Module) -> nn.Module:
+    def _gates_as_configured(self, layer: TTLinear | TTEmbedding) -> TTLinear | TTEmbedding:
         if not self.config.learn_gates:
             for gate in layer.gates:
                 gate.requires_grad_(False)

@@ -10,7 +10,6 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..tt.cores import keep_grad_layout
-from .distributed import full_tensor, is_sharded, write_full_
 from ..tt.rank import (
     CoreSelection,
     apply_gates,
@@ -22,6 +21,7 @@ from ..tt.rank import (
     train_parameter_count,
     truncate_train,
 )
+from .distributed import full_tensor, is_sharded, write_full_
 
 __all__ = ["TTLayer", "TruncationRecord", "capturing_graph", "cuda_graph_capturing"]
 

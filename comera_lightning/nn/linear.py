@@ -113,6 +113,7 @@ class TTLinear(TTLayer):
             for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
             if linear.bias is not None:
+                assert layer.bias is not None  # built with bias=linear.bias is not None
                 layer.bias.copy_(linear.bias)
             error = (layer.weight_dense() - linear.weight).norm() / linear.weight.norm().clamp_min(1e-30)
         return layer, float(error)
@@ -132,7 +133,7 @@ class TTLinear(TTLayer):
         if padded_in != self.in_features:
             x = nn.functional.pad(x, (0, padded_in - self.in_features))
         padded_out = math.prod(self.out_modes)
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and padded_out != self.out_features:
             bias = nn.functional.pad(bias, (0, padded_out - self.out_features))
         if self.bottleneck_activation is not None:
@@ -143,6 +144,8 @@ class TTLinear(TTLayer):
 
     def _activated_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``act(x L) R + b`` on padded features, differentiable (plain autograd through the side merges)."""
+        if self.bottleneck_activation is None:
+            raise RuntimeError("_activated_forward needs a bottleneck_activation")
         cores = self.gated_cores()
         num_in = len(self.in_modes)
         left = chain_merge(cores[:num_in])[-1]
@@ -218,6 +221,7 @@ class TTLinear(TTLayer):
             for core, factor in zip(layer.cores, factors, strict=True):
                 core.copy_(factor)
             if bias is not None:
+                assert layer.bias is not None  # built with bias=bias is not None
                 layer.bias.copy_(bias)
         return layer
 

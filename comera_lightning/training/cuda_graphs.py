@@ -91,7 +91,7 @@ from .cuda_graph_backends import (
     ReplayBackend,
     StaleGraphError,
 )
-from .internals import buffer_slots, carry_scheduler_mark, record_optimizer_step
+from .internals import buffer_slots, carry_scheduler_mark, record_optimizer_step, trainer_callbacks
 
 __all__ = ["CudaGraphCaptureError", "CudaGraphs", "StaleGraphError", "invalidate_cuda_graphs"]
 
@@ -445,9 +445,9 @@ class CudaGraphs(Callback):
         self._uninstall()
         self._module, self._optimizer = pl_module, optimizer
         self._original_training_step = pl_module.training_step
-        pl_module.training_step = self._training_step  # instance attributes shadow the class's hooks
-        pl_module.backward = _no_op
-        pl_module.optimizer_zero_grad = _no_op
+        _shadow(pl_module, "training_step", self._training_step)  # instance attributes shadow the class's hooks
+        _shadow(pl_module, "backward", _no_op)
+        _shadow(pl_module, "optimizer_zero_grad", _no_op)
         self._saved_step = optimizer.__dict__.get("step")  # e.g. an LR scheduler's step counter wrapper
         self._original_step = optimizer.step
 
@@ -455,7 +455,7 @@ class CudaGraphs(Callback):
             return self._optimizer_step(closure, **kwargs)
 
         carry_scheduler_mark(step, self._original_step)  # keeps the LR scheduler's order check quiet
-        optimizer.step = step
+        _shadow(optimizer, "step", step)
         self._reset_graphs()
 
     def _uninstall(self) -> None:
@@ -466,7 +466,7 @@ class CudaGraphs(Callback):
         if optimizer is not None:
             optimizer.__dict__.pop("step", None)
             if self._saved_step is not None:
-                optimizer.step = self._saved_step
+                _shadow(optimizer, "step", self._saved_step)
             self._saved_step = None
         if module is not None or optimizer is not None:
             self._drop_graphs()  # the last step's gradients stay readable, as in eager training
@@ -590,7 +590,7 @@ class CudaGraphs(Callback):
                                                 "captured; log a tensor (update torchmetrics outside training_step)")
                 records.append((name, value, options))
 
-            module.log = record_log
+            _shadow(module, "log", record_log)
             try:
                 with _autocast_without_cache(self._device_type):
                     output = self._original_training_step(self._static_batch, *args, **kwargs)
@@ -606,7 +606,7 @@ class CudaGraphs(Callback):
             log_tensors = [v.detach() for _, v, _ in records if torch.is_tensor(v)]
             grad_params = [p for p in params if p.grad is not None]
             meta.update(output=output, records=records, n_outputs=len(out_tensors), grad_params=grad_params)
-            return [*out_tensors, *log_tensors, *(p.grad for p in grad_params)]
+            return [*out_tensors, *log_tensors, *(p.grad for p in grad_params if p.grad is not None)]
 
         preserve = list(module.buffers())
         graph = self._backend.capture(forward_backward, preserve, self.graph_key)
@@ -624,10 +624,11 @@ class CudaGraphs(Callback):
                 self._log_records.append((name, value, options, None))
         self._grad_params = meta["grad_params"]
         self._static_grads = graph.outputs[index:]
+        assert self._optimizer is not None
         self._watch = _Watch(module, self._optimizer)
 
     def _optimizer_step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        assert self._original_step is not None and self._backend is not None
+        assert self._original_step is not None and self._backend is not None and self._optimizer is not None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -657,7 +658,7 @@ class CudaGraphs(Callback):
     def _capture_step(self) -> None:
         assert self._backend is not None and self._optimizer is not None and self._original_step is not None
         optimizer, step = self._optimizer, self._original_step
-        preserve = [p for p in self._params()]
+        preserve: list[Tensor] = list(self._params())
         for state in optimizer.state.values():
             preserve.extend(v for v in state.values() if torch.is_tensor(v))
 
@@ -674,6 +675,11 @@ class CudaGraphs(Callback):
         self.step_captures += 1
 
 
+def _shadow(owner: object, name: str, value: Any) -> None:
+    """Set ``owner.name`` on the instance, in front of the class's method (``_uninstall`` pops it again)."""
+    vars(owner)[name] = value
+
+
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -681,6 +687,6 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 def invalidate_cuda_graphs(trainer: Trainer, reason: str) -> None:
     """Tell every :class:`CudaGraphs` callback of ``trainer`` that captured state is stale (e.g. after a
     physical truncation); harmless when there is none. The fingerprint check finds such changes anyway."""
-    for callback in trainer.callbacks:
+    for callback in trainer_callbacks(trainer):
         if isinstance(callback, CudaGraphs):
             callback.invalidate(reason)

@@ -97,7 +97,7 @@ class DivergenceGuard(Callback):
         if not self.check_loss:
             return
         finite = torch.isfinite(loss.detach()).all()  # no host sync here: read once per optimiser step
-        if self._loss_finite is None:
+        if self._loss_finite is None or self._bad_loss_value is None:
             self._loss_finite, self._bad_loss_value = finite, loss.detach().float().reshape(-1)[:1]
         else:
             self._bad_loss_value = torch.where(self._loss_finite, loss.detach().float().reshape(-1)[:1],

@@ -244,7 +244,7 @@ class FaultTolerance(RemovalPolicyCheckpoint):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        folder = Path(self.dirpath)
+        folder = self._folder()
         if not trainer.is_global_zero or not folder.is_dir():
             return
         for tmp in folder.glob(f".step=*{TEMP_SUFFIX}"):  # left behind by a killed writer
@@ -352,7 +352,13 @@ class FaultTolerance(RemovalPolicyCheckpoint):
     @override
     def should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:
         # ModelCheckpoint never removes the file a run resumed from; here it is an old step like any other
-        return previous != current and Path(previous).resolve().parent == Path(self.dirpath).resolve()
+        return previous != current and Path(previous).resolve().parent == self._folder().resolve()
+
+    def _folder(self) -> Path:
+        """``dirpath``, which :meth:`setup` sets when it was ``None``."""
+        if self.dirpath is None:
+            raise RuntimeError("FaultTolerance has no folder before Trainer.fit sets it up")
+        return Path(self.dirpath)
 
     # --- random state --------------------------------------------------------------------------------
     @staticmethod
@@ -420,12 +426,12 @@ class FaultTolerance(RemovalPolicyCheckpoint):
             return
         assert self.resumed_from is not None
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
+            set_tag = getattr(getattr(logger, "experiment", None), "set_tag", None)  # an MlflowClient's
             run_id = getattr(logger, "run_id", None)
-            if isinstance(run_id, str) and hasattr(experiment, "set_tag"):
-                experiment.set_tag(run_id, "comera.resumed_from_step", str(self.resumed_from["step"]))
+            if isinstance(run_id, str) and callable(set_tag):
+                set_tag(run_id, "comera.resumed_from_step", str(self.resumed_from["step"]))
                 if self.resumed_from.get("run_id"):
-                    experiment.set_tag(run_id, "comera.resumed_from_run", str(self.resumed_from["run_id"]))
+                    set_tag(run_id, "comera.resumed_from_run", str(self.resumed_from["run_id"]))
 
     # --- state ---------------------------------------------------------------------------------------
     @override

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -84,8 +84,13 @@ class IndexSamplerHook(DataLoader):
 
     @property
     @override
-    def _index_sampler(self) -> Any:  # type: ignore[override]
+    def _index_sampler(self) -> Any:
         return self.wrap_index_sampler(super()._index_sampler)
+
+
+def trainer_callbacks(trainer: Trainer) -> list[Callback]:
+    """``trainer.callbacks``: Lightning sets it in its callback connector, where type checkers do not see it."""
+    return trainer.callbacks  # type: ignore[attr-defined]
 
 
 def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:

@@ -256,11 +256,10 @@ def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool
         weight = core.transpose(0, 1).reshape(mode * r_prev, r_next)
         grads[k] = (operand.transpose(0, 1) @ grad).reshape(mode, r_prev, r_next).transpose(0, 1)
         if k == 0 and not need_input:
-            grad = None
-            break
+            return grads, None
         grad = (grad @ weight.transpose(0, 1)).reshape(batch, rest, mode, r_prev).transpose(1, 2)
         rest *= mode
-    return grads, (grad.reshape(batch, rest) if grad is not None else None)
+    return grads, grad.reshape(batch, rest)
 
 
 class TTLinearFunction(torch.autograd.Function):
@@ -297,7 +296,7 @@ class TTLinearFunction(torch.autograd.Function):
             right = torch.nn.functional.pad(saved_out[-1].reshape(rank, -1).to(compute), (0, 0, 0, pad))
             hidden = x @ left
             ctx.bias_slot = bias is not None and pad > 0
-            if ctx.bias_slot:
+            if bias is not None and ctx.bias_slot:
                 # the first zero slice carries the bias: a column of ones in the hidden state and the bias as
                 # that row of R. The GEMM adds it without addmm's broadcast copy of the bias into the (B, N)
                 # output, and the backward GEMM for R sums grad_y into that row: the bias gradient for free.
@@ -507,14 +506,15 @@ def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor
                      activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``x (B, M) @ W + bias`` from a :class:`MergedTTLinear` in ``x``'s dtype: one GEMM, or two through the
     rank-``r`` bottleneck (``(x L) R``, or ``activation(x L) R``)."""
-    if activation is not None:
-        if merged.weight is not None:
-            raise ValueError("a bottleneck activation needs the factors L and R: merge with keep_factors=True")
-        # zero padding slices stay zero through the activation (it maps 0 to 0)
-        return _matmul_bias(activation(x @ merged.left), merged.right, bias)
+    if activation is not None and merged.weight is not None:
+        raise ValueError("a bottleneck activation needs the factors L and R: merge with keep_factors=True")
     if merged.weight is not None:
         return _matmul_bias(x, merged.weight, bias)
     left, right = merged.left, merged.right
+    if left is None or right is None:
+        raise ValueError("a MergedTTLinear holds its weight or both factors L and R; this one has neither")
+    if activation is not None:  # zero padding slices stay zero through the activation (it maps 0 to 0)
+        return _matmul_bias(activation(x @ left), right, bias)
     if merged.narrow is not None and x.shape[0] <= left.shape[1]:
         # fewer rows than bottleneck columns (a decode step): the GEMMs mostly read L and R, which the CPU
         # padding only enlarges; it pays for skinny GEMMs of many rows (bottleneck_padding)

@@ -91,7 +91,8 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        return int(value) if float(value).is_integer() else None
+        number = float(value)
+        return int(number) if number.is_integer() else None
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:

@@ -69,7 +69,9 @@ class FallbackStore:
         self._run_info = run_info
         self.folder: Path | None = None  #: the folder, once something was kept
         self.status: str | None = None  #: the run's final status, when it could not be sent
-        self._kept = {"metrics": 0, "artifacts": 0, "other": []}  # totals over the logger's life, for messages
+        # totals over the logger's life, for messages
+        self._kept_metrics = self._kept_artifacts = 0
+        self._not_kept: list[str] = []  # names of the calls that could be neither sent nor kept
         self._csv_sent_bytes = 0  # bytes of metrics.csv already uploaded
         self._csv_bytes = 0  # bytes of metrics.csv written
         self._pending_params: dict[str, str] = {}
@@ -113,7 +115,7 @@ class FallbackStore:
             with open(path, "ab") as f:
                 f.write(data)
             self._csv_bytes += len(data)
-            self._kept["metrics"] += len(rows)
+            self._kept_metrics += len(rows)
 
     def keep_call(self, name: str, arguments: dict[str, Any]) -> None:
         """Store what an MlflowClient ``log_*``/``set_*`` call named ``name`` carried (its bound arguments).
@@ -156,8 +158,8 @@ class FallbackStore:
                 else:
                     arguments["figure"].savefig(path, **(arguments.get("save_kwargs") or {}))
                 self._refresh_pending_artifacts()
-            elif name not in self._kept["other"]:
-                self._kept["other"].append(name)
+            elif name not in self._not_kept:
+                self._not_kept.append(name)
                 log.warning(f"ResilientMLFlowLogger: {name}(...) could not be sent to "
                             f"{self._run_info()['tracking_uri']} and is not kept locally.")
 
@@ -178,7 +180,7 @@ class FallbackStore:
             relative = path.relative_to(root).as_posix()
             if relative not in known:
                 self._pending_artifacts.append(relative)
-                self._kept["artifacts"] += 1
+                self._kept_artifacts += 1
         self.write_run_json()
 
     def write_run_json(self) -> None:
@@ -244,19 +246,20 @@ class FallbackStore:
         while self._pending_artifacts:
             relative = self._pending_artifacts[0]
             parent = os.path.dirname(relative)
-            client.log_artifact(run_id, str(self.folder / "artifacts" / relative), artifact_path=parent or None)
+            client.log_artifact(run_id, str(self.open() / "artifacts" / relative), artifact_path=parent or None)
             self._uploaded_artifacts.append(self._pending_artifacts.pop(0))
         self.write_run_json()
 
     def summary(self) -> str:
         """What is kept and not uploaded, and how to upload it: the logger's last word on a failing store."""
         not_sent = self._csv_bytes - self._csv_sent_bytes
-        other = f"; not kept: {', '.join(sorted(set(self._kept['other'])))}" if self._kept["other"] else ""
+        folder = self.open()
+        other = f"; not kept: {', '.join(sorted(self._not_kept))}" if self._not_kept else ""
         return (f"ResilientMLFlowLogger: the MLflow tracking store at {self._run_info()['tracking_uri']} was still "
-                f"failing at the end; {self._kept['metrics']} metric values ({not_sent} bytes of "
-                f"{self.folder / METRICS_CSV} not uploaded), {len(self._pending_artifacts)} artifacts and the "
-                f"params are kept in {self.folder}{other}. Upload them later with: "
-                f"python -m comera_lightning.training.loggers upload {self.folder}")
+                f"failing at the end; {self._kept_metrics} metric values ({not_sent} bytes of "
+                f"{folder / METRICS_CSV} not uploaded), {len(self._pending_artifacts)} artifacts and the "
+                f"params are kept in {folder}{other}. Upload them later with: "
+                f"python -m comera_lightning.training.loggers upload {folder}")
 
 
 def _csv_field(key: str) -> str:
@@ -314,12 +317,16 @@ def upload_fallback(folder: str | Path, tracking_uri: str | None = None,
         if info.get("run_name"):
             tags["mlflow.runName"] = info["run_name"]
         run_id = client.create_run(experiment_id, tags=tags).info.run_id
-    for kind in ("params", "tags"):
+    def stored(kind: str) -> dict[str, Any]:
         path = folder / f"{kind}.json"
-        if path.exists():
-            entries = [(Param if kind == "params" else RunTag)(k, str(v)) for k, v in json.loads(path.read_text()).items()]
-            for i in range(0, len(entries), MAX_PARAMS):
-                client.log_batch(run_id, **{kind: entries[i : i + MAX_PARAMS]})
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    params = [Param(k, str(v)) for k, v in stored("params").items()]
+    for i in range(0, len(params), MAX_PARAMS):
+        client.log_batch(run_id, params=params[i : i + MAX_PARAMS])
+    tags_kept = [RunTag(k, str(v)) for k, v in stored("tags").items()]
+    for i in range(0, len(tags_kept), MAX_PARAMS):
+        client.log_batch(run_id, tags=tags_kept[i : i + MAX_PARAMS])
     csv_path = folder / METRICS_CSV
     if csv_path.exists():
         with open(csv_path, "rb") as f:

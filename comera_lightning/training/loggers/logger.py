@@ -202,7 +202,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def _connect(self) -> None:
         # MLFlowLogger's own experiment property finds or creates the experiment and creates the run (or gets
         # run_id's); it returns its MlflowClient. Its run_id/experiment_id properties then read what it set.
-        self._client = MLFlowLogger.experiment.fget(self)
+        self._client = super().experiment
         self._connected = True
         if self.log_system_metrics and self.run_id is not None and self._system_monitor is None:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -384,6 +384,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 self._connect()
             else:
                 self._mlflow().get_run(self.run_id)
+            if self.run_id is None:
+                raise RuntimeError("connected without a run")
             self._store.upload(self._mlflow(), self.run_id, self._send_rows)
         except Exception:
             self._retry_delay = min(2 * self._retry_delay, _MAX_RETRY_DELAY_S)
