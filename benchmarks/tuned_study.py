@@ -160,8 +160,8 @@ class Plan:
         return best_rate(found) if len(found) == len(wanted) else None
 
     def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
-        """Every job whose inputs exist and that has not run, in priority order (sweeps, checks, then the finals
-        seed by seed)."""
+        """Every job whose inputs exist and that has not run, in priority order: sweeps, the finals at the sweep
+        size, the checks, the other finals."""
         jobs: list[Job] = []
         for family in self.families:
             if family == "tt" and not self._comera_ranks_known(runs, self.sweep_size("comera")):
@@ -183,11 +183,15 @@ class Plan:
                     jobs += [Job("final", family, size, seed, lr, self.steps) for seed in self.seeds]
         done = {job_of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
-        # finals seed by seed, CoMERA and its tt twin first: a study cut short still compares whole seeds
-        order = {"sweep": 0, "check": 1, "final": 2}
-        return sorted(todo, key=lambda j: (order[j.phase], self.seeds.index(j.seed) if j.phase == "final" else 0,
-                                           FINAL_ORDER.index(j.family) if j.phase == "final"
-                                           else self.families.index(j.family), j.size))
+        # the sweeps, then every seed of the sweep size (one whole comparison), then the checks and the other sizes'
+        # finals; finals seed by seed, CoMERA and its tt twin first, so a study cut short still compares whole seeds
+        def priority(job: Job) -> tuple:
+            if job.phase == "sweep":
+                return (0, 0, self.families.index(job.family), job.size)
+            stage = 2 if job.phase == "check" else 1 if job.size == self.sweep_size(job.family) else 3
+            return (stage, self.seeds.index(job.seed), FINAL_ORDER.index(job.family), job.size)
+
+        return sorted(todo, key=priority)
 
     def _comera_ranks_known(self, runs: Sequence[dict[str, Any]], size: float) -> bool:
         return comera_ranks(runs, size, self.seeds[0]) is not None

@@ -79,8 +79,11 @@ def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
                                                                                        ("comera", 5.0)]
                                                             for seed in (0, 1)}
     assert all(j.lr == 2e-3 and j.steps == 100 for j in finals)
-    assert [j.phase for j in second] == sorted((j.phase for j in second), key=["check", "final"].index)
-    assert [j.seed for j in finals] == sorted(j.seed for j in finals)  # seed 0's finals first
+    # every seed at the sweep size first (one whole comparison), seed by seed, CoMERA early; then the checks
+    assert [(j.phase, j.family, j.seed) for j in second][:6] == [
+        ("final", "dense", 0), ("final", "comera", 0), ("final", "narrow", 0),
+        ("final", "dense", 1), ("final", "comera", 1), ("final", "narrow", 1)]
+    assert {j.phase for j in second[6:]} == {"check"}
     assert not any(j.family == "tt" for j in second)
     # the checks prefer x2 at 2x; CoMERA's seed-0 final at 5x unlocks the tt sweep
     runs += [finished(j, 2.0 if math.isclose(j.lr, 4e-3) else 3.0) for j in checks]
