@@ -2,7 +2,7 @@
 
 Every model is tensorised at full rank from its own dense weights (``decompose=True``, float64), so the TT model
 computes the dense model's function exactly (up to rounding) and each cell compares outputs with the dense model,
-never "it ran". The README's table is rendered from ``MODES``, ``KINDS`` and ``FAILS`` and checked here.
+never "it ran". The table of docs/own-model.md is rendered from ``MODES``, ``KINDS`` and ``FAILS`` and checked here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from comera_lightning.callbacks import RankAdaptation, Tensorize
 from comera_lightning.nn import tt_layers
 
 FULL = 10**6  # clamped to the full rank of each layer's modes
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "own-model.md"  # where the table is shown
 
 MODES = {
     "train": "train",
@@ -277,9 +277,9 @@ def test_ddp_two_processes(tmp_path):
     same(_outputs(loaded, "lightning"), _outputs(dense, "lightning"), rtol=1e-6, atol=1e-8)
 
 
-# --- the README's table ------------------------------------------------------------------------------------------
+# --- the docs' table ----------------------------------------------------------------------------------------------
 def render_matrix() -> str:
-    """The README's table: model x mode, ✔, ✘ (with a footnote), or – (not run)."""
+    """The table of docs/own-model.md: model x mode, ✔, ✘ (with a footnote), or – (not run)."""
     lines = ["| model | " + " | ".join(MODES.values()) + " |", "|---" * (len(MODES) + 1) + "|"]
     notes = []
     for kind in KINDS:
@@ -296,9 +296,9 @@ def render_matrix() -> str:
     return "\n".join(lines)
 
 
-def test_readme_shows_the_matrix():
-    text = README.read_text()
+def test_the_docs_show_the_matrix():
+    text = PAGE.read_text()
     found = re.search(r"<!-- dropin-matrix -->\n(.*?)\n<!-- /dropin-matrix -->", text, re.S)
-    assert found, "README.md lacks the <!-- dropin-matrix --> block"
+    assert found, "docs/own-model.md lacks the <!-- dropin-matrix --> block"
     assert found.group(1).strip() == render_matrix().strip(), (
-        "README's matrix is out of date; paste:\n" + render_matrix())
+        "docs/own-model.md's matrix is out of date; paste:\n" + render_matrix())
