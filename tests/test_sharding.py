@@ -156,9 +156,10 @@ def test_default_units_are_blocks_then_leaves_and_skip_tied_modules():
             self.head = nn.Linear(8, 10)
             self.tied = nn.Linear(8, 10)
             self.tied.weight = self.embed.weight
+            self.norm = nn.LayerNorm(8)  # parameters of its own: a unit, so a direct call gathers them
 
     units = default_shard_units(Model(), leaf_types=(TTLinear, nn.Embedding, nn.Linear))
-    assert units == ["blocks.0", "blocks.1", "head"]  # embed and tied share a weight: left to the root
+    assert units == ["blocks.0", "blocks.1", "head", "norm"]  # embed and tied share a weight: left to the root
 
 
 def test_unknown_unit_is_refused():

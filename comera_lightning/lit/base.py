@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from ..optim import OptimConfig, comera_parameter_groups
 from ..sharding import shard_model
+from ..training.fsdp import unsharded_class
 from .checks import check_output_dirs, check_state_dict_fits
 
 __all__ = ["ComeraTask", "warmup_decay_factor"]
@@ -171,7 +172,8 @@ class ComeraTask(LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the task's class path, so that :func:`comera_lightning.export.export_checkpoint` can rebuild it."""
-        checkpoint["comera_task"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        task = unsharded_class(self)  # FSDP2 swaps in a class of its own
+        checkpoint["comera_task"] = f"{task.__module__}.{task.__qualname__}"
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Fail early when the datamodule's tokenizer has more ids than the model's embedding rows."""

@@ -24,40 +24,48 @@ __all__ = [
     "fully_shard_model",
     "replace_in_optimizers_",
     "reshard_parameters_",
+    "unsharded_class",
 ]
 
 
 def default_shard_units(
     model: nn.Module, leaf_types: Sequence[type[nn.Module]] = (nn.Embedding, nn.Linear)
 ) -> list[str]:
-    """Names of the modules to shard one by one: every entry of an ``nn.ModuleList`` (transformer blocks, DLRM's
-    tables and MLP layers), then every module of ``leaf_types`` outside those (embeddings, heads).
+    """Names of the modules to shard one by one, deepest first: every entry of an ``nn.ModuleList`` (transformer
+    blocks, DLRM's tables and MLP layers), every module of ``leaf_types`` outside those (embeddings, heads), and every
+    other module that holds parameters of its own (norms).
 
-    A module whose parameters are shared with modules outside it (tied embeddings and heads) is left to its
-    parent, as FSDP2 refuses a parameter in two units.
+    Each parameter then belongs to the smallest such module whose forward uses it, so the model works when its
+    training step calls submodules directly (``self.model.encoder(...)``) rather than the root's forward, which
+    is the only place FSDP2 gathers the root's own parameters. A module whose parameters are shared with modules
+    outside it (tied embeddings and heads) is left to its parent, as FSDP2 refuses a parameter in two units.
     """
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
 
-    def self_contained(module: nn.Module) -> bool:
+    def self_contained(module: nn.Module, recurse: bool = True) -> bool:
         inside: dict[int, int] = {}
-        for _, p in module.named_parameters(remove_duplicate=False):
+        for _, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
             inside[id(p)] = inside.get(id(p), 0) + 1
         return bool(inside) and all(uses[i] == n for i, n in inside.items())
 
+    def within(name: str, units: list[str]) -> bool:
+        return any(name == u or name.startswith(u + ".") for u in units)
+
+    modules = dict(model.named_modules())
     units: list[str] = []
-    for name, module in model.named_modules():
-        if any(name == u or name.startswith(u + ".") for u in units):
-            continue
-        if isinstance(module, nn.ModuleList):
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and not within(name, units):
             units += [f"{name}.{child}" if name else child for child, m in module.named_children() if self_contained(m)]
-    for name, module in model.named_modules():
-        if not name or any(name == u or name.startswith(u + ".") for u in units):
-            continue
-        if isinstance(module, tuple(leaf_types)) and self_contained(module):
+    for name, module in modules.items():
+        if name and not within(name, units) and isinstance(module, tuple(leaf_types)) and self_contained(module):
             units.append(name)
-    return units
+    for name, module in modules.items():
+        lists = isinstance(module, (nn.ParameterList, nn.ParameterDict))  # their parameters serve the parent's forward
+        if name and not lists and not within(name, units) and self_contained(module, recurse=False):
+            units.append(name)  # a norm, or a module with parameters of its own besides its units
+    return sorted(units, key=lambda n: -n.count("."))  # FSDP2 shards a module's children before the module
 
 
 def fully_shard_model(model: nn.Module, mesh: DeviceMesh, units: Iterable[str] | None = None) -> list[str]:
@@ -79,6 +87,13 @@ def fully_shard_model(model: nn.Module, mesh: DeviceMesh, units: Iterable[str] |
         fully_shard(modules[name], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return names
+
+
+def unsharded_class(module: nn.Module) -> type:
+    """The module's own class: ``fully_shard`` changes it to a subclass of ``FSDPModule`` made on the fly."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def as_parameter_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
