@@ -64,6 +64,8 @@ COMPARISONS: dict[str, Comparison] = {name: Comparison(*entry) for name, entry i
                         "gradients in their parameters' layout vs as the contractions leave them (before issue 26)"),
     "text-data": ("bench_text_data", (), "TextLMDataModule at scale: tokenising tokens/s (1 thread vs every core), a "
                   "loader epoch at llm_60m shapes against the llm_60m step's demand, peak RSS at 1x and 10x the corpus"),
+    "fsdp-memory": ("bench_fsdp_memory", (), "bytes of parameters, gradients and AdamW state per process of the "
+                    "quickstart MLM under FSDP2 (2 gloo processes) vs 1 process, before and after a cut"),
 }.items()}
 
 
