@@ -203,6 +203,7 @@ class ScheduledLateStage(LateStagePolicy):
     def goal(self, step: int) -> float:
         """The size the schedule asks for at ``step``."""
         assert self.start_step is not None and self.ramp is not None, "start() was not called"
+        assert self.start_size is not None and self.target_size is not None, "start() was not called"
         return scheduled_size(step, self.start_step, self.ramp, self.start_size, self.target_size)
 
     def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
@@ -243,13 +244,13 @@ class ScheduledLateStage(LateStagePolicy):
                         out.append(value / value[mask].mean().clamp_min(1e-30))
                 continue
             for k, mask in enumerate(layer.rank_masks):
-                value = self.saliency.get(f"{i}.{k}")
-                if value is None or value.shape != mask.shape:
+                saliency = self.saliency.get(f"{i}.{k}")
+                if saliency is None or saliency.shape != mask.shape:
                     raise RuntimeError(
                         f"ScheduledLateStage has no gradient saliency for bond {k} of layer {i}; observe() must "
                         "run before every optimiser step (RankAdaptation does this), or use importance='norm'"
                     )
-                out.append(value * mask.to(value.dtype))
+                out.append(saliency * mask.to(saliency.dtype))
         return out
 
     def cut(self, step: int, loss: float, size: float, layers: Sequence[TTLayer]) -> int:

@@ -254,7 +254,7 @@ def plan_rank_cuts(
         candidates += [(float(c), k, int(j)) for c, j in zip(cost, active)]
     candidates.sort()
     freed = 0.0
-    if groups is not None:
+    if groups is not None and group_caps is not None:  # both or neither (checked above)
         freed_by_group = [0.0] * len(group_caps)
         taken = set()
         for _, k, j in candidates:

@@ -179,9 +179,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         new_values: dict[nn.Parameter, torch.Tensor] = {}
         resized = []
         for name, layer in tt_layers(self.lightning_module):
-            incoming = [shapes.get(f"{name}.cores.{k}") for k in range(len(layer.cores))]
-            current = [tuple(c.shape) for c in layer.cores]
-            if any(s is None for s in incoming) or [tuple(s) for s in incoming] == current:
+            found = [shapes.get(f"{name}.cores.{k}") for k in range(len(layer.cores))]
+            incoming = [tuple(s) for s in found if s is not None]
+            if len(incoming) < len(found) or incoming == [tuple(c.shape) for c in layer.cores]:
                 continue
             ranks = layer.check_core_shapes(incoming, f"{name}.")
             for core, shape in zip(layer.cores, incoming, strict=True):

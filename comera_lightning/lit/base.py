@@ -80,7 +80,8 @@ class ComeraTask(LightningModule):
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """Lightning's, with dataclass arguments (a ``LayerConfig``) stored as plain dicts, so that checkpoints load
         with ``torch.load(weights_only=True)`` and the task rebuilds from them."""
-        frame = frame or inspect.currentframe().f_back
+        current = inspect.currentframe()
+        frame = frame or (current.f_back if current is not None else None)
         super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
         plain = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type)
                  else value for key, value in self.hparams.items()}

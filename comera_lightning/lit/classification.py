@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn import functional as F
@@ -65,7 +65,8 @@ class SequenceClassification(ComeraTask):
                    f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the "
                    f"tokenizer's size (data.vocab_size), or use the tokenizer the model was built for")]
         if batch.get("token_type_ids") is not None:
-            types = self.model.encoder.embeddings.token_type_embeddings.num_embeddings
+            embeddings = self.model.encoder.embeddings.token_type_embeddings  # nn.Embedding or TTEmbedding
+            types = cast(int, embeddings.num_embeddings)
             checks.append(("a batch's token_type_ids", batch["token_type_ids"], types,
                            "set model.type_vocab_size to the number of segments in the data (2 for sentence pairs)"))
         if check_labels:

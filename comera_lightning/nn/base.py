@@ -333,8 +333,9 @@ class TTLayer(nn.Module):
                 f"the checkpoint is from a different architecture; build the layer with the modes it was trained with"
             )
         incoming = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(self.cores))]
-        if all(t is not None for t in incoming):
-            self._adopt_core_shapes([tuple(t.shape) for t in incoming], prefix)
+        shapes = [tuple(t.shape) for t in incoming if t is not None]
+        if len(shapes) == len(self.cores):
+            self._adopt_core_shapes(shapes, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()

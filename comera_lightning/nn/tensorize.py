@@ -133,6 +133,8 @@ def tensorize(
                 f"TTLinear/TTEmbedding directly, or wrap the layer in a container such as nn.Sequential"
             )
         error = None
+        layer: TTLinear | TTEmbedding
+        modes: dict[str, Any]
         if is_linear:
             modes = dict(in_modes=[rows], out_modes=[cols]) if low_rank else {}
             if decompose:
@@ -292,8 +294,8 @@ def untensorize(model: nn.Module) -> list[TensorizeRecord]:
         _set_submodule(model, name, dense)
         replaced[id(module)] = dense
         is_linear = isinstance(module, TTLinear)
-        shape = (module.in_features, module.out_features) if is_linear else (
-            module.num_embeddings, module.embedding_dim)
+        shape = ((module.in_features, module.out_features) if isinstance(module, TTLinear)
+                 else (module.num_embeddings, module.embedding_dim))
         records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", shape, module.active_ranks,
                                        module.dense_parameters, module.active_parameters(), None))
     restore_fast_paths(model)
@@ -328,12 +330,13 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 
 def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
     """An ``nn.Linear`` view of a ``Conv1D`` (``weight.T``, the same bias), sharing its storage."""
-    in_features, out_features = conv.weight.shape
-    linear = nn.Linear(in_features, out_features, bias=conv.bias is not None, device="meta",
-                       dtype=conv.weight.dtype)
-    linear.weight = nn.Parameter(conv.weight.detach().t(), requires_grad=False)
-    if conv.bias is not None:
-        linear.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+    weight = conv.get_parameter("weight")
+    bias = conv.bias if isinstance(conv.bias, torch.Tensor) else None
+    in_features, out_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach().t(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
     return linear
 
 

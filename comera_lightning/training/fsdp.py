@@ -40,6 +40,7 @@ def default_shard_units(
     is the only place FSDP2 gathers the root's own parameters. A module whose parameters are shared with modules
     outside it (tied embeddings and heads) is left to its parent, as FSDP2 refuses a parameter in two units.
     """
+    leaves = tuple(leaf_types)
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -59,7 +60,7 @@ def default_shard_units(
         if isinstance(module, nn.ModuleList) and not within(name, units):
             units += [f"{name}.{child}" if name else child for child, m in module.named_children() if self_contained(m)]
     for name, module in modules.items():
-        if name and not within(name, units) and isinstance(module, tuple(leaf_types)) and self_contained(module):
+        if name and not within(name, units) and isinstance(module, leaves) and self_contained(module):
             units.append(name)
     for name, module in modules.items():
         lists = isinstance(module, (nn.ParameterList, nn.ParameterDict))  # their parameters serve the parent's forward
