@@ -287,15 +287,28 @@ def smallest_at_least(count: Callable[[int], int], target: float, low: int, high
     return low
 
 
+def narrow_widths(spec) -> list[int]:
+    """The widths up to the full one at which the narrowed model builds: ``study.at_width`` keeps the head width,
+    and each head's width must be even (rotary embeddings rotate channel pairs)."""
+    import study
+
+    widths = []
+    for width in range(2, spec.task_kwargs["d_model"] + 1):
+        kwargs = study.at_width(spec.task_kwargs, width)
+        if width % kwargs["num_heads"] == 0 and (width // kwargs["num_heads"]) % 2 == 0:
+            widths.append(width)
+    return widths
+
+
 def knob_for(spec, family: str, size: float, full: int) -> float | None:
     """The width (narrow), rank (lowrank, cola) or start rank (comera, tt) of ``family`` at ``size``."""
     width = spec.task_kwargs["d_model"]
     target = full / size
     if family == "narrow":
-        # even widths: rotary embeddings rotate channel pairs of each head
-        half = smallest_at_least(lambda k: active_parameters(spec, family_kwargs(spec, "narrow", 2 * k)), target, 1,
-                                 width // 2)
-        return 2 * half
+        widths = narrow_widths(spec)
+        index = smallest_at_least(lambda i: active_parameters(spec, family_kwargs(spec, "narrow", widths[i])), target,
+                                  0, len(widths) - 1)
+        return widths[index]
     if family in ("lowrank", "cola"):
         return smallest_at_least(lambda r: active_parameters(spec, family_kwargs(spec, "lowrank", r)), target, 1,
                                  width)
