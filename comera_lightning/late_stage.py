@@ -20,7 +20,8 @@ A new policy is a new subclass; pass an instance as ``RankAdaptation(late_stage=
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -240,7 +241,7 @@ class ScheduledLateStage(LateStagePolicy):
             if self.importance == "norm":
                 # norms of different layers are not comparable: each slice relative to its bond's mean
                 with torch.no_grad():
-                    for value, mask in zip(slice_importance(layer.gated_cores(), layer.rank_masks), layer.rank_masks):
+                    for value, mask in zip(slice_importance(layer.gated_cores(), layer.rank_masks), layer.rank_masks, strict=True):
                         out.append(value / value[mask].mean().clamp_min(1e-30))
                 continue
             for k, mask in enumerate(layer.rank_masks):
@@ -280,7 +281,7 @@ class ScheduledLateStage(LateStagePolicy):
         cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction,
                               groups, caps)
         count = 0
-        for (layer, k), indices in zip(owners, cuts):
+        for (layer, k), indices in zip(owners, cuts, strict=True):
             if indices:
                 layer.remove_slices_(k, indices)
                 count += len(indices)

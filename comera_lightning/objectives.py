@@ -22,8 +22,8 @@ before ``optimizer.step()``, :func:`refresh_masks_` and now and then :func:`trun
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -31,10 +31,21 @@ from .nn.base import TruncationRecord, TTLayer
 from .nn.distributed import full_tensor
 
 __all__ = [
-    "rank_penalty", "rank_gates", "all_finite", "add_rank_objective_", "refresh_masks_", "truncate_dead_slices_",
+    "ObjectiveWeights",
+    "add_rank_objective_",
+    "all_finite",
+    "compressible_target_size",
+    "early_stage_weights",
+    "late_stage_weights",
+    "layer_removal_caps",
     "layers_to_truncate",
-    "ObjectiveWeights", "early_stage_weights", "late_stage_weights", "compressible_target_size", "scheduled_size",
-    "slice_importance", "plan_rank_cuts", "layer_removal_caps",
+    "plan_rank_cuts",
+    "rank_gates",
+    "rank_penalty",
+    "refresh_masks_",
+    "scheduled_size",
+    "slice_importance",
+    "truncate_dead_slices_",
 ]
 
 
@@ -54,7 +65,7 @@ def rank_penalty(
         raise ValueError("rank_penalty needs at least one gate; the model has no comera layers")
     total = full_tensor(gates[0]).new_zeros(())
     normaliser = 0.0
-    for k, (gate, mask) in enumerate(zip(gates, masks)):
+    for k, (gate, mask) in enumerate(zip(gates, masks, strict=True)):
         w = 1.0 if weights is None else float(weights[k])
         gate = full_tensor(gate)  # FSDP2-sharded gates: the full vector (gradients flow back to the shards)
         active = mask.to(gate.dtype)
@@ -70,7 +81,7 @@ def rank_gates(
     gate is in ``trainable`` (e.g. an optimiser's parameters; None: every bond)."""
     keep = None if trainable is None else {id(p) for p in trainable}
     bonds = [(gate, mask, size) for layer in layers
-             for gate, mask, size in zip(layer.gates, layer.rank_masks, layer.slice_parameters())
+             for gate, mask, size in zip(layer.gates, layer.rank_masks, layer.slice_parameters(), strict=True)
              if keep is None or id(gate) in keep]
     return [b[0] for b in bonds], [b[1] for b in bonds], [b[2] for b in bonds]
 
@@ -125,7 +136,7 @@ def add_rank_objective_(params: Iterable[torch.Tensor], gates: Sequence[torch.Te
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(weights.task)
-    for gate, grad in zip(gates, penalty_grads):
+    for gate, grad in zip(gates, penalty_grads, strict=True):
         grad = grad * weights.penalty
         gate.grad = grad if gate.grad is None else gate.grad.add_(grad)
     return float(penalty.detach())
@@ -150,7 +161,7 @@ def truncate_dead_slices_(layers: Sequence[TTLayer], min_dead_fraction: float) -
 def layers_to_truncate(layers: Sequence[TTLayer], min_dead_fraction: float) -> list[TTLayer]:
     """The layers where some bond has ``min_dead_fraction`` or more of its slices masked."""
     def dead(layer: TTLayer) -> float:
-        return max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1])), default=0.0)
+        return max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1], strict=True)), default=0.0)
     return [layer for layer in layers if dead(layer) >= min_dead_fraction]
 
 
@@ -244,14 +255,14 @@ def plan_rank_cuts(
         return cuts
     candidates = []
     allowance = []
-    for k, (importance, mask) in enumerate(zip(importances, masks)):
+    for k, (importance, mask) in enumerate(zip(importances, masks, strict=True)):
         active = torch.nonzero(mask, as_tuple=False).flatten()
         n = int(active.numel())
         allowance.append(0 if n <= 1 else min(n - 1, max(1, math.floor(max_cut_fraction * n))))
         if n <= 1:
             continue
         cost = importance.detach().float()[active] / max(float(slice_parameters[k]), 1e-30)
-        candidates += [(float(c), k, int(j)) for c, j in zip(cost, active)]
+        candidates += [(float(c), k, int(j)) for c, j in zip(cost, active, strict=True)]
     candidates.sort()
     freed = 0.0
     if groups is not None and group_caps is not None:  # both or neither (checked above)
@@ -297,4 +308,4 @@ def layer_removal_caps(
         raise ValueError(f"one reference size per layer: {len(reference_sizes)} for {len(layer_sizes)} layers")
     reference = float(sum(reference_sizes))
     keep = max(float(sum(layer_sizes)) - parameters_to_remove, 0.0) / reference if reference > 0 else 1.0
-    return [max(float(size) - layer_floor * keep * float(ref), 0.0) for size, ref in zip(layer_sizes, reference_sizes)]
+    return [max(float(size) - layer_floor * keep * float(ref), 0.0) for size, ref in zip(layer_sizes, reference_sizes, strict=True)]

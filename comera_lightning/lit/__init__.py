@@ -7,5 +7,11 @@ from .classification import SequenceClassification
 from .ctr import ClickThrough
 from .mlm import MaskedLM
 
-__all__ = ["ComeraTask", "check_checkpoint_file", "SequenceClassification", "ClickThrough", "MaskedLM",
-           "CausalLM"]
+__all__ = [
+           "CausalLM",
+           "ClickThrough",
+           "ComeraTask",
+           "MaskedLM",
+           "SequenceClassification",
+           "check_checkpoint_file",
+]

@@ -208,7 +208,7 @@ class CausalLM(ComeraTask):
         decode = getattr(datamodule, "decode", None)
         index = batch.get("index", torch.arange(len(prompts)))
         samples = []
-        for row, (prompt, full) in enumerate(zip(prompts, out)):
+        for row, (prompt, full) in enumerate(zip(prompts, out, strict=True)):
             sample: dict[str, Any] = {"index": int(index[row]), "prompt_ids": prompt.cpu(),
                                       "generated_ids": full[prompts.shape[1]:].cpu()}
             if callable(decode):

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import re
 import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from ..nn.base import capturing_graph
 from ..nn.tensorize import tt_layers
 
-__all__ = ["check_checkpoint_file", "check_output_dirs", "check_state_dict_fits", "check_id_ranges"]
+__all__ = ["check_checkpoint_file", "check_id_ranges", "check_output_dirs", "check_state_dict_fits"]
 
 #: ``ckpt_path`` values Lightning resolves itself (not files)
 _CKPT_KEYWORDS = {"best", "last", "hpc", "registry"}
@@ -51,7 +52,7 @@ def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
     is_zip = zipfile.is_zipfile(file)
     try:
         content = torch.load(file, map_location="cpu", weights_only=True, mmap=is_zip)
-    except Exception as err:  # noqa: BLE001 - every failure to read means the same to the user
+    except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0][:200]
         if not is_zip:
             reason = ("it is not a zip archive as torch.save writes: the file is truncated (an interrupted save or "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Hashable, Iterator, NamedTuple, Sequence, TypeVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -212,12 +213,12 @@ class TTLayer(nn.Module):
         """Drop the merged factors kept for inference; the next eval forward without autograd merges again."""
         self._inference_entry = None
 
-    def train(self, mode: bool = True) -> "TTLayer":
+    def train(self, mode: bool = True) -> TTLayer:
         if mode:
             self.clear_inference_cache()
         return super().train(mode)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTLayer":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TTLayer:
         # .to() / .cuda() / .double() swap ``param.data``: dtype and device are in the stamp, but clearing
         # here also frees the old device's copy at once
         self.clear_inference_cache()
@@ -240,7 +241,7 @@ class TTLayer(nn.Module):
         threshold = self.rank_threshold if threshold is None else threshold
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
-        for k, (gate, mask) in enumerate(zip(self.gates, self.rank_masks)):
+        for gate, mask in zip(self.gates, self.rank_masks, strict=True):
             mask.copy_(refresh_mask(full_tensor(gate.detach()), mask, threshold))
         return self.active_ranks
 
@@ -294,7 +295,7 @@ class TTLayer(nn.Module):
         if all(bool(m.all()) for m in self.rank_masks):
             return record
         core_sel, gate_sel = truncate_train(self.rank_masks, len(self.cores))
-        record.extend([*zip(self.cores, core_sel), *zip(self.gates, gate_sel)])
+        record.extend([*zip(self.cores, core_sel, strict=True), *zip(self.gates, gate_sel, strict=True)])
         return record
 
     def reset_masks_after_truncation_(self) -> None:
@@ -344,7 +345,7 @@ class TTLayer(nn.Module):
         if ranks == self.ranks:
             return
         self.clear_inference_cache()
-        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
+        for shape, core in zip(shapes, self.cores, strict=True):
             core.data = core.data.new_zeros(shape)
             core.grad = None
         for k, gate in enumerate(self.gates):
@@ -363,7 +364,7 @@ class TTLayer(nn.Module):
         """The ranks ``[1, r_1, ..., 1]`` of incoming core ``shapes`` (a checkpoint's), after checking that this layer
         can take them (same modes, consistent ranks within the modes' limits); raises ``ValueError`` otherwise."""
         shapes = [tuple(s) for s in shapes]
-        for k, (shape, core) in enumerate(zip(shapes, self.cores)):
+        for k, (shape, core) in enumerate(zip(shapes, self.cores, strict=True)):
             if tuple(shape[1:-1]) != tuple(core.shape[1:-1]):
                 raise ValueError(
                     f"checkpoint core {prefix}cores.{k} has mode sizes {tuple(shape[1:-1])} but this layer "
@@ -373,7 +374,7 @@ class TTLayer(nn.Module):
         ranks = [1] + [s[-1] for s in shapes]
         if any(shapes[k][0] != ranks[k] for k in range(len(shapes))) or ranks[-1] != 1:
             raise ValueError(f"checkpoint cores under {prefix}cores have inconsistent ranks: {shapes}")
-        too_big = [k for k, (r, m) in enumerate(zip(ranks, self.max_ranks)) if r > m]
+        too_big = [k for k, (r, m) in enumerate(zip(ranks, self.max_ranks, strict=True)) if r > m]
         if too_big:
             raise ValueError(
                 f"checkpoint ranks {ranks} under {prefix}cores exceed the maximum {self.max_ranks} that this "

@@ -12,8 +12,9 @@ the layers while loading.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,8 +25,17 @@ from .embedding import TTEmbedding
 from .fast_path import restore_fast_paths, steer_off_fast_paths
 from .linear import TTLinear
 
-__all__ = ["tensorize", "untensorize", "tensorize_like", "tensorize_specs", "TensorizeRecord", "size_report",
-           "LayerSize", "SizeReport", "tt_layers"]
+__all__ = [
+    "LayerSize",
+    "SizeReport",
+    "TensorizeRecord",
+    "size_report",
+    "tensorize",
+    "tensorize_like",
+    "tensorize_specs",
+    "tt_layers",
+    "untensorize",
+]
 
 #: the key of tensorize()'s arguments in a module's state-dict metadata
 SPEC_KEY = "comera_tensorize"

@@ -4,10 +4,10 @@ then the truncated checkpoint reloaded into a full-rank task."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.code_tree import small_source_tree
 from lightning.pytorch import Trainer
 from torch.nn import functional as F
 
@@ -16,8 +16,6 @@ from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import OptimConfig
-
-from helpers.code_tree import small_source_tree
 
 TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32,
             layer_config=dict(rank=8, embedding_rank=8, min_features=16))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.nn_reference import FULL_RANK
 from torch import nn
 
 from comera_lightning.nn import (
@@ -13,8 +14,6 @@ from comera_lightning.nn import (
     tensorize,
     tt_layers,
 )
-
-from helpers.nn_reference import FULL_RANK
 
 
 class Block(nn.Module):
@@ -184,7 +183,7 @@ def test_size_report_hand_count_small_linear():
     assert report.allocated_parameters == 104
     assert report.dense_equivalent_parameters == 152
     assert report.compression_ratio == pytest.approx(152 / 104)
-    assert [(l.name, l.active_parameters, l.dense_parameters) for l in report.layers] == [("0", 72, 120)]
+    assert [(layer.name, layer.active_parameters, layer.dense_parameters) for layer in report.layers] == [("0", 72, 120)]
 
     # one slice of bond 2 dies: active ranks [1,3,2,3,1] -> 12 + 18 + 12 + 15 = 57
     with torch.no_grad():

@@ -271,7 +271,7 @@ def test_cli_resolves_the_short_name(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["comera"])
     cli = ComeraCLI(args=["--model=SequenceClassification", "--model.vocab_size=64", "--model.d_model=16",
                           "--model.num_heads=2", "--model.d_ff=32", "--model.num_layers=1", "--model.max_len=8",
-                          "--data=MNLIDataModule", f"--data.data_dir={tmp_path}", "--trainer.logger=false",
+                          "--data=MNLIDataModule", f"--data.data_dir={tmp_path}", "--data.vocab_size=64", "--trainer.logger=false",
                           "--trainer.callbacks+=DivergenceGuard", "--trainer.callbacks.action=stop"], run=False)
     guard = next(c for c in cli.trainer.callbacks if isinstance(c, DivergenceGuard))
     assert guard.action == "stop"
