@@ -52,7 +52,7 @@ def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
     is_zip = zipfile.is_zipfile(file)
     try:
         content = torch.load(file, map_location="cpu", weights_only=True, mmap=is_zip)
-    except Exception as err:
+    except Exception as err:  # every failure to read means the same to the user
         first = (str(err).strip().splitlines() or [""])[0][:200]
         if not is_zip:
             reason = ("it is not a zip archive as torch.save writes: the file is truncated (an interrupted save or "
