@@ -32,8 +32,14 @@ def run(shape: bts.Shape, batch: int, **timing) -> dict:
         checkpointed.model.encoder.activation_checkpointing = True
         cands += [plain, checkpointed]
     timing, entries = bts.measure(cands, (ids, labels), **timing)
-    return {"shape": shape.__dict__, "batch": batch, "memory": {n: e["memory"] for n, e in entries.items()},
-            "step_s": timing.medians(), "timing": timing.summary(), "candidates": entries}
+    return {
+        "shape": shape.__dict__,
+        "batch": batch,
+        "memory": {n: e["memory"] for n, e in entries.items()},
+        "step_s": timing.medians(),
+        "timing": timing.summary(),
+        "candidates": entries,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,19 +54,44 @@ def main(argv: list[str] | None = None) -> int:
     res = run(shape, args.batch, **harness.timing_options(args))
     res["machine"] = harness.machine_info()
     dense_peak = res["memory"][DENSE]["total"]
-    rows = [[name, harness.mib(mem["total"]), harness.mib(mem["activations"]), harness.times(dense_peak / mem["total"]),
-             harness.ms(res["step_s"][name]), harness.times(res["step_s"][name] /
-                                                            res["step_s"][name.removesuffix(CHECKPOINTED)])]
-            for name, mem in res["memory"].items()]
+    rows = [
+        [
+            name,
+            harness.mib(mem["total"]),
+            harness.mib(mem["activations"]),
+            harness.times(dense_peak / mem["total"]),
+            harness.ms(res["step_s"][name]),
+            harness.times(res["step_s"][name] / res["step_s"][name.removesuffix(CHECKPOINTED)]),
+        ]
+        for name, mem in res["memory"].items()
+    ]
     ratio = dense_peak / res["memory"][COMERA + CHECKPOINTED]["total"]
-    res["target"] = {"memory_vs_dense": TARGET_MEMORY_VS_DENSE, "measured": ratio,
-                     "met": ratio >= TARGET_MEMORY_VS_DENSE}
-    print(f"### Activation checkpointing, batch {args.batch} x {shape.seq_len}, d_model {shape.d_model}, "
-          f"{shape.num_layers} layers\n")
-    print(harness.table(["candidate", "peak MiB", "activations at the peak MiB", "dense peak / this", "step ms",
-                         "step / plain twin"], rows))
-    print(f"\nTarget: CoMERA{CHECKPOINTED} peak >= {TARGET_MEMORY_VS_DENSE:g}x below dense+AdamW: {ratio:.2f}x "
-          f"({'met' if res['target']['met'] else 'MISSED'})")
+    res["target"] = {
+        "memory_vs_dense": TARGET_MEMORY_VS_DENSE,
+        "measured": ratio,
+        "met": ratio >= TARGET_MEMORY_VS_DENSE,
+    }
+    print(
+        f"### Activation checkpointing, batch {args.batch} x {shape.seq_len}, d_model {shape.d_model}, "
+        f"{shape.num_layers} layers\n"
+    )
+    print(
+        harness.table(
+            [
+                "candidate",
+                "peak MiB",
+                "activations at the peak MiB",
+                "dense peak / this",
+                "step ms",
+                "step / plain twin",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nTarget: CoMERA{CHECKPOINTED} peak >= {TARGET_MEMORY_VS_DENSE:g}x below dense+AdamW: {ratio:.2f}x "
+        f"({'met' if res['target']['met'] else 'MISSED'})"
+    )
     harness.emit(args.out_dir / "activation_memory.json", res)
     return 0
 

@@ -35,9 +35,9 @@ from comera_lightning.optim import comera_parameter_groups
 from comera_lightning.training import CudaGraphs
 
 IGNORE = -100
-TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}         # largest relative difference of a step's loss
+TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}  # largest relative difference of a step's loss
 UPDATE_TOLERANCE = {"32-true": 1e-2, "bf16-mixed": 5e-2}  # ||theta_graphs - theta_eager|| / ||update||
-TARGET_SPEEDUP, TARGET_BATCH = 1.3, 1                     # the GPU issue: graphs >= 1.3x faster than eager at batch 1
+TARGET_SPEEDUP, TARGET_BATCH = 1.3, 1  # the GPU issue: graphs >= 1.3x faster than eager at batch 1
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,21 @@ class BenchMLM(LightningModule):
         torch.manual_seed(0)
         self.size, self.log_loss = size, log_loss
         self.model = MaskedLanguageModel(
-            vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff, num_layers=size.layers,
-            max_len=size.seq, dropout=0.0, layer_config=dict(tt_embeddings=False, rank=size.rank))
+            vocab_size=size.vocab,
+            d_model=size.d_model,
+            num_heads=size.heads,
+            d_ff=size.d_ff,
+            num_layers=size.layers,
+            max_len=size.seq,
+            dropout=0.0,
+            layer_config=dict(tt_embeddings=False, rank=size.rank),
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.model(batch["input_ids"])
-        loss = F.cross_entropy(logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1),
-                               ignore_index=IGNORE)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1), ignore_index=IGNORE
+        )
         if self.log_loss:
             self.log("train/loss", loss)
         return loss
@@ -92,8 +100,9 @@ def make_batches(size: Size, count: int, device: str | torch.device = "cpu", see
         ids = torch.randint(2, size.vocab, (size.batch, size.seq), generator=g)
         masked = torch.rand(size.batch, size.seq, generator=g) < 0.15
         labels = torch.where(masked, ids, torch.full_like(ids, IGNORE))
-        batches.append({"input_ids": torch.where(masked, torch.ones_like(ids), ids).to(device),
-                        "labels": labels.to(device)})
+        batches.append(
+            {"input_ids": torch.where(masked, torch.ones_like(ids), ids).to(device), "labels": labels.to(device)}
+        )
     return batches
 
 
@@ -134,10 +143,18 @@ def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     timer = StepTimer()
     callbacks = [RankAdaptation(gamma=0.01, truncate_every_n_steps=None), ForcedTruncation(max(2, steps // 2)), timer]
-    trainer = Trainer(max_steps=steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1,
-                      precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=callbacks + ([graphs] if graphs else []),
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks + ([graphs] if graphs else []),
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(make_batches(size, 8), batch_size=None, shuffle=False))
     return module, start, timer
 
@@ -172,16 +189,29 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e, strict=True))
     tol, update_tol = TOLERANCE[precision], UPDATE_TOLERANCE[precision]
     skip = graphs.warmup_steps + 1  # compare loop times of replayed steps only (not warm-up or capture)
-    loop_c, loop_e = (statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan
-                      for t in (timer_c, timer_e))
+    loop_c, loop_e = (
+        statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan for t in (timer_c, timer_e)
+    )
     return {
-        "size": size.name, "precision": precision, "batch": size.batch, "steps": steps, "backend": backend,
+        "size": size.name,
+        "precision": precision,
+        "batch": size.batch,
+        "steps": steps,
+        "backend": backend,
         "identical": bool(update_rel <= update_tol and loss_rel <= tol),
-        "update_rel_diff": update_rel, "loss_rel_diff": loss_rel, "max_abs_param_diff": max_abs,
-        "max_abs_param_diff_tensor": worst, "tolerance": {"update_rel": update_tol, "loss_rel": tol},
+        "update_rel_diff": update_rel,
+        "loss_rel_diff": loss_rel,
+        "max_abs_param_diff": max_abs,
+        "max_abs_param_diff_tensor": worst,
+        "tolerance": {"update_rel": update_tol, "loss_rel": tol},
         "losses": {"graphs": losses_c, "eager": losses_e},
-        "graphs": {"captures": graphs.captures, "step_captures": graphs.step_captures, "replays": graphs.replays,
-                   "eager_steps": graphs.eager_steps, "invalidations": len(graphs.invalidations)},
+        "graphs": {
+            "captures": graphs.captures,
+            "step_captures": graphs.step_captures,
+            "replays": graphs.replays,
+            "eager_steps": graphs.eager_steps,
+            "invalidations": len(graphs.invalidations),
+        },
         "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": timer_c.times, "times_eager": timer_e.times},
     }
 
@@ -234,9 +264,16 @@ def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
     finally:
         graphs.detach()
     paired = timing.paired_ratios("eager", "graphs")
-    return {"size": size.name, "precision": precision, "batch": batch, "speedup": timing.ratio("eager", "graphs"),
-            "paired_speedups": paired, "timing": timing.summary(), "noise": timing.noise_cell(),
-            "peak_memory_bytes": memory}
+    return {
+        "size": size.name,
+        "precision": precision,
+        "batch": batch,
+        "speedup": timing.ratio("eager", "graphs"),
+        "paired_speedups": paired,
+        "timing": timing.summary(),
+        "noise": timing.noise_cell(),
+        "peak_memory_bytes": memory,
+    }
 
 
 def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
@@ -247,43 +284,90 @@ def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
         loop = check["loop_step_s"]
         tol = check["tolerance"]
         own_batch = check["batch"]
-        timed = sorted((t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])),
-                       key=lambda t: t["batch"])
+        timed = sorted(
+            (t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])),
+            key=lambda t: t["batch"],
+        )
         for t in timed or [None]:
-            rows.append([
-                check["size"], check["precision"], t["batch"] if t else own_batch,
-                *((harness.ms(t["timing"]["median_s"]["eager"]), harness.ms(t["timing"]["median_s"]["graphs"]),
-                   harness.times(t["speedup"]), f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}")
-                  if t else ["-"] * 4),
-                harness.times(loop["eager"] / loop["graphs"])
-                if on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch) else "-",
-                " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
-                f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
-                "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
-                f"{check['graphs']['captures']} / {check['graphs']['invalidations']}", t["noise"] if t else "-",
-            ])
-    return harness.table(["size", "precision", "batch", "eager step", "graphed step", "speed-up", "paired range",
-                          "in Lightning loop", "peak mem eager / graphs", "update / loss rel diff (own batch)",
-                          "identical", "captures / re-captures", "clean rounds"], rows)
+            rows.append(
+                [
+                    check["size"],
+                    check["precision"],
+                    t["batch"] if t else own_batch,
+                    *(
+                        (
+                            harness.ms(t["timing"]["median_s"]["eager"]),
+                            harness.ms(t["timing"]["median_s"]["graphs"]),
+                            harness.times(t["speedup"]),
+                            f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}",
+                        )
+                        if t
+                        else ["-"] * 4
+                    ),
+                    harness.times(loop["eager"] / loop["graphs"])
+                    if on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch)
+                    else "-",
+                    " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
+                    f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
+                    "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
+                    f"{check['graphs']['captures']} / {check['graphs']['invalidations']}",
+                    t["noise"] if t else "-",
+                ]
+            )
+    return harness.table(
+        [
+            "size",
+            "precision",
+            "batch",
+            "eager step",
+            "graphed step",
+            "speed-up",
+            "paired range",
+            "in Lightning loop",
+            "peak mem eager / graphs",
+            "update / loss rel diff (own batch)",
+            "identical",
+            "captures / re-captures",
+            "clean rounds",
+        ],
+        rows,
+    )
 
 
 def verdicts(timings: list[dict]) -> list[dict]:
     """The GPU issue's target, per size and precision timed at ``TARGET_BATCH``."""
-    return [{"target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",
-             "size": t["size"], "precision": t["precision"], "batch": t["batch"], "measured": t["speedup"],
-             "met": t["speedup"] >= TARGET_SPEEDUP} for t in timings if t["batch"] == TARGET_BATCH]
+    return [
+        {
+            "target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",
+            "size": t["size"],
+            "precision": t["precision"],
+            "batch": t["batch"],
+            "measured": t["speedup"],
+            "met": t["speedup"] >= TARGET_SPEEDUP,
+        }
+        for t in timings
+        if t["batch"] == TARGET_BATCH
+    ]
 
 
 def plot(timings: list[dict]):
     """Bars of the speed-up per size, precision and batch, with every paired round's ratio as dots."""
     fig, [ax] = harness.new_figure(1, max(6.0, 1.2 * len(timings)), 3.5)
-    ax.bar([f"{t['size']}\n{t['precision']}\nbatch {t['batch']}" for t in timings], [t["speedup"] for t in timings],
-           color="tab:green")
+    ax.bar(
+        [f"{t['size']}\n{t['precision']}\nbatch {t['batch']}" for t in timings],
+        [t["speedup"] for t in timings],
+        color="tab:green",
+    )
     for i, t in enumerate(timings):
         ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.axhline(TARGET_SPEEDUP, color="tab:red", linewidth=0.8, linestyle="--",
-               label=f"target at batch {TARGET_BATCH}: {TARGET_SPEEDUP:g}x")
+    ax.axhline(
+        TARGET_SPEEDUP,
+        color="tab:red",
+        linewidth=0.8,
+        linestyle="--",
+        label=f"target at batch {TARGET_BATCH}: {TARGET_SPEEDUP:g}x",
+    )
     ax.legend(fontsize=7)
     ax.set_ylabel("eager / graphed step time")
     ax.set_title("CUDA graphs speed-up (bare training step)")
@@ -293,26 +377,47 @@ def plot(timings: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     """Identity check (and, on a GPU, step timing) per size and precision; exit 1 when a run is not identical."""
     parser = harness.bench_parser(__doc__.split("\n\n")[0], repeats=(5, 5))
-    parser.add_argument("--steps", type=int, default=harness.Quick(20, 40),
-                        help="training steps of the identity check (default 40, --quick 20)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=harness.Quick(20, 40),
+        help="training steps of the identity check (default 40, --quick 20)",
+    )
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--backend", choices=["cuda", "replay"], default="cuda",
-                        help="replay: identity check with the eager replay backend on the CPU (no timing)")
-    parser.add_argument("--timing-batches", type=harness.positive_int, nargs="+", default=None, metavar="B",
-                        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own "
-                             "batch, 32); the identity check always runs at the size's own batch")
+    parser.add_argument(
+        "--backend",
+        choices=["cuda", "replay"],
+        default="cuda",
+        help="replay: identity check with the eager replay backend on the CPU (no timing)",
+    )
+    parser.add_argument(
+        "--timing-batches",
+        type=harness.positive_int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own "
+        "batch, 32); the identity check always runs at the size's own batch",
+    )
     args = harness.parse(parser, argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
     if args.timing_batches and args.backend == "replay":
-        parser.error("--timing-batches sets the step timing, which only the cuda backend runs; drop it or use "
-                     "--backend cuda")
+        parser.error(
+            "--timing-batches sets the step timing, which only the cuda backend runs; drop it or use --backend cuda"
+        )
     on_gpu = args.backend == "cuda"
     json_path = args.out_dir / "cuda_graphs.json"
     if on_gpu and not torch.cuda.is_available():
         print("no CUDA device: skipped (torch.cuda.is_available() is False on this machine)")
-        harness.write_json(json_path, {"skipped": True, "machine": harness.machine_info(),
-                                       "reason": "no CUDA device: torch.cuda.is_available() is False on this machine"})
+        harness.write_json(
+            json_path,
+            {
+                "skipped": True,
+                "machine": harness.machine_info(),
+                "reason": "no CUDA device: torch.cuda.is_available() is False on this machine",
+            },
+        )
         return 0
     steps = args.steps
     sizes = ([QUICKSTART] if args.quick else [QUICKSTART, BASE]) if on_gpu else ([TINY] if args.quick else [QUICKSTART])
@@ -327,15 +432,43 @@ def main(argv: list[str] | None = None) -> int:
     print(report(identity, timings, on_gpu))
     checks = verdicts(timings)
     if checks:
-        print("\n" + harness.table(["target", "size", "precision", "measured", "verdict"],
-                                   [[c["target"], c["size"], c["precision"], harness.times(c["measured"]),
-                                     "met" if c["met"] else "MISSED"] for c in checks]))
-    settings = {"steps": steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats,
-                "sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE,
-                "timing_batches": {s.name: timing_batches(s, args.timing_batches) for s in sizes} if on_gpu else {}}
-    harness.emit(json_path, {"skipped": False, "machine": harness.machine_info(), "settings": settings,
-                             "identity": identity, "timing": timings, "verdicts": checks},
-                 fig=plot(timings) if timings else None)
+        print(
+            "\n"
+            + harness.table(
+                ["target", "size", "precision", "measured", "verdict"],
+                [
+                    [
+                        c["target"],
+                        c["size"],
+                        c["precision"],
+                        harness.times(c["measured"]),
+                        "met" if c["met"] else "MISSED",
+                    ]
+                    for c in checks
+                ],
+            )
+        )
+    settings = {
+        "steps": steps,
+        "precision": args.precision,
+        "backend": args.backend,
+        "repeats": args.repeats,
+        "sizes": [asdict(s) for s in sizes],
+        "tolerance": TOLERANCE,
+        "timing_batches": {s.name: timing_batches(s, args.timing_batches) for s in sizes} if on_gpu else {},
+    }
+    harness.emit(
+        json_path,
+        {
+            "skipped": False,
+            "machine": harness.machine_info(),
+            "settings": settings,
+            "identity": identity,
+            "timing": timings,
+            "verdicts": checks,
+        },
+        fig=plot(timings) if timings else None,
+    )
     return 0 if all(check["identical"] for check in identity) else 1
 
 

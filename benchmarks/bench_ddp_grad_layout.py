@@ -92,8 +92,14 @@ def _worker(rank: int, world: int, spec: dict, out: str) -> None:
             if round_index:
                 times[name].append(elapsed)
     if rank == 0:
-        harness.write_json(Path(out), {"times": times, "odd_layout_parameters": odd,
-                                       "parameters": sum(p.numel() for p in models["kept"].parameters())})
+        harness.write_json(
+            Path(out),
+            {
+                "times": times,
+                "odd_layout_parameters": odd,
+                "parameters": sum(p.numel() for p in models["kept"].parameters()),
+            },
+        )
     dist.destroy_process_group()
 
 
@@ -113,12 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     speedup = medians["before"] / medians["kept"]
     markdown = harness.table(
         ["variant", "median step ms (2 ranks, 1 thread each)", "parameters with a gradient in another layout"],
-        [[name, harness.ms(medians[name]), measured["odd_layout_parameters"][name]] for name in VARIANTS])
+        [[name, harness.ms(medians[name]), measured["odd_layout_parameters"][name]] for name in VARIANTS],
+    )
     markdown += f"\n\nbefore / kept: {harness.times(speedup)} ({args.rounds} rounds of {args.steps} steps each)"
     print(markdown)
-    harness.emit(args.out_dir / ("ddp_grad_layout_quick.json" if args.quick else "ddp_grad_layout.json"),
-                 {"machine": harness.machine_info(), "settings": harness.settings(args), **measured,
-                  "median_step_s": medians, "before_over_kept": speedup}, markdown=markdown)
+    harness.emit(
+        args.out_dir / ("ddp_grad_layout_quick.json" if args.quick else "ddp_grad_layout.json"),
+        {
+            "machine": harness.machine_info(),
+            "settings": harness.settings(args),
+            **measured,
+            "median_step_s": medians,
+            "before_over_kept": speedup,
+        },
+        markdown=markdown,
+    )
     return 0
 
 

@@ -25,20 +25,26 @@ def hidden_candidates(batch: int, seq_len: int, d_model: int, p: float) -> dict:
     """``nn.Dropout`` and ``PackedDropout`` on hidden states."""
     x = torch.randn(batch, seq_len, d_model, requires_grad=True)
     upstream = torch.randn(batch, seq_len, d_model)
-    return {name: harness.backward_step(lambda layer=layer: layer(x), [x], upstream)
-            for name, layer in (("torch", nn.Dropout(p)), ("packed", PackedDropout(p)))}
+    return {
+        name: harness.backward_step(lambda layer=layer: layer(x), [x], upstream)
+        for name, layer in (("torch", nn.Dropout(p)), ("packed", PackedDropout(p)))
+    }
 
 
 def attention_candidates(batch: int, seq_len: int, heads: int, head_dim: int, p: float) -> dict:
     """SDPA with dropout, packed-mask attention, and SDPA without dropout, on padded sequences."""
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
     key_mask = torch.ones(batch, 1, 1, seq_len, dtype=torch.bool)
-    key_mask[::2, ..., seq_len * 3 // 4:] = False  # half the sequences padded, as real batches are
+    key_mask[::2, ..., seq_len * 3 // 4 :] = False  # half the sequences padded, as real batches are
     upstream = torch.randn(batch, heads, seq_len, head_dim)
-    return {name: harness.backward_step(fn, [q, k, v], upstream) for name, fn in (
-        ("torch", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)),
-        ("packed", lambda: attention(q, k, v, attn_mask=key_mask, dropout_p=p, packed_masks=True)),
-        ("no dropout", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)))}
+    return {
+        name: harness.backward_step(fn, [q, k, v], upstream)
+        for name, fn in (
+            ("torch", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)),
+            ("packed", lambda: attention(q, k, v, attn_mask=key_mask, dropout_p=p, packed_masks=True)),
+            ("no dropout", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)),
+        )
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,20 +54,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p", type=float, default=0.1)
     args = harness.parse(parser, argv)
     batch, seq_len = (2, 16) if args.quick else (args.batch, 128)
-    sites = {"hidden (B, 128, 768)": hidden_candidates(batch, seq_len, 768, args.p),
-             "attention (B, 12, 128, 128)": attention_candidates(batch, seq_len, 12, 64, args.p)}
+    sites = {
+        "hidden (B, 128, 768)": hidden_candidates(batch, seq_len, 768, args.p),
+        "attention (B, 12, 128, 128)": attention_candidates(batch, seq_len, 12, 64, args.p),
+    }
     results, rows = [], []
     for site, cands in sites.items():
         timing = harness.interleave(cands, min_sample_s=0.05, **harness.timing_options(args))
         med = {name: timing.median(name) for name in cands}
         results.append({"site": site, "median_s": med, "timing": timing.summary()})
-        rows.append([site, harness.ms(med["torch"]), harness.ms(med["packed"]),
-                     harness.ms(med["no dropout"]) if "no dropout" in med else "-",
-                     harness.times(med["torch"] / med["packed"])])
+        rows.append(
+            [
+                site,
+                harness.ms(med["torch"]),
+                harness.ms(med["packed"]),
+                harness.ms(med["no dropout"]) if "no dropout" in med else "-",
+                harness.times(med["torch"] / med["packed"]),
+            ]
+        )
     print(f"### dropout p={args.p}, batch {batch} x {seq_len}, forward + backward\n")
     print(harness.table(["site", "torch ms", "packed ms", "without dropout ms", "torch / packed"], rows))
-    harness.emit(args.out_dir / "dropout.json", {"p": args.p, "batch": batch, "seq_len": seq_len, "results": results,
-                                                 "machine": harness.machine_info()})
+    harness.emit(
+        args.out_dir / "dropout.json",
+        {"p": args.p, "batch": batch, "seq_len": seq_len, "results": results, "machine": harness.machine_info()},
+    )
     return 0
 
 

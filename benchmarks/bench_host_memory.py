@@ -28,8 +28,10 @@ def measure(step, steps: int) -> dict:
     """Wall seconds, minor faults and system seconds per step over ``steps`` calls of ``step``."""
     start = time.perf_counter()
     work = [harness.kernel_work(step) for _ in range(steps)]
-    return {"step_s": (time.perf_counter() - start) / steps,
-            **{k: sum(w[k] for w in work) / steps for k in ("minor_faults", "system_s")}}
+    return {
+        "step_s": (time.perf_counter() - start) / steps,
+        **{k: sum(w[k] for w in work) / steps for k in ("minor_faults", "system_s")},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,24 +57,53 @@ def main(argv: list[str] | None = None) -> int:
                 cand.step()  # settles the heap after the switch
                 samples[name][mode].append(measure(cand.step, steps))
     keep_freed_memory(False)
-    summary = {name: {mode: {k: statistics.median(s[k] for s in by_mode[mode]) for k in ("step_s", "minor_faults",
-                                                                                     "system_s")} for mode in MODES}
-               for name, by_mode in samples.items()}
+    summary = {
+        name: {
+            mode: {k: statistics.median(s[k] for s in by_mode[mode]) for k in ("step_s", "minor_faults", "system_s")}
+            for mode in MODES
+        }
+        for name, by_mode in samples.items()
+    }
     work = lambda m: f"{m['minor_faults']:,.0f} / {m['system_s']:.2f} s"  # noqa: E731
-    rows = [[name, harness.ms(m[MODES[0]]["step_s"]), harness.ms(m[MODES[1]]["step_s"]),
-             harness.times(m[MODES[0]]["step_s"] / m[MODES[1]]["step_s"]), work(m[MODES[0]]), work(m[MODES[1]])]
-            for name, m in summary.items()]
+    rows = [
+        [
+            name,
+            harness.ms(m[MODES[0]]["step_s"]),
+            harness.ms(m[MODES[1]]["step_s"]),
+            harness.times(m[MODES[0]]["step_s"] / m[MODES[1]]["step_s"]),
+            work(m[MODES[0]]),
+            work(m[MODES[1]]),
+        ]
+        for name, m in summary.items()
+    ]
     ratios = {mode: summary[bts.DENSE][mode]["step_s"] / summary[bts.COMERA][mode]["step_s"] for mode in MODES}
-    print(f"### six-encoder step, batch {batch} x {shape.seq_len}, {rounds} rounds x {steps} steps per setting"
-          f"{', packed dropout' if args.packed_dropout else ''}\n")
-    print(harness.table(["candidate", "default ms", "kept ms", "default / kept", "faults / system s per step, default",
-                         "kept"], rows))
-    print(f"\ndense / CoMERA step: {harness.times(ratios[MODES[0]])} with glibc's default, "
-          f"{harness.times(ratios[MODES[1]])} with freed memory kept")
-    harness.emit(args.out_dir / "host_memory.json",
-                 {"batch": batch, "rounds": rounds, "steps": steps, "packed_dropout": args.packed_dropout,
-                  "samples": samples, "medians": summary, "dense_over_comera": ratios,
-                  "machine": harness.machine_info()})
+    print(
+        f"### six-encoder step, batch {batch} x {shape.seq_len}, {rounds} rounds x {steps} steps per setting"
+        f"{', packed dropout' if args.packed_dropout else ''}\n"
+    )
+    print(
+        harness.table(
+            ["candidate", "default ms", "kept ms", "default / kept", "faults / system s per step, default", "kept"],
+            rows,
+        )
+    )
+    print(
+        f"\ndense / CoMERA step: {harness.times(ratios[MODES[0]])} with glibc's default, "
+        f"{harness.times(ratios[MODES[1]])} with freed memory kept"
+    )
+    harness.emit(
+        args.out_dir / "host_memory.json",
+        {
+            "batch": batch,
+            "rounds": rounds,
+            "steps": steps,
+            "packed_dropout": args.packed_dropout,
+            "samples": samples,
+            "medians": summary,
+            "dense_over_comera": ratios,
+            "machine": harness.machine_info(),
+        },
+    )
     return 0
 
 

@@ -93,10 +93,21 @@ def decoder_task(d_model: int, tt: bool, layers: int = DECODER_LAYERS, vocab: in
     rank 32 starts at 16x (512) and 41x (1024)."""
     torch.manual_seed(0)
     rank = max(8, d_model // 8)
-    layer_config = (dict(rank=rank, embedding_rank=rank, low_rank_linears="lm_head", layer_ranks={"lm_head": 2 * rank})
-                    if tt else dict(tt_linears=False, tt_embeddings=False))
-    return CausalLM(vocab_size=vocab, d_model=d_model, num_heads=max(1, d_model // 64), d_ff=8 * d_model // 3,
-                    num_layers=layers, max_len=256, dropout=0.0, layer_config=layer_config).eval()
+    layer_config = (
+        dict(rank=rank, embedding_rank=rank, low_rank_linears="lm_head", layer_ranks={"lm_head": 2 * rank})
+        if tt
+        else dict(tt_linears=False, tt_embeddings=False)
+    )
+    return CausalLM(
+        vocab_size=vocab,
+        d_model=d_model,
+        num_heads=max(1, d_model // 64),
+        d_ff=8 * d_model // 3,
+        num_layers=layers,
+        max_len=256,
+        dropout=0.0,
+        layer_config=layer_config,
+    ).eval()
 
 
 def cut_to_compression(task: CausalLM, target: float) -> float:
@@ -130,21 +141,29 @@ def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
             for name, task in models.items():
                 for cached in (True, False):
                     steps[f"{name} {'cache' if cached else 'no cache'}"] = (
-                        lambda task=task, cached=cached, prompt=prompt: task.generate(prompt, args.new_tokens, temperature=0.0,
-                                                                       use_cache=cached))
+                        lambda task=task, cached=cached, prompt=prompt: task.generate(
+                            prompt, args.new_tokens, temperature=0.0, use_cache=cached
+                        )
+                    )
             same = torch.equal(steps["comera cache"](), steps["comera no cache"]())
             timing = harness.interleave(steps, warmup=0, min_sample_s=0.0, **harness.timing_options(args))
             memory = {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()}
             tokens = batch * args.new_tokens
             results[f"d{d_model} b{batch}"] = {
-                "d_model": d_model, "batch": batch, "compression": reached, "cache_equals_rerun": same,
-                "tokens_per_s": {n: tokens / timing.median(n) for n in steps}, "peak_bytes": memory,
-                "noise": timing.noise_cell(), "timing": timing.summary(),
+                "d_model": d_model,
+                "batch": batch,
+                "compression": reached,
+                "cache_equals_rerun": same,
+                "tokens_per_s": {n: tokens / timing.median(n) for n in steps},
+                "peak_bytes": memory,
+                "noise": timing.noise_cell(),
+                "timing": timing.summary(),
                 "parameters": {n: size_report(t.model).active_parameters for n, t in models.items()},
             }
-            print(f"d{d_model} b{batch}: " + ", ".join(f"{n} {v:.0f} tok/s"
-                                                             for n, v in results[f'd{d_model} b{batch}']
-                                                             ["tokens_per_s"].items()))
+            print(
+                f"d{d_model} b{batch}: "
+                + ", ".join(f"{n} {v:.0f} tok/s" for n, v in results[f"d{d_model} b{batch}"]["tokens_per_s"].items())
+            )
     return results
 
 
@@ -152,16 +171,35 @@ def decode_table(results: dict) -> str:
     rows = []
     for key, r in results.items():
         tps = r["tokens_per_s"]
-        rows.append([key, f"{r['compression']:.1f}x", *(f"{tps[n]:.0f}" for n in
-                                                        ("comera cache", "dense cache", "comera no cache",
-                                                         "dense no cache")),
-                     harness.times(tps["comera cache"] / tps["comera no cache"]),
-                     harness.times(tps["comera cache"] / tps["dense cache"]),
-                     *(harness.mib(r["peak_bytes"][n]) for n in ("comera cache", "dense cache")),
-                     "yes" if r["cache_equals_rerun"] else "NO", r["noise"]])
-    return harness.table(["shape", "CoMERA size", "CoMERA cache tok/s", "dense cache tok/s", "CoMERA no cache",
-                          "dense no cache", "cache vs none (CoMERA)", "CoMERA vs dense (cache)",
-                          "CoMERA peak MiB", "dense peak MiB", "same tokens", "clean rounds"], rows)
+        rows.append(
+            [
+                key,
+                f"{r['compression']:.1f}x",
+                *(f"{tps[n]:.0f}" for n in ("comera cache", "dense cache", "comera no cache", "dense no cache")),
+                harness.times(tps["comera cache"] / tps["comera no cache"]),
+                harness.times(tps["comera cache"] / tps["dense cache"]),
+                *(harness.mib(r["peak_bytes"][n]) for n in ("comera cache", "dense cache")),
+                "yes" if r["cache_equals_rerun"] else "NO",
+                r["noise"],
+            ]
+        )
+    return harness.table(
+        [
+            "shape",
+            "CoMERA size",
+            "CoMERA cache tok/s",
+            "dense cache tok/s",
+            "CoMERA no cache",
+            "dense no cache",
+            "cache vs none (CoMERA)",
+            "CoMERA vs dense (cache)",
+            "CoMERA peak MiB",
+            "dense peak MiB",
+            "same tokens",
+            "clean rounds",
+        ],
+        rows,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -173,13 +211,26 @@ def encoder_models(kind: str, shape) -> dict[str, nn.Module]:
     if kind == "classifier":
         comera, dense = build_model(shape, tt=True), build_model(shape, tt=False)
     else:
+
         def mlm(tt: bool) -> MaskedLanguageModel:
             torch.manual_seed(0)
             return MaskedLanguageModel(
-                vocab_size=shape.vocab_size, d_model=shape.d_model, num_heads=shape.num_heads, d_ff=shape.d_ff,
-                num_layers=shape.num_layers, max_len=shape.seq_len, dropout=shape.dropout,
-                layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank,
-                                  embedding_rank=shape.embedding_rank, dense_layers=shape.dense_layers))
+                vocab_size=shape.vocab_size,
+                d_model=shape.d_model,
+                num_heads=shape.num_heads,
+                d_ff=shape.d_ff,
+                num_layers=shape.num_layers,
+                max_len=shape.seq_len,
+                dropout=shape.dropout,
+                layer_config=dict(
+                    tt_linears=tt,
+                    tt_embeddings=tt,
+                    rank=shape.rank,
+                    embedding_rank=shape.embedding_rank,
+                    dense_layers=shape.dense_layers,
+                ),
+            )
+
         comera, dense = mlm(True), mlm(False)
     untensorised = copy.deepcopy(comera)
     untensorize(untensorised)
@@ -195,13 +246,18 @@ def run_forward(args, shape, batches: list[int]) -> dict:
             steps = {name: (lambda m=model, ids=ids: torch.inference_mode()(m)(ids)) for name, model in models.items()}
             timing = harness.interleave(steps, **harness.timing_options(args))
             results[f"{kind} b{batch}"] = {
-                "kind": kind, "batch": batch, "latency_s": {n: timing.median(n) for n in steps},
+                "kind": kind,
+                "batch": batch,
+                "latency_s": {n: timing.median(n) for n in steps},
                 "peak_bytes": {n: peak_bytes(step, models[n]) for n, step in steps.items()},
                 "compression": size_report(models["comera TT"]).compression_ratio,
-                "noise": timing.noise_cell(), "timing": timing.summary(),
+                "noise": timing.noise_cell(),
+                "timing": timing.summary(),
             }
-            print(f"{kind} b{batch}: " + ", ".join(f"{n} {harness.ms(v)} ms"
-                                                         for n, v in results[f'{kind} b{batch}']['latency_s'].items()))
+            print(
+                f"{kind} b{batch}: "
+                + ", ".join(f"{n} {harness.ms(v)} ms" for n, v in results[f"{kind} b{batch}"]["latency_s"].items())
+            )
     return results
 
 
@@ -209,13 +265,33 @@ def forward_table(results: dict) -> str:
     rows = []
     for key, r in results.items():
         lat = r["latency_s"]
-        rows.append([key, f"{r['compression']:.1f}x", *(harness.ms(lat[n]) for n in lat),
-                     harness.times(lat["dense"] / lat["comera TT"]),
-                     harness.times(lat["dense"] / lat["comera untensorised"]),
-                     *(harness.mib(r["peak_bytes"][n]) for n in lat), r["noise"]])
-    return harness.table(["model, batch", "CoMERA size", "TT ms", "untensorised ms", "dense ms", "TT vs dense",
-                          "untensorised vs dense", "TT peak MiB", "untensorised peak MiB", "dense peak MiB",
-                          "clean rounds"], rows)
+        rows.append(
+            [
+                key,
+                f"{r['compression']:.1f}x",
+                *(harness.ms(lat[n]) for n in lat),
+                harness.times(lat["dense"] / lat["comera TT"]),
+                harness.times(lat["dense"] / lat["comera untensorised"]),
+                *(harness.mib(r["peak_bytes"][n]) for n in lat),
+                r["noise"],
+            ]
+        )
+    return harness.table(
+        [
+            "model, batch",
+            "CoMERA size",
+            "TT ms",
+            "untensorised ms",
+            "dense ms",
+            "TT vs dense",
+            "untensorised vs dense",
+            "TT peak MiB",
+            "untensorised peak MiB",
+            "dense peak MiB",
+            "clean rounds",
+        ],
+        rows,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -235,18 +311,31 @@ def main(argv: list[str] | None = None) -> int:
     args.layers, args.vocab = (1, 512) if quick else (DECODER_LAYERS, VOCAB)
     shape = paper_shape()
     if quick:
-        shape = replace(shape, d_model=64, num_heads=2, d_ff=128, num_layers=1, vocab_size=1000,
-                                      seq_len=16, rank=4, embedding_rank=4)
+        shape = replace(
+            shape,
+            d_model=64,
+            num_heads=2,
+            d_ff=128,
+            num_layers=1,
+            vocab_size=1000,
+            seq_len=16,
+            rank=4,
+            embedding_rank=4,
+        )
     payload: dict = {"machine": harness.machine_info(), "settings": harness.settings(args)}
     markdown = []
     if args.part in ("decode", "all"):
         payload["decode"] = run_decode(args, [64] if quick else [512, 1024], [1, 2] if quick else [1, 8])
-        markdown += ["Decoding (greedy, prompt 16 tokens, "
-                     f"{args.new_tokens} new tokens):", decode_table(payload["decode"])]
+        markdown += [
+            f"Decoding (greedy, prompt 16 tokens, {args.new_tokens} new tokens):",
+            decode_table(payload["decode"]),
+        ]
     if args.part in ("forward", "all"):
         payload["forward"] = run_forward(args, shape, [1, 2] if quick else [1, 32])
-        markdown += [f"Forward, eval, no gradients ({shape.num_layers} encoders, d_model {shape.d_model}, "
-                     f"seq {shape.seq_len}):", forward_table(payload["forward"])]
+        markdown += [
+            f"Forward, eval, no gradients ({shape.num_layers} encoders, d_model {shape.d_model}, seq {shape.seq_len}):",
+            forward_table(payload["forward"]),
+        ]
     text = "\n\n".join(markdown)
     print(text)
     harness.emit(Path(args.out_dir) / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)

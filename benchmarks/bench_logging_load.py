@@ -56,9 +56,13 @@ class SyntheticMLM(IterableDataset):
             ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
             masked = torch.rand(batch_size, seq_len, generator=g) < 0.15
             masked[:, 0] = True
-            self.batches.append({"input_ids": torch.where(masked, torch.full_like(ids, 4), ids),
-                                 "attention_mask": torch.ones_like(ids),
-                                 "labels": torch.where(masked, ids, torch.full_like(ids, IGNORE))})
+            self.batches.append(
+                {
+                    "input_ids": torch.where(masked, torch.full_like(ids, 4), ids),
+                    "attention_mask": torch.ones_like(ids),
+                    "labels": torch.where(masked, ids, torch.full_like(ids, IGNORE)),
+                }
+            )
 
     def __iter__(self):
         while True:
@@ -127,8 +131,9 @@ class BlockScheduler(Callback):
             self.done[self.mode] += BLOCK
             trainer.loggers = list(self.loggers[self.mode])
             self.monitor.enabled = self.mode != "off"
-            self.blocks.append({"mode": self.mode, "start_step": step, "times": [], "cpu": [],
-                                "rss_start_kb": rss_kb()})
+            self.blocks.append(
+                {"mode": self.mode, "start_step": step, "times": [], "cpu": [], "rss_start_kb": rss_kb()}
+            )
         self.steps_by_mode[self.mode] += 1
         if step % RSS_EVERY == 0:
             self.rss.append((step, self.blocks[-1]["rss_start_kb"] if step % BLOCK == 0 else rss_kb()))
@@ -150,9 +155,10 @@ def paired_overheads(blocks: list[dict], mode: str, warm_steps: int, series: str
     for i, (m, start, median) in enumerate(medians):
         if m != mode or median is None or start < warm_steps:
             continue
-        before = next((x for k, s, x in reversed(medians[:i]) if k == "off" and x is not None and s >= warm_steps),
-                      None)
-        after = next((x for k, s, x in medians[i + 1:] if k == "off" and x is not None), None)
+        before = next(
+            (x for k, s, x in reversed(medians[:i]) if k == "off" and x is not None and s >= warm_steps), None
+        )
+        after = next((x for k, s, x in medians[i + 1 :] if k == "off" and x is not None), None)
         neighbours = [x for x in (before, after) if x is not None]
         if neighbours:
             ratios.append(median / statistics.fmean(neighbours) - 1.0)
@@ -173,15 +179,19 @@ def mode_entry(mode: str, scheduler: BlockScheduler, timers: dict, warm: int, gr
     steps = scheduler.steps_by_mode[mode]
     per_step = lambda seconds: 1e3 * seconds / max(steps, 1)  # noqa: E731
     median = lambda values: 100 * statistics.median(values) if values else None  # noqa: E731
-    entry = {"steps": steps, "timed_steps": len(times),
-             "step_ms_median": 1e3 * statistics.median(times) if times else None,
-             "main_thread_cpu_ms_per_step_median": 1e3 * statistics.median(cpus) if cpus else None,
-             "rss_growth_kb_per_100_own_steps": 100 * growth[mode] / max(len(times), 1)}
+    entry = {
+        "steps": steps,
+        "timed_steps": len(times),
+        "step_ms_median": 1e3 * statistics.median(times) if times else None,
+        "main_thread_cpu_ms_per_step_median": 1e3 * statistics.median(cpus) if cpus else None,
+        "rss_growth_kb_per_100_own_steps": 100 * growth[mode] / max(len(times), 1),
+    }
     if off is not None:
-        entry.update(overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm)),
-                     main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm,
-                                                                                        "cpu")),
-                     log_calls_ms_per_step=per_step(timers["log_calls"][mode]))
+        entry.update(
+            overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm)),
+            main_thread_cpu_overhead_paired_median_pct=median(paired_overheads(scheduler.blocks, mode, warm, "cpu")),
+            log_calls_ms_per_step=per_step(timers["log_calls"][mode]),
+        )
     if mode == "resilient":
         entry["sender_cpu_ms_per_step"] = per_step(timers["sender_cpu"][mode])
     return entry
@@ -190,32 +200,60 @@ def mode_entry(mode: str, scheduler: BlockScheduler, timers: dict, warm: int, gr
 def report(result: dict) -> str:
     """The markdown table of every mode and the RSS line."""
     fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
-    rows = [[mode, e["steps"], fmt(e["step_ms_median"]), fmt(e.get("overhead_paired_median_pct"), "+.1f"),
-             fmt(e.get("main_thread_cpu_overhead_paired_median_pct"), "+.1f"), fmt(e.get("log_calls_ms_per_step")),
-             fmt(e.get("sender_cpu_ms_per_step")), f"{e['rss_growth_kb_per_100_own_steps']:+.1f}",
-             e.get("rank_points_in_store", "-")] for mode, e in result["modes"].items()]
+    rows = [
+        [
+            mode,
+            e["steps"],
+            fmt(e["step_ms_median"]),
+            fmt(e.get("overhead_paired_median_pct"), "+.1f"),
+            fmt(e.get("main_thread_cpu_overhead_paired_median_pct"), "+.1f"),
+            fmt(e.get("log_calls_ms_per_step")),
+            fmt(e.get("sender_cpu_ms_per_step")),
+            f"{e['rss_growth_kb_per_100_own_steps']:+.1f}",
+            e.get("rank_points_in_store", "-"),
+        ]
+        for mode, e in result["modes"].items()
+    ]
     m = result["memory"]
-    return "\n".join([
-        f"batch {result['batch_size']} x {result['seq_len']}; {result['total_steps']} steps in "
-        f"{result['fit_seconds']:.0f} s; RankMonitor sends {result['rank_monitor_values_per_step']} values a step; "
-        f"load average {result['load_average'][0]:.1f} on {result['cpus']} CPUs", "",
-        harness.table(["mode", "steps", "step ms (median)", "wall overhead vs off, %", "main-thread CPU overhead, %",
-                       "logger calls ms/step", "sender thread CPU ms/step", "RSS KB / 100 own steps",
-                       "rank points stored"], rows),
-        f"\nRSS (KB): start {m['rss_start_kb']:,}, end {m['rss_end_kb']:,}, max {m['rss_max_kb']:,}; slope after "
-        f"step {result['warmup_steps']}: {m['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps"])
+    return "\n".join(
+        [
+            f"batch {result['batch_size']} x {result['seq_len']}; {result['total_steps']} steps in "
+            f"{result['fit_seconds']:.0f} s; RankMonitor sends {result['rank_monitor_values_per_step']} values a step; "
+            f"load average {result['load_average'][0]:.1f} on {result['cpus']} CPUs",
+            "",
+            harness.table(
+                [
+                    "mode",
+                    "steps",
+                    "step ms (median)",
+                    "wall overhead vs off, %",
+                    "main-thread CPU overhead, %",
+                    "logger calls ms/step",
+                    "sender thread CPU ms/step",
+                    "RSS KB / 100 own steps",
+                    "rank points stored",
+                ],
+                rows,
+            ),
+            f"\nRSS (KB): start {m['rss_start_kb']:,}, end {m['rss_end_kb']:,}, max {m['rss_max_kb']:,}; slope after "
+            f"step {result['warmup_steps']}: {m['slope_kb_per_100_steps_after_warmup']:+.1f} KB / 100 steps",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the interleaved fit, print the table, write the JSON."""
     parser = harness.bench_parser(__doc__, threads=1, out_dir=None)
-    parser.add_argument("--steps", type=int, default=harness.Quick(50, 2000),
-                        help="steps of each of off and resilient (default 2000)")
-    parser.add_argument("--sync-steps", type=int, default=harness.Quick(50, 150),
-                        help="steps of async (slow: fewer by default)")
+    parser.add_argument(
+        "--steps", type=int, default=harness.Quick(50, 2000), help="steps of each of off and resilient (default 2000)"
+    )
+    parser.add_argument(
+        "--sync-steps", type=int, default=harness.Quick(50, 150), help="steps of async (slow: fewer by default)"
+    )
     parser.add_argument("--modes", default="off,resilient,async", help=f"comma list of {','.join(MODES)}")
-    parser.add_argument("--warmup", type=int, default=harness.Quick(0, 300),
-                        help="steps left out of the timing and the RSS slope")
+    parser.add_argument(
+        "--warmup", type=int, default=harness.Quick(0, 300), help="steps left out of the timing and the RSS slope"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="quickstart: 32")
     parser.add_argument("--seq-len", type=int, default=32, help="quickstart: 64")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "logging_load.json")
@@ -236,21 +274,42 @@ def main(argv: list[str] | None = None) -> int:
     loggers: dict[str, list] = {"off": []}
     uris = {mode: f"sqlite:///{store_dir / f'{mode}.db'}" for mode in modes if mode != "off"}
     for mode, uri in uris.items():
-        logger = (ResilientMLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri,
-                                        local_dir=str(store_dir / "runs")) if mode == "resilient" else
-                  MLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri, synchronous=False))
+        logger = (
+            ResilientMLFlowLogger(
+                experiment_name="logging_load", run_name=mode, tracking_uri=uri, local_dir=str(store_dir / "runs")
+            )
+            if mode == "resilient"
+            else MLFlowLogger(experiment_name="logging_load", run_name=mode, tracking_uri=uri, synchronous=False)
+        )
         time_logger(logger, mode, timers)
         loggers[mode] = [logger]
     monitor = GatedRankMonitor(log_every_n_steps=1, save_artifacts=False)
     scheduler = BlockScheduler(budgets, loggers, monitor)
-    callbacks = [RankAdaptation(**callback_kwargs.get("RankAdaptation", {})),
-                 ContractionPlanner(**callback_kwargs.get("ContractionPlanner", {})), monitor, scheduler]
-    trainer = Trainer(max_steps=total, logger=[lg for group in loggers.values() for lg in group] or False,
-                      callbacks=callbacks, log_every_n_steps=1, accelerator="cpu", devices=1,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(store_dir / "runs"))
-    print(f"comera logging load: {total} steps ({', '.join(f'{m} {b}' for m, b in budgets.items())}), blocks of "
-          f"{BLOCK}, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}", flush=True)
+    callbacks = [
+        RankAdaptation(**callback_kwargs.get("RankAdaptation", {})),
+        ContractionPlanner(**callback_kwargs.get("ContractionPlanner", {})),
+        monitor,
+        scheduler,
+    ]
+    trainer = Trainer(
+        max_steps=total,
+        logger=[lg for group in loggers.values() for lg in group] or False,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        accelerator="cpu",
+        devices=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(store_dir / "runs"),
+    )
+    print(
+        f"comera logging load: {total} steps ({', '.join(f'{m} {b}' for m, b in budgets.items())}), blocks of "
+        f"{BLOCK}, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     fit_start = time.perf_counter()
     trainer.fit(model, train_dataloaders=data)
     fit_seconds = time.perf_counter() - fit_start
@@ -269,22 +328,36 @@ def main(argv: list[str] | None = None) -> int:
     rank_key = next(k for k in metrics if k.startswith("rank/"))
     for mode, uri in uris.items():  # RankMonitor logs every step of its blocks, and at the fit's start and end
         logger = loggers[mode][0]
-        per_mode[mode].update(rank_points_in_store=count_points(uri, logger.run_id, rank_key),
-                              train_loss_points_in_store=count_points(uri, logger.run_id, "train/loss"))
+        per_mode[mode].update(
+            rank_points_in_store=count_points(uri, logger.run_id, rank_key),
+            train_loss_points_in_store=count_points(uri, logger.run_id, "train/loss"),
+        )
     import mlflow
 
     result = {
-        "model": {k: model_kwargs[k] for k in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers",
-                                                "layer_config")},
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
-        "total_steps": trainer.global_step, "block": BLOCK, "warmup_steps": warm,
-        "rank_monitor_values_per_step": len(metrics), "budgets": budgets, "fit_seconds": fit_seconds,
-        "load_average": os.getloadavg(), "cpus": os.cpu_count(), "machine": harness.machine_info(),
+        "model": {
+            k: model_kwargs[k] for k in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers", "layer_config")
+        },
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "threads": torch.get_num_threads(),
+        "total_steps": trainer.global_step,
+        "block": BLOCK,
+        "warmup_steps": warm,
+        "rank_monitor_values_per_step": len(metrics),
+        "budgets": budgets,
+        "fit_seconds": fit_seconds,
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "machine": harness.machine_info(),
         "mlflow": mlflow.__version__,
-        "memory": {"rss_start_kb": scheduler.rss[0][1], "rss_end_kb": scheduler.rss[-1][1],
-                   "rss_max_kb": max(kb for _, kb in scheduler.rss),
-                   "slope_kb_per_100_steps_after_warmup": 100 * (harness.slope(rss_warm) or math.nan),
-                   "samples": scheduler.rss},
+        "memory": {
+            "rss_start_kb": scheduler.rss[0][1],
+            "rss_end_kb": scheduler.rss[-1][1],
+            "rss_max_kb": max(kb for _, kb in scheduler.rss),
+            "slope_kb_per_100_steps_after_warmup": 100 * (harness.slope(rss_warm) or math.nan),
+            "samples": scheduler.rss,
+        },
         "modes": per_mode,
     }
     print("\n" + report(result))

@@ -64,18 +64,39 @@ def main(argv: list[str] | None = None) -> int:
     padding = contract.bottleneck_padding(args.rank, "cpu")
     results, table = [], []
     for in_features, out_features in shapes:
-        timing = harness.interleave(candidates(in_features, out_features, args.rank, rows), min_sample_s=0.05,
-                                    **harness.timing_options(args))
+        timing = harness.interleave(
+            candidates(in_features, out_features, args.rank, rows), min_sample_s=0.05, **harness.timing_options(args)
+        )
         med = {name: timing.median(name) for name in ("padded", "unpadded", "nn.Linear")}
         results.append({"shape": [in_features, out_features], "median_s": med, "timing": timing.summary()})
-        table.append([f"{in_features}x{out_features}", *(harness.ms(v) for v in med.values()),
-                      harness.times(med["unpadded"] / med["padded"]), harness.times(med["nn.Linear"] / med["padded"]),
-                      harness.times(med["nn.Linear"] / med["unpadded"])])
+        table.append(
+            [
+                f"{in_features}x{out_features}",
+                *(harness.ms(v) for v in med.values()),
+                harness.times(med["unpadded"] / med["padded"]),
+                harness.times(med["nn.Linear"] / med["padded"]),
+                harness.times(med["nn.Linear"] / med["unpadded"]),
+            ]
+        )
     print(f"### half_merge bottleneck rank {args.rank} (+{padding} zero slices), {rows} rows, forward + backward\n")
-    print(harness.table(["layer", "padded ms", "unpadded ms", "nn.Linear ms", "unpadded / padded",
-                         "nn.Linear / padded", "nn.Linear / unpadded"], table))
-    harness.emit(args.out_dir / "rank_padding.json", {"rank": args.rank, "padding": padding, "rows": rows,
-                                                      "results": results, "machine": harness.machine_info()})
+    print(
+        harness.table(
+            [
+                "layer",
+                "padded ms",
+                "unpadded ms",
+                "nn.Linear ms",
+                "unpadded / padded",
+                "nn.Linear / padded",
+                "nn.Linear / unpadded",
+            ],
+            table,
+        )
+    )
+    harness.emit(
+        args.out_dir / "rank_padding.json",
+        {"rank": args.rank, "padding": padding, "rows": rows, "results": results, "machine": harness.machine_info()},
+    )
     return 0
 
 

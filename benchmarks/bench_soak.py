@@ -61,8 +61,11 @@ class RandomMLMBatches(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         labels = torch.where(self.targets[i], self.ids[i], torch.full_like(self.ids[i], -100))
-        return {"input_ids": self.ids[i].masked_fill(self.targets[i], 4), "labels": labels,
-                "attention_mask": torch.ones(SEQ, dtype=torch.long)}
+        return {
+            "input_ids": self.ids[i].masked_fill(self.targets[i], 4),
+            "labels": labels,
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+        }
 
 
 class MemorySampler(Callback):
@@ -74,8 +77,12 @@ class MemorySampler(Callback):
         self._first_snapshot = None
 
     def _sample(self, step: int) -> None:
-        sample = {"step": step, "rss_bytes": harness.resident_bytes(), "python_blocks": sys.getallocatedblocks(),
-                  "open_fds": len(os.listdir("/proc/self/fd"))}
+        sample = {
+            "step": step,
+            "rss_bytes": harness.resident_bytes(),
+            "python_blocks": sys.getallocatedblocks(),
+            "open_fds": len(os.listdir("/proc/self/fd")),
+        }
         if self.trace_python:
             sample["python_heap_bytes"] = tracemalloc.get_traced_memory()[0]
         self.samples.append(sample)
@@ -96,32 +103,60 @@ class MemorySampler(Callback):
         if self._first_snapshot is None:
             return []
         stats = tracemalloc.take_snapshot().compare_to(self._first_snapshot, "lineno")
-        return [{"bytes": s.size_diff, "count": s.count_diff, "where": s.traceback.format()[-1:]}
-                for s in stats[:limit]]
+        return [
+            {"bytes": s.size_diff, "count": s.count_diff, "where": s.traceback.format()[-1:]} for s in stats[:limit]
+        ]
 
 
 def run_mode(mode: str, steps: int, every: int, workdir: Path, trace_python: bool = False) -> dict:
     """One mode, in this process: train and sample."""
     torch.manual_seed(0)
-    task = MaskedLM(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=128, num_layers=2, max_len=SEQ, dropout=0.0,
-                    layer_config=dict(rank=8, embedding_rank=8, min_features=16))
+    task = MaskedLM(
+        vocab_size=VOCAB,
+        d_model=32,
+        num_heads=2,
+        d_ff=128,
+        num_layers=2,
+        max_len=SEQ,
+        dropout=0.0,
+        layer_config=dict(rank=8, embedding_rank=8, min_features=16),
+    )
     sampler = MemorySampler(every, trace_python)
     truncating = mode == "truncate+ckpt"
-    callbacks = [RankAdaptation(gamma=0.01, late_start_step=500 if truncating else None, target_compression=5.0,
-                                truncate_every_n_steps=100 if truncating else None),
-                 RankMonitor(log_every_n_steps=1 if mode == "mlflow-every-step" else 50, save_artifacts=False),
-                 ContractionPlanner(verbose=False), sampler]
+    callbacks = [
+        RankAdaptation(
+            gamma=0.01,
+            late_start_step=500 if truncating else None,
+            target_compression=5.0,
+            truncate_every_n_steps=100 if truncating else None,
+        ),
+        RankMonitor(log_every_n_steps=1 if mode == "mlflow-every-step" else 50, save_artifacts=False),
+        ContractionPlanner(verbose=False),
+        sampler,
+    ]
     logger = False
     if mode.startswith("mlflow"):
-        logger = ResilientMLFlowLogger(experiment_name="soak", tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
-                                       run_name=mode)
+        logger = ResilientMLFlowLogger(
+            experiment_name="soak", tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}", run_name=mode
+        )
     if truncating:
         from lightning.pytorch.callbacks import ModelCheckpoint
+
         callbacks.append(ModelCheckpoint(dirpath=workdir / "ckpt", every_n_train_steps=1000, save_top_k=-1))
-    trainer = Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, default_root_dir=workdir,
-                      log_every_n_steps=1 if mode == "mlflow-every-step" else 25, callbacks=callbacks,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=truncating,
-                      num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        default_root_dir=workdir,
+        log_every_n_steps=1 if mode == "mlflow-every-step" else 25,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=truncating,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     loader = DataLoader(RandomMLMBatches(), batch_size=BATCH, shuffle=True, drop_last=True)
     trainer.fit(task, loader)
     return {"mode": mode, "samples": sampler.samples, "top_growth": sampler.top_growth()}
@@ -136,12 +171,18 @@ def growth_per_10k(samples: list[dict], key: str, warmup: int) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     """Run, print the tables, write JSON/MD/PNG; returns 0 (run.py's contract)."""
     parser = harness.bench_parser(__doc__, threads=1)
-    parser.add_argument("--steps", type=int, default=harness.Quick(300, 20000),
-                        help="optimiser steps per mode (default 20000, quick 300)")
-    parser.add_argument("--sample-every", type=int, default=harness.Quick(50, 1000),
-                        help="steps between samples (1000, quick 50)")
-    parser.add_argument("--warmup", type=int, default=harness.Quick(100, 2000),
-                        help="steps left out of the slope (2000, quick 100)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=harness.Quick(300, 20000),
+        help="optimiser steps per mode (default 20000, quick 300)",
+    )
+    parser.add_argument(
+        "--sample-every", type=int, default=harness.Quick(50, 1000), help="steps between samples (1000, quick 50)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=harness.Quick(100, 2000), help="steps left out of the slope (2000, quick 100)"
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--parallel", type=int, default=2, help="modes running at once, one thread each (default 2)")
     parser.add_argument("--trace-python", action="store_true", help="tracemalloc's heap and top growing lines")
@@ -166,9 +207,23 @@ def main(argv: list[str] | None = None) -> int:
             while pending and len(running) < args.parallel:
                 mode = pending.pop(0)
                 out = Path(folder) / f"{mode}.json"
-                command = [sys.executable, __file__, "--child", mode, "--child-out", str(out), "--steps", str(steps),
-                           "--sample-every", str(every), "--warmup", str(warmup), "--threads", "1",
-                           *(["--trace-python"] if args.trace_python else [])]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--child-out",
+                    str(out),
+                    "--steps",
+                    str(steps),
+                    "--sample-every",
+                    str(every),
+                    "--warmup",
+                    str(warmup),
+                    "--threads",
+                    "1",
+                    *(["--trace-python"] if args.trace_python else []),
+                ]
                 running[mode] = (subprocess.Popen(command), out)
             for mode, (process, out) in list(running.items()):
                 if process.poll() is not None:
@@ -184,15 +239,29 @@ def main(argv: list[str] | None = None) -> int:
     for mode, r in results.items():
         g = r["growth_per_10k"]
         rss = g["rss_bytes"]
-        rows.append([mode, harness.mib(r["samples"][0]["rss_bytes"]), harness.mib(r["samples"][-1]["rss_bytes"]),
-                     "-" if rss is None else f"{rss / 1e6:+.2f}",
-                     "-" if g["python_blocks"] is None else f"{g['python_blocks']:+,.0f}",
-                     "-" if g["open_fds"] is None else f"{g['open_fds']:+.1f}",
-                     "-" if rss is None else ("met" if rss / 1e6 < TARGET_MB_PER_10K else "MISSED")])
-    markdown = (f"Soak, {steps} steps per mode, samples every {every}, slopes after step {warmup}:\n\n"
-                + harness.table(["mode", "RSS start MiB", "RSS end MiB", "RSS MB / 10k steps",
-                                 "Python blocks / 10k steps", "open files / 10k steps",
-                                 f"< {TARGET_MB_PER_10K:.0f} MB / 10k"], rows))
+        rows.append(
+            [
+                mode,
+                harness.mib(r["samples"][0]["rss_bytes"]),
+                harness.mib(r["samples"][-1]["rss_bytes"]),
+                "-" if rss is None else f"{rss / 1e6:+.2f}",
+                "-" if g["python_blocks"] is None else f"{g['python_blocks']:+,.0f}",
+                "-" if g["open_fds"] is None else f"{g['open_fds']:+.1f}",
+                "-" if rss is None else ("met" if rss / 1e6 < TARGET_MB_PER_10K else "MISSED"),
+            ]
+        )
+    markdown = f"Soak, {steps} steps per mode, samples every {every}, slopes after step {warmup}:\n\n" + harness.table(
+        [
+            "mode",
+            "RSS start MiB",
+            "RSS end MiB",
+            "RSS MB / 10k steps",
+            "Python blocks / 10k steps",
+            "open files / 10k steps",
+            f"< {TARGET_MB_PER_10K:.0f} MB / 10k",
+        ],
+        rows,
+    )
     print(markdown)
     fig, axes = harness.new_figure(ncols=2, width=5.5)
     for mode, r in results.items():
@@ -204,10 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_ylabel(what)
         ax.axvline(warmup, color="grey", linestyle=":")
         ax.legend()
-    payload = {"machine": harness.machine_info(), "settings": harness.settings(args), "steps": steps,
-               "target_mb_per_10k": TARGET_MB_PER_10K, "results": results}
-    harness.emit(Path(args.out_dir) / f"soak{'_quick' if args.quick else ''}.json", payload, fig=fig,
-                 markdown=markdown)
+    payload = {
+        "machine": harness.machine_info(),
+        "settings": harness.settings(args),
+        "steps": steps,
+        "target_mb_per_10k": TARGET_MB_PER_10K,
+        "results": results,
+    }
+    harness.emit(Path(args.out_dir) / f"soak{'_quick' if args.quick else ''}.json", payload, fig=fig, markdown=markdown)
     return 0
 
 

@@ -81,8 +81,16 @@ def train_tokenizer(corpus: Path, out: Path) -> Path:
 def _datamodule(corpus: Path, tokenizer: Path, token_dir: Path, workers: int = 0):
     from comera_lightning.data import TextLMDataModule
 
-    return TextLMDataModule(files=str(corpus / "*.jsonl"), tokenizer_path=str(tokenizer), token_dir=str(token_dir),
-                            vocab_size=8192, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=workers, val_fraction=0.01)
+    return TextLMDataModule(
+        files=str(corpus / "*.jsonl"),
+        tokenizer_path=str(tokenizer),
+        token_dir=str(token_dir),
+        vocab_size=8192,
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        num_workers=workers,
+        val_fraction=0.01,
+    )
 
 
 def _peak_rss() -> dict:
@@ -105,8 +113,15 @@ def child(part: str, spec: dict) -> dict:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         meta = json.loads((token_dir / "meta.json").read_text())
         tokens = sum(meta["tokens"].values())
-        return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "cores_busy": cpu / wall,
-                "text_mb_per_s": spec["text_bytes"] / 2**20 / wall, **before, **_peak_rss()}
+        return {
+            "tokens": tokens,
+            "seconds": wall,
+            "tokens_per_s": tokens / wall,
+            "cores_busy": cpu / wall,
+            "text_mb_per_s": spec["text_bytes"] / 2**20 / wall,
+            **before,
+            **_peak_rss(),
+        }
     if part == "load":
         dm = _datamodule(corpus, tokenizer, token_dir, workers=spec["workers"])
         dm.setup("fit")
@@ -117,8 +132,14 @@ def child(part: str, spec: dict) -> dict:
         seconds = time.perf_counter() - start
         del loader  # shuts the workers down and reaps them, so their peak counts in RUSAGE_CHILDREN
         gc.collect()
-        return {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds,
-                "tokens_per_s": rows * SEQ_LEN / seconds, **before, **_peak_rss()}
+        return {
+            "rows": rows,
+            "seconds": seconds,
+            "rows_per_s": rows / seconds,
+            "tokens_per_s": rows * SEQ_LEN / seconds,
+            **before,
+            **_peak_rss(),
+        }
     if part == "step":
         import torch
         import yaml
@@ -143,8 +164,13 @@ def child(part: str, spec: dict) -> dict:
 
 
 def run_child(part: str, spec: dict, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, __file__, CHILD_FLAG, part, json.dumps(spec)], capture_output=True,
-                         text=True, env={**os.environ, **(env or {})}, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, CHILD_FLAG, part, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{part} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -156,9 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(argv[1], json.loads(argv[2]))))
         return 0
     parser = harness.bench_parser(__doc__)
-    parser.add_argument("--base-mb", type=float, default=harness.Quick(2.0, 100.0),
-                        help="megabytes of text of the 1x corpus (10x: ten times; default 100, quick 2)")
-    parser.add_argument("--step-repeats", type=int, default=harness.Quick(2, 4), help="llm_60m steps timed, the first dropped (default 4, quick 2; 0: skip)")
+    parser.add_argument(
+        "--base-mb",
+        type=float,
+        default=harness.Quick(2.0, 100.0),
+        help="megabytes of text of the 1x corpus (10x: ten times; default 100, quick 2)",
+    )
+    parser.add_argument(
+        "--step-repeats",
+        type=int,
+        default=harness.Quick(2, 4),
+        help="llm_60m steps timed, the first dropped (default 4, quick 2; 0: skip)",
+    )
     args = harness.parse(parser, argv)
     results: dict = {"machine": harness.machine_info(), "settings": harness.settings(args), "corpora": {}}
     with tempfile.TemporaryDirectory(prefix="bench_text_data_") as tmp:
@@ -167,40 +202,89 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {scale: write_corpus(folder, args.base_mb * scale) for scale, folder in corpora.items()}
         tokenizer = train_tokenizer(corpora[1], tmp / "tokenizer.json")
         rows = []
-        for scale, label, env in ((1, "1 thread", {"RAYON_NUM_THREADS": "1"}), (1, "all cores", {}),
-                                  (10, "all cores", {})):
+        for scale, label, env in (
+            (1, "1 thread", {"RAYON_NUM_THREADS": "1"}),
+            (1, "all cores", {}),
+            (10, "all cores", {}),
+        ):
             token_dir = tmp / f"tokens{scale}x-{label.replace(' ', '')}"
-            spec = {"corpus": str(corpora[scale]), "tokenizer": str(tokenizer), "token_dir": str(token_dir),
-                    "text_bytes": sizes[scale]}
+            spec = {
+                "corpus": str(corpora[scale]),
+                "tokenizer": str(tokenizer),
+                "token_dir": str(token_dir),
+                "text_bytes": sizes[scale],
+            }
             result = run_child("tokenize", spec, env)
             results["corpora"].setdefault(f"{scale}x", {"text_bytes": sizes[scale]})[f"tokenize {label}"] = result
-            rows.append([f"tokenise {scale}x ({sizes[scale] / 2**20:.0f} MB), {label}", f"{result['tokens']:,}",
-                         f"{result['tokens_per_s']:,.0f}", f"{result['text_mb_per_s']:.2f}",
-                         f"{result['cores_busy']:.2f}", harness.mib(result["rss_before_bytes"]),
-                         harness.mib(result["peak_rss_bytes"]), "-"])
+            rows.append(
+                [
+                    f"tokenise {scale}x ({sizes[scale] / 2**20:.0f} MB), {label}",
+                    f"{result['tokens']:,}",
+                    f"{result['tokens_per_s']:,.0f}",
+                    f"{result['text_mb_per_s']:.2f}",
+                    f"{result['cores_busy']:.2f}",
+                    harness.mib(result["rss_before_bytes"]),
+                    harness.mib(result["peak_rss_bytes"]),
+                    "-",
+                ]
+            )
             print(rows[-1], flush=True)
         for scale in (1, 10):
             token_dir = tmp / f"tokens{scale}x-allcores"
             for workers in (0, 2):
-                spec = {"corpus": str(corpora[scale]), "tokenizer": str(tokenizer), "token_dir": str(token_dir),
-                        "workers": workers}
+                spec = {
+                    "corpus": str(corpora[scale]),
+                    "tokenizer": str(tokenizer),
+                    "token_dir": str(token_dir),
+                    "workers": workers,
+                }
                 result = run_child("load", spec)
                 results["corpora"][f"{scale}x"][f"load workers={workers}"] = result
-                rows.append([f"load one epoch {scale}x, {workers} workers", f"{result['rows'] * SEQ_LEN:,}",
-                             f"{result['tokens_per_s']:,.0f}", "-", "-", harness.mib(result["rss_before_bytes"]),
-                             harness.mib(result["peak_rss_bytes"]),
-                             harness.mib(result["peak_rss_workers_bytes"])])
+                rows.append(
+                    [
+                        f"load one epoch {scale}x, {workers} workers",
+                        f"{result['rows'] * SEQ_LEN:,}",
+                        f"{result['tokens_per_s']:,.0f}",
+                        "-",
+                        "-",
+                        harness.mib(result["rss_before_bytes"]),
+                        harness.mib(result["peak_rss_bytes"]),
+                        harness.mib(result["peak_rss_workers_bytes"]),
+                    ]
+                )
                 print(rows[-1], flush=True)
     if args.step_repeats > 1:
         step = run_child("step", {"corpus": "", "tokenizer": "", "token_dir": "", "steps": args.step_repeats})
         results["llm_60m_step_cpu"] = step
-        rows.append(["llm_60m training step on this CPU (batch 2 x 256)", "-", f"{step['tokens_per_s']:,.0f}", "-",
-                     "-", harness.mib(step["rss_before_bytes"]), harness.mib(step["peak_rss_bytes"]), "-"])
-    markdown = harness.table(["phase", "tokens", "tokens/s", "MB text/s", "cores busy", "RSS after imports MiB",
-                              "peak RSS MiB", "workers' peak RSS MiB"], rows)
+        rows.append(
+            [
+                "llm_60m training step on this CPU (batch 2 x 256)",
+                "-",
+                f"{step['tokens_per_s']:,.0f}",
+                "-",
+                "-",
+                harness.mib(step["rss_before_bytes"]),
+                harness.mib(step["peak_rss_bytes"]),
+                "-",
+            ]
+        )
+    markdown = harness.table(
+        [
+            "phase",
+            "tokens",
+            "tokens/s",
+            "MB text/s",
+            "cores busy",
+            "RSS after imports MiB",
+            "peak RSS MiB",
+            "workers' peak RSS MiB",
+        ],
+        rows,
+    )
     print("\n" + markdown)
-    harness.emit(args.out_dir / ("text_data_quick.json" if args.quick else "text_data.json"), results,
-                 markdown=markdown)
+    harness.emit(
+        args.out_dir / ("text_data_quick.json" if args.quick else "text_data.json"), results, markdown=markdown
+    )
     return 0
 
 

@@ -75,8 +75,11 @@ class Execution:
     def describe(self) -> str:
         """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed CUDA (NVIDIA H200)``."""
         precision = "float32" if self.precision == "32-true" else "bf16-mixed (float32 weights)"
-        where = (f"CPU, {torch.get_num_threads()} threads" if self.device == "cpu"
-                 else f"CUDA ({torch.cuda.get_device_name()})")
+        where = (
+            f"CPU, {torch.get_num_threads()} threads"
+            if self.device == "cpu"
+            else f"CUDA ({torch.cuda.get_device_name()})"
+        )
         return f"{precision} {where}"
 
 
@@ -129,13 +132,28 @@ def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu") -> S
     """The classifier, dense (``tt=False``) or CoMERA (TT linears and TT word embedding), in train mode, on
     ``device`` (initialised on the CPU, so every device starts from the same weights)."""
     torch.manual_seed(seed)
-    return SequenceClassifier(
-        vocab_size=shape.vocab_size, num_classes=shape.num_classes, d_model=shape.d_model, num_heads=shape.num_heads,
-        d_ff=shape.d_ff, num_layers=shape.num_layers, max_len=shape.seq_len, dropout=shape.dropout,
-        packed_dropout=shape.packed_dropout,
-        layer_config=dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank,
-                          dense_layers=shape.dense_layers),
-    ).train().to(device)
+    return (
+        SequenceClassifier(
+            vocab_size=shape.vocab_size,
+            num_classes=shape.num_classes,
+            d_model=shape.d_model,
+            num_heads=shape.num_heads,
+            d_ff=shape.d_ff,
+            num_layers=shape.num_layers,
+            max_len=shape.seq_len,
+            dropout=shape.dropout,
+            packed_dropout=shape.packed_dropout,
+            layer_config=dict(
+                tt_linears=tt,
+                tt_embeddings=tt,
+                rank=shape.rank,
+                embedding_rank=shape.embedding_rank,
+                dense_layers=shape.dense_layers,
+            ),
+        )
+        .train()
+        .to(device)
+    )
 
 
 def make_batch(shape: Shape, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +201,12 @@ class Candidate:
         return self
 
 
-def train_step(optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
-               before_step: Callable[[], None] | None = None,
-               after_step: Callable[[], None] | None = None) -> Callable[[], torch.Tensor]:
+def train_step(
+    optimizer: torch.optim.Optimizer,
+    loss: Callable[[], torch.Tensor],
+    before_step: Callable[[], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> Callable[[], torch.Tensor]:
     """A training step: zero_grad, ``loss()``, backward, ``before_step``, ``optimizer.step()``, ``after_step``."""
 
     def step() -> torch.Tensor:
@@ -227,8 +248,9 @@ class RankAdaptationWork:
             refresh_masks_(self.layers)
 
 
-def comera_candidate(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
-                     gamma: float = 0.01) -> Candidate:
+def comera_candidate(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor], gamma: float = 0.01
+) -> Candidate:
     """A CoMERA step: ``optimizer`` plus RankAdaptation's per-step work; primed."""
     work = RankAdaptationWork(model, optimizer, gamma)
     cand = Candidate(name, model, optimizer, train_step(optimizer, loss, work.before_step, work.after_step)).prime()
@@ -245,8 +267,9 @@ def import_galore() -> tuple[type | None, str | None]:
     return GaLoreAdamW, None
 
 
-def galore_optimizer(params: Iterable[nn.Parameter], targets: list[nn.Parameter], lr: float, weight_decay: float,
-                     settings: dict) -> torch.optim.Optimizer | None:
+def galore_optimizer(
+    params: Iterable[nn.Parameter], targets: list[nn.Parameter], lr: float, weight_decay: float, settings: dict
+) -> torch.optim.Optimizer | None:
     """``GaLoreAdamW`` with ``targets`` projected (``settings``) and the other ``params`` in a plain group
     (None when galore-torch is missing)."""
     cls, missing = import_galore()
@@ -254,12 +277,23 @@ def galore_optimizer(params: Iterable[nn.Parameter], targets: list[nn.Parameter]
         return None
     target_ids = {id(p) for p in targets}
     others = [p for p in params if id(p) not in target_ids]
-    return cls([{"params": others}, {"params": targets, **settings}], lr=lr, weight_decay=weight_decay,
-               no_deprecation_warning=True)
+    return cls(
+        [{"params": others}, {"params": targets, **settings}],
+        lr=lr,
+        weight_decay=weight_decay,
+        no_deprecation_warning=True,
+    )
 
 
-def galore_candidate(name: str, model: nn.Module, targets: list[nn.Parameter], loss: Callable[[], torch.Tensor],
-                     lr: float, weight_decay: float, settings: dict) -> Candidate:
+def galore_candidate(
+    name: str,
+    model: nn.Module,
+    targets: list[nn.Parameter],
+    loss: Callable[[], torch.Tensor],
+    lr: float,
+    weight_decay: float,
+    settings: dict,
+) -> Candidate:
     """A GaLore step: ``step`` at steady state (the projection refresh skipped), ``info['refresh_step']`` one
     that refreshes every projection (SVD); primed (which computes the projectors). Skipped, with the install
     command, when galore-torch is missing."""
@@ -288,17 +322,23 @@ def galore_candidate(name: str, model: nn.Module, targets: list[nn.Parameter], l
     cand = Candidate(name, model, optimizer, steady, extra_tensors=projectors)
     cand.info["first_loss"] = float(plain())  # creates the projectors (SVD)
     mats = projectors()
-    cand.info.update(settings=dict(settings), galore_parameters=sum(p.numel() for p in targets),
-                     galore_tensors=len(targets), refresh_step=refresh,
-                     projector_bytes=sum(t.numel() * t.element_size() for t in mats),
-                     # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
-                     projector_storage_bytes=sum(
-                         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}.values()))
+    cand.info.update(
+        settings=dict(settings),
+        galore_parameters=sum(p.numel() for p in targets),
+        galore_tensors=len(targets),
+        refresh_step=refresh,
+        projector_bytes=sum(t.numel() * t.element_size() for t in mats),
+        # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
+        projector_storage_bytes=sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}.values()
+        ),
+    )
     return cand
 
 
-def classifier_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
-                    execution: Execution = CPU_FP32) -> Callable[[], torch.Tensor]:
+def classifier_loss(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, execution: Execution = CPU_FP32
+) -> Callable[[], torch.Tensor]:
     """Cross-entropy of the classifier on one batch, forward and loss under ``execution.autocast()``."""
 
     def loss() -> torch.Tensor:
@@ -308,13 +348,15 @@ def classifier_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
     return loss
 
 
-def dense_adamw(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
-                execution: Execution = CPU_FP32) -> Candidate:
+def dense_adamw(
+    shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0, execution: Execution = CPU_FP32
+) -> Candidate:
     """Dense model + ``torch.optim.AdamW``; primed."""
     model = build_model(shape, tt=False, seed=seed, device=execution.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
-    return Candidate(DENSE, model, optimizer,
-                     train_step(optimizer, classifier_loss(model, ids, labels, execution))).prime()
+    return Candidate(
+        DENSE, model, optimizer, train_step(optimizer, classifier_loss(model, ids, labels, execution))
+    ).prime()
 
 
 def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
@@ -322,21 +364,43 @@ def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
     return [m.weight for m in model.encoder.layers.modules() if isinstance(m, nn.Linear)]
 
 
-def dense_galore(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0,
-                 settings: dict | None = None, execution: Execution = CPU_FP32) -> Candidate:
+def dense_galore(
+    shape: Shape,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    seed: int = 0,
+    settings: dict | None = None,
+    execution: Execution = CPU_FP32,
+) -> Candidate:
     """Dense model + ``GaLoreAdamW`` (:func:`galore_candidate`)."""
     model = build_model(shape, tt=False, seed=seed, device=execution.device)
-    return galore_candidate(GALORE, model, galore_targets(model), classifier_loss(model, ids, labels, execution),
-                            shape.lr_other, 0.0, GALORE_SETTINGS if settings is None else settings)
+    return galore_candidate(
+        GALORE,
+        model,
+        galore_targets(model),
+        classifier_loss(model, ids, labels, execution),
+        shape.lr_other,
+        0.0,
+        GALORE_SETTINGS if settings is None else settings,
+    )
 
 
-def comera(shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0, gamma: float = 0.01,
-           model: nn.Module | None = None, name: str = COMERA, execution: Execution = CPU_FP32) -> Candidate:
+def comera(
+    shape: Shape,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    seed: int = 0,
+    gamma: float = 0.01,
+    model: nn.Module | None = None,
+    name: str = COMERA,
+    execution: Execution = CPU_FP32,
+) -> Candidate:
     """CoMERA model (``model``, already on the device, or a new one) + AdamW over ``comera_parameter_groups`` +
     RankAdaptation's per-step work; primed."""
     model = build_model(shape, tt=True, seed=seed, device=execution.device) if model is None else model
     optimizer = torch.optim.AdamW(
-        comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0))
+        comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0)
+    )
     return comera_candidate(name, model, optimizer, classifier_loss(model, ids, labels, execution), gamma)
 
 
@@ -363,8 +427,9 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
         basis, target = "total", round(fraction * total)
     else:
         basis, target = "tt", total - tt_total + round(fraction * tt_total)
-    best = min((k / 1000 for k in range(1, 1001)),
-               key=lambda keep: (abs(parameters_after_cut(model, keep) - target), -keep))
+    best = min(
+        (k / 1000 for k in range(1, 1001)), key=lambda keep: (abs(parameters_after_cut(model, keep) - target), -keep)
+    )
     return best, basis, target
 
 
@@ -375,8 +440,15 @@ def cut(model: nn.Module, optimizer: torch.optim.Optimizer, keep: float) -> None
         slice_optimizer_state([optimizer], layer.truncate_to_share_(keep))
 
 
-def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: torch.Tensor,
-                   fraction: float = 0.25, gamma: float = 0.01, execution: Execution = CPU_FP32) -> Candidate:
+def comera_quarter(
+    base: Candidate,
+    shape: Shape,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    fraction: float = 0.25,
+    gamma: float = 0.01,
+    execution: Execution = CPU_FP32,
+) -> Candidate:
     """A copy of ``base``'s CoMERA model physically truncated to about ``fraction`` of its parameters.
 
     The copy gets its own AdamW and one step (so its state exists, as in a real run) before the cut."""
@@ -385,9 +457,14 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
     keep, basis, target = quarter_keep(model, fraction)
     cut(model, cand.optimizer, keep)
     cand.prime()
-    cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model),
-                     tt_parameters=sum(p.numel() for p in tt_parameters(model)),
-                     ranks={n: layer.ranks for n, layer in tt_layers(model)})
+    cand.info.update(
+        keep=keep,
+        basis=basis,
+        target_parameters=target,
+        parameters=trainable_parameters(model),
+        tt_parameters=sum(p.numel() for p in tt_parameters(model)),
+        ranks={n: layer.ranks for n, layer in tt_layers(model)},
+    )
     return cand
 
 
@@ -397,12 +474,14 @@ def comera_quarter(base: Candidate, shape: Shape, ids: torch.Tensor, labels: tor
 
 def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
     """``harness.peak_memory`` of one step of ``cand`` (inputs and GaLore's projectors tracked too)."""
-    return harness.peak_memory(cand.step, modules=[cand.model], optimizers=[cand.optimizer],
-                               tensors=[*cand.extra_tensors(), *inputs])
+    return harness.peak_memory(
+        cand.step, modules=[cand.model], optimizers=[cand.optimizer], tensors=[*cand.extra_tensors(), *inputs]
+    )
 
 
-def measure(cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0,
-            **timing) -> tuple[harness.Timing, dict]:
+def measure(
+    cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0, **timing
+) -> tuple[harness.Timing, dict]:
     """The candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords), then per
     candidate its trainable parameters, median and fastest step, peak memory, page faults and system time of a
     step, and its ``info``; a skipped candidate gets why. A candidate on CUDA also gets ``cuda_peak_bytes``, the
@@ -416,14 +495,21 @@ def measure(cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 
     entries = {c.name: {"skipped": c.skipped} for c in cands}
     for c in live:
         memory = measure_memory(c, inputs)
-        entries[c.name].update({"parameters": c.parameters, "median_s": timing.median(c.name),
-                                "min_s": timing.minimum(c.name), "memory": memory,
-                                "kernel": harness.kernel_work(c.step),
-                                **{k: v for k, v in c.info.items() if k != "refresh_step"}})
+        entries[c.name].update(
+            {
+                "parameters": c.parameters,
+                "median_s": timing.median(c.name),
+                "min_s": timing.minimum(c.name),
+                "memory": memory,
+                "kernel": harness.kernel_work(c.step),
+                **{k: v for k, v in c.info.items() if k != "refresh_step"},
+            }
+        )
         if next(c.model.parameters()).is_cuda:
-            entries[c.name].update(cuda_peak_bytes=memory["cuda_allocator_peak_bytes"],
-                                   cuda_step_peak_bytes=memory["cuda_allocator_peak_bytes"]
-                                   - memory["cuda_allocated_before_bytes"])
+            entries[c.name].update(
+                cuda_peak_bytes=memory["cuda_allocator_peak_bytes"],
+                cuda_step_peak_bytes=memory["cuda_allocator_peak_bytes"] - memory["cuda_allocated_before_bytes"],
+            )
     return timing, entries
 
 
@@ -453,13 +539,17 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
     c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
     stuck_s = sum(stuck.values())
-    worst = ", ".join(f"{k} {v * 1e3:.0f} ms (vs {d_ops.get(k, 0.0) * 1e3:.0f})"
-                      for k, v in sorted(stuck.items(), key=lambda kv: -kv[1])[:4])
+    worst = ", ".join(
+        f"{k} {v * 1e3:.0f} ms (vs {d_ops.get(k, 0.0) * 1e3:.0f})"
+        for k, v in sorted(stuck.items(), key=lambda kv: -kv[1])[:4]
+    )
     bound = other_profile["total_self_cpu_s"] / max(stuck_s, 1e-12)
-    return (f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
-            f"{stuck_s * 1e3:.0f} ms of its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone "
-            f"cap the speedup over {against} at {bound:.1f}x ({against} profiled step: "
-            f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)" + _device_line(comera_profile, other_profile, against))
+    return (
+        f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
+        f"{stuck_s * 1e3:.0f} ms of its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone "
+        f"cap the speedup over {against} at {bound:.1f}x ({against} profiled step: "
+        f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)" + _device_line(comera_profile, other_profile, against)
+    )
 
 
 def _device_line(comera_profile: dict, other_profile: dict, against: str) -> str:
@@ -467,21 +557,33 @@ def _device_line(comera_profile: dict, other_profile: dict, against: str) -> str
     if "total_self_device_s" not in comera_profile or "total_self_device_s" not in other_profile:
         return ""
     top = ", ".join(f"{op} {t * 1e3:.2f} ms" for op, t in list(comera_profile["device_ops_s"].items())[:4])
-    return (f". On the GPU (self device time per step): CoMERA {comera_profile['total_self_device_s'] * 1e3:.2f} ms, "
-            f"{against} {other_profile['total_self_device_s'] * 1e3:.2f} ms; CoMERA's costliest ops there: {top} "
-            f"(the CPU times above are the host's dispatch and launches)")
+    return (
+        f". On the GPU (self device time per step): CoMERA {comera_profile['total_self_device_s'] * 1e3:.2f} ms, "
+        f"{against} {other_profile['total_self_device_s'] * 1e3:.2f} ms; CoMERA's costliest ops there: {top} "
+        f"(the CPU times above are the host's dispatch and launches)"
+    )
 
 
-def run_batch(shape: Shape, batch: int, refresh_samples: int, seed: int = 0, log: Callable[[str], None] = print,
-              execution: Execution = CPU_FP32, **timing) -> tuple[dict, dict]:
+def run_batch(
+    shape: Shape,
+    batch: int,
+    refresh_samples: int,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    execution: Execution = CPU_FP32,
+    **timing,
+) -> tuple[dict, dict]:
     """All four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's refresh step and the TT
     layers' sizes; returns (results, candidates)."""
     ids, labels = make_batch(shape, batch, seed, execution.device)
     t0 = time.perf_counter()
     base = comera(shape, ids, labels, seed, execution=execution)
-    cands = [dense_adamw(shape, ids, labels, seed, execution=execution),
-             dense_galore(shape, ids, labels, seed, execution=execution), base,
-             comera_quarter(base, shape, ids, labels, execution=execution)]
+    cands = [
+        dense_adamw(shape, ids, labels, seed, execution=execution),
+        dense_galore(shape, ids, labels, seed, execution=execution),
+        base,
+        comera_quarter(base, shape, ids, labels, execution=execution),
+    ]
     log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     timing, entries = measure(cands, (ids, labels), seed=seed, **timing)
     log(f"  timed ({timing.noise_cell()} clean rounds) and measured at {time.perf_counter() - t0:.0f} s")
@@ -494,9 +596,15 @@ def run_batch(shape: Shape, batch: int, refresh_samples: int, seed: int = 0, log
         else:
             entries[c.name]["tt_parameters"] = 0
     paired = {f"{a.name}/{b.name}": timing.paired_ratios(a.name, b.name) for a in live for b in live if a is not b}
-    return {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary(), "candidates": entries,
-            "paired_ratio_noise": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                                   for k, v in paired.items()}}, {c.name: c for c in cands}
+    return {
+        "batch": batch,
+        "tokens_per_step": batch * shape.seq_len,
+        "timing": timing.summary(),
+        "candidates": entries,
+        "paired_ratio_noise": {
+            k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in paired.items()
+        },
+    }, {c.name: c for c in cands}
 
 
 def finish_batch(res: dict, svd_extra_s: float | None) -> None:
@@ -506,9 +614,13 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
     if not g["skipped"]:
         extra = g.get("refresh", {}).get("extra_median_s", svd_extra_s)
         g["refresh_extra_s"] = extra
-        g["refresh_extra_source"] = ("measured at this batch" if "refresh" in g else
-                                     "measured at batch 1 (the SVDs do not depend on the batch)" if extra is not None
-                                     else "not measured (--refresh-samples 0): amortised = steady")
+        g["refresh_extra_source"] = (
+            "measured at this batch"
+            if "refresh" in g
+            else "measured at batch 1 (the SVDs do not depend on the batch)"
+            if extra is not None
+            else "not measured (--refresh-samples 0): amortised = steady"
+        )
         g["amortised_s"] = g["median_s"] + (extra or 0.0) / g["settings"]["update_proj_gap"]
     step = {n: None if e["skipped"] else e.get("amortised_s", e["median_s"]) for n, e in cands.items()}
     mem = {n: None if e["skipped"] else e["memory"]["total"] for n, e in cands.items()}
@@ -532,16 +644,33 @@ def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     if realistic in results:
         speed = results[realistic]["ratios"]["time dense/CoMERA"]
         seq = results[realistic]["tokens_per_step"] // realistic
-        out.append({"target": f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense "
-                              f"(batch {realistic} x {seq})",
-                    "batch": realistic, "measured": speed, "met": speed >= TARGET_SPEEDUP_VS_DENSE})
+        out.append(
+            {
+                "target": f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})",
+                "batch": realistic,
+                "measured": speed,
+                "met": speed >= TARGET_SPEEDUP_VS_DENSE,
+            }
+        )
     if 1 in results:
         mem = results[1]["ratios"]["memory GaLore/CoMERA"]
-        out.append({"target": f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)",
-                    "batch": 1, "measured": mem, "met": None if mem is None else mem >= TARGET_MEMORY_VS_GALORE})
+        out.append(
+            {
+                "target": f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)",
+                "batch": 1,
+                "measured": mem,
+                "met": None if mem is None else mem >= TARGET_MEMORY_VS_GALORE,
+            }
+        )
         t = results[1]["ratios"]["time GaLore(amortised)/CoMERA"]
-        out.append({"target": "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)",
-                    "batch": 1, "measured": t, "met": None if t is None else t > 1.0})
+        out.append(
+            {
+                "target": "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)",
+                "batch": 1,
+                "measured": t,
+                "met": None if t is None else t > 1.0,
+            }
+        )
     return out
 
 
@@ -550,19 +679,26 @@ def quarter_note(cands: dict) -> str:
     lines = []
     q, c = cands[QUARTER], cands[COMERA]
     tt_before = c["parameters"] - c["size_report"]["other_parameters"]
-    what = ("of all trainable parameters" if q["basis"] == "total" else
-            f"of the TT layers' parameters (cores + gates: {tt_before:,} -> {q['tt_parameters']:,}); a quarter of "
-            f"all {c['parameters']:,} is out of reach, {c['size_report']['other_parameters']:,} of them are in "
-            f"layers truncation does not touch (dense pooler, position embeddings, biases, norms)")
-    lines.append(f"CoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
-                 f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}.")
+    what = (
+        "of all trainable parameters"
+        if q["basis"] == "total"
+        else f"of the TT layers' parameters (cores + gates: {tt_before:,} -> {q['tt_parameters']:,}); a quarter of "
+        f"all {c['parameters']:,} is out of reach, {c['size_report']['other_parameters']:,} of them are in "
+        f"layers truncation does not touch (dense pooler, position embeddings, biases, norms)"
+    )
+    lines.append(
+        f"CoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
+        f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}."
+    )
     g = cands[GALORE]
     if not g["skipped"]:
-        lines.append(f"dense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms "
-                     f"extra once per {g['settings']['update_proj_gap']} steps; its projectors hold "
-                     f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for "
-                     f"{harness.mib(g['projector_bytes'])} MiB of matrices (galore-torch keeps slices of the SVD "
-                     f"factors), counted under 'other'.")
+        lines.append(
+            f"dense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms "
+            f"extra once per {g['settings']['update_proj_gap']} steps; its projectors hold "
+            f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for "
+            f"{harness.mib(g['projector_bytes'])} MiB of matrices (galore-torch keeps slices of the SVD "
+            f"factors), counted under 'other'."
+        )
     return "".join(f"\n\n{line}" for line in lines)
 
 
@@ -586,28 +722,74 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
                 rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * (11 if cuda else 10)])
                 continue
             m = e["memory"]
-            step = harness.ms(e["median_s"]) + (f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e
-                                                else "")
+            step = harness.ms(e["median_s"]) + (
+                f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e else ""
+            )
             persistent = m.get("optimizer_state_persistent", m["optimizer_state"])
-            rows.append([name, f"{e['parameters']:,}", step, f"{e['tokens_per_s']:,.0f}",
-                         *(harness.mib(v) for v in (m["total"], m["parameters"], m["gradients"], persistent,
-                                                    max(m["optimizer_state"] - persistent, 0), m["activations"],
-                                                    m["temporaries"], m["other"] + m["buffers"])),
-                         *([_cuda_cell(e)] if cuda else []),
-                         f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s"])
-        parts.append(f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
-                     f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
-                     + harness.table(["candidate", "trainable params", "step ms (median)", "tokens/s", "peak MiB",
-                                      "params", "grads", "opt state", "opt-step work", "activations", "temporaries",
-                                      "other", *([CUDA_HEADER] if cuda else []), "page faults / system time"],
-                                     rows) + quarter_note(res["candidates"]))
+            rows.append(
+                [
+                    name,
+                    f"{e['parameters']:,}",
+                    step,
+                    f"{e['tokens_per_s']:,.0f}",
+                    *(
+                        harness.mib(v)
+                        for v in (
+                            m["total"],
+                            m["parameters"],
+                            m["gradients"],
+                            persistent,
+                            max(m["optimizer_state"] - persistent, 0),
+                            m["activations"],
+                            m["temporaries"],
+                            m["other"] + m["buffers"],
+                        )
+                    ),
+                    *([_cuda_cell(e)] if cuda else []),
+                    f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s",
+                ]
+            )
+        parts.append(
+            f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
+            f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
+            + harness.table(
+                [
+                    "candidate",
+                    "trainable params",
+                    "step ms (median)",
+                    "tokens/s",
+                    "peak MiB",
+                    "params",
+                    "grads",
+                    "opt state",
+                    "opt-step work",
+                    "activations",
+                    "temporaries",
+                    "other",
+                    *([CUDA_HEADER] if cuda else []),
+                    "page faults / system time",
+                ],
+                rows,
+            )
+            + quarter_note(res["candidates"])
+        )
     keys = list(next(iter(results.values()))["ratios"])
     ratio = lambda x: "skipped" if x is None else harness.times(x)  # noqa: E731
-    parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)],
-                               [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys]))
-    parts.append(harness.table(["target (issue 6)", "measured", "verdict"],
-                               [[c["target"], ratio(c["measured"]),
-                                 {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]] for c in checks]))
+    parts.append(
+        harness.table(
+            ["ratio", *(f"batch {b}" for b in results)],
+            [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys],
+        )
+    )
+    parts.append(
+        harness.table(
+            ["target (issue 6)", "measured", "verdict"],
+            [
+                [c["target"], ratio(c["measured"]), {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]]
+                for c in checks
+            ],
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -615,18 +797,28 @@ def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU
     """Bars: step time and peak memory per candidate, one bar per batch size (log scales)."""
     fig, axes = harness.new_figure(2, 6.5, 4.2)
     names = list(next(iter(results.values()))["candidates"])
-    panels = [("training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3),
-              ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
+    panels = [
+        ("training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3),
+        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
+    ]
     for ax, (label, value) in zip(axes, panels, strict=True):
-        harness.bars(ax, names, {f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n])
-                                                for n in names] for b, r in results.items()}, label)
-    fig.suptitle(f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
-                 f"vocab {shape.vocab_size}), {execution.describe()}")
+        harness.bars(
+            ax,
+            names,
+            {
+                f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n]) for n in names]
+                for b, r in results.items()
+            },
+            label,
+        )
+    fig.suptitle(
+        f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
+        f"vocab {shape.vocab_size}), {execution.describe()}"
+    )
     return fig
 
 
-def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int],
-                  execution: Execution = CPU_FP32) -> dict:
+def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], execution: Execution = CPU_FP32) -> dict:
     """Every batch of the step part, profiles where a target is missed (or always); returns the JSON payload."""
     results: dict[int, dict] = {}
     svd_extra = None
@@ -636,21 +828,32 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int],
         # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
         # short steps varied by 30 % from run to run, more than the differences being measured
         refresh = args.refresh_samples if b == 1 else 0
-        res, cands = run_batch(shape, b, refresh, min_sample_s=0.01 if args.quick else 1.0,
-                               min_total_s=args.min_total_s, execution=execution,
-                               **harness.timing_options(args))
+        res, cands = run_batch(
+            shape,
+            b,
+            refresh,
+            min_sample_s=0.01 if args.quick else 1.0,
+            min_total_s=args.min_total_s,
+            execution=execution,
+            **harness.timing_options(args),
+        )
         finish_batch(res, svd_extra)
         svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
         results[b] = res
         # the realistic batch is profiled when any target is missed, batch 1 when one of its own is
-        missed = any(c["met"] is False and (b == batches[-1] or c["batch"] == b)
-                     for c in verdicts(results, batches[-1]))
+        missed = any(
+            c["met"] is False and (b == batches[-1] or c["batch"] == b) for c in verdicts(results, batches[-1])
+        )
         if args.profile == "always" or (args.profile == "auto" and missed):
             # batch 1's targets compare CoMERA with GaLore, the realistic batch's with dense
             other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
             print(f"  profiling the {COMERA} and {other} steps", flush=True)
-            prof = {"batch": b, "against": other, "comera": harness.profile_ops(cands[COMERA].step),
-                    "other": harness.profile_ops(cands[other].step)}
+            prof = {
+                "batch": b,
+                "against": other,
+                "comera": harness.profile_ops(cands[COMERA].step),
+                "other": harness.profile_ops(cands[other].step),
+            }
             profiles[str(b)] = {**prof, "why": explain(prof["comera"], prof["other"], other)}
         del cands
     checks = verdicts(results, batches[-1])
@@ -669,32 +872,55 @@ def _modes(model: nn.Module) -> dict:
     for name, layer in tt_layers(model):
         short = name.split(".")[-1] if "layers." in name else name
         if isinstance(layer, TTLinear):
-            out.setdefault(f"{short} {layer.in_features}x{layer.out_features}",
-                           {"in_modes": layer.in_modes, "out_modes": layer.out_modes, "ranks": layer.ranks})
+            out.setdefault(
+                f"{short} {layer.in_features}x{layer.out_features}",
+                {"in_modes": layer.in_modes, "out_modes": layer.out_modes, "ranks": layer.ranks},
+            )
         elif isinstance(layer, TTEmbedding):
-            out.setdefault(short, {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes,
-                                   "ranks": layer.ranks})
+            out.setdefault(
+                short, {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes, "ranks": layer.ranks}
+            )
     return out
 
 
-def run_scaling(base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed: int = 0,
-                log: Callable[[str], None] = print, execution: Execution = CPU_FP32, **timing) -> list[dict]:
+def run_scaling(
+    base: Shape,
+    d_models: Sequence[int],
+    num_layers: int,
+    batch: int,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    execution: Execution = CPU_FP32,
+    **timing,
+) -> list[dict]:
     """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory (:func:`measure`)."""
     rows = []
     for d in d_models:
         shape = scaling_shape(d, num_layers, base)
         ids, labels = make_batch(shape, batch, seed, execution.device)
-        cands = [dense_adamw(shape, ids, labels, seed, execution=execution),
-                 comera(shape, ids, labels, seed, execution=execution)]
+        cands = [
+            dense_adamw(shape, ids, labels, seed, execution=execution),
+            comera(shape, ids, labels, seed, execution=execution),
+        ]
         timing_, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
         for entry in entries.values():
             entry["tokens_per_s"] = batch * shape.seq_len / entry["median_s"]
-        rows.append({"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": timing_.summary(),
-                     "modes": _modes(cands[1].model), "candidates": entries,
-                     "time dense/CoMERA": timing_.ratio(DENSE, COMERA),
-                     "memory dense/CoMERA": entries[DENSE]["memory"]["total"] / entries[COMERA]["memory"]["total"]})
-        log(f"  d_model {d}: dense {harness.ms(timing_.median(DENSE))} ms, "
-            f"CoMERA {harness.ms(timing_.median(COMERA))} ms ({timing_.noise_cell()})")
+        rows.append(
+            {
+                "d_model": d,
+                "shape": shape.__dict__,
+                "batch": batch,
+                "timing": timing_.summary(),
+                "modes": _modes(cands[1].model),
+                "candidates": entries,
+                "time dense/CoMERA": timing_.ratio(DENSE, COMERA),
+                "memory dense/CoMERA": entries[DENSE]["memory"]["total"] / entries[COMERA]["memory"]["total"],
+            }
+        )
+        log(
+            f"  d_model {d}: dense {harness.ms(timing_.median(DENSE))} ms, "
+            f"CoMERA {harness.ms(timing_.median(COMERA))} ms ({timing_.noise_cell()})"
+        )
     return rows
 
 
@@ -704,23 +930,47 @@ def scaling_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         d, c = r["candidates"][DENSE], r["candidates"][COMERA]
-        body.append([r["d_model"], f"{d['parameters']:,}", f"{c['parameters']:,}", harness.ms(d["median_s"]),
-                     harness.ms(c["median_s"]), harness.times(r["time dense/CoMERA"]),
-                     harness.mib(d["memory"]["total"]), harness.mib(c["memory"]["total"]),
-                     harness.times(r["memory dense/CoMERA"]),
-                     *([_cuda_cell(d), _cuda_cell(c)] if cuda else []),
-                     f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}"])
-    return harness.table(["d_model", "dense params", "CoMERA params", "dense step ms", "CoMERA step ms",
-                          "time dense/CoMERA", "dense peak MiB", "CoMERA peak MiB", "memory dense/CoMERA",
-                          *([f"dense {CUDA_HEADER}", f"CoMERA {CUDA_HEADER}"] if cuda else []), "rounds"], body)
+        body.append(
+            [
+                r["d_model"],
+                f"{d['parameters']:,}",
+                f"{c['parameters']:,}",
+                harness.ms(d["median_s"]),
+                harness.ms(c["median_s"]),
+                harness.times(r["time dense/CoMERA"]),
+                harness.mib(d["memory"]["total"]),
+                harness.mib(c["memory"]["total"]),
+                harness.times(r["memory dense/CoMERA"]),
+                *([_cuda_cell(d), _cuda_cell(c)] if cuda else []),
+                f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}",
+            ]
+        )
+    return harness.table(
+        [
+            "d_model",
+            "dense params",
+            "CoMERA params",
+            "dense step ms",
+            "CoMERA step ms",
+            "time dense/CoMERA",
+            "dense peak MiB",
+            "CoMERA peak MiB",
+            "memory dense/CoMERA",
+            *([f"dense {CUDA_HEADER}", f"CoMERA {CUDA_HEADER}"] if cuda else []),
+            "rounds",
+        ],
+        body,
+    )
 
 
 def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
     """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
     fig, axes = harness.new_figure(2, 5.5, 4.2)
     ds = [r["d_model"] for r in rows]
-    panels = [("training step (ms, median)", lambda e: e["median_s"] * 1e3),
-              ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)]
+    panels = [
+        ("training step (ms, median)", lambda e: e["median_s"] * 1e3),
+        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
+    ]
     for ax, (label, value) in zip(axes, panels, strict=True):
         for name, marker in ((DENSE, "o"), (COMERA, "s")):
             ax.plot(ds, [value(r["candidates"][name]) for r in rows], marker=marker, label=name)
@@ -728,8 +978,10 @@ def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
         ax.set_xticks(ds, [str(d) for d in ds])
         harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
     r0 = rows[0]
-    fig.suptitle(f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
-                 f"vocab {r0['shape']['vocab_size']}, {execution.describe()}")
+    fig.suptitle(
+        f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
+        f"vocab {r0['shape']['vocab_size']}, {execution.describe()}"
+    )
     return fig
 
 
@@ -743,8 +995,9 @@ def _d_models(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 64 or v % 64 for v in values):
-        raise argparse.ArgumentTypeError(f"d_model values must be positive multiples of 64 (heads of 64), e.g. "
-                                         f"256,512; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"d_model values must be positive multiples of 64 (heads of 64), e.g. 256,512; got {text!r}"
+        )
     return values
 
 
@@ -752,33 +1005,75 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared options and the parts' own."""
     quick, positive = harness.Quick, harness.positive_int
     parser = harness.bench_parser(__doc__, repeats=(2, 3))
-    parser.add_argument("--part", choices=["step", "scaling", "all"], default="all",
-                        help="step: candidates at the paper's shapes; scaling: cost against d_model; all: both")
-    parser.add_argument("--min-total-s", type=float, default=quick(0.0, 40.0),
-                        help="clean timed seconds per candidate and batch at least (default 40, quick 0)")
-    parser.add_argument("--batch", type=positive, default=quick(4, 32),
-                        help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)")
-    parser.add_argument("--layers", type=positive, default=quick(1, None),
-                        help="encoder layers of the step part (default: the config's 6; quick 1)")
-    parser.add_argument("--d-models", type=_d_models, default=quick([256, 512], [256, 512, 1024, 2048]),
-                        help="scaling: d_model values (default 256,512,1024,2048; quick 256,512)")
+    parser.add_argument(
+        "--part",
+        choices=["step", "scaling", "all"],
+        default="all",
+        help="step: candidates at the paper's shapes; scaling: cost against d_model; all: both",
+    )
+    parser.add_argument(
+        "--min-total-s",
+        type=float,
+        default=quick(0.0, 40.0),
+        help="clean timed seconds per candidate and batch at least (default 40, quick 0)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive,
+        default=quick(4, 32),
+        help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=positive,
+        default=quick(1, None),
+        help="encoder layers of the step part (default: the config's 6; quick 1)",
+    )
+    parser.add_argument(
+        "--d-models",
+        type=_d_models,
+        default=quick([256, 512], [256, 512, 1024, 2048]),
+        help="scaling: d_model values (default 256,512,1024,2048; quick 256,512)",
+    )
     parser.add_argument("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
     parser.add_argument("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
-    parser.add_argument("--refresh-samples", type=int, default=quick(1, 2),
-                        help="GaLore projection-refresh steps timed at batch 1 (default 2, quick 1; 0 skips)")
-    parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
-                        help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
-                             "the realistic batch when any target is missed, batch 1 when one of its targets is)")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where every candidate's model, optimiser state and batch live (default cpu)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
-                        help="32-true: float32; bf16-mixed: forward and loss under bfloat16 autocast, parameters and "
-                             "optimiser state float32, as Lightning's bf16-mixed (default 32-true)")
-    parser.add_argument("--torch-dropout", action="store_true",
-                        help="every candidate with torch's dropout masks instead of the models' default packed ones "
-                             "(SequenceClassifier(packed_dropout=False))")
+    parser.add_argument(
+        "--refresh-samples",
+        type=int,
+        default=quick(1, 2),
+        help="GaLore projection-refresh steps timed at batch 1 (default 2, quick 1; 0 skips)",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
+        "the realistic batch when any target is missed, batch 1 when one of its targets is)",
+    )
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where every candidate's model, optimiser state and batch live (default cpu)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="32-true",
+        help="32-true: float32; bf16-mixed: forward and loss under bfloat16 autocast, parameters and "
+        "optimiser state float32, as Lightning's bf16-mixed (default 32-true)",
+    )
+    parser.add_argument(
+        "--torch-dropout",
+        action="store_true",
+        help="every candidate with torch's dropout masks instead of the models' default packed ones "
+        "(SequenceClassifier(packed_dropout=False))",
+    )
     return parser
 
 
@@ -789,8 +1084,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.refresh_samples < 0:
         parser.error(f"--refresh-samples must be >= 0, got {args.refresh_samples}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: torch.cuda.is_available() is False (no CUDA device, or torch {torch.__version__} "
-                     f"is a CPU-only build); run on a GPU machine with a CUDA build of torch, or use --device cpu")
+        parser.error(
+            f"--device cuda: torch.cuda.is_available() is False (no CUDA device, or torch {torch.__version__} "
+            f"is a CPU-only build); run on a GPU machine with a CUDA build of torch, or use --device cpu"
+        )
     execution = Execution(args.device, args.precision)
     paper = replace(paper_shape(), packed_dropout=not args.torch_dropout)
     stem = execution.stem + ("_torch_dropout" if args.torch_dropout else "")
@@ -798,31 +1095,56 @@ def main(argv: list[str] | None = None) -> int:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
     cuda = execution.device == "cuda"
-    settings = {**harness.settings(args), "threads": torch.get_num_threads(), "dtype": "float32",
-                "device": execution.device, "precision": execution.precision,
-                "autocast_dtype": "bfloat16" if execution.precision == "bf16-mixed" else None,
-                "cuda_device": torch.cuda.get_device_name() if cuda else None,
-                "float32_matmul_precision": torch.get_float32_matmul_precision(), "argv": argv or sys.argv[1:]}
+    settings = {
+        **harness.settings(args),
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "device": execution.device,
+        "precision": execution.precision,
+        "autocast_dtype": "bfloat16" if execution.precision == "bf16-mixed" else None,
+        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "argv": argv or sys.argv[1:],
+    }
     started = time.perf_counter()
     if args.part in ("step", "all"):
         shape = replace(paper, num_layers=args.layers or paper.num_layers)
         batches = [1] if args.batch == 1 else [1, args.batch]
-        print(f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
-              f"batches {batches}, {args.repeats} rounds, {execution.describe()}", flush=True)
+        print(
+            f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
+            f"batches {batches}, {args.repeats} rounds, {execution.describe()}",
+            flush=True,
+        )
         payload = run_step_part(args, shape, batches, execution)
-        harness.emit(args.out_dir / f"training_step{stem}.json",
-                     {"machine": harness.machine_info(), "settings": {**settings, "shape": shape.__dict__,
-                      "batches": batches, "galore": GALORE_SETTINGS}, **payload},
-                     fig=plot_step(payload["results"], shape, execution))
+        harness.emit(
+            args.out_dir / f"training_step{stem}.json",
+            {
+                "machine": harness.machine_info(),
+                "settings": {**settings, "shape": shape.__dict__, "batches": batches, "galore": GALORE_SETTINGS},
+                **payload,
+            },
+            fig=plot_step(payload["results"], shape, execution),
+        )
     if args.part in ("scaling", "all"):
-        print(f"\n## scaling: d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x "
-              f"{paper.seq_len}, {args.repeats} rounds, {execution.describe()}", flush=True)
-        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch, execution=execution,
-                           **harness.timing_options(args))
+        print(
+            f"\n## scaling: d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x "
+            f"{paper.seq_len}, {args.repeats} rounds, {execution.describe()}",
+            flush=True,
+        )
+        rows = run_scaling(
+            paper,
+            args.d_models,
+            args.scaling_layers,
+            args.scaling_batch,
+            execution=execution,
+            **harness.timing_options(args),
+        )
         print("\n" + scaling_table(rows))
-        harness.emit(args.out_dir / f"training_scaling{stem}.json",
-                     {"machine": harness.machine_info(), "rows": rows, "settings": settings},
-                     fig=plot_scaling(rows, execution))
+        harness.emit(
+            args.out_dir / f"training_scaling{stem}.json",
+            {"machine": harness.machine_info(), "rows": rows, "settings": settings},
+            fig=plot_scaling(rows, execution),
+        )
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -125,9 +125,14 @@ def measure_memory(forward: Callable, params: list, x: torch.Tensor, grad_out: t
     torch.autograd.grad(y, [x, *params], grad_out)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     saved_other = sum(n for ptr, n in seen.items() if ptr != x_ptr and ptr not in param_ptrs)
-    return {"saved_other_bytes": saved_other, "saved_input_bytes": seen.get(x_ptr, 0),
-            "saved_param_bytes": sum(n for ptr, n in seen.items() if ptr in param_ptrs),
-            "param_bytes": param_bytes, "grad_bytes": param_bytes, "total_bytes": param_bytes * 2 + saved_other}
+    return {
+        "saved_other_bytes": saved_other,
+        "saved_input_bytes": seen.get(x_ptr, 0),
+        "saved_param_bytes": sum(n for ptr, n in seen.items() if ptr in param_ptrs),
+        "param_bytes": param_bytes,
+        "grad_bytes": param_bytes,
+        "total_bytes": param_bytes * 2 + saved_other,
+    }
 
 
 def run_case(case: Case, seed: int, **timing) -> dict:
@@ -139,8 +144,9 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     with torch.no_grad():  # correctness (untimed): every TT candidate must give the planner's output
         reference = cands["planner"][0]()
         scale = reference.abs().max().item() or 1.0
-        errors = {name: (f() - reference).abs().max().item() / scale for name, (f, _) in cands.items()
-                  if name != "nn.Linear"}
+        errors = {
+            name: (f() - reference).abs().max().item() / scale for name, (f, _) in cands.items() if name != "nn.Linear"
+        }
     memory = {}
     for name, (forward, params) in cands.items():
         steps[name]()  # plans and einsum paths cached before memory is measured
@@ -156,15 +162,34 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     best_einsum = min(EINSUM_NAMES, key=med.get)
     paired = timing.paired_ratios("nn.Linear", "planner")  # a noise indicator for the headline ratio
     return {
-        "shape": case.shape, "in_features": in_f, "out_features": out_f, "in_modes": list(layer.in_modes),
-        "out_modes": list(layer.out_modes), "rows": case.rows, "rank": case.rank, "ranks": ranks, "main": case.is_main,
+        "shape": case.shape,
+        "in_features": in_f,
+        "out_features": out_f,
+        "in_modes": list(layer.in_modes),
+        "out_modes": list(layer.out_modes),
+        "rows": case.rows,
+        "rank": case.rank,
+        "ranks": ranks,
+        "main": case.is_main,
         **{k: summary[k] for k in ("rounds_total", "rounds_clean", "contended", "other_load_median", "rounds")},
-        "rounds_used": len(paired), "noise_cell": timing.noise_cell(), "planner_pick": pick,
-        "modelled_seconds": modelled, "modelled_order": sorted(modelled, key=modelled.get),
-        "candidates": {name: {"median_s": med[name], "min_s": best[name], "samples_s": summary["samples_s"][name],
-                              "inner_iterations": summary["inner_iterations"][name], "memory": memory[name],
-                              "max_rel_err_vs_planner": errors.get(name)} for name in cands},
-        "measured_plan_order": sorted(forced, key=forced.get), "fastest_forced_plan": fastest,
+        "rounds_used": len(paired),
+        "noise_cell": timing.noise_cell(),
+        "planner_pick": pick,
+        "modelled_seconds": modelled,
+        "modelled_order": sorted(modelled, key=modelled.get),
+        "candidates": {
+            name: {
+                "median_s": med[name],
+                "min_s": best[name],
+                "samples_s": summary["samples_s"][name],
+                "inner_iterations": summary["inner_iterations"][name],
+                "memory": memory[name],
+                "max_rel_err_vs_planner": errors.get(name),
+            }
+            for name in cands
+        },
+        "measured_plan_order": sorted(forced, key=forced.get),
+        "fastest_forced_plan": fastest,
         "best_einsum": best_einsum,
         "ratios": {
             "dense_time_over_tt_time": med["nn.Linear"] / med["planner"],
@@ -188,82 +213,171 @@ def run_case(case: Case, seed: int, **timing) -> dict:
 
 def evaluate_targets(results: list[dict]) -> dict:
     """Verdicts: TTLinear >= 5x faster than nn.Linear on the main cases; planner never slower than einsum."""
-    speed = [{"shape": r["shape"], "rows": r["rows"], "rank": r["rank"],
-              "speedup": r["ratios"]["dense_time_over_tt_time"],
-              "speedup_of_minima": r["ratios"]["dense_time_over_tt_time_of_minima"],
-              "met": r["ratios"]["dense_time_over_tt_time"] >= TARGET_SPEEDUP, "contended": r["contended"]}
-             for r in results if r["main"] and r["shape"] in TARGET_SHAPES]
-    einsum = [{"shape": r["shape"], "rows": r["rows"], "rank": r["rank"], "best_einsum": r["best_einsum"],
-               "best_einsum_over_planner": (ratio := r["ratios"]["best_einsum_time_over_planner_time"]),
-               "met": ratio >= 1.0, "within_noise": ratio >= 1.0 - NOISE_TOL, "contended": r["contended"],
-               "best_einsum_over_planner_of_minima": r["ratios"]["best_einsum_time_over_planner_time_of_minima"]}
-              for r in results]
+    speed = [
+        {
+            "shape": r["shape"],
+            "rows": r["rows"],
+            "rank": r["rank"],
+            "speedup": r["ratios"]["dense_time_over_tt_time"],
+            "speedup_of_minima": r["ratios"]["dense_time_over_tt_time_of_minima"],
+            "met": r["ratios"]["dense_time_over_tt_time"] >= TARGET_SPEEDUP,
+            "contended": r["contended"],
+        }
+        for r in results
+        if r["main"] and r["shape"] in TARGET_SHAPES
+    ]
+    einsum = [
+        {
+            "shape": r["shape"],
+            "rows": r["rows"],
+            "rank": r["rank"],
+            "best_einsum": r["best_einsum"],
+            "best_einsum_over_planner": (ratio := r["ratios"]["best_einsum_time_over_planner_time"]),
+            "met": ratio >= 1.0,
+            "within_noise": ratio >= 1.0 - NOISE_TOL,
+            "contended": r["contended"],
+            "best_einsum_over_planner_of_minima": r["ratios"]["best_einsum_time_over_planner_time_of_minima"],
+        }
+        for r in results
+    ]
     return {
-        "tt_at_least_5x_faster_than_dense": {"met": bool(speed) and all(s["met"] for s in speed),
-                                             "any_case_contended": any(s["contended"] for s in speed), "cases": speed},
+        "tt_at_least_5x_faster_than_dense": {
+            "met": bool(speed) and all(s["met"] for s in speed),
+            "any_case_contended": any(s["contended"] for s in speed),
+            "cases": speed,
+        },
         "planner_never_slower_than_best_einsum": {
-            "met": all(e["met"] for e in einsum), "met_on_uncontended_cases": all(e["met"] for e in einsum
-                                                                                  if not e["contended"]),
+            "met": all(e["met"] for e in einsum),
+            "met_on_uncontended_cases": all(e["met"] for e in einsum if not e["contended"]),
             "contended_cases": sum(e["contended"] for e in einsum),
-            "met_within_noise_tolerance": all(e["within_noise"] for e in einsum), "noise_tolerance": NOISE_TOL,
-            "violations": [e for e in einsum if not e["met"]]},
+            "met_within_noise_tolerance": all(e["within_noise"] for e in einsum),
+            "noise_tolerance": NOISE_TOL,
+            "violations": [e for e in einsum if not e["met"]],
+        },
     }
 
 
 def render(results: list[dict], targets: dict, meta: dict) -> str:
     """The markdown report: TTLinear vs nn.Linear, planner vs einsum baselines and forced plans, verdicts."""
-    out = [f"# TTLinear forward+backward (fp32, CPU, {meta['threads']} threads, >= {meta['repeats']} rounds; "
-           f"`rounds`: clean/total (other load), `!` contended)", "", "## 1. TTLinear (planner's choice) vs nn.Linear",
-           ""]
+    out = [
+        f"# TTLinear forward+backward (fp32, CPU, {meta['threads']} threads, >= {meta['repeats']} rounds; "
+        f"`rounds`: clean/total (other load), `!` contended)",
+        "",
+        "## 1. TTLinear (planner's choice) vs nn.Linear",
+        "",
+    ]
     rows = []
     for r in results:
         c = r["candidates"]
-        rows.append([r["shape"], r["rows"], r["rank"], r["planner_pick"], ms(c["nn.Linear"]["median_s"]),
-                     ms(c["planner"]["median_s"]), f"{r['ratios']['dense_time_over_tt_time']:.2f}",
-                     mib(c["nn.Linear"]["memory"]["total_bytes"]), mib(c["planner"]["memory"]["total_bytes"]),
-                     f"{r['ratios']['dense_mem_over_tt_mem']:.2f}", r["noise_cell"]])
-    out.append(table(["shape", "rows", "rank", "plan", "nn.Linear ms", "TTLinear ms", "dense/tt time",
-                      "nn.Linear MiB", "TTLinear MiB", "dense/tt mem", "rounds"], rows))
+        rows.append(
+            [
+                r["shape"],
+                r["rows"],
+                r["rank"],
+                r["planner_pick"],
+                ms(c["nn.Linear"]["median_s"]),
+                ms(c["planner"]["median_s"]),
+                f"{r['ratios']['dense_time_over_tt_time']:.2f}",
+                mib(c["nn.Linear"]["memory"]["total_bytes"]),
+                mib(c["planner"]["memory"]["total_bytes"]),
+                f"{r['ratios']['dense_mem_over_tt_mem']:.2f}",
+                r["noise_cell"],
+            ]
+        )
+    out.append(
+        table(
+            [
+                "shape",
+                "rows",
+                "rank",
+                "plan",
+                "nn.Linear ms",
+                "TTLinear ms",
+                "dense/tt time",
+                "nn.Linear MiB",
+                "TTLinear MiB",
+                "dense/tt mem",
+                "rounds",
+            ],
+            rows,
+        )
+    )
     out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms; `*`: the planner's pick)", ""]
     rows = []
     for r in results:
         c = r["candidates"]
-        rows.append([r["shape"], r["rows"], r["rank"], *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES)),
-                     f"{r['ratios']['best_einsum_time_over_planner_time']:.2f}",
-                     *(ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS),
-                     r["fastest_forced_plan"], f"{r['ratios']['picked_forced_time_over_fastest_forced']:.2f}"])
-    out.append(table(["shape", "rows", "rank", "planner", "torch.einsum", "tensorly+oe", "best einsum/planner",
-                      *PLANS, "fastest", "pick/fastest"], rows))
+        rows.append(
+            [
+                r["shape"],
+                r["rows"],
+                r["rank"],
+                *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES)),
+                f"{r['ratios']['best_einsum_time_over_planner_time']:.2f}",
+                *(ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS),
+                r["fastest_forced_plan"],
+                f"{r['ratios']['picked_forced_time_over_fastest_forced']:.2f}",
+            ]
+        )
+    out.append(
+        table(
+            [
+                "shape",
+                "rows",
+                "rank",
+                "planner",
+                "torch.einsum",
+                "tensorly+oe",
+                "best einsum/planner",
+                *PLANS,
+                "fastest",
+                "pick/fastest",
+            ],
+            rows,
+        )
+    )
     out += ["", "## Targets", ""]
     t1, t2 = targets["tt_at_least_5x_faster_than_dense"], targets["planner_never_slower_than_best_einsum"]
     flag = lambda x: " (contended!)" if x["contended"] else ""  # noqa: E731
-    detail = ", ".join(f"{s['shape']} r{s['rank']} {s['rows']} rows: {s['speedup']:.2f}x "
-                       f"[ratio of minima {s['speedup_of_minima']:.2f}x]{flag(s)}" for s in t1["cases"])
-    out.append(f"- TTLinear >= {TARGET_SPEEDUP:g}x faster than nn.Linear (fwd+bwd): "
-               f"{'MET' if t1['met'] else 'NOT MET'} ({detail})")
+    detail = ", ".join(
+        f"{s['shape']} r{s['rank']} {s['rows']} rows: {s['speedup']:.2f}x "
+        f"[ratio of minima {s['speedup_of_minima']:.2f}x]{flag(s)}"
+        for s in t1["cases"]
+    )
+    out.append(
+        f"- TTLinear >= {TARGET_SPEEDUP:g}x faster than nn.Linear (fwd+bwd): "
+        f"{'MET' if t1['met'] else 'NOT MET'} ({detail})"
+    )
     line = f"- Planner never slower than the better einsum baseline: {'MET' if t2['met'] else 'NOT MET'}"
     if t2["violations"]:
-        line += (f" ({len(t2['violations'])} case(s); within {NOISE_TOL:.0%} noise: "
-                 f"{'all' if t2['met_within_noise_tolerance'] else 'not all'})")
+        line += (
+            f" ({len(t2['violations'])} case(s); within {NOISE_TOL:.0%} noise: "
+            f"{'all' if t2['met_within_noise_tolerance'] else 'not all'})"
+        )
         for v in t2["violations"]:
-            line += (f"\n  - {v['shape']} rows={v['rows']} rank={v['rank']}: {v['best_einsum']} is "
-                     f"{1 / v['best_einsum_over_planner']:.2f}x faster than the planner (medians; ratio of minima: "
-                     f"einsum/planner = {v['best_einsum_over_planner_of_minima']:.2f}){flag(v)}")
+            line += (
+                f"\n  - {v['shape']} rows={v['rows']} rank={v['rank']}: {v['best_einsum']} is "
+                f"{1 / v['best_einsum_over_planner']:.2f}x faster than the planner (medians; ratio of minima: "
+                f"einsum/planner = {v['best_einsum_over_planner_of_minima']:.2f}){flag(v)}"
+            )
         if t2["contended_cases"] == len(results):
             line += "\n  - every case was contended: nothing verified"
         elif t2["contended_cases"]:
-            line += (f"\n  - on the {len(results) - t2['contended_cases']} cases measured without contention: "
-                     f"{'MET' if t2['met_on_uncontended_cases'] else 'NOT MET'}")
+            line += (
+                f"\n  - on the {len(results) - t2['contended_cases']} cases measured without contention: "
+                f"{'MET' if t2['met_on_uncontended_cases'] else 'NOT MET'}"
+            )
     out.append(line)
     worse = [r for r in results if r["ratios"]["picked_forced_time_over_fastest_forced"] > 1 + NOISE_TOL]
     out += ["", f"## Planner picks slower than the fastest forced plan by more than {NOISE_TOL:.0%}", ""]
     out += [] if worse else ["None."]
     for r in worse:
         c, pick, best = r["candidates"], r["planner_pick"], r["fastest_forced_plan"]
-        out.append(f"- {r['shape']} rows={r['rows']} rank={r['rank']} ranks={r['ranks']}: picked {pick} "
-                   f"{ms(c['plan:' + pick]['median_s'])} ms, {best} {ms(c['plan:' + best]['median_s'])} ms "
-                   f"({r['ratios']['picked_forced_time_over_fastest_forced']:.2f}x); model order "
-                   f"{r['modelled_order']}, measured order {r['measured_plan_order']}{flag(r)}")
+        out.append(
+            f"- {r['shape']} rows={r['rows']} rank={r['rank']} ranks={r['ranks']}: picked {pick} "
+            f"{ms(c['plan:' + pick]['median_s'])} ms, {best} {ms(c['plan:' + best]['median_s'])} ms "
+            f"({r['ratios']['picked_forced_time_over_fastest_forced']:.2f}x); model order "
+            f"{r['modelled_order']}, measured order {r['measured_plan_order']}{flag(r)}"
+        )
     return "\n".join(out)
 
 
@@ -271,9 +385,11 @@ def plot(results: list[dict]):
     """Per case (x = rows, log): torch.einsum/planner, tensorly+oe/planner and nn.Linear/TTLinear time, one line
     per (shape, rank); above 1 the planner (or the TT layer) is faster."""
     fig, axes = harness.new_figure(3, width=5.0, height=4.0)
-    panels = [("torch.einsum / planner", "torch_einsum_time_over_planner_time"),
-              ("tensorly+oe / planner", "tensorly_time_over_planner_time"),
-              ("nn.Linear / TTLinear (planner)", "dense_time_over_tt_time")]
+    panels = [
+        ("torch.einsum / planner", "torch_einsum_time_over_planner_time"),
+        ("tensorly+oe / planner", "tensorly_time_over_planner_time"),
+        ("nn.Linear / TTLinear (planner)", "dense_time_over_tt_time"),
+    ]
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in results:
         groups.setdefault((r["shape"], r["rank"]), []).append(r)
@@ -283,36 +399,60 @@ def plot(results: list[dict]):
             ax.plot([r["rows"] for r in rs], [r["ratios"][key] for r in rs], marker="o", label=f"{shape} r{rank}")
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         harness.label_axes(ax, "rows (tokens)", xlog=True, ylog=True, title=f"time ratio {title}", legend=ax is axes[0])
-    fig.suptitle("TT linear forward+backward: contraction planner vs einsum baselines, and vs dense (> 1: planner "
-                 "faster)")
+    fig.suptitle(
+        "TT linear forward+backward: contraction planner vs einsum baselines, and vs dense (> 1: planner faster)"
+    )
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the report, write ``tt_linear.json`` and ``tt_linear.png``."""
     parser = harness.bench_parser(__doc__, repeats=(3, 5))
-    parser.add_argument("--min-sample-ms", type=float, default=harness.Quick(5.0, 10.0),
-                        help="inner loop length per sample (default 10, quick 5)")
-    parser.add_argument("--min-case-s", type=float, default=harness.Quick(1.0, 1.5),
-                        help="keep adding rounds until the clean ones took this long (default 1.5, quick 1)")
+    parser.add_argument(
+        "--min-sample-ms",
+        type=float,
+        default=harness.Quick(5.0, 10.0),
+        help="inner loop length per sample (default 10, quick 5)",
+    )
+    parser.add_argument(
+        "--min-case-s",
+        type=float,
+        default=harness.Quick(1.0, 1.5),
+        help="keep adding rounds until the clean ones took this long (default 1.5, quick 1)",
+    )
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
-                             "outputs above 32 MiB stop being page-faulted in on every step")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
+        "outputs above 32 MiB stop being page-faulted in on every step",
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"the JSON's path (default <out-dir>/{JSON_NAME})")
     args = harness.parse(parser, argv)
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
     min_sample_s, min_case_s = args.min_sample_ms / 1e3, args.min_case_s
-    cases = [c for c in build_cases(args.quick) if (args.shapes is None or c.shape in args.shapes)
-             and (args.rows is None or c.rows in args.rows) and (args.ranks is None or c.rank in args.ranks)]
+    cases = [
+        c
+        for c in build_cases(args.quick)
+        if (args.shapes is None or c.shape in args.shapes)
+        and (args.rows is None or c.rows in args.rows)
+        and (args.ranks is None or c.rank in args.ranks)
+    ]
     if not cases:
         parser.error("--shapes/--rows/--ranks leave no case to run")
-    meta = {"machine": harness.machine_info(), "settings": harness.settings(args), "tensorly": tl.__version__,
-            "threads": torch.get_num_threads(), "repeats": args.repeats, "min_sample_s": min_sample_s,
-            "min_case_s": min_case_s, "keep_freed_memory": args.keep_freed_memory}
+    meta = {
+        "machine": harness.machine_info(),
+        "settings": harness.settings(args),
+        "tensorly": tl.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "min_sample_s": min_sample_s,
+        "min_case_s": min_case_s,
+        "keep_freed_memory": args.keep_freed_memory,
+    }
     print(f"# {len(cases)} cases, {args.repeats} rounds, {meta['threads']} threads", file=sys.stderr)
     results = []
     started = time.perf_counter()
@@ -324,17 +464,22 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(case, 0, min_sample_s=min_sample_s, min_total_s=min_case_s, **harness.timing_options(args))
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
-                print(f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: "
-                      f"pick={r['planner_pick']} dense/tt={r['ratios']['dense_time_over_tt_time']:.2f} "
-                      f"einsum/planner={r['ratios']['best_einsum_time_over_planner_time']:.2f} "
-                      f"rounds={r['noise_cell']} ({r['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+                print(
+                    f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: "
+                    f"pick={r['planner_pick']} dense/tt={r['ratios']['dense_time_over_tt_time']:.2f} "
+                    f"einsum/planner={r['ratios']['best_einsum_time_over_planner_time']:.2f} "
+                    f"rounds={r['noise_cell']} ({r['wall_s']:.1f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             plugins.use_default_einsum()
     meta["wall_s"] = time.perf_counter() - started
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
-    harness.emit(args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results},
-                 fig=plot(results))
+    harness.emit(
+        args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results)
+    )
     return 0
 
 

@@ -43,9 +43,9 @@ import harness
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 # the issue's targets
-TARGET_STEP_SPEEDUP = 2.0        # CoMERA's step vs dense at batch 32, bf16
-TARGET_MEMORY_VS_GALORE = 9.0    # dense + GaLore's peak memory over CoMERA's at batch 1
-TARGET_GRAPHS_SPEEDUP = 1.3      # CUDA graphs vs eager at batch 1
+TARGET_STEP_SPEEDUP = 2.0  # CoMERA's step vs dense at batch 32, bf16
+TARGET_MEMORY_VS_GALORE = 9.0  # dense + GaLore's peak memory over CoMERA's at batch 1
+TARGET_GRAPHS_SPEEDUP = 1.3  # CUDA graphs vs eager at batch 1
 # the llm check besides its two training budgets: corpus, tokenizer, step timing, validations, imports
 LLM_OVERHEAD_S = 120.0
 
@@ -66,8 +66,17 @@ def _python(script: str, *args: str) -> list[str]:
 def checks(work: Path, dry: bool) -> list[Check]:
     """The first three checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the fourth."""
     cuda_graphs = _python("bench_cuda_graphs.py", "--out-dir", str(work / "cuda_graphs"))
-    step = _python("bench_training_step.py", "--part", "step", "--precision", "bf16-mixed", "--profile", "always",
-                   "--out-dir", str(work / "training_step"))
+    step = _python(
+        "bench_training_step.py",
+        "--part",
+        "step",
+        "--precision",
+        "bf16-mixed",
+        "--profile",
+        "always",
+        "--out-dir",
+        str(work / "training_step"),
+    )
     fit = [sys.executable, str(Path(__file__).resolve()), "--fit-check", str(work / "fit_resume")]
     # on the GPU the CUDA-graph check takes the quickstart size only (launch-bound, where graphs matter): the base
     # size would double its minutes, which the llm check needs more
@@ -78,20 +87,47 @@ def checks(work: Path, dry: bool) -> list[Check]:
     else:
         step += ["--device", "cuda", "--min-total-s", "5"]
     # dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
-    return [Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
-            Check("training_step", [step], 600 if dry else 150),
-            Check("fit_resume", [fit], 300 if dry else 120)]
+    return [
+        Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
+        Check("training_step", [step], 600 if dry else 150),
+        Check("fit_resume", [fit], 300 if dry else 120),
+    ]
 
 
 def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
     """``llm_60m`` dense and CoMERA, ``budget_s`` of training each by the matched protocol, on the standard library."""
-    llm = _python("llm_study.py", "--config", str(REPO / "configs" / "llm_60m.yaml"), "--protocols", "matched",
-                  "--methods", "dense", "comera", "--precision", "bf16-mixed", "--widths",
-                  "--budget-s", f"{budget_s:.0f}", "--out-dir", str(work / "llm_60m"),
-                  "--cache-dir", str(work / "cache"), "--set", "data.root=stdlib", "--set", "data.files='**/*.py'",
-                  "--set", "data.val_files=null", "--set", "data.tokenizer_path=null",
-                  # 5 % of the standard library's 1,790 files (31 MB) held out: about 15 validation batches of 128 x 256
-                  "--set", "data.val_fraction=0.05", "--set", "data.tokenizer_sample_mb=16")
+    llm = _python(
+        "llm_study.py",
+        "--config",
+        str(REPO / "configs" / "llm_60m.yaml"),
+        "--protocols",
+        "matched",
+        "--methods",
+        "dense",
+        "comera",
+        "--precision",
+        "bf16-mixed",
+        "--widths",
+        "--budget-s",
+        f"{budget_s:.0f}",
+        "--out-dir",
+        str(work / "llm_60m"),
+        "--cache-dir",
+        str(work / "cache"),
+        "--set",
+        "data.root=stdlib",
+        "--set",
+        "data.files='**/*.py'",
+        "--set",
+        "data.val_files=null",
+        "--set",
+        "data.tokenizer_path=null",
+        # 5 % of the standard library's 1,790 files (31 MB) held out: about 15 validation batches of 128 x 256
+        "--set",
+        "data.val_fraction=0.05",
+        "--set",
+        "data.tokenizer_sample_mb=16",
+    )
     if dry:
         llm += ["--quick", "--set", "data.files='*.py'", "--set", "data.num_workers=0"]
     else:
@@ -115,12 +151,29 @@ def fit_check(folder: Path, dry: bool) -> dict[str, Any]:
         " target_compression: 20.0, truncate_every_n_steps: 20, min_dead_fraction: 0.2}\n"
         "    - class_path: ContractionPlanner\n      init_args: {verbose: false}\n"
         "    - class_path: RankMonitor\n      init_args: {log_every_n_steps: 10}\n"
-        "    - class_path: ModelCheckpoint\n      init_args: {save_last: true}\n")
-    cli = [sys.executable, "-m", "comera_lightning", "fit", "--config", "quickstart", "--config", str(callbacks),
-           # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
-           "--trainer.precision", "32-true" if dry else "bf16-mixed", "--trainer.accelerator", "cpu" if dry else "cuda",
-           "--trainer.default_root_dir", str(folder), "--trainer.val_check_interval", "50",
-           "--trainer.limit_val_batches", "2"]
+        "    - class_path: ModelCheckpoint\n      init_args: {save_last: true}\n"
+    )
+    cli = [
+        sys.executable,
+        "-m",
+        "comera_lightning",
+        "fit",
+        "--config",
+        "quickstart",
+        "--config",
+        str(callbacks),
+        # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
+        "--trainer.precision",
+        "32-true" if dry else "bf16-mixed",
+        "--trainer.accelerator",
+        "cpu" if dry else "cuda",
+        "--trainer.default_root_dir",
+        str(folder),
+        "--trainer.val_check_interval",
+        "50",
+        "--trainer.limit_val_batches",
+        "2",
+    ]
     if dry:
         cli += ["--data.max_files", "40", "--data.max_sequences", "2000"]
     subprocess.run([*cli, "--trainer.max_steps", "200"], cwd=folder, check=True)
@@ -148,10 +201,15 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
     rank_state = next((v for k, v in ckpt.get("callbacks", {}).items() if "RankAdaptation" in k), {})
     ranks_now = {n: list(layer.ranks) for n, layer in tt_layers(model)}
     ranks_start = {n: list(layer.ranks) for n, layer in tt_layers(fresh)}
-    return {"checkpoint": str(found[-1]), "global_step": int(ckpt["global_step"]),
-            "truncations": rank_state.get("truncations"), "stage": rank_state.get("stage"),
-            "rank_sum_start": sum(map(sum, ranks_start.values())), "rank_sum_end": sum(map(sum, ranks_now.values())),
-            "ranks_end": ranks_now}
+    return {
+        "checkpoint": str(found[-1]),
+        "global_step": int(ckpt["global_step"]),
+        "truncations": rank_state.get("truncations"),
+        "stage": rank_state.get("stage"),
+        "rank_sum_start": sum(map(sum, ranks_start.values())),
+        "rank_sum_end": sum(map(sum, ranks_now.values())),
+        "ranks_end": ranks_now,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -178,8 +236,9 @@ def read_results(work: Path) -> dict[str, Any]:
         out["cuda_graphs_identical"] = all(c["identical"] for c in graphs["identity"])
         batch1 = [t["speedup"] for t in graphs.get("timing", []) if t.get("batch") == 1]
         out["cuda_graphs_speedup_batch1"] = min(batch1) if batch1 else None
-        out["cuda_graphs_speedups"] = {f"{t['size']} {t['precision']} batch {t.get('batch')}": t["speedup"]
-                                       for t in graphs.get("timing", [])}
+        out["cuda_graphs_speedups"] = {
+            f"{t['size']} {t['precision']} batch {t.get('batch')}": t["speedup"] for t in graphs.get("timing", [])
+        }
     step = _load(str(work / "training_step" / "training_step*.json"))
     if step:
         results = step["results"]
@@ -211,29 +270,52 @@ def read_results(work: Path) -> dict[str, Any]:
 def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: dict) -> str:
     """The summary: what ran, then the issue's targets with verdicts."""
     rows = [[name, s["status"], f"{s['wall_s']:.0f} s", s.get("detail", "")] for name, s in status.items()]
-    lines = [f"## GPU checks on {machine.get('cuda') or 'no GPU (' + machine.get('cpu', '') + ')'}", "",
-             harness.table(["check", "status", "wall", "detail"], rows), ""]
+    lines = [
+        f"## GPU checks on {machine.get('cuda') or 'no GPU (' + machine.get('cpu', '') + ')'}",
+        "",
+        harness.table(["check", "status", "wall", "detail"], rows),
+        "",
+    ]
     fit = results.get("fit_resume") or {}
     ppl = results.get("llm_perplexity") or {}
     first, resumed = fit.get("first") or {}, fit.get("resumed") or {}
-    fit_ok = (bool(fit) and (first.get("truncations") or 0) > 0 and first["rank_sum_end"] < first["rank_sum_start"]
-              and resumed.get("global_step", 0) > first["global_step"])
+    fit_ok = (
+        bool(fit)
+        and (first.get("truncations") or 0) > 0
+        and first["rank_sum_end"] < first["rank_sum_start"]
+        and resumed.get("global_step", 0) > first["global_step"]
+    )
     targets = [
-        ["CoMERA step >= 2x faster than dense (bf16, batch "
-         f"{results.get('step_batch', 32)})", harness.times(results.get("step_speedup_dense_over_comera")),
-         verdict(results.get("step_speedup_dense_over_comera"), TARGET_STEP_SPEEDUP)],
-        ["CoMERA >= 9x less peak memory than dense + GaLore (batch 1)",
-         harness.times(results.get("memory_galore_over_comera_batch1")),
-         verdict(results.get("memory_galore_over_comera_batch1"), TARGET_MEMORY_VS_GALORE)],
-        ["CUDA graphs >= 1.3x faster than eager (batch 1)", harness.times(results.get("cuda_graphs_speedup_batch1")),
-         verdict(results.get("cuda_graphs_speedup_batch1"), TARGET_GRAPHS_SPEEDUP)],
-        ["bf16 fit: ranks shrink, truncations, the checkpoint resumes",
-         (f"rank sum {first['rank_sum_start']} -> {first['rank_sum_end']}, {first['truncations']} truncations by "
-          f"step {first['global_step']}, resumed to step {resumed['global_step']}") if fit else "-",
-         "met" if fit_ok else ("n/a" if not fit else "MISSED")],
-        ["llm_60m at equal wall-clock: CoMERA perplexity <= dense",
-         " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-",
-         verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"],
+        [
+            f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})",
+            harness.times(results.get("step_speedup_dense_over_comera")),
+            verdict(results.get("step_speedup_dense_over_comera"), TARGET_STEP_SPEEDUP),
+        ],
+        [
+            "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)",
+            harness.times(results.get("memory_galore_over_comera_batch1")),
+            verdict(results.get("memory_galore_over_comera_batch1"), TARGET_MEMORY_VS_GALORE),
+        ],
+        [
+            "CUDA graphs >= 1.3x faster than eager (batch 1)",
+            harness.times(results.get("cuda_graphs_speedup_batch1")),
+            verdict(results.get("cuda_graphs_speedup_batch1"), TARGET_GRAPHS_SPEEDUP),
+        ],
+        [
+            "bf16 fit: ranks shrink, truncations, the checkpoint resumes",
+            (
+                f"rank sum {first['rank_sum_start']} -> {first['rank_sum_end']}, {first['truncations']} truncations by "
+                f"step {first['global_step']}, resumed to step {resumed['global_step']}"
+            )
+            if fit
+            else "-",
+            "met" if fit_ok else ("n/a" if not fit else "MISSED"),
+        ],
+        [
+            "llm_60m at equal wall-clock: CoMERA perplexity <= dense",
+            " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-",
+            verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a",
+        ],
     ]
     lines += [harness.table(["target (issue 29)", "measured", "verdict"], targets)]
     if results.get("llm_tokens_per_s"):
@@ -247,15 +329,19 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
 # running
 
 
-def run_checks(out: Path, dry: bool, llm_budget_s: float, deadline_s: float,
-               log: Callable[[str], None]) -> dict[str, dict]:
+def run_checks(
+    out: Path, dry: bool, llm_budget_s: float, deadline_s: float, log: Callable[[str], None]
+) -> dict[str, dict]:
     """Run every check in order within ``deadline_s``, rewriting the summary after each; returns their status."""
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     status: dict[str, dict] = {}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     machine = harness.machine_info()
     for check in [*checks(work, dry), None]:
         left = deadline_s - (time.perf_counter() - started)
@@ -278,8 +364,9 @@ def run_checks(out: Path, dry: bool, llm_budget_s: float, deadline_s: float,
                 limit = stop_at - time.perf_counter()
                 log(f"{check.name}: {' '.join(command)}")
                 # its own process group: a check stopped at its limit takes its children (a fit, loader workers)
-                proc = subprocess.Popen(command, cwd=folder, env=env, stdout=out_log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    command, cwd=folder, env=env, stdout=out_log, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 try:
                     rc = proc.wait(timeout=max(limit, 1.0))
                 except subprocess.TimeoutExpired:
@@ -319,15 +406,24 @@ def write_summary(out: Path, work: Path, status: dict[str, dict], machine: dict)
 def main(argv: list[str] | None = None) -> int:
     """Run the checks (or skip them without CUDA); exit 1 when a check failed or timed out."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or BENCH / "results" / "gpu_checks"),
-                        help="where the summary and the archive go (default $OUT, else benchmarks/results/gpu_checks)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or BENCH / "results" / "gpu_checks"),
+        help="where the summary and the archive go (default $OUT, else benchmarks/results/gpu_checks)",
+    )
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
-    parser.add_argument("--llm-budget-s", type=float, default=75.0,
-                        help="training seconds of each llm_60m method (default 75)")
-    parser.add_argument("--deadline-s", type=float, default=None,
-                        help="every check ends within this many seconds of the start; the llm check trains for what "
-                             "the others leave (default 540: the device's 10-minute command less the install; "
-                             "1200 with --cpu-dry-run, where bf16 is emulated)")
+    parser.add_argument(
+        "--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method (default 75)"
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="every check ends within this many seconds of the start; the llm check trains for what "
+        "the others leave (default 540: the device's 10-minute command less the install; "
+        "1200 with --cpu-dry-run, where bf16 is emulated)",
+    )
     parser.add_argument("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fit_check is not None:  # check 3, in its own process
@@ -341,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "checks.log", "a") as log_file:
+
         def log(line: str) -> None:
             stamped = f"[{time.strftime('%H:%M:%S')}] {line}"
             print(stamped, flush=True)

@@ -214,8 +214,15 @@ def interleave(
                 _synchronize()
                 times[name] = (time.perf_counter() - t0) / inner[name]
             other, own = probe.read()
-            rounds.append({"order": order, "times_s": times, "other_load": other, "own_cpu_share": own,
-                           "clean": other is None or max_other_load >= 1.0 or other <= max_other_load})
+            rounds.append(
+                {
+                    "order": order,
+                    "times_s": times,
+                    "other_load": other,
+                    "own_cpu_share": own,
+                    "clean": other is None or max_other_load >= 1.0 or other <= max_other_load,
+                }
+            )
             gc.collect()
     finally:
         if gc_was_enabled:
@@ -266,8 +273,16 @@ def peak_memory(
         base = torch.cuda.memory_allocated()
     with tracker:
         step()
-    names = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer_state",
-             "Activation": "activations", "Temp": "temporaries", "Other": "other", "Total": "total"}
+    names = {
+        "Parameter": "parameters",
+        "Buffer": "buffers",
+        "Gradient": "gradients",
+        "Optstate": "optimizer_state",
+        "Activation": "activations",
+        "Temp": "temporaries",
+        "Other": "other",
+        "Total": "total",
+    }
     out = {v: 0 for v in names.values()}
     for per_device in tracker.get_tracker_snapshot("peak").values():
         for key, nbytes in per_device.items():
@@ -287,8 +302,9 @@ def peak_memory(
     return out
 
 
-def backward_step(forward: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor],
-                  upstream: torch.Tensor) -> Callable[[], None]:
+def backward_step(
+    forward: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor], upstream: torch.Tensor
+) -> Callable[[], None]:
     """A forward + backward step: the ``inputs``' gradients cleared, ``forward()`` backpropagated from ``upstream``."""
     inputs = list(inputs)
 
@@ -309,8 +325,11 @@ def kernel_work(step: Callable[[], object]) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF)
     step()
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return {"minor_faults": after.ru_minflt - before.ru_minflt, "user_s": after.ru_utime - before.ru_utime,
-            "system_s": after.ru_stime - before.ru_stime}
+    return {
+        "minor_faults": after.ru_minflt - before.ru_minflt,
+        "user_s": after.ru_utime - before.ru_utime,
+        "system_s": after.ru_stime - before.ru_stime,
+    }
 
 
 def resident_bytes() -> int:
@@ -354,13 +373,20 @@ def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) 
     # that cudaDeviceSynchronize is host time spent waiting for the device, not the step's dispatch and launches
     # (none of the profiled steps calls it), so it is reported apart and left out of the host ops.
     drain = _device_drain if cuda else (lambda key: False)
-    events = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and not drain(e.key)),
-                    key=lambda e: -e.self_cpu_time_total)
+    events = sorted(
+        (e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and not drain(e.key)),
+        key=lambda e: -e.self_cpu_time_total,
+    )
     ops = {e.key: e.self_cpu_time_total / 1e6 / iterations for e in events}
     total = sum(ops.values()) or 1e-12
-    out = {"total_self_cpu_s": total, "ops_s": ops,
-           "top": [{"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
-                   for e in events[:top]]}
+    out = {
+        "total_self_cpu_s": total,
+        "ops_s": ops,
+        "top": [
+            {"op": e.key, "calls": e.count / iterations, "self_cpu_s": ops[e.key], "share": ops[e.key] / total}
+            for e in events[:top]
+        ],
+    }
     if cuda:
         out["device_drain_wait_s"] = sum(e.self_cpu_time_total for e in averages if drain(e.key)) / 1e6 / iterations
         out.update(device_times(averages, iterations))
@@ -375,11 +401,16 @@ def device_times(events: Iterable, iterations: int = 1) -> dict:
     device time of every CPU-side op that launched some (the kernels each op launched itself), largest first."""
     cpu = torch.autograd.DeviceType.CPU
     events = list(events)
+
     # torch < 2.4 names the field self_cuda_time_total and has no user-annotation events on the device
-    self_us = lambda e: (e.self_device_time_total if hasattr(e, "self_device_time_total")  # noqa: E731
-                         else e.self_cuda_time_total)
-    total = sum(self_us(e) for e in events
-                if e.device_type != cpu and not getattr(e, "is_user_annotation", False)) / 1e6 / iterations
+    def self_us(e):
+        return e.self_device_time_total if hasattr(e, "self_device_time_total") else e.self_cuda_time_total
+
+    total = (
+        sum(self_us(e) for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False))
+        / 1e6
+        / iterations
+    )
     by_op = {e.key: self_us(e) / 1e6 / iterations for e in events if e.device_type == cpu and self_us(e) > 0}
     return {"total_self_device_s": total, "device_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
@@ -417,25 +448,40 @@ def positive_int(text: str) -> int:
     return value
 
 
-def bench_parser(doc: str, *, repeats: tuple[int, int] | None = None, threads: int | None = None,
-                 out_dir: Path | None = RESULTS_DIR) -> argparse.ArgumentParser:
+def bench_parser(
+    doc: str, *, repeats: tuple[int, int] | None = None, threads: int | None = None, out_dir: Path | None = RESULTS_DIR
+) -> argparse.ArgumentParser:
     """A parser with ``--quick``, ``--threads`` and ``--out-dir`` and, for scripts that time candidates with
     :func:`interleave` (``repeats``: their default clean rounds, quick and full), ``--repeats``,
     ``--max-other-load`` and ``--wait-quiet``. :func:`parse` checks and applies them."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small version: the plumbing in seconds")
-    parser.add_argument("--threads", type=int, default=threads,
-                        help=f"torch.set_num_threads (default: {threads or 'torch decides'})")
+    parser.add_argument(
+        "--threads", type=int, default=threads, help=f"torch.set_num_threads (default: {threads or 'torch decides'})"
+    )
     if out_dir is not None:
         parser.add_argument("--out-dir", type=Path, default=out_dir, help="where JSON/PNG go (default %(default)s)")
     if repeats is not None:
-        parser.add_argument("--repeats", type=int, default=Quick(*repeats),
-                            help=f"clean interleaved rounds at least (default {repeats[1]}, quick {repeats[0]})")
-        parser.add_argument("--max-other-load", type=float, default=0.15,
-                            help="a round in which other processes took more than this share of the CPUs "
-                                 "(/proc/stat) is left out of the medians and retried (default 0.15; 1 keeps all)")
-        parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                            help="wait up to this long for a quiet machine before timing and before each retry")
+        parser.add_argument(
+            "--repeats",
+            type=int,
+            default=Quick(*repeats),
+            help=f"clean interleaved rounds at least (default {repeats[1]}, quick {repeats[0]})",
+        )
+        parser.add_argument(
+            "--max-other-load",
+            type=float,
+            default=0.15,
+            help="a round in which other processes took more than this share of the CPUs "
+            "(/proc/stat) is left out of the medians and retried (default 0.15; 1 keeps all)",
+        )
+        parser.add_argument(
+            "--wait-quiet",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="wait up to this long for a quiet machine before timing and before each retry",
+        )
     return parser
 
 
@@ -574,8 +620,16 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, list(axes[0])
 
 
-def label_axes(ax, xlabel: str | None = None, ylabel: str | None = None, *, xlog: bool = False, ylog: bool = False,
-               title: str | None = None, legend: bool = True) -> None:
+def label_axes(
+    ax,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    *,
+    xlog: bool = False,
+    ylog: bool = False,
+    title: str | None = None,
+    legend: bool = True,
+) -> None:
     """Labels, log scales, a title, a light grid and a small legend on ``ax``."""
     if xlabel is not None:
         ax.set_xlabel(xlabel)

@@ -20,8 +20,17 @@ from torch import nn
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import size_report
 
-PAPER = dict(vocab_size=30522, num_classes=3, d_model=768, num_heads=12, d_ff=3072, num_layers=6, max_len=128,
-             type_vocab_size=2, layer_config=dict(rank=30, embedding_rank=32))
+PAPER = dict(
+    vocab_size=30522,
+    num_classes=3,
+    d_model=768,
+    num_heads=12,
+    d_ff=3072,
+    num_layers=6,
+    max_len=128,
+    type_vocab_size=2,
+    layer_config=dict(rank=30, embedding_rank=32),
+)
 
 # layer type -> regex on the qualified module name
 LAYER_TYPES = {
@@ -48,8 +57,7 @@ HAND = [
     ("FFN fc1", "encoder.layers.0.fc1", [12, 8, 8, 12, 16, 16], [1, 12, 30, 30, 30, 16, 1]),
     ("FFN fc2", "encoder.layers.0.fc2", [16, 16, 12, 8, 8, 12], [1, 16, 30, 30, 30, 12, 1]),
     ("attention q/k/v/out", "encoder.layers.0.attention.query", [12, 8, 8, 8, 8, 12], [1, 12, 30, 30, 30, 12, 1]),
-    ("word embedding", "encoder.embeddings.word_embeddings",
-     [16 * 4, 20 * 4, 10 * 8, 10 * 6], [1, 32, 32, 32, 1]),
+    ("word embedding", "encoder.embeddings.word_embeddings", [16 * 4, 20 * 4, 10 * 8, 10 * 6], [1, 32, 32, 32, 1]),
 ]
 
 
@@ -81,8 +89,16 @@ def collect() -> dict:
         names = [n for n in dense_modules if n and re.search(pattern, n)]
         dense = sum(sum(p.numel() for p in dense_modules[n].parameters()) for n in names)
         tt = sum(tt_size(n, tt_modules[n]) for n in names)
-        rows.append({"layer_type": kind, "modules": len(names), "tt_modules": sum(n in tt_core for n in names),
-                     "dense_parameters": dense, "tt_parameters": tt, "compression": dense / tt})
+        rows.append(
+            {
+                "layer_type": kind,
+                "modules": len(names),
+                "tt_modules": sum(n in tt_core for n in names),
+                "dense_parameters": dense,
+                "tt_parameters": tt,
+                "compression": dense / tt,
+            }
+        )
 
     dense_total = sum(p.numel() for p in dense_model.parameters())
     tt_total = report.active_parameters
@@ -98,40 +114,93 @@ def collect() -> dict:
         by_hand = train_params(sizes, ranks)
         assert layer.ranks == ranks, f"{name}: ranks {layer.ranks}, METHOD.md says {ranks}"
         assert layer.active_parameters() == by_hand == tt_core[name], (
-            f"{name}: the layer reports {layer.active_parameters()} core parameters, the hand count is {by_hand}")
-        modes = (f"{layer.in_modes} -> {layer.out_modes}" if hasattr(layer, "in_modes")
-                 else f"{layer.vocab_modes} x {layer.dim_modes}")
-        hand.append({"layer": kind, "example": name, "modes": modes, "ranks": ranks, "hand_count": by_hand,
-                     "reported": layer.active_parameters(), "dense_parameters": layer.dense_parameters,
-                     "compression": layer.dense_parameters / by_hand})
+            f"{name}: the layer reports {layer.active_parameters()} core parameters, the hand count is {by_hand}"
+        )
+        modes = (
+            f"{layer.in_modes} -> {layer.out_modes}"
+            if hasattr(layer, "in_modes")
+            else f"{layer.vocab_modes} x {layer.dim_modes}"
+        )
+        hand.append(
+            {
+                "layer": kind,
+                "example": name,
+                "modes": modes,
+                "ranks": ranks,
+                "hand_count": by_hand,
+                "reported": layer.active_parameters(),
+                "dense_parameters": layer.dense_parameters,
+                "compression": layer.dense_parameters / by_hand,
+            }
+        )
 
     return {
         "config": PAPER,
         "layer_types": rows,
-        "total": {"dense_parameters": dense_total, "tt_parameters": tt_total, "compression": dense_total / tt_total,
-                  "size_report_compression_ratio": report.compression_ratio},
-        "tt_layers_only": {"dense_parameters": tt_layer_dense, "tt_parameters": tt_layer_active,
-                           "compression": tt_layer_dense / tt_layer_active, "count": len(report.layers)},
+        "total": {
+            "dense_parameters": dense_total,
+            "tt_parameters": tt_total,
+            "compression": dense_total / tt_total,
+            "size_report_compression_ratio": report.compression_ratio,
+        },
+        "tt_layers_only": {
+            "dense_parameters": tt_layer_dense,
+            "tt_parameters": tt_layer_active,
+            "compression": tt_layer_dense / tt_layer_active,
+            "count": len(report.layers),
+        },
         "hand_counts": hand,
     }
 
 
 def to_markdown(result: dict) -> str:
     """The report: parameters by layer type with the totals, then the hand counts against the layers'."""
-    rows = [[r["layer_type"], f"{r['modules']} ({r['tt_modules']})", f"{r['dense_parameters']:,}",
-             f"{r['tt_parameters']:,}", f"{r['compression']:.1f}x"] for r in result["layer_types"]]
+    rows = [
+        [
+            r["layer_type"],
+            f"{r['modules']} ({r['tt_modules']})",
+            f"{r['dense_parameters']:,}",
+            f"{r['tt_parameters']:,}",
+            f"{r['compression']:.1f}x",
+        ]
+        for r in result["layer_types"]
+    ]
     t, only = result["total"], result["tt_layers_only"]
-    rows.append(["**total**", "-", f"**{t['dense_parameters']:,}**", f"**{t['tt_parameters']:,}**",
-                 f"**{t['compression']:.1f}x**"])
-    hand = [[h["layer"], h["modes"], h["ranks"], f"{h['hand_count']:,}", f"{h['reported']:,}",
-             f"{h['dense_parameters']:,}", f"{h['compression']:.1f}x"] for h in result["hand_counts"]]
-    return "\n".join([
-        "## Parameters by layer type (paper six-encoder MNLI model, ranks at initialisation)", "",
-        harness.table(["layer type", "modules (TT)", "dense", "CoMERA TT", "compression"], rows), "",
-        f"TT layers alone ({only['count']} layers, weights only): {only['dense_parameters']:,} dense -> "
-        f"{only['tt_parameters']:,} TT core parameters, {only['compression']:.1f}x.", "",
-        "## TT core parameters counted by hand (METHOD.md section 2) vs reported", "",
-        harness.table(["layer", "modes", "ranks", "by hand", "reported", "dense", "compression"], hand)])
+    rows.append(
+        [
+            "**total**",
+            "-",
+            f"**{t['dense_parameters']:,}**",
+            f"**{t['tt_parameters']:,}**",
+            f"**{t['compression']:.1f}x**",
+        ]
+    )
+    hand = [
+        [
+            h["layer"],
+            h["modes"],
+            h["ranks"],
+            f"{h['hand_count']:,}",
+            f"{h['reported']:,}",
+            f"{h['dense_parameters']:,}",
+            f"{h['compression']:.1f}x",
+        ]
+        for h in result["hand_counts"]
+    ]
+    return "\n".join(
+        [
+            "## Parameters by layer type (paper six-encoder MNLI model, ranks at initialisation)",
+            "",
+            harness.table(["layer type", "modules (TT)", "dense", "CoMERA TT", "compression"], rows),
+            "",
+            f"TT layers alone ({only['count']} layers, weights only): {only['dense_parameters']:,} dense -> "
+            f"{only['tt_parameters']:,} TT core parameters, {only['compression']:.1f}x.",
+            "",
+            "## TT core parameters counted by hand (METHOD.md section 2) vs reported",
+            "",
+            harness.table(["layer", "modes", "ranks", "by hand", "reported", "dense", "compression"], hand),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,21 @@ from study import StudySpec
 TASKS = ("mlm", "lm")
 KINDS = ("dense", "lowrank", "comera")
 # the full dense model first (the reference of "free compression"), then each family across CoMERA's range
-DEFAULT_POINTS = ["dense:128", "comera:5", "comera:10", "comera:20", "comera:50", "dense:64", "dense:32", "dense:16",
-                  "dense:8", "lowrank:32", "lowrank:16", "lowrank:8", "lowrank:4"]
+DEFAULT_POINTS = [
+    "dense:128",
+    "comera:5",
+    "comera:10",
+    "comera:20",
+    "comera:50",
+    "dense:64",
+    "dense:32",
+    "dense:16",
+    "dense:8",
+    "lowrank:32",
+    "lowrank:16",
+    "lowrank:8",
+    "lowrank:4",
+]
 QUICK_POINTS = ["dense:64", "dense:16", "lowrank:4", "comera:4", "comera:4:floor=1"]
 
 
@@ -58,8 +71,9 @@ class Point:
         kind, _, rest = text.partition(":")
         size, *options = rest.split(":") if rest else [""]
         if kind not in KINDS or not size:
-            raise ValueError(f"point {text!r}: write dense:WIDTH, lowrank:RANK or "
-                             "comera:TARGET[:floor=F][:ramp=F][:head=R]")
+            raise ValueError(
+                f"point {text!r}: write dense:WIDTH, lowrank:RANK or comera:TARGET[:floor=F][:ramp=F][:head=R]"
+            )
         try:
             value = float(size)
         except ValueError:
@@ -70,8 +84,9 @@ class Point:
         for option in options:
             key, _, number = option.partition("=")
             if kind != "comera" or key not in ("floor", "ramp", "head"):
-                raise ValueError(f"point {text!r}: only comera points take options, and only floor=F, ramp=F and "
-                                 "head=R")
+                raise ValueError(
+                    f"point {text!r}: only comera points take options, and only floor=F, ramp=F and head=R"
+                )
             try:
                 found[key] = float(number)
             except ValueError:
@@ -86,9 +101,12 @@ class Point:
         """The point as written on the command line (its key in the JSON)."""
         if self.kind != "comera":
             return f"{self.kind}:{int(self.value)}"
-        return (f"comera:{self.value:g}" + ("" if self.layer_floor is None else f":floor={self.layer_floor:g}")
-                + ("" if self.ramp_fraction is None else f":ramp={self.ramp_fraction:g}")
-                + ("" if self.head_rank is None else f":head={self.head_rank}"))
+        return (
+            f"comera:{self.value:g}"
+            + ("" if self.layer_floor is None else f":floor={self.layer_floor:g}")
+            + ("" if self.ramp_fraction is None else f":ramp={self.ramp_fraction:g}")
+            + ("" if self.head_rank is None else f":head={self.head_rank}")
+        )
 
     @property
     def family(self) -> str:
@@ -110,8 +128,9 @@ def corpus_root(corpus: str) -> str | None:
     return corpus
 
 
-def study_spec(task: str, corpus: str, seed: int, steps: int | None, quick: bool,
-               d_model: int | None = None) -> StudySpec:
+def study_spec(
+    task: str, corpus: str, seed: int, steps: int | None, quick: bool, d_model: int | None = None
+) -> StudySpec:
     """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run) and
     the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
     if task not in TASKS:
@@ -136,14 +155,23 @@ def task_kwargs(spec: StudySpec, point: Point) -> dict[str, Any]:
         layer.update(tt_linears=False, tt_embeddings=False)
     elif point.kind == "lowrank":
         rank = int(point.value)
-        layer.update(tt_linears=True, tt_embeddings=True, rank=rank, embedding_rank=rank, layer_ranks=None,
-                     low_rank_linears=".", low_rank_embeddings=".")
+        layer.update(
+            tt_linears=True,
+            tt_embeddings=True,
+            rank=rank,
+            embedding_rank=rank,
+            layer_ranks=None,
+            low_rank_linears=".",
+            low_rank_embeddings=".",
+        )
     else:
         layer.update(tt_linears=True, tt_embeddings=True)
         if point.head_rank is not None:
             if spec.name != "mlm":
-                raise ValueError(f"point {point.name}: head=R is for the MLM's decoder; the decoder LM's head is "
-                                 "set in configs/llm_cpu.yaml")
+                raise ValueError(
+                    f"point {point.name}: head=R is for the MLM's decoder; the decoder LM's head is "
+                    "set in configs/llm_cpu.yaml"
+                )
             layer.update(low_rank_linears="head.decoder", layer_ranks={"head.decoder": point.head_rank})
     kwargs["layer_config"] = layer
     return kwargs
@@ -170,8 +198,13 @@ def build_point(spec: StudySpec, point: Point):
     return task, replace(spec, rank_kwargs=rank), "comera"
 
 
-def run_points(spec: StudySpec, points: list[Point], progress: study.Progress,
-               cache_dir: Path = study.DEFAULT_CACHE, **run_options: Any) -> dict[str, Any]:
+def run_points(
+    spec: StudySpec,
+    points: list[Point],
+    progress: study.Progress,
+    cache_dir: Path = study.DEFAULT_CACHE,
+    **run_options: Any,
+) -> dict[str, Any]:
     """Train every point ``progress`` does not hold yet, saving the study's JSON after each run; returns it."""
     runs: dict[str, Any] = progress.state.setdefault("runs", {})
     dm = study.build_datamodule(spec, cache_dir)
@@ -185,24 +218,45 @@ def run_points(spec: StudySpec, points: list[Point], progress: study.Progress,
         run = study.run_one(run_spec, method, "steps", dm, task=task, **run_options)
         final = run["final"]
         runs[point.name] = {
-            "point": point.name, "kind": point.kind, "family": point.family, "value": point.value,
+            "point": point.name,
+            "kind": point.kind,
+            "family": point.family,
+            "value": point.value,
             "layer_floor": run_spec.rank_kwargs["late_stage"].layer_floor if point.kind == "comera" else None,
             "ramp_fraction": run_spec.rank_kwargs["late_stage"].ramp_fraction if point.kind == "comera" else None,
             "ramp_steps": run_spec.rank_kwargs["late_stage"].ramp if point.kind == "comera" else None,
-            "head_rank": point.head_rank, "metric": spec.metric, "final_metric": final["metrics"].get(spec.metric),
-            "params_active": final["params_active"], "compression_ratio": final["compression_ratio"],
-            "params_dense_equivalent": final["params_dense_equivalent"], "ranks_final": run["ranks_final"],
-            "validations": run["validations"], "steps": run["steps"], "train_s": run["train_s"],
-            "median_step_s": run["median_step_s"], "other_load": run["other_load"],
+            "head_rank": point.head_rank,
+            "metric": spec.metric,
+            "final_metric": final["metrics"].get(spec.metric),
+            "params_active": final["params_active"],
+            "compression_ratio": final["compression_ratio"],
+            "params_dense_equivalent": final["params_dense_equivalent"],
+            "ranks_final": run["ranks_final"],
+            "validations": run["validations"],
+            "steps": run["steps"],
+            "train_s": run["train_s"],
+            "median_step_s": run["median_step_s"],
+            "other_load": run["other_load"],
             "first_batch_hash": run["first_batch_hash"],
-            "late_dip": (study.late_dip(run["validations"], spec.metric, late_start, spec.higher_is_better)
-                         if point.kind == "comera" else None),
+            "late_dip": (
+                study.late_dip(run["validations"], spec.metric, late_start, spec.higher_is_better)
+                if point.kind == "comera"
+                else None
+            ),
         }
-        print(f"    {spec.metric} {runs[point.name]['final_metric']:.4f} at {final['params_active']:,} active "
-              f"parameters ({final['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s",
-              flush=True)
-        progress.save(task=spec.name, seed=spec.seed, late_start_step=late_start,
-                      higher_is_better=spec.higher_is_better, machine=harness.machine_info(), runs=runs)
+        print(
+            f"    {spec.metric} {runs[point.name]['final_metric']:.4f} at {final['params_active']:,} active "
+            f"parameters ({final['compression_ratio']:.2f}x of its own dense twin), {run['train_s']:.0f} s",
+            flush=True,
+        )
+        progress.save(
+            task=spec.name,
+            seed=spec.seed,
+            late_start_step=late_start,
+            higher_is_better=spec.higher_is_better,
+            machine=harness.machine_info(),
+            runs=runs,
+        )
     return progress.state
 
 
@@ -226,12 +280,14 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
         params = study.spread([r["params_active"] for r in runs])
         dips = [r["late_dip"] for r in runs if r.get("late_dip") is not None]
         points[name] = {
-            "family": runs[0]["family"], "kind": runs[0]["kind"],
+            "family": runs[0]["family"],
+            "kind": runs[0]["kind"],
             "seeds": [s["seed"] for s in studies if name in s["runs"]],
             **{f"metric_{k}": metric[k] for k in ("mean", "min", "max")},
             **{f"params_{k}": params[k] for k in ("mean", "min", "max")},
             "compression_mean": study.spread([r["compression_ratio"] for r in runs])["mean"],
-            "late_dip_max": max(dips) if dips else None, "per_seed": [r["final_metric"] for r in runs],
+            "late_dip_max": max(dips) if dips else None,
+            "per_seed": [r["final_metric"] for r in runs],
         }
     full = max((p for p in points.values() if p["kind"] == "dense"), key=lambda p: p["params_mean"], default=None)
     comparisons = {}
@@ -244,22 +300,40 @@ def aggregate(studies: list[dict[str, Any]]) -> dict[str, Any]:
             baseline, larger = baseline_at(curve, p["params_mean"])
             row[f"{family}_at_same_size"] = baseline
             row[f"{family}_is_larger"] = larger
-            row[f"vs_{family}"] = None if baseline is None else (
-                p["metric_mean"] - baseline if higher else baseline / p["metric_mean"] - 1.0)
+            row[f"vs_{family}"] = (
+                None
+                if baseline is None
+                else (p["metric_mean"] - baseline if higher else baseline / p["metric_mean"] - 1.0)
+            )
             # the per-seed check: every seed's CoMERA above that seed's baseline curve
             row[f"seeds_above_{family}"] = _seeds_above(studies, name, family, higher)
         if full is not None:
             row["compression_vs_full_dense"] = full["params_mean"] / p["params_mean"]
         comparisons[name] = row
-    free = None if full is None else max(
-        ((full["params_mean"] / p["params_mean"], name) for name, p in points.items()
-         if p["kind"] == "comera" and _within(p["metric_mean"], full["metric_mean"], higher)), default=None)
-    return {"task": studies[0]["task"], "higher_is_better": higher, "seeds": sorted(s["seed"] for s in studies),
-            "metric": next(iter(studies[0]["runs"].values()))["metric"], "points": points,
-            "full_dense": None if full is None else {"params": full["params_mean"], "metric": full["metric_mean"]},
-            "comparisons": comparisons,
-            "free_compression": None if free is None else {"compression": free[0], "point": free[1]},
-            "steps": studies[0]["spec"]["steps"], "late_start_step": studies[0]["late_start_step"]}
+    free = (
+        None
+        if full is None
+        else max(
+            (
+                (full["params_mean"] / p["params_mean"], name)
+                for name, p in points.items()
+                if p["kind"] == "comera" and _within(p["metric_mean"], full["metric_mean"], higher)
+            ),
+            default=None,
+        )
+    )
+    return {
+        "task": studies[0]["task"],
+        "higher_is_better": higher,
+        "seeds": sorted(s["seed"] for s in studies),
+        "metric": next(iter(studies[0]["runs"].values()))["metric"],
+        "points": points,
+        "full_dense": None if full is None else {"params": full["params_mean"], "metric": full["metric_mean"]},
+        "comparisons": comparisons,
+        "free_compression": None if free is None else {"compression": free[0], "point": free[1]},
+        "steps": studies[0]["spec"]["steps"],
+        "late_start_step": studies[0]["late_start_step"],
+    }
 
 
 def _within(value: float, reference: float, higher_is_better: bool) -> bool:
@@ -309,34 +383,72 @@ def _seeds_above(studies: list[dict[str, Any]], name: str, family: str, higher: 
 def markdown(agg: dict[str, Any], title: str) -> str:
     """The aggregate as markdown: every point, then CoMERA against the curves at equal size."""
     m = agg["metric"]
-    lines = [f"### {title}", "",
-             f"{agg['steps']} steps per run, CoMERA's late stage from step {agg['late_start_step']}; seeds "
-             f"{agg['seeds']}; mean and min..max over the seeds.", ""]
+    lines = [
+        f"### {title}",
+        "",
+        f"{agg['steps']} steps per run, CoMERA's late stage from step {agg['late_start_step']}; seeds "
+        f"{agg['seeds']}; mean and min..max over the seeds.",
+        "",
+    ]
     rows = []
     for name, p in sorted(agg["points"].items(), key=lambda kv: (kv[1]["family"], -kv[1]["params_mean"])):
-        rows.append([name, f"{p['params_mean']:,.0f}", f"{p['metric_mean']:.4f}",
-                     f"{p['metric_min']:.4f}..{p['metric_max']:.4f}", len(p["seeds"]),
-                     "-" if p["late_dip_max"] is None else f"{p['late_dip_max']:.4f}"])
+        rows.append(
+            [
+                name,
+                f"{p['params_mean']:,.0f}",
+                f"{p['metric_mean']:.4f}",
+                f"{p['metric_min']:.4f}..{p['metric_max']:.4f}",
+                len(p["seeds"]),
+                "-" if p["late_dip_max"] is None else f"{p['late_dip_max']:.4f}",
+            ]
+        )
     lines += [harness.table(["model", "active params", m, "min..max", "seeds", "worst late dip"], rows), ""]
     rows = []
     for name, c in agg["comparisons"].items():
+
         def fmt(family, c=c):
             v = c[f"vs_{family}"]
             if v is None:
                 return "above the curve"
             text = f"{v:+.4f}" if agg["higher_is_better"] else f"{v:+.1%}"
             return text + (" (vs its smallest, larger model)" if c[f"{family}_is_larger"] else "")
-        rows.append([name, f"{c['params']:,.0f}", f"{c.get('compression_vs_full_dense', float('nan')):.1f}x",
-                     f"{c['metric']:.4f}", fmt("dense"), c["seeds_above_dense"], fmt("lowrank"),
-                     c["seeds_above_lowrank"]])
+
+        rows.append(
+            [
+                name,
+                f"{c['params']:,.0f}",
+                f"{c.get('compression_vs_full_dense', float('nan')):.1f}x",
+                f"{c['metric']:.4f}",
+                fmt("dense"),
+                c["seeds_above_dense"],
+                fmt("lowrank"),
+                c["seeds_above_lowrank"],
+            ]
+        )
     better = "CoMERA minus baseline" if agg["higher_is_better"] else "baseline / CoMERA - 1 (perplexity)"
-    lines += [harness.table(["CoMERA point", "active params", "vs full dense", m, f"vs dense-narrowed ({better})",
-                             "seeds above", "vs low-rank", "seeds above"], rows), ""]
+    lines += [
+        harness.table(
+            [
+                "CoMERA point",
+                "active params",
+                "vs full dense",
+                m,
+                f"vs dense-narrowed ({better})",
+                "seeds above",
+                "vs low-rank",
+                "seeds above",
+            ],
+            rows,
+        ),
+        "",
+    ]
     free = agg["free_compression"]
     tol = "1 point" if agg["higher_is_better"] else "5 % perplexity"
-    lines.append(f"Free compression (largest CoMERA compression within {tol} of the full dense model, "
-                 f"mean over seeds): " + ("none of the CoMERA points" if free is None
-                                          else f"{free['compression']:.1f}x ({free['point']})"))
+    lines.append(
+        f"Free compression (largest CoMERA compression within {tol} of the full dense model, "
+        f"mean over seeds): "
+        + ("none of the CoMERA points" if free is None else f"{free['compression']:.1f}x ({free['point']})")
+    )
     return "\n".join(lines)
 
 
@@ -349,10 +461,15 @@ def plot(agg: dict[str, Any], title: str):
         x = [p["params_mean"] for p in pts]
         y = [p["metric_mean"] for p in pts]
         err = [[p["metric_mean"] - p["metric_min"] for p in pts], [p["metric_max"] - p["metric_mean"] for p in pts]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family,
-                    color=study.COLOURS.get(family, f"C{i + 3}"))
-    harness.label_axes(ax, "active parameters at the end of training", agg["metric"], xlog=True,
-                       ylog=not agg["higher_is_better"], title=title)
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=family, color=study.COLOURS.get(family, f"C{i + 3}"))
+    harness.label_axes(
+        ax,
+        "active parameters at the end of training",
+        agg["metric"],
+        xlog=True,
+        ylog=not agg["higher_is_better"],
+        title=title,
+    )
     return fig
 
 
@@ -365,10 +482,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = study.study_parser(__doc__, out_dir=harness.RESULTS_DIR / "pareto", budget=False)
     parser.add_argument("--task", default="mlm", choices=TASKS)
     parser.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
-    parser.add_argument("--d-model", type=int, default=None,
-                        help="width of the full model (CoMERA's and the widest dense point); default the study's 128")
-    parser.add_argument("--points", nargs="+", default=None,
-                        help="dense:W, lowrank:R, comera:T[:floor=F][:head=R] (default: DEFAULT_POINTS)")
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help="width of the full model (CoMERA's and the widest dense point); default the study's 128",
+    )
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=None,
+        help="dense:W, lowrank:R, comera:T[:floor=F][:head=R] (default: DEFAULT_POINTS)",
+    )
     parser.add_argument("--aggregate", nargs="+", type=Path, default=None, help="study JSONs of one task and corpus")
     parser.add_argument("--out", type=Path, default=None, help="with --aggregate: path stem of the .md/.json/.png")
     parser.add_argument("--title", default=None, help="with --aggregate: the table's and plot's title")
@@ -392,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     progress.state["settings"] = harness.settings(args)
-    run_points(spec, points, progress, args.cache_dir, max_other_load=args.max_other_load,
-               wait_quiet_s=args.wait_quiet)
+    run_points(spec, points, progress, args.cache_dir, max_other_load=args.max_other_load, wait_quiet_s=args.wait_quiet)
     print(f"JSON: {out}")
     return 0
 

@@ -36,22 +36,43 @@ def aggregate(results: list[dict[str, Any]], protocol: str) -> dict[str, Any]:
         for method, run in runs.items():
             switch = run.get("rank_adaptation", {}).get("switch_step")
             final = run["final"]["metrics"][metric]
-            per_method.setdefault(method, []).append({
-                "seed": result["spec"]["seed"], "final": final,
-                "delta_vs_dense": None if dense is None else final - dense["final"]["metrics"][metric],
-                "compression": run["final"]["compression_ratio"], "switch_step": switch,
-                "at_switch": None if switch is None else next(
-                    (v["metrics"].get(metric) for v in run["validations"] if v["step"] == switch), None),
-                "dip": None if switch is None else study.late_dip(run["validations"], metric, switch,
-                                                                  spec.get("higher_is_better", True)),
-                "steps": run["steps"], "median_step_s": run["median_step_s"],
-                "curve": [(v["step"], v["metrics"].get(metric), v["compression_ratio"]) for v in run["validations"]],
-            })
-    summary = {method: {**{key: study.spread([r[key] for r in rows]) for key in
-                           ("final", "delta_vs_dense", "compression", "dip", "steps", "median_step_s")},
-                        "seeds": sorted(r["seed"] for r in rows)} for method, rows in per_method.items()}
-    return {"study": results[0]["study"], "protocol": protocol, "metric": metric, "summary": summary,
-            "runs": per_method}
+            per_method.setdefault(method, []).append(
+                {
+                    "seed": result["spec"]["seed"],
+                    "final": final,
+                    "delta_vs_dense": None if dense is None else final - dense["final"]["metrics"][metric],
+                    "compression": run["final"]["compression_ratio"],
+                    "switch_step": switch,
+                    "at_switch": None
+                    if switch is None
+                    else next((v["metrics"].get(metric) for v in run["validations"] if v["step"] == switch), None),
+                    "dip": None
+                    if switch is None
+                    else study.late_dip(run["validations"], metric, switch, spec.get("higher_is_better", True)),
+                    "steps": run["steps"],
+                    "median_step_s": run["median_step_s"],
+                    "curve": [
+                        (v["step"], v["metrics"].get(metric), v["compression_ratio"]) for v in run["validations"]
+                    ],
+                }
+            )
+    summary = {
+        method: {
+            **{
+                key: study.spread([r[key] for r in rows])
+                for key in ("final", "delta_vs_dense", "compression", "dip", "steps", "median_step_s")
+            },
+            "seeds": sorted(r["seed"] for r in rows),
+        }
+        for method, rows in per_method.items()
+    }
+    return {
+        "study": results[0]["study"],
+        "protocol": protocol,
+        "metric": metric,
+        "summary": summary,
+        "runs": per_method,
+    }
 
 
 def markdown(agg: dict[str, Any]) -> str:
@@ -60,12 +81,29 @@ def markdown(agg: dict[str, Any]) -> str:
     rows = []
     for method in sorted(agg["summary"], key=lambda m: (m != "dense", m)):
         s = agg["summary"][method]
-        rows.append([method, ",".join(map(str, s["seeds"])), cell(s["steps"], fmt="{:.0f}"), cell(s["final"], 100.0),
-                     cell(s["delta_vs_dense"], 100.0, signed=True), cell(s["compression"], fmt="{:.1f}"),
-                     cell(s["dip"], 100.0)])
+        rows.append(
+            [
+                method,
+                ",".join(map(str, s["seeds"])),
+                cell(s["steps"], fmt="{:.0f}"),
+                cell(s["final"], 100.0),
+                cell(s["delta_vs_dense"], 100.0, signed=True),
+                cell(s["compression"], fmt="{:.1f}"),
+                cell(s["dip"], 100.0),
+            ]
+        )
     return f"### {agg['study']}, protocol {agg['protocol']}\n\n" + harness.table(
-        ["method", "seeds", "steps", f"final {agg['metric']} (x100)", "vs dense, same seed (points)", "compression",
-         "largest dip after the switch (points)"], rows)
+        [
+            "method",
+            "seeds",
+            "steps",
+            f"final {agg['metric']} (x100)",
+            "vs dense, same seed (points)",
+            "compression",
+            "largest dip after the switch (points)",
+        ],
+        rows,
+    )
 
 
 def plot(agg: dict[str, Any]):
@@ -75,11 +113,20 @@ def plot(agg: dict[str, Any]):
         colour = study.COLOURS.get(method, "gray")
         steps = sorted({s for r in rows for s, _, _ in r["curve"]})
         for ax, index in ((axes[0], 1), (axes[1], 2)):
-            points = [(step, values) for step in steps if (values := [
-                c[index] for r in rows for c in r["curve"] if c[0] == step and c[index] is not None])]
+            points = [
+                (step, values)
+                for step in steps
+                if (values := [c[index] for r in rows for c in r["curve"] if c[0] == step and c[index] is not None])
+            ]
             xs = [step for step, _ in points]
-            ax.plot(xs, [statistics.fmean(v) for _, v in points], color=colour, marker="o", markersize=3,
-                    label=f"{method} (n={len(rows)})")
+            ax.plot(
+                xs,
+                [statistics.fmean(v) for _, v in points],
+                color=colour,
+                marker="o",
+                markersize=3,
+                label=f"{method} (n={len(rows)})",
+            )
             ax.fill_between(xs, [min(v) for _, v in points], [max(v) for _, v in points], color=colour, alpha=0.2)
         for switch in {r["switch_step"] for r in rows if r["switch_step"] is not None}:
             for ax in axes:

@@ -1,7 +1,8 @@
 """One entry point for every benchmark behind docs/results.md.
 
     python benchmarks/run.py all --quick            # every comparison, small (a few minutes)
-    python benchmarks/run.py all                    # what docs/results.md reports (hours on 2 quiet CPU cores; each script says its own time)
+    python benchmarks/run.py all                    # what docs/results.md reports (hours on 2 quiet CPU cores;
+                                                    # each script says its own time)
     python benchmarks/run.py step --batch 1         # one comparison; arguments after the name go to its script
     python benchmarks/run.py --list
 
@@ -31,42 +32,105 @@ class Comparison(NamedTuple):
     what: str
 
 
-COMPARISONS: dict[str, Comparison] = {name: Comparison(*entry) for name, entry in {
-    "step": ("bench_training_step", ("--part", "step"), "training step of the six-encoder transformer: dense+AdamW "
-             "vs dense+GaLore vs CoMERA (rank 30, and truncated to 1/4), batch 1 and 32: time, tokens/s, peak memory"),
-    "scaling": ("bench_training_step", ("--part", "scaling"), "step time and peak memory against d_model (256..2048), "
-                "dense vs CoMERA"),
-    "lookup": ("bench_embedding_lookup", (), "TTM embedding lookup 30522x768: half-merge (with/without dedup) vs "
-               "per-row chain vs nn.Embedding"),
-    "planner": ("bench_tt_linear", (), "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs "
-                "nn.Linear over a grid"),
-    "quality": ("quality_study", (), "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, "
-                "same steps and same wall-clock"),
-    "pareto": ("pareto_study", (), "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed "
-               "vs low-rank at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)"),
-    "llm": ("llm_study", (), "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs "
-            "CoMERA, same tokens and same wall-clock; perplexity, parameters, step time and peak memory"),
-    "rank-padding": ("bench_rank_padding", (), "TTLinear half_merge with and without the padded bottleneck rank vs "
-                     "nn.Linear, the paper's shapes at 4096 rows"),
-    "dropout": ("bench_dropout", (), "packed dropout masks vs torch's dropout at the six-encoder's dropout sites, "
-                "batch 32 x 128"),
-    "host-memory": ("bench_host_memory", (), "six-encoder step with glibc's default malloc vs freed memory kept "
-                    "(KeepFreedMemory), dense and CoMERA, alternated in one process"),
-    "activation-memory": ("bench_activation_memory", (), "six-encoder peak training memory and step time with and "
-                          "without activation checkpointing, dense vs CoMERA, batch 32 x 128"),
-    "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
-    "inference": ("bench_inference", (), "decoding with vs without the KV cache (CoMERA 10x vs dense, d_model 512 and "
-                  "1024, batch 1 and 8) and batch-1/32 forward of the six-encoder and the MLM: TT vs untensorised vs "
-                  "dense; tokens/s, latency, peak memory"),
-    "soak": ("bench_soak", (), "a long training process (20k steps per mode: no logger, MLflow at the configs' rates "
-             "and every step, truncations and checkpoints): RSS, Python heap and open files per 10k steps"),
-    "ddp-grad-layout": ("bench_ddp_grad_layout", (), "2-rank DDP step (gloo, CPU) of the quickstart MLM with TT-core "
-                        "gradients in their parameters' layout vs as the contractions leave them (before issue 26)"),
-    "text-data": ("bench_text_data", (), "TextLMDataModule at scale: tokenising tokens/s (1 thread vs every core), a "
-                  "loader epoch at llm_60m shapes against the llm_60m step's demand, peak RSS at 1x and 10x the corpus"),
-    "fsdp-memory": ("bench_fsdp_memory", (), "bytes of parameters, gradients and AdamW state per process of the "
-                    "quickstart MLM under FSDP2 (2 gloo processes) vs 1 process, before and after a cut"),
-}.items()}
+COMPARISONS: dict[str, Comparison] = {
+    name: Comparison(*entry)
+    for name, entry in {
+        "step": (
+            "bench_training_step",
+            ("--part", "step"),
+            "training step of the six-encoder transformer: dense+AdamW "
+            "vs dense+GaLore vs CoMERA (rank 30, and truncated to 1/4), batch 1 and 32: time, tokens/s, peak memory",
+        ),
+        "scaling": (
+            "bench_training_step",
+            ("--part", "scaling"),
+            "step time and peak memory against d_model (256..2048), dense vs CoMERA",
+        ),
+        "lookup": (
+            "bench_embedding_lookup",
+            (),
+            "TTM embedding lookup 30522x768: half-merge (with/without dedup) vs per-row chain vs nn.Embedding",
+        ),
+        "planner": (
+            "bench_tt_linear",
+            (),
+            "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid",
+        ),
+        "quality": (
+            "quality_study",
+            (),
+            "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, "
+            "same steps and same wall-clock",
+        ),
+        "pareto": (
+            "pareto_study",
+            (),
+            "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed "
+            "vs low-rank at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)",
+        ),
+        "llm": (
+            "llm_study",
+            (),
+            "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs "
+            "CoMERA, same tokens and same wall-clock; perplexity, parameters, step time and peak memory",
+        ),
+        "rank-padding": (
+            "bench_rank_padding",
+            (),
+            "TTLinear half_merge with and without the padded bottleneck rank vs "
+            "nn.Linear, the paper's shapes at 4096 rows",
+        ),
+        "dropout": (
+            "bench_dropout",
+            (),
+            "packed dropout masks vs torch's dropout at the six-encoder's dropout sites, batch 32 x 128",
+        ),
+        "host-memory": (
+            "bench_host_memory",
+            (),
+            "six-encoder step with glibc's default malloc vs freed memory kept "
+            "(KeepFreedMemory), dense and CoMERA, alternated in one process",
+        ),
+        "activation-memory": (
+            "bench_activation_memory",
+            (),
+            "six-encoder peak training memory and step time with and "
+            "without activation checkpointing, dense vs CoMERA, batch 32 x 128",
+        ),
+        "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
+        "inference": (
+            "bench_inference",
+            (),
+            "decoding with vs without the KV cache (CoMERA 10x vs dense, d_model 512 and "
+            "1024, batch 1 and 8) and batch-1/32 forward of the six-encoder and the MLM: TT vs untensorised vs "
+            "dense; tokens/s, latency, peak memory",
+        ),
+        "soak": (
+            "bench_soak",
+            (),
+            "a long training process (20k steps per mode: no logger, MLflow at the configs' rates "
+            "and every step, truncations and checkpoints): RSS, Python heap and open files per 10k steps",
+        ),
+        "ddp-grad-layout": (
+            "bench_ddp_grad_layout",
+            (),
+            "2-rank DDP step (gloo, CPU) of the quickstart MLM with TT-core "
+            "gradients in their parameters' layout vs as the contractions leave them (before issue 26)",
+        ),
+        "text-data": (
+            "bench_text_data",
+            (),
+            "TextLMDataModule at scale: tokenising tokens/s (1 thread vs every core), a "
+            "loader epoch at llm_60m shapes against the llm_60m step's demand, peak RSS at 1x and 10x the corpus",
+        ),
+        "fsdp-memory": (
+            "bench_fsdp_memory",
+            (),
+            "bytes of parameters, gradients and AdamW state per process of the "
+            "quickstart MLM under FSDP2 (2 gloo processes) vs 1 process, before and after a cut",
+        ),
+    }.items()
+}
 
 
 def run_one(name: str, args: list[str]) -> tuple[int, str]:
@@ -90,25 +154,41 @@ def run_one(name: str, args: list[str]) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """List the comparisons, or run one or all of them and write the summary."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("comparison", nargs="?", choices=[*COMPARISONS, "all"],
-                        help="which comparison to run ('all': every one in turn)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    parser.add_argument(
+        "comparison",
+        nargs="?",
+        choices=[*COMPARISONS, "all"],
+        help="which comparison to run ('all': every one in turn)",
+    )
     parser.add_argument("--list", action="store_true", help="list the comparisons and exit")
     parser.add_argument("--quick", action="store_true", help="small versions (passed on to every script)")
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR,
-                        help="where JSON/PNG/summary.md go (default benchmarks/results)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=harness.RESULTS_DIR,
+        help="where JSON/PNG/summary.md go (default benchmarks/results)",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.list or args.comparison is None:
         for name, comparison in COMPARISONS.items():
-            print(f"{name:12s} benchmarks/{comparison.script}.py {' '.join(comparison.fixed_args)}\n"
-                  f"{'':12s} {comparison.what}")
+            print(
+                f"{name:12s} benchmarks/{comparison.script}.py {' '.join(comparison.fixed_args)}\n"
+                f"{'':12s} {comparison.what}"
+            )
         return 0 if args.list else 2
     if args.comparison == "all" and rest:
         parser.error(f"'all' takes only --quick and --out-dir; pass {' '.join(rest)} to a single comparison instead")
     common = [*(["--quick"] if args.quick else []), "--out-dir", str(args.out_dir)]
     names = list(COMPARISONS) if args.comparison == "all" else [args.comparison]
-    sections = [f"# Benchmark summary ({'quick' if args.quick else 'full'})\n", "```", repr(harness.machine_info()), "```"]
+    sections = [
+        f"# Benchmark summary ({'quick' if args.quick else 'full'})\n",
+        "```",
+        repr(harness.machine_info()),
+        "```",
+    ]
     failed = []
     for name in names:
         started = time.perf_counter()

@@ -42,10 +42,20 @@ PROTOCOLS = ("steps", "time", "matched")
 # dense; CoMERA with the default scheduled late stage, the research code's late stage, slices ranked by core norms
 METHODS = ("dense", "comera", "comera-paper", "comera-norm")
 # study name -> (LightningModule in comera_lightning.lit, datamodule in comera_lightning.data)
-TASKS = {"mlm": ("MaskedLM", "CodeMLMDataModule"), "pairs": ("SequenceClassification", "CodePairsDataModule"),
-         "dlrm": ("ClickThrough", "CriteoDataModule"), "lm": ("CausalLM", "CodeLMDataModule")}
-COLOURS = {"dense": "tab:blue", "galore": "tab:green", "lowrank": "tab:green", "comera": "tab:red",
-           "comera-paper": "tab:orange", "comera-norm": "tab:purple"}
+TASKS = {
+    "mlm": ("MaskedLM", "CodeMLMDataModule"),
+    "pairs": ("SequenceClassification", "CodePairsDataModule"),
+    "dlrm": ("ClickThrough", "CriteoDataModule"),
+    "lm": ("CausalLM", "CodeLMDataModule"),
+}
+COLOURS = {
+    "dense": "tab:blue",
+    "galore": "tab:green",
+    "lowrank": "tab:green",
+    "comera": "tab:red",
+    "comera-paper": "tab:orange",
+    "comera-norm": "tab:purple",
+}
 STYLES = {"steps": "-", "time": "--", "matched": ":"}
 
 
@@ -119,8 +129,12 @@ def with_layer_options(task_kwargs: dict[str, Any], **options: Any) -> dict[str,
 def at_width(task_kwargs: dict[str, Any], d_model: int) -> dict[str, Any]:
     """The transformer of ``task_kwargs`` at width ``d_model``: the head width and the FFN's ratio kept."""
     head_dim = task_kwargs["d_model"] // task_kwargs["num_heads"]
-    return {**task_kwargs, "d_model": d_model, "num_heads": max(1, d_model // head_dim),
-            "d_ff": max(1, round(task_kwargs["d_ff"] * d_model / task_kwargs["d_model"]))}
+    return {
+        **task_kwargs,
+        "d_model": d_model,
+        "num_heads": max(1, d_model // head_dim),
+        "d_ff": max(1, round(task_kwargs["d_ff"] * d_model / task_kwargs["d_model"])),
+    }
 
 
 def task_class(name: str) -> type:
@@ -156,10 +170,13 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
 def size(pl_module) -> dict[str, Any]:
     """``size_report``'s counts of ``pl_module``, plus every trainable element (the rank gates included)."""
     report = size_report(pl_module)
-    return {"compression_ratio": report.compression_ratio, "params_active": report.active_parameters,
-            "params_allocated": report.allocated_parameters,
-            "params_dense_equivalent": report.dense_equivalent_parameters,
-            "params_trainable": sum(p.numel() for p in pl_module.parameters() if p.requires_grad)}
+    return {
+        "compression_ratio": report.compression_ratio,
+        "params_active": report.active_parameters,
+        "params_allocated": report.allocated_parameters,
+        "params_dense_equivalent": report.dense_equivalent_parameters,
+        "params_trainable": sum(p.numel() for p in pl_module.parameters() if p.requires_grad),
+    }
 
 
 def ranks(pl_module) -> dict[str, list[int]]:
@@ -232,8 +249,11 @@ class StudyRecorder(Callback):
         self._val_t0 = time.perf_counter()
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        metrics = {k: float(v.detach().float()) if torch.is_tensor(v) else float(v)
-                   for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        metrics = {
+            k: float(v.detach().float()) if torch.is_tensor(v) else float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith("val/")
+        }
         record: dict[str, Any] = {"step": int(trainer.global_step), "metrics": metrics, **size(pl_module)}
         for cb in trainer.callbacks:
             if hasattr(cb, "comera_metrics"):
@@ -280,8 +300,17 @@ def rank_adaptation(spec: StudySpec, method: str, protocol: str, clock: Callable
     return RankAdaptation(**kwargs, late_start_step=spec.late_start_step)
 
 
-def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None, steps: int | None = None,
-            max_other_load: float = 0.15, wait_quiet_s: float = 0.0) -> dict[str, Any]:
+def run_one(
+    spec: StudySpec,
+    method: str,
+    protocol: str,
+    dm,
+    *,
+    task: Any = None,
+    steps: int | None = None,
+    max_other_load: float = 0.15,
+    wait_quiet_s: float = 0.0,
+) -> dict[str, Any]:
     """Train one (method, protocol) run and return its measurements.
 
     ``task`` trains that LightningModule instead of :func:`build_task`'s (GaLore, the Pareto baselines); a
@@ -305,13 +334,22 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*`max_epochs` was not set.*")
         trainer = Trainer(
-            accelerator=spec.accelerator, precision=spec.precision, devices=1,
-            max_steps=1_000_000 if protocol == "time" else spec.steps, max_epochs=-1,
-            val_check_interval=spec.val_every, check_val_every_n_epoch=None,
-            limit_val_batches=spec.limit_val_batches, num_sanity_val_steps=0, logger=False,
+            accelerator=spec.accelerator,
+            precision=spec.precision,
+            devices=1,
+            max_steps=1_000_000 if protocol == "time" else spec.steps,
+            max_epochs=-1,
+            val_check_interval=spec.val_every,
+            check_val_every_n_epoch=None,
+            limit_val_batches=spec.limit_val_batches,
+            num_sanity_val_steps=0,
+            logger=False,
             gradient_clip_val=spec.grad_clip,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=callbacks,
         )
         wall0 = time.perf_counter()
         trainer.fit(task, datamodule=dm)
@@ -319,23 +357,36 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
         if not recorder.validations or recorder.validations[-1]["step"] != trainer.global_step:
             trainer.validate(task, datamodule=dm, verbose=False)
     if not recorder.validations:
-        raise ValueError(f"{spec.name} / {method}: no validation batch ran, so the run has no metric: the "
-                         f"datamodule's validation set is empty ({len(dm.val_dataset)} rows); give it more data or a "
-                         "larger validation share (e.g. data.val_fraction, data.val_files)")
+        raise ValueError(
+            f"{spec.name} / {method}: no validation batch ran, so the run has no metric: the "
+            f"datamodule's validation set is empty ({len(dm.val_dataset)} rows); give it more data or a "
+            "larger validation share (e.g. data.val_fraction, data.val_files)"
+        )
     steps_s = recorder.step_s
     # the first step pays one-off costs (planning, first allocations): medians leave it out where possible
     steady = steps_s[1:] if len(steps_s) > 2 else steps_s
     result: dict[str, Any] = {
-        "method": method, "protocol": protocol, "steps": int(trainer.global_step), "budget_s": budget,
-        "train_s": recorder.train_s_final, "fit_wall_s": fit_wall_s, "stopped_by_budget": recorder.stopped_by_budget,
+        "method": method,
+        "protocol": protocol,
+        "steps": int(trainer.global_step),
+        "budget_s": budget,
+        "train_s": recorder.train_s_final,
+        "fit_wall_s": fit_wall_s,
+        "stopped_by_budget": recorder.stopped_by_budget,
         "median_step_s": statistics.median(steady) if steady else None,
         "mean_step_s": statistics.fmean(steady) if steady else None,
         "first_step_s": steps_s[0] if steps_s else None,
         # after the late stage and its truncations: what the shrunken model's steps cost
-        "median_step_s_last_quarter": statistics.median(steps_s[-max(1, len(steps_s) // 4):]) if steps_s else None,
-        "step_s": steps_s, "final": recorder.validations[-1], "size_at_start": at_start, "size_final": size(task),
-        "ranks_final": ranks(task), "validations": recorder.validations, "first_batch_hash": recorder.first_batch_hash,
-        "other_load": recorder.other_load, "own_cpu_share": recorder.own_cpu_share,
+        "median_step_s_last_quarter": statistics.median(steps_s[-max(1, len(steps_s) // 4) :]) if steps_s else None,
+        "step_s": steps_s,
+        "final": recorder.validations[-1],
+        "size_at_start": at_start,
+        "size_final": size(task),
+        "ranks_final": ranks(task),
+        "validations": recorder.validations,
+        "first_batch_hash": recorder.first_batch_hash,
+        "other_load": recorder.other_load,
+        "own_cpu_share": recorder.own_cpu_share,
         "contended": recorder.other_load is not None and recorder.other_load > max_other_load,
         "waited_quiet": quiet,
     }
@@ -344,8 +395,14 @@ def run_one(spec: StudySpec, method: str, protocol: str, dm, *, task: Any = None
     return result
 
 
-def pending_runs(runs: list[dict[str, Any]], protocols: Sequence[str], methods: Sequence[str], where: Path | None,
-                 log: Callable[[str], None], prefix: str) -> Iterator[tuple[str, str]]:
+def pending_runs(
+    runs: list[dict[str, Any]],
+    protocols: Sequence[str],
+    methods: Sequence[str],
+    where: Path | None,
+    log: Callable[[str], None],
+    prefix: str,
+) -> Iterator[tuple[str, str]]:
     """The (protocol, method) pairs of a study not yet in ``runs``, in order; logs those a resumed study skips."""
     for protocol in protocols:
         for method in methods:
@@ -358,10 +415,12 @@ def pending_runs(runs: list[dict[str, Any]], protocols: Sequence[str], methods: 
 def run_log_line(run: dict[str, Any], metric: str) -> str:
     """One line of progress after a run."""
     value = run["final"]["metrics"].get(metric, float("nan"))
-    return (f"    {run['steps']} steps, {run['train_s']:.1f} s training, median step "
-            f"{harness.ms(run['median_step_s']) if run['median_step_s'] else '-'} ms, {metric} {value:.4f}, "
-            f"compression {run['final']['compression_ratio']:.2f}x"
-            + (f", CONTENDED ({run['other_load']:.0%} other load)" if run["contended"] else ""))
+    return (
+        f"    {run['steps']} steps, {run['train_s']:.1f} s training, median step "
+        f"{harness.ms(run['median_step_s']) if run['median_step_s'] else '-'} ms, {metric} {value:.4f}, "
+        f"compression {run['final']['compression_ratio']:.2f}x"
+        + (f", CONTENDED ({run['other_load']:.0%} other load)" if run["contended"] else "")
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -403,8 +462,10 @@ def spread_cell(stats: dict[str, float] | None, scale: float = 1.0, fmt: str = "
     if stats is None:
         return "-"
     mean = ("{:+" + fmt[2:]) if signed else fmt
-    return (f"{mean.format(stats['mean'] * scale)} ({fmt.format(stats['min'] * scale)} .. "
-            f"{fmt.format(stats['max'] * scale)})")
+    return (
+        f"{mean.format(stats['mean'] * scale)} ({fmt.format(stats['min'] * scale)} .. "
+        f"{fmt.format(stats['max'] * scale)})"
+    )
 
 
 def late_dip(validations: list[dict], metric: str, switch_step: int, higher_is_better: bool = True) -> float | None:
@@ -441,8 +502,9 @@ RUN_COLUMNS: dict[str, Callable[[dict], object]] = {
     "active params": lambda r: f"{r['final']['params_active']:,}",
     "dense-equiv params": lambda r: f"{r['final']['params_dense_equivalent']:,}",
     "trainable params": lambda r: f"{r['final']['params_trainable']:,}",
-    "other load": lambda r: ((f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a")
-                             + (" !" if r["contended"] else "")),
+    "other load": lambda r: (
+        (f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a") + (" !" if r["contended"] else "")
+    ),
 }
 
 
@@ -452,17 +514,22 @@ def runs_table(runs: list[dict], columns: Sequence[str | tuple[str, Callable[[di
     return harness.table([h for h, _ in cols], [[f(r) for _, f in cols] for r in runs])
 
 
-def plot_curves(runs: list[dict], metric: str, *, compression: bool = True, log_metric: bool = False,
-                title: str | None = None):
+def plot_curves(
+    runs: list[dict], metric: str, *, compression: bool = True, log_metric: bool = False, title: str | None = None
+):
     """Validation ``metric`` of every run against optimiser steps and against training seconds (and the
     compression ratio against steps): a colour per method, a line style per protocol. Returns the figure."""
     fig, axes = harness.new_figure(3 if compression else 2, width=5.0 if compression else 5.5, height=3.8)
     for r in runs:
         v = r["validations"]
         values = [p["metrics"].get(metric, float("nan")) for p in v]
-        kw = dict(color=COLOURS.get(r["method"], "gray"), linestyle=STYLES[r["protocol"]],
-                  label=f"{r['method']} / {r['protocol']}", marker="o" if r["protocol"] == "steps" else "x",
-                  markersize=3 if r["protocol"] == "steps" else 5)
+        kw = dict(
+            color=COLOURS.get(r["method"], "gray"),
+            linestyle=STYLES[r["protocol"]],
+            label=f"{r['method']} / {r['protocol']}",
+            marker="o" if r["protocol"] == "steps" else "x",
+            markersize=3 if r["protocol"] == "steps" else 5,
+        )
         axes[0].plot([p["step"] for p in v], values, **kw)
         axes[1].plot([p["train_s"] for p in v], values, **kw)
         if compression:
@@ -480,8 +547,9 @@ def plot_curves(runs: list[dict], metric: str, *, compression: bool = True, log_
 # command line
 
 
-def study_parser(doc: str, *, repeats: tuple[int, int] = (3, 5), out_dir: Path = harness.RESULTS_DIR,
-                 budget: bool = True) -> argparse.ArgumentParser:
+def study_parser(
+    doc: str, *, repeats: tuple[int, int] = (3, 5), out_dir: Path = harness.RESULTS_DIR, budget: bool = True
+) -> argparse.ArgumentParser:
     """``harness.bench_parser`` with the options of every study (``--seed``, ``--steps``, ``--cache-dir``;
     ``budget``: ``--budget-s``, ``--val-every`` and ``--tag`` too); ``--repeats`` counts the interleaved
     rounds of the step timings."""

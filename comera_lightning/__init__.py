@@ -8,12 +8,12 @@ from .nn import TTEmbedding, TTLinear, size_report, tensorize, tensorize_like, u
 
 __version__ = "0.1.0"
 __all__ = [
-           "TTEmbedding",
-           "TTLinear",
-           "__version__",
-           "load_from_checkpoint",
-           "size_report",
-           "tensorize",
-           "tensorize_like",
-           "untensorize",
+    "TTEmbedding",
+    "TTLinear",
+    "__version__",
+    "load_from_checkpoint",
+    "size_report",
+    "tensorize",
+    "tensorize_like",
+    "untensorize",
 ]

@@ -27,8 +27,9 @@ Defaults that differ from plain LightningCLI:
 * ``fit`` stops at SIGTERM/SIGUSR1 after the step in flight, with a step checkpoint and exit code 128 + signal
   (``FaultTolerance``), and under several processes ends them all within a minute of one dying, naming it
   (:class:`~comera_lightning.training.DeadRankWatchdog`);
-* ``fit`` on a CPU (Linux, glibc) keeps freed memory in the process (:class:`~comera_lightning.training.KeepFreedMemory`)
-  unless the config lists the callback itself: a step stops page-faulting its activations in again;
+* ``fit`` on a CPU (Linux, glibc) keeps freed memory in the process
+  (:class:`~comera_lightning.training.KeepFreedMemory`) unless the config lists the callback itself: a step
+  stops page-faulting its activations in again;
 * ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
   ``target_size``, ``late_start_step``, ``gamma`` and ``truncate_every_n_steps``, written into the config's
   RankAdaptation callback (LightningCLI cannot reach into a callback of a config's list); a config without
@@ -165,13 +166,18 @@ def apply_rank_adaptation_knobs(config: Namespace, knobs: Namespace | None) -> N
     given = {key: value for key, value in (vars(knobs) if knobs else {}).items() if value is not None}
     if not given:
         return
-    callbacks = [c for c in config.get("trainer", {}).get("callbacks") or []
-                 if isinstance(c, Namespace) and _is_rank_adaptation(c.get("class_path"))]
+    callbacks = [
+        c
+        for c in config.get("trainer", {}).get("callbacks") or []
+        if isinstance(c, Namespace) and _is_rank_adaptation(c.get("class_path"))
+    ]
     if not callbacks:
         options = ", ".join(f"--rank_adaptation.{key}" for key in given)
-        raise ValueError(f"{options}: this config has no RankAdaptation callback (a dense baseline trains no "
-                         "ranks), so there is nothing to set; drop the option(s), or add the callback "
-                         "(--config callbacks/rank_adaptation.yaml)")
+        raise ValueError(
+            f"{options}: this config has no RankAdaptation callback (a dense baseline trains no "
+            "ranks), so there is nothing to set; drop the option(s), or add the callback "
+            "(--config callbacks/rank_adaptation.yaml)"
+        )
     for callback in callbacks:
         init_args = callback.get("init_args")
         if init_args is None:
@@ -201,8 +207,9 @@ class ComeraArgumentParser(LightningArgumentParser):
     """
 
     @override
-    def add_method_arguments(self, class_type: type, method_name: str, nested_key: str | None = None,
-                             *args: Any, **kwargs: Any) -> list[str]:
+    def add_method_arguments(
+        self, class_type: type, method_name: str, nested_key: str | None = None, *args: Any, **kwargs: Any
+    ) -> list[str]:
         added = super().add_method_arguments(class_type, method_name, nested_key, *args, **kwargs)
         if nested_key is None and isinstance(class_type, type) and issubclass(class_type, Trainer):
             _add_subcommand_arguments(self, method_name, added)
@@ -218,13 +225,19 @@ def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, 
         parser.set_defaults(return_predictions=False)  # they go to a file (PredictionWriter), not to memory
     if subcommand == "fit":
         for knob, (kind, what) in RANK_ADAPTATION_KNOBS.items():
-            parser.add_argument(f"--rank_adaptation.{knob}", type=kind | None, default=None,
-                                help=f"{what}: replaces the value of the config's RankAdaptation callback")
+            parser.add_argument(
+                f"--rank_adaptation.{knob}",
+                type=kind | None,
+                default=None,
+                help=f"{what}: replaces the value of the config's RankAdaptation callback",
+            )
         parser.add_class_arguments(FaultTolerance, "fault_tolerance", fail_untyped=False)
         parser.add_argument(
-            "--resume", type=Literal["auto", "never"], default="never",
+            "--resume",
+            type=Literal["auto", "never"],
+            default="never",
             help="auto: continue from the newest complete checkpoint in fault_tolerance.dirpath (a fresh "
-                 "run when there is none); never: always start a fresh run",
+            "run when there is none); never: always start a fresh run",
         )
 
 
@@ -243,13 +256,20 @@ def quiet_upstream_messages() -> None:
         logger.addFilter(_DropTips())
     # lightning 2.6.x's utilities/_pytree.py builds torch's LeafSpec, deprecated since torch 2.10: a FutureWarning
     # from inside Lightning on every fit
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
 
 
 #: configs made for GPUs, and the CPU config that trains the same kind of model in minutes
-GPU_CONFIGS = {"llm_60m": "llm_cpu", "llm_130m": "llm_cpu", "mnli_6enc": "code_pairs", "mnli_6enc_dense": "code_pairs",
-               "codebert_mlm": "quickstart", "dlrm_criteo": "dlrm_criteo --data.synthetic true"}
+GPU_CONFIGS = {
+    "llm_60m": "llm_cpu",
+    "llm_130m": "llm_cpu",
+    "mnli_6enc": "code_pairs",
+    "mnli_6enc_dense": "code_pairs",
+    "codebert_mlm": "quickstart",
+    "dlrm_criteo": "dlrm_criteo --data.synthetic true",
+}
 
 
 def gpu_config_warning(config_paths: Any, cuda_available: bool) -> str | None:
@@ -259,8 +279,10 @@ def gpu_config_warning(config_paths: Any, cuda_available: bool) -> str | None:
     for path in config_paths or []:
         stem = Path(str(getattr(path, "relative", path))).stem
         if stem in GPU_CONFIGS:
-            return (f"comera: configs/{stem}.yaml is made for GPUs (bf16, full-size model) and this machine has "
-                    f"none: on a CPU it runs for hours. For a CPU run use --config {GPU_CONFIGS[stem]}")
+            return (
+                f"comera: configs/{stem}.yaml is made for GPUs (bf16, full-size model) and this machine has "
+                f"none: on a CPU it runs for hours. For a CPU run use --config {GPU_CONFIGS[stem]}"
+            )
     return None
 
 
@@ -278,9 +300,11 @@ def _link_vocab_sizes(config: Any, args: Any, parser: LightningArgumentParser) -
     if not explicit:
         model["vocab_size"] = data_vocab
     elif model_vocab < data_vocab:
-        parser.error(f"model.vocab_size={model_vocab} is smaller than data.vocab_size={data_vocab}: the tokenizer "
-                     f"would produce ids the embedding has no rows for; set model.vocab_size to at least "
-                     f"{data_vocab}, or leave it out (it follows data.vocab_size)")
+        parser.error(
+            f"model.vocab_size={model_vocab} is smaller than data.vocab_size={data_vocab}: the tokenizer "
+            f"would produce ids the embedding has no rows for; set model.vocab_size to at least "
+            f"{data_vocab}, or leave it out (it follows data.vocab_size)"
+        )
 
 
 class ComeraCLI(LightningCLI):
@@ -369,8 +393,7 @@ class ComeraCLI(LightningCLI):
             added.append(FinalValidation())
         if self.subcommand == "fit" and not any(isinstance(c, DeadRankWatchdog) for c in configured):
             added.append(DeadRankWatchdog())  # idle in one process; several: a dead one does not hang the rest
-        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
-                                                                         for c in configured):
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in configured):
             added.append(CompactModelSummary(describe=comera_sizes))
             # the summary is ours: with the flag on, Lightning would announce that it skips adding its own
             overrides["enable_model_summary"] = False
@@ -384,8 +407,10 @@ class ComeraCLI(LightningCLI):
             added.append(PredictionWriter(str(Path(root) / "predictions" / f"{self.run_name}.jsonl")))
         fault_tolerance = self._fault_tolerance()
         if fault_tolerance is not None and config.get("enable_checkpointing") is False:
-            rank_zero_warn("comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
-                           "checkpoints and --resume auto has nothing to resume from")
+            rank_zero_warn(
+                "comera: trainer.enable_checkpointing is false, so there are no fault-tolerance "
+                "checkpoints and --resume auto has nothing to resume from"
+            )
         elif fault_tolerance is not None:
             if not any(isinstance(c, Checkpoint) for c in configured):
                 # Lightning adds a default ModelCheckpoint only when no Checkpoint callback is present: keep it
@@ -397,8 +422,12 @@ class ComeraCLI(LightningCLI):
         # a new list: LightningCLI appends its own callbacks (the config artifact) to the one it is given
         overrides["callbacks"] = configured + added
         trainer = super().instantiate_trainer(**overrides)
-        if (self.subcommand == "fit" and isinstance(trainer.accelerator, CPUAccelerator) and keeps_freed_memory_here()
-                and not any(isinstance(c, KeepFreedMemory) for c in trainer_callbacks(trainer))):
+        if (
+            self.subcommand == "fit"
+            and isinstance(trainer.accelerator, CPUAccelerator)
+            and keeps_freed_memory_here()
+            and not any(isinstance(c, KeepFreedMemory) for c in trainer_callbacks(trainer))
+        ):
             # fast by default: a CPU step stops page-faulting its large activations in again (host_memory.py)
             trainer_callbacks(trainer).append(KeepFreedMemory())
         for logger in trainer.loggers:
@@ -448,7 +477,9 @@ def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
     folder = getattr(checkpoint, "dirpath", None)
     if not folder:
         return None
-    run_ids = {logger.run_id: logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and logger.run_id}
+    run_ids = {
+        logger.run_id: logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger) and logger.run_id
+    }
     metadata = {"mlflow_run_id": next(iter(run_ids))} if run_ids else None
     out = Path(folder).parent / "model.safetensors"
     if any(is_sharded(p) for p in model.parameters()):
@@ -484,8 +515,10 @@ def _rank_groups(model: LightningModule) -> list[str]:
         groups.setdefault(key, []).append(layer)
     lines = []
     for key, layers in groups.items():
+
         def span(values: list[int]) -> str:
             return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
         bonds = range(1, len(layers[0].ranks) - 1)
         if not bonds:
             continue  # a single-mode layer has no rank to adapt
@@ -501,9 +534,11 @@ def comera_sizes(model: LightningModule) -> list[str]:
     report = size_report(model)
     if not report.layers:
         return []
-    return [f"[bold]CoMERA[/]: {report.active_parameters:,} active parameters of "
-            f"{report.dense_equivalent_parameters:,} dense-equivalent ({report.compression_ratio:.1f}x); "
-            "the counts above are allocated ones, dead rank slices included until truncated"]
+    return [
+        f"[bold]CoMERA[/]: {report.active_parameters:,} active parameters of "
+        f"{report.dense_equivalent_parameters:,} dense-equivalent ({report.compression_ratio:.1f}x); "
+        "the counts above are allocated ones, dead rank slices included until truncated"
+    ]
 
 
 def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None = None) -> str:
@@ -511,8 +546,10 @@ def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None 
     report = size_report(model)
     lines = [f"comera: trained {trainer.global_step} steps"]
     if report.layers:
-        lines.append(f"  compression {report.compression_ratio:.1f}x: {report.active_parameters:,} active parameters "
-                     f"(dense equivalent {report.dense_equivalent_parameters:,}); active TT ranks of the allocated ones:")
+        lines.append(
+            f"  compression {report.compression_ratio:.1f}x: {report.active_parameters:,} active parameters "
+            f"(dense equivalent {report.dense_equivalent_parameters:,}); active TT ranks of the allocated ones:"
+        )
         lines += _rank_groups(model)
     else:
         lines.append(f"  {report.active_parameters:,} parameters, no TT layers")
@@ -520,7 +557,9 @@ def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None 
     if metrics:
         lines.append("  validation: " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     checkpoint = trainer.checkpoint_callback
-    path = (getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")) if checkpoint else ""
+    path = (
+        (getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")) if checkpoint else ""
+    )
     if path:
         lines.append(f"  checkpoint: {path}")
     if exported is not None:
@@ -585,7 +624,9 @@ def resolve_config_args(argv: list[str]) -> list[str]:
                     value = str(config_path(value))
                 except KeyError as missing:
                     if re.fullmatch(r"[\w./-]+", value):  # a name or a path, not inline YAML
-                        raise SystemExit(f"comera: --config {value}: no such file here, and {missing.args[0]}") from None
+                        raise SystemExit(
+                            f"comera: --config {value}: no such file here, and {missing.args[0]}"
+                        ) from None
             arg = prefix + value
         expect_value = arg in ("--config", "-c")
         resolved.append(arg)
@@ -603,8 +644,10 @@ def _print_configs(names: list[str]) -> None:
 
 def _export_command(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
-        prog="comera export", description="Write a checkpoint's model, TT cores at their active ranks, to a "
-        "safetensors file that comera_lightning.export.load_exported rebuilds without the checkpoint.")
+        prog="comera export",
+        description="Write a checkpoint's model, TT cores at their active ranks, to a "
+        "safetensors file that comera_lightning.export.load_exported rebuilds without the checkpoint.",
+    )
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by comera fit")
     parser.add_argument("--out", required=True, help="the .safetensors file to write")
     parser.add_argument("--task", default=None, help="the task's class path, for checkpoints that do not record it")
@@ -615,8 +658,10 @@ def _export_command(argv: list[str]) -> None:
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         parser.exit(2, f"comera export: {error}\n")
     meta = read_export_metadata(path)["size"]
-    print(f"comera: wrote {path}: {meta['active_parameters']:,} parameters, "
-          f"{meta['compression_ratio']:.1f}x smaller than dense")
+    print(
+        f"comera: wrote {path}: {meta['active_parameters']:,} parameters, "
+        f"{meta['compression_ratio']:.1f}x smaller than dense"
+    )
 
 
 def main(args: Any = None) -> None:

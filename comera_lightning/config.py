@@ -36,8 +36,9 @@ class GroupedOptions:
         if options is None:
             return cls()
         if not isinstance(options, Mapping):
-            raise TypeError(f"{cls.argument} must be a {cls.__name__} or a mapping of its fields, got "
-                            f"{type(options).__name__}")
+            raise TypeError(
+                f"{cls.argument} must be a {cls.__name__} or a mapping of its fields, got {type(options).__name__}"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -178,17 +178,23 @@ def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"export {os.fspath(path)!r} does not exist; write one with export_model or "
-                                f"export_checkpoint (`comera export`)")
+        raise FileNotFoundError(
+            f"export {os.fspath(path)!r} does not exist; write one with export_model or "
+            f"export_checkpoint (`comera export`)"
+        )
     try:
         with safe_open(file, framework="pt") as handle:
             header = handle.metadata() or {}
     except Exception as err:
-        raise ValueError(f"{os.fspath(path)!r} cannot be read as a safetensors file (truncated, corrupt or another "
-                         f"format) [{type(err).__name__}: {err}]") from err
+        raise ValueError(
+            f"{os.fspath(path)!r} cannot be read as a safetensors file (truncated, corrupt or another "
+            f"format) [{type(err).__name__}: {err}]"
+        ) from err
     if EXPORT_KEY not in header:
-        raise ValueError(f"{os.fspath(path)!r} is a safetensors file but not a comera export (no {EXPORT_KEY!r} "
-                         f"metadata); load its tensors with safetensors.torch.load_file and model.load_state_dict")
+        raise ValueError(
+            f"{os.fspath(path)!r} is a safetensors file but not a comera export (no {EXPORT_KEY!r} "
+            f"metadata); load its tensors with safetensors.torch.load_file and model.load_state_dict"
+        )
     return json.loads(header[EXPORT_KEY])
 
 
@@ -215,15 +221,30 @@ def _active_state_dict(module: nn.Module) -> tuple[dict[str, torch.Tensor], list
 
 def _describe(name: str, layer: TTLayer) -> dict[str, Any]:
     if isinstance(layer, TTLinear):
-        kind, shape, in_modes, out_modes = "linear", [layer.in_features, layer.out_features], layer.in_modes, \
-            layer.out_modes
+        kind, shape, in_modes, out_modes = (
+            "linear",
+            [layer.in_features, layer.out_features],
+            layer.in_modes,
+            layer.out_modes,
+        )
     elif isinstance(layer, TTEmbedding):
-        kind, shape, in_modes, out_modes = "embedding", [layer.num_embeddings, layer.embedding_dim], \
-            layer.vocab_modes, layer.dim_modes
+        kind, shape, in_modes, out_modes = (
+            "embedding",
+            [layer.num_embeddings, layer.embedding_dim],
+            layer.vocab_modes,
+            layer.dim_modes,
+        )
     else:
         kind, shape, in_modes, out_modes = type(layer).__name__, None, None, None
-    return {"name": name, "kind": kind, "shape": shape, "in_modes": list(in_modes or []),
-            "out_modes": list(out_modes or []), "ranks": layer.ranks, "rank_threshold": layer.rank_threshold}
+    return {
+        "name": name,
+        "kind": kind,
+        "shape": shape,
+        "in_modes": list(in_modes or []),
+        "out_modes": list(out_modes or []),
+        "ranks": layer.ranks,
+        "rank_threshold": layer.rank_threshold,
+    }
 
 
 def _retensorize(model: nn.Module, layers: list[dict[str, Any]]) -> None:
@@ -237,16 +258,32 @@ def _retensorize(model: nn.Module, layers: list[dict[str, Any]]) -> None:
         if type(dense) not in (nn.Linear, nn.Embedding):
             continue  # already a TT layer (the model builds its own), or something the state dict will refuse
         layer: TTLinear | TTEmbedding
-        common: dict[str, Any] = dict(rank=entry["ranks"][1:-1], rank_threshold=entry["rank_threshold"], dtype=dense.weight.dtype,
-                      device=dense.weight.device)
+        common: dict[str, Any] = dict(
+            rank=entry["ranks"][1:-1],
+            rank_threshold=entry["rank_threshold"],
+            dtype=dense.weight.dtype,
+            device=dense.weight.device,
+        )
         if entry["kind"] == "linear" and type(dense) is nn.Linear:
             rows, cols = entry["shape"]
-            layer = TTLinear(rows, cols, in_modes=entry["in_modes"], out_modes=entry["out_modes"],
-                             bias=dense.bias is not None, **common)
+            layer = TTLinear(
+                rows,
+                cols,
+                in_modes=entry["in_modes"],
+                out_modes=entry["out_modes"],
+                bias=dense.bias is not None,
+                **common,
+            )
         elif entry["kind"] == "embedding" and type(dense) is nn.Embedding:
             rows, cols = entry["shape"]
-            layer = TTEmbedding(rows, cols, vocab_modes=entry["in_modes"], dim_modes=entry["out_modes"],
-                                padding_idx=dense.padding_idx, **common)
+            layer = TTEmbedding(
+                rows,
+                cols,
+                vocab_modes=entry["in_modes"],
+                dim_modes=entry["out_modes"],
+                padding_idx=dense.padding_idx,
+                **common,
+            )
         else:
             continue
         model.set_submodule(name, layer)
@@ -293,16 +330,20 @@ def _build(class_path: str, hparams: Mapping[str, Any] | None) -> nn.Module:
     try:
         cls = pkgutil.resolve_name(class_path)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"cannot import the task class {class_path!r} [{type(err).__name__}: {err}]; install the "
-                         f"package that defines it, or pass the class path explicitly") from err
+        raise ValueError(
+            f"cannot import the task class {class_path!r} [{type(err).__name__}: {err}]; install the "
+            f"package that defines it, or pass the class path explicitly"
+        ) from err
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"{class_path!r} is not an nn.Module class, so it cannot be rebuilt")
     kwargs = {k: v for k, v in (hparams or {}).items() if not str(k).startswith("_")}
     try:
         return cls(**kwargs)
     except TypeError as err:
-        raise ValueError(f"cannot rebuild {class_path} from the recorded hyper-parameters {sorted(kwargs)} "
-                         f"[{err}]; build the model yourself and pass it as model=") from err
+        raise ValueError(
+            f"cannot rebuild {class_path} from the recorded hyper-parameters {sorted(kwargs)} "
+            f"[{err}]; build the model yourself and pass it as model="
+        ) from err
 
 
 def _load_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -314,9 +355,12 @@ def _load_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
 def _check_output(path: str | os.PathLike[str], overwrite: bool) -> Path:
     out = Path(path).expanduser()
     if out.is_dir():
-        raise IsADirectoryError(f"export path {os.fspath(path)!r} is a folder; pass a file name such as "
-                                f"model.safetensors")
+        raise IsADirectoryError(
+            f"export path {os.fspath(path)!r} is a folder; pass a file name such as model.safetensors"
+        )
     if out.exists() and not overwrite:
-        raise FileExistsError(f"export path {os.fspath(path)!r} exists; pass overwrite=True to replace it, or "
-                              f"choose another path; nothing was written")
+        raise FileExistsError(
+            f"export path {os.fspath(path)!r} exists; pass overwrite=True to replace it, or "
+            f"choose another path; nothing was written"
+        )
     return out

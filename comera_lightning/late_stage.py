@@ -61,7 +61,9 @@ class LateStagePolicy:
     def start(self, step: int, size: float, target_size: float, total_steps: int | None) -> None:
         """Called once when the late stage begins (``total_steps``: the run's planned optimiser steps, if known)."""
 
-    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+    def weights(
+        self, loss: float, size: float, target_loss: float, target_size: float, gamma: float
+    ) -> ObjectiveWeights:
         """Coefficients of task loss and rank penalty for the coming step."""
         raise NotImplementedError
 
@@ -105,7 +107,9 @@ class PaperLateStage(LateStagePolicy):
         self.task_weight_base = task_weight_base
         self.penalty_weight_base = penalty_weight_base
 
-    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+    def weights(
+        self, loss: float, size: float, target_loss: float, target_size: float, gamma: float
+    ) -> ObjectiveWeights:
         return late_stage_weights(loss, size, target_loss, target_size, self.task_weight_base, self.penalty_weight_base)
 
 
@@ -157,9 +161,18 @@ class ScheduledLateStage(LateStagePolicy):
             ("ramp_steps", ramp_steps, ramp_steps is None or ramp_steps >= 1, ">= 1 or None"),
             ("cut_every_n_steps", cut_every_n_steps, cut_every_n_steps >= 1, ">= 1"),
             ("max_cut_fraction", max_cut_fraction, 0.0 < max_cut_fraction <= 1.0, "in (0, 1]"),
-            ("loss_tolerance", loss_tolerance, math.isfinite(loss_tolerance) and loss_tolerance >= 0, ">= 0 and finite"),
-            ("penalty_weight", penalty_weight, penalty_weight is None
-             or (math.isfinite(penalty_weight) and penalty_weight >= 0), ">= 0 and finite or None"),
+            (
+                "loss_tolerance",
+                loss_tolerance,
+                math.isfinite(loss_tolerance) and loss_tolerance >= 0,
+                ">= 0 and finite",
+            ),
+            (
+                "penalty_weight",
+                penalty_weight,
+                penalty_weight is None or (math.isfinite(penalty_weight) and penalty_weight >= 0),
+                ">= 0 and finite or None",
+            ),
             ("importance", repr(importance), importance in ("taylor", "norm"), "'taylor' or 'norm'"),
             ("saliency_smoothing", saliency_smoothing, 0.0 <= saliency_smoothing < 1.0, "in [0, 1)"),
             ("layer_floor", layer_floor, 0.0 <= layer_floor <= 1.0, "in [0, 1]"),
@@ -171,7 +184,11 @@ class ScheduledLateStage(LateStagePolicy):
                 f"max_pause_steps ({max_pause_steps}) must be >= cut_every_n_steps ({cut_every_n_steps}) or None"
             )
         self.ramp_fraction, self.ramp_steps, self.cut_every_n_steps = ramp_fraction, ramp_steps, cut_every_n_steps
-        self.max_cut_fraction, self.loss_tolerance, self.penalty_weight = max_cut_fraction, loss_tolerance, penalty_weight
+        self.max_cut_fraction, self.loss_tolerance, self.penalty_weight = (
+            max_cut_fraction,
+            loss_tolerance,
+            penalty_weight,
+        )
         self.max_pause_steps = 4 * cut_every_n_steps if max_pause_steps is None else max_pause_steps
         self.importance, self.saliency_smoothing, self.layer_floor = importance, saliency_smoothing, layer_floor
         # state (checkpointed)
@@ -207,7 +224,9 @@ class ScheduledLateStage(LateStagePolicy):
         assert self.start_size is not None and self.target_size is not None, "start() was not called"
         return scheduled_size(step, self.start_step, self.ramp, self.start_size, self.target_size)
 
-    def weights(self, loss: float, size: float, target_loss: float, target_size: float, gamma: float) -> ObjectiveWeights:
+    def weights(
+        self, loss: float, size: float, target_loss: float, target_size: float, gamma: float
+    ) -> ObjectiveWeights:
         return early_stage_weights(gamma if self.penalty_weight is None else self.penalty_weight)
 
     @torch.no_grad()
@@ -233,7 +252,8 @@ class ScheduledLateStage(LateStagePolicy):
             key = self._gate_keys.get(id(param))
             if key in self.saliency and selection.keep_last is not None:
                 self.saliency[key] = self.saliency[key].index_select(
-                    0, selection.keep_last.to(self.saliency[key].device))
+                    0, selection.keep_last.to(self.saliency[key].device)
+                )
 
     def _importances(self, layers: Sequence[TTLayer]) -> list[torch.Tensor]:
         out = []
@@ -241,7 +261,9 @@ class ScheduledLateStage(LateStagePolicy):
             if self.importance == "norm":
                 # norms of different layers are not comparable: each slice relative to its bond's mean
                 with torch.no_grad():
-                    for value, mask in zip(slice_importance(layer.gated_cores(), layer.rank_masks), layer.rank_masks, strict=True):
+                    for value, mask in zip(
+                        slice_importance(layer.gated_cores(), layer.rank_masks), layer.rank_masks, strict=True
+                    ):
                         out.append(value / value[mask].mean().clamp_min(1e-30))
                 continue
             for k, mask in enumerate(layer.rank_masks):
@@ -261,8 +283,9 @@ class ScheduledLateStage(LateStagePolicy):
         since = step - (self.start_step if self.last_cut_step is None else self.last_cut_step)
         if since < self.cut_every_n_steps or size <= self._goal:
             return 0
-        recovering = (self.loss_before_last_cut is not None
-                      and loss > self.loss_before_last_cut * (1.0 + self.loss_tolerance))
+        recovering = self.loss_before_last_cut is not None and loss > self.loss_before_last_cut * (
+            1.0 + self.loss_tolerance
+        )
         if recovering and since < self.max_pause_steps:
             return 0
         importances = self._importances(layers)
@@ -278,8 +301,7 @@ class ScheduledLateStage(LateStagePolicy):
         if self.layer_floor > 0:
             groups = [i for i, layer in enumerate(layers) for _ in range(layer.num_bonds)]
             caps = layer_removal_caps(sizes, self.layer_sizes_at_start, size - self._goal, self.layer_floor)
-        cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction,
-                              groups, caps)
+        cuts = plan_rank_cuts(importances, masks, slice_params, size - self._goal, self.max_cut_fraction, groups, caps)
         count = 0
         for (layer, k), indices in zip(owners, cuts, strict=True):
             if indices:
@@ -294,15 +316,28 @@ class ScheduledLateStage(LateStagePolicy):
         return {"comera/size_goal": self._goal, "comera/slices_cut": float(self.slices_cut)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"start_step": self.start_step, "start_size": self.start_size, "target_size": self.target_size,
-                "ramp": self.ramp, "last_cut_step": self.last_cut_step,
-                "loss_before_last_cut": self.loss_before_last_cut, "slices_cut": self.slices_cut,
-                "layer_sizes_at_start": self.layer_sizes_at_start,
-                "saliency": {k: v.clone() for k, v in self.saliency.items()}}
+        return {
+            "start_step": self.start_step,
+            "start_size": self.start_size,
+            "target_size": self.target_size,
+            "ramp": self.ramp,
+            "last_cut_step": self.last_cut_step,
+            "loss_before_last_cut": self.loss_before_last_cut,
+            "slices_cut": self.slices_cut,
+            "layer_sizes_at_start": self.layer_sizes_at_start,
+            "saliency": {k: v.clone() for k, v in self.saliency.items()},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key in ("start_step", "start_size", "target_size", "ramp", "last_cut_step", "loss_before_last_cut",
-                    "layer_sizes_at_start"):
+        for key in (
+            "start_step",
+            "start_size",
+            "target_size",
+            "ramp",
+            "last_cut_step",
+            "loss_before_last_cut",
+            "layer_sizes_at_start",
+        ):
             setattr(self, key, state_dict.get(key))
         self.slices_cut = int(state_dict.get("slices_cut", 0))
         self.saliency = {k: v.clone() for k, v in state_dict.get("saliency", {}).items()}

@@ -80,9 +80,12 @@ def rank_gates(
     """Gate, active mask and slice size (:meth:`TTLayer.slice_parameters`) of every bond of ``layers`` whose
     gate is in ``trainable`` (e.g. an optimiser's parameters; None: every bond)."""
     keep = None if trainable is None else {id(p) for p in trainable}
-    bonds = [(gate, mask, size) for layer in layers
-             for gate, mask, size in zip(layer.gates, layer.rank_masks, layer.slice_parameters(), strict=True)
-             if keep is None or id(gate) in keep]
+    bonds = [
+        (gate, mask, size)
+        for layer in layers
+        for gate, mask, size in zip(layer.gates, layer.rank_masks, layer.slice_parameters(), strict=True)
+        if keep is None or id(gate) in keep
+    ]
     return [b[0] for b in bonds], [b[1] for b in bonds], [b[2] for b in bonds]
 
 
@@ -125,8 +128,13 @@ def late_stage_weights(
     return ObjectiveWeights(task=task_base - lam, penalty=penalty_base + lam, lam=lam)
 
 
-def add_rank_objective_(params: Iterable[torch.Tensor], gates: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-                        weights: ObjectiveWeights, bond_weights: Sequence[float] | None = None) -> float:
+def add_rank_objective_(
+    params: Iterable[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    weights: ObjectiveWeights,
+    bond_weights: Sequence[float] | None = None,
+) -> float:
     """Turn the task's gradients (of ``params``, final: all-reduced, unscaled) into those of
     ``weights.task * L + weights.penalty * R``, with ``R = rank_penalty(gates, masks, bond_weights)``; returns R."""
     with torch.enable_grad():
@@ -160,8 +168,10 @@ def truncate_dead_slices_(layers: Sequence[TTLayer], min_dead_fraction: float) -
 
 def layers_to_truncate(layers: Sequence[TTLayer], min_dead_fraction: float) -> list[TTLayer]:
     """The layers where some bond has ``min_dead_fraction`` or more of its slices masked."""
+
     def dead(layer: TTLayer) -> float:
         return max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1], strict=True)), default=0.0)
+
     return [layer for layer in layers if dead(layer) >= min_dead_fraction]
 
 
@@ -199,7 +209,9 @@ def slice_importance(gated_cores: Sequence[torch.Tensor], masks: Sequence[torch.
     so a small gate whose core grew to compensate is not mistaken for a dead slice. Masked slices get 0.
     """
     if len(gated_cores) != len(masks) + 1:
-        raise ValueError(f"a train of {len(gated_cores)} cores has {len(gated_cores) - 1} bonds, got {len(masks)} masks")
+        raise ValueError(
+            f"a train of {len(gated_cores)} cores has {len(gated_cores) - 1} bonds, got {len(masks)} masks"
+        )
     out = []
     for k, mask in enumerate(masks):
         left = gated_cores[k].detach().float().flatten(0, -2).norm(dim=0)
@@ -308,4 +320,7 @@ def layer_removal_caps(
         raise ValueError(f"one reference size per layer: {len(reference_sizes)} for {len(layer_sizes)} layers")
     reference = float(sum(reference_sizes))
     keep = max(float(sum(layer_sizes)) - parameters_to_remove, 0.0) / reference if reference > 0 else 1.0
-    return [max(float(size) - layer_floor * keep * float(ref), 0.0) for size, ref in zip(layer_sizes, reference_sizes, strict=True)]
+    return [
+        max(float(size) - layer_floor * keep * float(ref), 0.0)
+        for size, ref in zip(layer_sizes, reference_sizes, strict=True)
+    ]

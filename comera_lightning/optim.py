@@ -53,11 +53,14 @@ class OptimConfig(GroupedOptions):
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"optim.schedule must be 'constant', 'linear' or 'cosine', got {self.schedule!r}")
         if not 0.0 <= self.final_lr_ratio <= 1.0:
-            raise ValueError(f"optim.final_lr_ratio is the end of the decay as a fraction of the peak rate, in [0, 1]; "
-                             f"got {self.final_lr_ratio}")
+            raise ValueError(
+                f"optim.final_lr_ratio is the end of the decay as a fraction of the peak rate, in [0, 1]; "
+                f"got {self.final_lr_ratio}"
+            )
         if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ValueError(f"optim.warmup_steps and optim.weight_decay must be >= 0, got {self.warmup_steps}, "
-                             f"{self.weight_decay}")
+            raise ValueError(
+                f"optim.warmup_steps and optim.weight_decay must be >= 0, got {self.warmup_steps}, {self.weight_decay}"
+            )
 
 
 def comera_parameter_groups(

@@ -20,8 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^(?:<!-- docs-test: skip \((?P<why>[^)]+)\) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)^```$",
-                   re.M | re.S)
+FENCE = re.compile(
+    r"^(?:<!-- docs-test: skip \((?P<why>[^)]+)\) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.M | re.S
+)
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 
 
@@ -99,6 +100,7 @@ def test_comera_commands_parse(page, args, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)  # the commands name configs/... from a checkout
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     if args[:1] == ["export"]:
+
         def export(*_: Any, **__: Any) -> None:
             raise _Exported
 

@@ -22,8 +22,15 @@ from comera_lightning.lit import MaskedLM
 from comera_lightning.nn import tt_layers
 
 VOCAB = 256
-SMALL = dict(d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=12, dropout=0.0,
-             layer_config=dict(rank=4, embedding_rank=4, min_features=16))
+SMALL = dict(
+    d_model=32,
+    num_heads=2,
+    d_ff=64,
+    num_layers=1,
+    max_len=12,
+    dropout=0.0,
+    layer_config=dict(rank=4, embedding_rank=4, min_features=16),
+)
 
 
 def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -96,9 +103,17 @@ def test_export_model_float64_round_trip(tmp_path):
 
 def test_export_checkpoint_after_training(tmp_path):
     task = _task()
-    trainer = Trainer(max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=2,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(task, DataLoader([_batch(0), _batch(1)], batch_size=None))
     _shrink(task)
     ckpt = tmp_path / "run.ckpt"

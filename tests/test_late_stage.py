@@ -26,9 +26,17 @@ from comera_lightning.tt import bond_weights, minimum_train_size
 
 
 def _trainer(tmp_path, callbacks, max_steps=40) -> Trainer:
-    return Trainer(max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                   enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1,
-                   callbacks=callbacks)
+    return Trainer(
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- size target
@@ -43,19 +51,28 @@ def test_ratio_target_applies_to_the_compressible_part_only():
 
 def test_ratio_target_below_the_floor_warns_and_clamps(tmp_path):
     model = TinyRegressor()
-    callback = RankAdaptation(late_start_step=2, target_size_ratio=1e-4, truncate_every_n_steps=None,
-                              late_stage=ScheduledLateStage(ramp_steps=4))
+    callback = RankAdaptation(
+        late_start_step=2,
+        target_size_ratio=1e-4,
+        truncate_every_n_steps=None,
+        late_stage=ScheduledLateStage(ramp_steps=4),
+    )
     with pytest.warns(UserWarning, match=r"below what rank 1 everywhere allows \(.*\); aiming for that floor"):
         _trainer(tmp_path, [callback], max_steps=4).fit(model, regression_loader())
     layers = [layer for _, layer in tt_layers(model)]
     other = sum(p.numel() for p in model.parameters()) - sum(
-        p.numel() for layer in layers for p in [*layer.cores, *layer.gates])
+        p.numel() for layer in layers for p in [*layer.cores, *layer.gates]
+    )
     assert callback.target_size == other + sum(minimum_train_size(layer.mode_sizes) for layer in layers)
 
 
 def test_reachable_ratio_target_does_not_warn(tmp_path):
-    callback = RankAdaptation(late_start_step=2, target_size_ratio=0.5, truncate_every_n_steps=None,
-                              late_stage=ScheduledLateStage(ramp_steps=4))
+    callback = RankAdaptation(
+        late_start_step=2,
+        target_size_ratio=0.5,
+        truncate_every_n_steps=None,
+        late_stage=ScheduledLateStage(ramp_steps=4),
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*rank 1 everywhere.*")
         _trainer(tmp_path, [callback], max_steps=4).fit(TinyRegressor(), regression_loader())
@@ -69,8 +86,10 @@ def test_scheduled_size_is_a_geometric_ramp():
     assert scheduled_size(125, 100, 50, 1000.0, 200.0) == pytest.approx(math.sqrt(1000.0 * 200.0))
     assert scheduled_size(150, 100, 50, 1000.0, 200.0) == pytest.approx(200.0)
     # the same share of the remaining size goes in every step
-    shares = [scheduled_size(t + 1, 100, 50, 1000.0, 200.0) / scheduled_size(t, 100, 50, 1000.0, 200.0)
-              for t in range(100, 150)]
+    shares = [
+        scheduled_size(t + 1, 100, 50, 1000.0, 200.0) / scheduled_size(t, 100, 50, 1000.0, 200.0)
+        for t in range(100, 150)
+    ]
     assert max(shares) - min(shares) < 1e-9
     assert scheduled_size(900, 100, 50, 1000.0, 200.0) == pytest.approx(200.0)
     values = [scheduled_size(t, 0, 40, 1000.0, 200.0) for t in range(41)]
@@ -160,7 +179,10 @@ def test_layer_floor_stops_one_layer_collapsing_to_rank_one():
     # are the cheapest, so the global ranking takes them all first
     def run(layer_floor):
         torch.manual_seed(0)
-        layers = [TTLinear(64, 256, 8, in_modes=[64], out_modes=[256]), TTLinear(16, 16, 8, in_modes=[16], out_modes=[16])]
+        layers = [
+            TTLinear(64, 256, 8, in_modes=[64], out_modes=[256]),
+            TTLinear(16, 16, 8, in_modes=[16], out_modes=[16]),
+        ]
         policy = ScheduledLateStage(ramp_steps=1, cut_every_n_steps=1, max_cut_fraction=1.0, layer_floor=layer_floor)
         for layer in layers:
             layer.gates[0].grad = torch.ones_like(layer.gates[0])
@@ -179,10 +201,13 @@ def test_layer_floor_holds_over_many_small_cuts():
     # small cuts must not add up to a collapse that no single cut would make
     def run(layer_floor):
         torch.manual_seed(0)
-        layers = [TTLinear(64, 256, 16, in_modes=[64], out_modes=[256]),
-                  TTLinear(16, 16, 16, in_modes=[16], out_modes=[16])]
-        policy = ScheduledLateStage(ramp_steps=40, cut_every_n_steps=1, max_cut_fraction=0.25, loss_tolerance=1e9,
-                                    layer_floor=layer_floor)
+        layers = [
+            TTLinear(64, 256, 16, in_modes=[64], out_modes=[256]),
+            TTLinear(16, 16, 16, in_modes=[16], out_modes=[16]),
+        ]
+        policy = ScheduledLateStage(
+            ramp_steps=40, cut_every_n_steps=1, max_cut_fraction=0.25, loss_tolerance=1e9, layer_floor=layer_floor
+        )
         size = sum(layer.active_parameters() for layer in layers)
         policy.start(0, size, size / 4, None)
         for step in range(1, 41):
@@ -231,8 +256,15 @@ class _CutLog(ScheduledLateStage):
 def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
     model = TinyRegressor()
     policy = _CutLog(ramp_steps=40, cut_every_n_steps=4, max_cut_fraction=0.25, loss_tolerance=1e9)
-    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=6.0, late_stage=policy,
-                              threshold=0.0, truncate_every_n_steps=8, min_dead_fraction=0.1)
+    callback = RankAdaptation(
+        gamma=0.01,
+        late_start_step=8,
+        target_compression=6.0,
+        late_stage=policy,
+        threshold=0.0,
+        truncate_every_n_steps=8,
+        min_dead_fraction=0.1,
+    )
     _trainer(tmp_path, [callback], max_steps=80).fit(model, regression_loader())
     assert policy.log, "no cut happened"
     steps = [step for step, _, _ in policy.log]
@@ -247,8 +279,14 @@ def test_scheduled_policy_bounds_each_cut_and_reaches_the_target(tmp_path):
 
 def test_scheduled_policy_pauses_while_the_loss_recovers():
     layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
-    policy = ScheduledLateStage(ramp_steps=10, cut_every_n_steps=2, max_cut_fraction=0.25, loss_tolerance=0.05,
-                                max_pause_steps=6, importance="norm")
+    policy = ScheduledLateStage(
+        ramp_steps=10,
+        cut_every_n_steps=2,
+        max_cut_fraction=0.25,
+        loss_tolerance=0.05,
+        max_pause_steps=6,
+        importance="norm",
+    )
     full = layer.active_parameters()
     policy.start(0, full, full / 4, None)
     assert policy.cut(2, 1.0, layer.active_parameters(), [layer]) > 0
@@ -304,8 +342,12 @@ def test_policy_state_round_trips_through_the_callback():
 
 def test_missing_the_size_target_is_reported(tmp_path):
     # two cuts of at most one slice per bond cannot take the model to 20x
-    callback = RankAdaptation(late_start_step=2, target_compression=20.0, truncate_every_n_steps=None,
-                              late_stage=ScheduledLateStage(ramp_steps=4, cut_every_n_steps=4, max_cut_fraction=0.01))
+    callback = RankAdaptation(
+        late_start_step=2,
+        target_compression=20.0,
+        truncate_every_n_steps=None,
+        late_stage=ScheduledLateStage(ramp_steps=4, cut_every_n_steps=4, max_cut_fraction=0.01),
+    )
     with pytest.warns(UserWarning, match=r"training ended at .* above the late stage's target"):
         _trainer(tmp_path, [callback], max_steps=10).fit(TinyRegressor(), regression_loader())
 
@@ -325,14 +367,20 @@ def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_tr
         torch.testing.assert_close(policy.saliency[f"0.{k}"], expected)
     # the slice with the lowest saliency per parameter it holds is cut first
     per_slice = bond_weights(layer.mode_sizes, layer.active_ranks)
-    relative = {(k, j): float(v[j] / per_slice[k]) for k in range(layer.num_bonds)
-                for v in [policy.saliency[f"0.{k}"]] for j in range(v.numel())}
+    relative = {
+        (k, j): float(v[j] / per_slice[k])
+        for k in range(layer.num_bonds)
+        for v in [policy.saliency[f"0.{k}"]]
+        for j in range(v.numel())
+    }
     bond, lowest = min(relative, key=relative.get)
     policy.start(0, layer.active_parameters(), layer.active_parameters() - 1, None)
     before = policy.saliency[f"0.{bond}"].clone()
     assert policy.cut(policy.cut_every_n_steps, 1.0, layer.active_parameters(), [layer]) == 1
-    assert not bool(layer.rank_masks[bond][lowest]) and int(sum(m.sum() for m in layer.rank_masks)) == sum(
-        layer.ranks[1:-1]) - 1
+    assert (
+        not bool(layer.rank_masks[bond][lowest])
+        and int(sum(m.sum() for m in layer.rank_masks)) == sum(layer.ranks[1:-1]) - 1
+    )
     record = layer.truncate_()
     policy.after_truncation(record)
     kept = [j for j in range(before.numel()) if j != lowest]

@@ -63,8 +63,14 @@ def test_all_finite():
     assert not all_finite([torch.tensor([float("inf")], dtype=F64)])
 
 
-@pytest.mark.parametrize("weights, weighted", [(ObjectiveWeights(1.0, 0.3), True), (ObjectiveWeights(0.1, 1.01, 1.0), True),
-                                               (ObjectiveWeights(0.1, 1.01, 1.0), False)])
+@pytest.mark.parametrize(
+    "weights, weighted",
+    [
+        (ObjectiveWeights(1.0, 0.3), True),
+        (ObjectiveWeights(0.1, 1.01, 1.0), True),
+        (ObjectiveWeights(0.1, 1.01, 1.0), False),
+    ],
+)
 def test_add_rank_objective_gives_the_gradient_of_the_weighted_sum(weights, weighted):
     layers = _layers()
     layers[0].remove_slices_(1, [2])

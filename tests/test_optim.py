@@ -13,16 +13,18 @@ TASKS = {
     "classification": (SequenceClassification, dict(TINY_ENCODER, num_classes=3)),
     "mlm": (MaskedLM, TINY_ENCODER),
     "causal_lm": (CausalLM, TINY_ENCODER),
-    "ctr": (ClickThrough, dict(num_dense=3, table_sizes=[1000, 1200], embedding_dim=4, bottom_mlp=[8, 4],
-                               top_mlp=[8])),
+    "ctr": (ClickThrough, dict(num_dense=3, table_sizes=[1000, 1200], embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8])),
 }
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(lr_gates=0.0), r"optim.lr_gates must be > 0"),
-    (dict(schedule="step"), r"optim.schedule must be 'constant', 'linear' or 'cosine'"),
-    (dict(warmup_steps=-1), r"optim.warmup_steps and optim.weight_decay must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(lr_gates=0.0), r"optim.lr_gates must be > 0"),
+        (dict(schedule="step"), r"optim.schedule must be 'constant', 'linear' or 'cosine'"),
+        (dict(warmup_steps=-1), r"optim.warmup_steps and optim.weight_decay must be >= 0"),
+    ],
+)
 def test_bad_options_are_refused_with_their_name(bad, match):
     with pytest.raises(ValueError, match=match):
         OptimConfig(**bad)
@@ -49,8 +51,11 @@ def test_every_task_stores_optim_plain_rebuilds_from_it_and_refuses_flat_options
     optimizer = rebuilt.configure_optimizers()["optimizer"]
     lrs = {group["name"]: group["initial_lr"] for group in optimizer.param_groups}
     assert lrs["gates"] == 0.2 and lrs["other"] == OptimConfig().lr_other
-    with pytest.raises(ValueError, match=r"\['lr_gates'\] are optim options: pass them inside optim .*"
-                                         r"--model.optim.lr_gates"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['lr_gates'\] are optim options: pass them inside optim .*"
+        r"--model.optim.lr_gates",
+    ):
         task_class(**architecture, lr_gates=0.2)
 
 
@@ -64,7 +69,9 @@ def test_a_task_without_optim_takes_its_own_defaults_also_under_a_partial_overri
 
     parser = ArgumentParser()
     parser.add_subclass_arguments(LightningModule, "model")
-    config = parser.parse_args(["--model=ClickThrough", "--model.table_sizes=[1000, 1200]", "--model.optim.lr_gates=0.2"])
+    config = parser.parse_args(
+        ["--model=ClickThrough", "--model.table_sizes=[1000, 1200]", "--model.optim.lr_gates=0.2"]
+    )
     task = parser.instantiate(config).model
     assert task.optim == OptimConfig(lr_cores=1e-3, lr_gates=0.2, lr_other=1e-3)
 

@@ -34,8 +34,9 @@ class TinyRegressor(LightningModule):
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y))
 
     def configure_optimizers(self):
-        groups = comera_parameter_groups(self, lr_cores=self.hparams.lr, lr_gates=self.hparams.lr_gates,
-                                         lr_other=self.hparams.lr)
+        groups = comera_parameter_groups(
+            self, lr_cores=self.hparams.lr, lr_gates=self.hparams.lr_gates, lr_other=self.hparams.lr
+        )
         return torch.optim.AdamW(groups, weight_decay=0.0)
 
 

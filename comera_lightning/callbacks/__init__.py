@@ -10,5 +10,12 @@ from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
 from .tensorize import Tensorize
 
-__all__ = ["ContractionPlanner", "LateStagePolicy", "PaperLateStage", "RankAdaptation", "RankMonitor",
-           "ScheduledLateStage", "Tensorize"]
+__all__ = [
+    "ContractionPlanner",
+    "LateStagePolicy",
+    "PaperLateStage",
+    "RankAdaptation",
+    "RankMonitor",
+    "ScheduledLateStage",
+    "Tensorize",
+]

@@ -55,9 +55,13 @@ class ContractionPlanner(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        stale = [(name, layer) for name, layer in tt_layers(pl_module)
-                 if isinstance(layer, TTLinear) and layer.bottleneck_activation is None
-                 and self._planned_ranks.get(name) != layer.ranks]
+        stale = [
+            (name, layer)
+            for name, layer in tt_layers(pl_module)
+            if isinstance(layer, TTLinear)
+            and layer.bottleneck_activation is None
+            and self._planned_ranks.get(name) != layer.ranks
+        ]
         if not stale or self._hooks:
             return
         for name, layer in stale:
@@ -65,7 +69,9 @@ class ContractionPlanner(Callback):
             self._hooks.append(layer.register_forward_pre_hook(self._make_hook(name)))
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -83,15 +89,22 @@ class ContractionPlanner(Callback):
             # records only (traceable by torch.compile); a layer called several times per step keeps its first call
             x = args[0]
             self._seen.setdefault(name, (int(math.prod(x.shape[:-1])), x.device, compute_dtype(x)))
+
         return hook
 
     def plan_layer(self, layer: TTLinear, rows: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         """Choose a plan for ``layer`` at ``rows`` rows whose batch GEMMs run in ``dtype``: modelled, or timed
         when ``autotune``."""
-        costs = sorted(plan_costs(layer.in_modes, layer.out_modes, layer.ranks, rows, device.type, dtype.itemsize),
-                       key=lambda c: c.seconds)
-        entry: dict[str, Any] = {"rows": rows, "ranks": list(layer.ranks), "plan": costs[0].plan,
-                                 "modelled_seconds": {c.plan: c.seconds for c in costs}}
+        costs = sorted(
+            plan_costs(layer.in_modes, layer.out_modes, layer.ranks, rows, device.type, dtype.itemsize),
+            key=lambda c: c.seconds,
+        )
+        entry: dict[str, Any] = {
+            "rows": rows,
+            "ranks": list(layer.ranks),
+            "plan": costs[0].plan,
+            "modelled_seconds": {c.plan: c.seconds for c in costs},
+        }
         if self.autotune:
             timings = {c.plan: self._time_plan(layer, rows, device, dtype, c.plan) for c in costs[: self.candidates]}
             entry["timed_seconds"] = timings
@@ -103,8 +116,9 @@ class ContractionPlanner(Callback):
             cores = [c.detach().clone().requires_grad_(True) for c in layer.gated_cores()]
             # a private generator: timing must not shift the training RNG stream (exact resumes)
             generator = torch.Generator(device=device).manual_seed(0)
-            x = torch.randn(rows, math.prod(layer.in_modes), device=device, dtype=dtype, generator=generator,
-                            requires_grad=True)
+            x = torch.randn(
+                rows, math.prod(layer.in_modes), device=device, dtype=dtype, generator=generator, requires_grad=True
+            )
             best = float("inf")
             for i in range(self.repeats + 1):
                 _synchronize(device)

@@ -77,8 +77,13 @@ class RankMonitor(Callback):
                           logger=MLFlowLogger(tracking_uri="sqlite:///mlflow.db"))
     """
 
-    def __init__(self, log_every_n_steps: int = 50, save_artifacts: bool = True, artifact_path: str = "comera",
-                 max_history_steps: int = 2048) -> None:
+    def __init__(
+        self,
+        log_every_n_steps: int = 50,
+        save_artifacts: bool = True,
+        artifact_path: str = "comera",
+        max_history_steps: int = 2048,
+    ) -> None:
         if int(log_every_n_steps) < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         if int(max_history_steps) < 2:
@@ -148,11 +153,18 @@ class RankMonitor(Callback):
             if len(self._steps) > self.max_history_steps:
                 self._steps = self._steps[-1::-2][::-1]  # every other one, the latest kept
         for layer in report.layers:
-            _append_change(self._layers.setdefault(layer.name, {"steps": [], "ranks": []}), "ranks", step,
-                           [int(r) for r in layer.active_ranks])
-        _append_change(self._params, "values", step, [int(report.active_parameters),
-                                                      int(report.allocated_parameters),
-                                                      int(report.dense_equivalent_parameters)])
+            _append_change(
+                self._layers.setdefault(layer.name, {"steps": [], "ranks": []}),
+                "ranks",
+                step,
+                [int(r) for r in layer.active_ranks],
+            )
+        _append_change(
+            self._params,
+            "values",
+            step,
+            [int(report.active_parameters), int(report.allocated_parameters), int(report.dense_equivalent_parameters)],
+        )
 
     # --- hooks ---------------------------------------------------------------------------------------
     @override
@@ -176,8 +188,9 @@ class RankMonitor(Callback):
         self._watch_events(trainer)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._watch_events(trainer)
         step = trainer.global_step
         if step != self._last_logged_step and step % self.log_every_n_steps == 0:
@@ -210,8 +223,11 @@ class RankMonitor(Callback):
     def _log(self, trainer: Trainer, pl_module: LightningModule, skip_if_unchanged: bool = False) -> None:
         if not tt_layers(pl_module):
             if not self._warned_no_layers:
-                rank_zero_warn(f"{type(self).__name__}: {type(pl_module).__name__} has no comera layers "
-                               "(TTLinear / TTEmbedding); nothing to monitor.", category=UserWarning)
+                rank_zero_warn(
+                    f"{type(self).__name__}: {type(pl_module).__name__} has no comera layers "
+                    "(TTLinear / TTEmbedding); nothing to monitor.",
+                    category=UserWarning,
+                )
                 self._warned_no_layers = True
             return
         step = trainer.global_step
@@ -249,8 +265,10 @@ class RankMonitor(Callback):
                 try:
                     metrics[metric_safe_name(str(key))] = float(value)
                 except (TypeError, ValueError) as err:
-                    raise TypeError(f"{type(callback).__name__}.comera_metrics() returned a non-numeric value "
-                                    f"for {key!r}: {value!r}") from err
+                    raise TypeError(
+                        f"{type(callback).__name__}.comera_metrics() returned a non-numeric value "
+                        f"for {key!r}: {value!r}"
+                    ) from err
         return metrics
 
     # --- artifacts -----------------------------------------------------------------------------------
@@ -268,7 +286,11 @@ class RankMonitor(Callback):
             return []
         pl_module = trainer.lightning_module
         final = size_report(pl_module).as_dict() if pl_module is not None and tt_layers(pl_module) else None
-        payload: dict[str, Any] = {"history": self.history, "log_every_n_steps": self.log_every_n_steps, "final_size_report": final}
+        payload: dict[str, Any] = {
+            "history": self.history,
+            "log_every_n_steps": self.log_every_n_steps,
+            "final_size_report": final,
+        }
         mlflow_loggers = [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
         local_dirs = _local_dirs(trainer)
         written: list[str] = []
@@ -301,19 +323,29 @@ class RankMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the history of an interrupted fit; a checkpoint from an unknown format is ignored."""
         if not isinstance(state_dict, Mapping) or state_dict.get("format_version") != _FORMAT_VERSION:
-            rank_zero_warn(f"{type(self).__name__}: checkpoint state not understood; starting a new rank history.",
-                           category=UserWarning)
+            rank_zero_warn(
+                f"{type(self).__name__}: checkpoint state not understood; starting a new rank history.",
+                category=UserWarning,
+            )
             return
         self._steps = [int(s) for s in state_dict.get("steps", [])]
         self._layers = {
-            str(name): {"steps": [int(s) for s in h["steps"]],
-                        "ranks": [[int(r) for r in rs] for rs in h["active_ranks"]]}
+            str(name): {
+                "steps": [int(s) for s in h["steps"]],
+                "ranks": [[int(r) for r in rs] for rs in h["active_ranks"]],
+            }
             for name, h in state_dict.get("layers", {}).items()
         }
         p = state_dict.get("params", {})
-        self._params = {"steps": [int(s) for s in p.get("steps", [])],
-                        "values": [[int(a), int(b), int(c)] for a, b, c in
-                                   zip(p.get("active", []), p.get("allocated", []), p.get("dense_equivalent", []), strict=True)]}
+        self._params = {
+            "steps": [int(s) for s in p.get("steps", [])],
+            "values": [
+                [int(a), int(b), int(c)]
+                for a, b, c in zip(
+                    p.get("active", []), p.get("allocated", []), p.get("dense_equivalent", []), strict=True
+                )
+            ],
+        }
         events = state_dict.get("events") or {}  # absent in histories written before events were kept
         switch, target = events.get("stage_switch"), events.get("target_size")
         self._switch_step = None if switch is None else int(switch)
@@ -384,7 +416,7 @@ def _short_names(names: list[str]) -> list[str]:
             if len(set(parts)) > 1:
                 break
             prefix += parts[0] + "."
-    short = [n[len(prefix):] for n in names]
+    short = [n[len(prefix) :] for n in names]
     return names if any(not n or n.isdigit() for n in short) else short  # "0", "2" would say nothing
 
 
@@ -392,9 +424,9 @@ def _cut(text: str, width: int = 28) -> str:
     """``text`` cut from the left to at most ``width`` characters, at a dot where one allows."""
     if len(text) <= width:
         return text
-    tail = text[1 - width:]
+    tail = text[1 - width :]
     dot = tail.find(".")
-    return "\u2026" + (tail[dot + 1:] if 0 <= dot < len(tail) - 1 else tail)
+    return "\u2026" + (tail[dot + 1 :] if 0 <= dot < len(tail) - 1 else tail)
 
 
 def _split_block(name: str) -> tuple[str, str]:
@@ -443,8 +475,9 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
     from matplotlib.ticker import EngFormatter
 
     # a one-core train has no bond, hence no rank to learn: it only counts in the sizes
-    layers: Mapping[str, Any] = {n: h for n, h in history.get("layers", {}).items()
-                                 if h.get("active_ranks") and len(h["active_ranks"][0]) > 2}
+    layers: Mapping[str, Any] = {
+        n: h for n, h in history.get("layers", {}).items() if h.get("active_ranks") and len(h["active_ranks"][0]) > 2
+    }
     steps: list[int] = list(history.get("steps", []))
     events = history.get("events") or {}
     switch = events.get("stage_switch")
@@ -493,34 +526,65 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
 
     def mark_events(axis, label: bool) -> None:
         if switch is not None:
-            axis.axvline(switch, color="black", linestyle="--", linewidth=1.2, path_effects=outline,
-                         label="switch to late stage" if label else None, zorder=5)
+            axis.axvline(
+                switch,
+                color="black",
+                linestyle="--",
+                linewidth=1.2,
+                path_effects=outline,
+                label="switch to late stage" if label else None,
+                zorder=5,
+            )
         if truncations:
-            axis.plot(truncations, [1.0] * len(truncations), linestyle="none", marker="v", markersize=6,
-                      color="black", markeredgecolor="white", transform=axis.get_xaxis_transform(), clip_on=False,
-                      label="truncation" if label else None, zorder=6)
+            axis.plot(
+                truncations,
+                [1.0] * len(truncations),
+                linestyle="none",
+                marker="v",
+                markersize=6,
+                color="black",
+                markeredgecolor="white",
+                transform=axis.get_xaxis_transform(),
+                clip_on=False,
+                label="truncation" if label else None,
+                zorder=6,
+            )
 
     # --- size and compression ----------------------------------------------------------------------
     params = history.get("params", {})
     ax.set_xlim(first, first + span)
     handles = []
     if params.get("steps") and steps:
-        active = np.array([np.nan if v is None else v for v in _values_at(params["steps"], params["active"], steps)],
-                          dtype=float)
-        allocated = np.array([np.nan if v is None else v
-                              for v in _values_at(params["steps"], params["allocated"], steps)], dtype=float)
-        dense = np.array([np.nan if v is None else v
-                          for v in _values_at(params["steps"], params["dense_equivalent"], steps)], dtype=float)
+        active = np.array(
+            [np.nan if v is None else v for v in _values_at(params["steps"], params["active"], steps)], dtype=float
+        )
+        allocated = np.array(
+            [np.nan if v is None else v for v in _values_at(params["steps"], params["allocated"], steps)], dtype=float
+        )
+        dense = np.array(
+            [np.nan if v is None else v for v in _values_at(params["steps"], params["dense_equivalent"], steps)],
+            dtype=float,
+        )
         if switch is not None:
             ax.axvspan(switch, last, color="#fbe3c8", zorder=0, linewidth=0)
             for x0, x1, text in ((first, switch, "early stage"), (switch, last, "late stage")):
                 if x1 - x0 > 0.08 * span:
-                    ax.text((x0 + x1) / 2, 0.97, text, transform=ax.get_xaxis_transform(), ha="center",
-                            va="top", fontsize=9, color="0.3", style="italic")
+                    ax.text(
+                        (x0 + x1) / 2,
+                        0.97,
+                        text,
+                        transform=ax.get_xaxis_transform(),
+                        ha="center",
+                        va="top",
+                        fontsize=9,
+                        color="0.3",
+                        style="italic",
+                    )
         handles += ax.plot(steps, active, color="tab:blue", linewidth=1.6, label="active parameters")
         if np.nanmax(allocated - active) > 0:
-            handles += ax.plot(steps, allocated, color="tab:blue", linewidth=1.0, linestyle=":",
-                               label="allocated parameters")
+            handles += ax.plot(
+                steps, allocated, color="tab:blue", linewidth=1.0, linestyle=":", label="allocated parameters"
+            )
         ax.set_ylim(0, np.nanmax(allocated) * 1.12)
         ax.yaxis.set_major_formatter(EngFormatter(sep=""))
         ax.set_ylabel("parameters", color="tab:blue", fontsize=9)
@@ -531,24 +595,46 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
         target = events.get("target_size")
         if target:
             goal = float(dense[-1]) / float(target)
-            handles.append(twin.axhline(goal, color="tab:red", linestyle="--", linewidth=1.0,
-                                        label=f"target compression {goal:.1f}x"))
+            handles.append(
+                twin.axhline(
+                    goal, color="tab:red", linestyle="--", linewidth=1.0, label=f"target compression {goal:.1f}x"
+                )
+            )
             top = max(top, goal)
         twin.set_ylim(0, top * 1.12)
         twin.set_ylabel("compression ratio (dense / active)", color="tab:red", fontsize=9)
         twin.yaxis.set_major_formatter(lambda v, _: f"{v:g}x")
         twin.tick_params(labelsize=8)
-        twin.annotate(f"{ratio[-1]:.1f}x", (steps[-1], ratio[-1]), xytext=(-4, -6), textcoords="offset points",
-                      ha="right", va="top", fontsize=9, color="tab:red", fontweight="bold", path_effects=outline)
-        title = (f"model size: {_millions(active[0])} \u2192 {_millions(active[-1])} active parameters, "
-                 f"compression {ratio[0]:.1f}x \u2192 {ratio[-1]:.1f}x")
+        twin.annotate(
+            f"{ratio[-1]:.1f}x",
+            (steps[-1], ratio[-1]),
+            xytext=(-4, -6),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            fontsize=9,
+            color="tab:red",
+            fontweight="bold",
+            path_effects=outline,
+        )
+        title = (
+            f"model size: {_millions(active[0])} \u2192 {_millions(active[-1])} active parameters, "
+            f"compression {ratio[0]:.1f}x \u2192 {ratio[-1]:.1f}x"
+        )
     else:
         title = "model size (nothing recorded)"
     mark_events(ax, label=True)
     handles += [h for h in ax.get_lines() if h.get_label() in ("switch to late stage", "truncation")]
     # below the panel (its step labels are the heatmap's): the curves stay uncovered
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), fontsize=8, ncols=6,
-              frameon=False, handlelength=2.5)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.02),
+        fontsize=8,
+        ncols=6,
+        frameon=False,
+        handlelength=2.5,
+    )
     ax.set_title(title, fontsize=10, loc="left")
     ax.tick_params(labelsize=8)
     ax.grid(axis="y", color="0.9", linewidth=0.6)
@@ -559,8 +645,9 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
         x_edges = [first, *mids, last] if len(steps) > 1 else [first, first + span]
         values = np.ma.masked_invalid(np.array(rows, dtype=float))
         cmap = colormaps["viridis"].with_extremes(bad="0.85")
-        mesh = heat.pcolormesh(x_edges, row_edges, values, cmap=cmap, vmin=0.0, vmax=1.0,
-                               shading="flat", rasterized=True)
+        mesh = heat.pcolormesh(
+            x_edges, row_edges, values, cmap=cmap, vmin=0.0, vmax=1.0, shading="flat", rasterized=True
+        )
         heat.set_ylim(units, 0)
         short = _short_names(names)
         blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, short)), strict=True)
@@ -584,23 +671,39 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
             outer = heat.secondary_yaxis("left")
             outer.spines["left"].set_visible(False)
             widest = max(len(t) for b, t in zip(blocks, inner, strict=True) if b)
-            outer.set_yticks([(a + b) / 2 for blk, a, b in spans if blk], [blk for blk, _, _ in spans if blk],
-                             fontsize=fontsize + 1, fontweight="bold")
+            outer.set_yticks(
+                [(a + b) / 2 for blk, a, b in spans if blk],
+                [blk for blk, _, _ in spans if blk],
+                fontsize=fontsize + 1,
+                fontweight="bold",
+            )
             outer.tick_params(axis="y", length=0, pad=0.62 * fontsize * widest + 8)
         right = heat.twinx()
         right.set_ylim(units, 0)
         right.set_yticks(centers, finals, fontsize=fontsize, family="monospace")
         right.tick_params(axis="y", length=0)
-        heat.annotate("final ranks / initial", (1, 1), xycoords="axes fraction", xytext=(3, 3),
-                      textcoords="offset points", ha="left", va="bottom", fontsize=8)
+        heat.annotate(
+            "final ranks / initial",
+            (1, 1),
+            xycoords="axes fraction",
+            xytext=(3, 3),
+            textcoords="offset points",
+            ha="left",
+            va="bottom",
+            fontsize=8,
+        )
         mark_events(heat, label=False)
         heat.set_xlabel("optimiser step", fontsize=9)
         heat.tick_params(axis="x", labelsize=8)
         what = "bond" if per_bond else "layer (summed bond ranks)"
-        heat.set_title(f"active rank per {what} as a share of its initial rank ({len(names)} layers, {bonds} bonds)",
-                       fontsize=10, loc="left")
-        bar = fig.colorbar(mesh, ax=heat, location="bottom", fraction=0.12 / map_height, aspect=60,
-                           pad=0.2 / map_height, shrink=0.5)
+        heat.set_title(
+            f"active rank per {what} as a share of its initial rank ({len(names)} layers, {bonds} bonds)",
+            fontsize=10,
+            loc="left",
+        )
+        bar = fig.colorbar(
+            mesh, ax=heat, location="bottom", fraction=0.12 / map_height, aspect=60, pad=0.2 / map_height, shrink=0.5
+        )
         bar.set_label("active rank / initial rank", fontsize=8)
         bar.ax.tick_params(labelsize=7)
         ax.tick_params(labelbottom=False)

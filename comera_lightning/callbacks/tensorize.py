@@ -63,10 +63,15 @@ class Tensorize(Callback):
         **extra_layer_kwargs: Any,
     ) -> None:
         self.arguments: dict[str, Any] = dict(
-            rank=list(rank) if isinstance(rank, (list, tuple)) else rank, min_features=min_features,
-            include=include, exclude=exclude, linears=linears, embeddings=embeddings,
+            rank=list(rank) if isinstance(rank, (list, tuple)) else rank,
+            min_features=min_features,
+            include=include,
+            exclude=exclude,
+            linears=linears,
+            embeddings=embeddings,
             embedding_rank=list(embedding_rank) if isinstance(embedding_rank, (list, tuple)) else embedding_rank,
-            decompose=decompose)
+            decompose=decompose,
+        )
         self.layer_kwargs: dict[str, Any] = {**(layer_kwargs or {}), **extra_layer_kwargs}
         #: what the swaps of this run did, one record per replaced module
         self.records: list[TensorizeRecord] = []
@@ -76,8 +81,9 @@ class Tensorize(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(**{k: v for k, v in self.arguments.items() if k != "decompose"},
-                                        **self.layer_kwargs)
+        return self._generate_state_key(
+            **{k: v for k, v in self.arguments.items() if k != "decompose"}, **self.layer_kwargs
+        )
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -88,8 +94,10 @@ class Tensorize(Callback):
             warnings.warn(
                 f"{type(self).__name__} found no nn.Linear / nn.Embedding in {type(pl_module).__name__} with both "
                 f"sides >= min_features={self.arguments['min_features']} matching include={self.arguments['include']!r}"
-                f" / exclude={self.arguments['exclude']!r}; lower min_features or widen include", UserWarning,
-                stacklevel=2)
+                f" / exclude={self.arguments['exclude']!r}; lower min_features or widen include",
+                UserWarning,
+                stacklevel=2,
+            )
         if self._hook is None:
             # a checkpoint restore loads the module's state dict right after setup and before the optimisers
             self._hook = pl_module.register_load_state_dict_pre_hook(self._before_load)
@@ -107,12 +115,14 @@ class Tensorize(Callback):
                 f"{type(self).__name__}: the checkpoint was made with tensorize({_describe(theirs)}) on the "
                 f"LightningModule, this run's callback calls tensorize({_describe(differ)}); resume with the "
                 f"arguments the checkpoint was made with, or load its weights with "
-                f"comera_lightning.load_from_checkpoint and start a new fit")
+                f"comera_lightning.load_from_checkpoint and start a new fit"
+            )
         if not recorded and self.records:
             raise ValueError(
                 f"{type(self).__name__}: the checkpoint holds a dense model, but the layers were swapped at setup, "
                 f"before it loads; build the model, load the dense checkpoint into it, and fit it without ckpt_path "
-                f"(decompose=True starts the TT layers from those weights)")
+                f"(decompose=True starts the TT layers from those weights)"
+            )
         self.records += tensorize_like(module, state_dict, recorded)
 
     @override
@@ -127,13 +137,24 @@ class Tensorize(Callback):
         return {
             "arguments": dict(self.arguments),
             # a weights_only load refuses arbitrary objects: those are kept by name
-            "layer_kwargs": {k: v if isinstance(v, (type(None), bool, int, float, str, list, tuple, torch.dtype))
-                             else repr(v) for k, v in self.layer_kwargs.items()},
+            "layer_kwargs": {
+                k: v if isinstance(v, (type(None), bool, int, float, str, list, tuple, torch.dtype)) else repr(v)
+                for k, v in self.layer_kwargs.items()
+            },
             "specs": tensorize_specs(self._module) if self._module is not None else {},
             "ranks": {name: layer.ranks for name, layer in layers},
         }
 
 
 def _describe(specs: list[dict[str, Any]]) -> str:
-    return "; ".join(", ".join(f"{k}={v!r}" for k, v in {**spec, **spec.get("layer_kwargs", {})}.items()
-                               if k != "layer_kwargs" and v is not None) for spec in specs) or "nothing"
+    return (
+        "; ".join(
+            ", ".join(
+                f"{k}={v!r}"
+                for k, v in {**spec, **spec.get("layer_kwargs", {})}.items()
+                if k != "layer_kwargs" and v is not None
+            )
+            for spec in specs
+        )
+        or "nothing"
+    )

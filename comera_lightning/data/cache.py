@@ -53,8 +53,16 @@ try:
 except ImportError:  # pragma: no cover - Windows: no lock, atomic renames only
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["CACHE_FORMAT", "CacheError", "Progress", "cached_tensors", "file_fingerprint", "load_or_build",
-           "manifest_path", "verify_cache"]
+__all__ = [
+    "CACHE_FORMAT",
+    "CacheError",
+    "Progress",
+    "cached_tensors",
+    "file_fingerprint",
+    "load_or_build",
+    "manifest_path",
+    "verify_cache",
+]
 
 CACHE_FORMAT = 1
 MANIFEST_SUFFIX = ".manifest.json"
@@ -102,21 +110,35 @@ def _source_digest(source: Mapping[str, Any]) -> str:
 
 
 def _describe_files(root: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"size": os.path.getsize(root / name), "fingerprint": file_fingerprint(root / name)}
-            for name in names}
+    return {
+        name: {"size": os.path.getsize(root / name), "fingerprint": file_fingerprint(root / name)} for name in names
+    }
 
 
-def _write_manifest(target: Path, kind: str, version: int, source: Mapping[str, Any],
-                    files: dict[str, dict[str, Any]]) -> None:
-    record = {"format": CACHE_FORMAT, "kind": kind, "version": version, "source": _source_digest(source),
-              "source_parts": json.loads(json.dumps(dict(source), default=str)), "files": files,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+def _write_manifest(
+    target: Path, kind: str, version: int, source: Mapping[str, Any], files: dict[str, dict[str, Any]]
+) -> None:
+    record = {
+        "format": CACHE_FORMAT,
+        "kind": kind,
+        "version": version,
+        "source": _source_digest(source),
+        "source_parts": json.loads(json.dumps(dict(source), default=str)),
+        "files": files,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     with atomic_write(target) as tmp:
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
 
 
-def verify_cache(path: str | os.PathLike[str], *, kind: str, version: int, source: Mapping[str, Any],
-                 files: Sequence[str] | None = None) -> str | None:
+def verify_cache(
+    path: str | os.PathLike[str],
+    *,
+    kind: str,
+    version: int,
+    source: Mapping[str, Any],
+    files: Sequence[str] | None = None,
+) -> str | None:
     """``None`` when the entry ``path`` verifies against its manifest, else why not (``"is missing"``,
     ``"is truncated: ..."``, ``"is stale: ..."``, ...).
 
@@ -131,19 +153,26 @@ def verify_cache(path: str | os.PathLike[str], *, kind: str, version: int, sourc
     if not path.exists():
         return MISSING
     if not manifest.is_file():
-        return ("has no manifest (written by an older version of comera_lightning, or its writer was killed "
-                "before finishing)")
+        return (
+            "has no manifest (written by an older version of comera_lightning, or its writer was killed "
+            "before finishing)"
+        )
     try:
         record = json.loads(manifest.read_text())
         recorded = record["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"has a damaged manifest {str(manifest)!r} ({type(error).__name__})"
     if record.get("format") != CACHE_FORMAT or record.get("kind") != kind or record.get("version") != version:
-        return (f"is of another format (kind {record.get('kind')!r} version {record.get('version')!r}, manifest "
-                f"format {record.get('format')!r}; expected {kind!r} version {version}, format {CACHE_FORMAT})")
+        return (
+            f"is of another format (kind {record.get('kind')!r} version {record.get('version')!r}, manifest "
+            f"format {record.get('format')!r}; expected {kind!r} version {version}, format {CACHE_FORMAT})"
+        )
     if record.get("source") != _source_digest(source):
-        changed = sorted(k for k in {*source, *record.get("source_parts", {})}
-                         if json.loads(json.dumps(source.get(k), default=str)) != record.get("source_parts", {}).get(k))
+        changed = sorted(
+            k
+            for k in {*source, *record.get("source_parts", {})}
+            if json.loads(json.dumps(source.get(k), default=str)) != record.get("source_parts", {}).get(k)
+        )
         return f"is stale: it was built from another source (differs in {changed or 'its digest'})"
     names = list(files) if files is not None else [path.name]
     root = path if files is not None else path.parent
@@ -195,7 +224,9 @@ class _Reporter:
 
     def done(self, size: int) -> None:
         amount = f"{size / 2**20:,.1f} MiB" if size >= 1 << 20 else f"{size / 2**10:,.1f} KiB"
-        rank_zero_info(f"comera: built the {self.what} in {time.monotonic() - self.start:.1f} s ({amount}): {self.path}")
+        rank_zero_info(
+            f"comera: built the {self.what} in {time.monotonic() - self.start:.1f} s ({amount}): {self.path}"
+        )
 
 
 def _remove(path: Path, files: Sequence[str] | None) -> None:
@@ -210,8 +241,15 @@ def _remove(path: Path, files: Sequence[str] | None) -> None:
         path.unlink(missing_ok=True)
 
 
-def _build(path: Path, kind: str, version: int, source: Mapping[str, Any], files: Sequence[str] | None,
-           build: Callable[[Path, Progress], None], reporter: _Reporter) -> None:
+def _build(
+    path: Path,
+    kind: str,
+    version: int,
+    source: Mapping[str, Any],
+    files: Sequence[str] | None,
+    build: Callable[[Path, Progress], None],
+    reporter: _Reporter,
+) -> None:
     if files is None:
         with atomic_write(path) as tmp:
             build(tmp, reporter)
@@ -283,16 +321,19 @@ def load_or_build(
                 return loaded, False
         if reason != MISSING:
             if not rebuildable:
-                raise CacheError(f"the cached {what} {str(path)!r} {reason}. "
-                                 f"{fix or 'Delete it and run again to rebuild it.'}")
+                raise CacheError(
+                    f"the cached {what} {str(path)!r} {reason}. {fix or 'Delete it and run again to rebuild it.'}"
+                )
             warnings.warn(f"comera: the cached {what} {str(path)!r} {reason}; rebuilding it", stacklevel=2)
             _remove(path, files)
         path.parent.mkdir(parents=True, exist_ok=True)
         _build(path, kind, version, source, files, build, _Reporter(what, origin, path))
         loaded, reason = _try_load(path, load)
         if reason is not None:
-            raise CacheError(f"the {what} just built at {str(path)!r} does not load ({reason}); this is a bug: "
-                             "please report it with the command that ran")
+            raise CacheError(
+                f"the {what} just built at {str(path)!r} does not load ({reason}); this is a bug: "
+                "please report it with the command that ran"
+            )
         return loaded, True
 
 
@@ -329,5 +370,6 @@ def cached_tensors(
     def load(target: Path) -> Any:
         return made[0] if made else torch.load(target, map_location="cpu", weights_only=True, mmap=mmap)
 
-    return load_or_build(path, kind="tensors", version=version, source=source, build=build, load=load,
-                         what=what, origin=origin)[0]
+    return load_or_build(
+        path, kind="tensors", version=version, source=source, build=build, load=load, what=what, origin=origin
+    )[0]

@@ -115,8 +115,9 @@ class CausalLMEvaluation(pl.LightningDataModule):
         prompts = self.prompts()
         if len(prompts) == 0:
             return []
-        return DataLoader(TensorDictDataset(input_ids=prompts), batch_size=self.batch_size,
-                          collate_fn=LMCollator(keep_index=True))
+        return DataLoader(
+            TensorDictDataset(input_ids=prompts), batch_size=self.batch_size, collate_fn=LMCollator(keep_index=True)
+        )
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """Text of a sequence of token ids (special tokens dropped)."""
@@ -196,12 +197,12 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         return Path(self.cache_dir).expanduser() / "encoded" / f"code-lm-{cache_key(self._stream_source())}.pt"
 
     def _stream_source(self) -> dict[str, Any]:
-        return ({
+        return {
             "tokenizer": file_sha1(self._ensure_tokenizer_file()),
             "train": self._fingerprint("train"),
             "val": self._fingerprint("val"),
             "version": _STREAM_VERSION,
-        })
+        }
 
     def _encode_split(self, files: list[str]) -> torch.Tensor:
         docs = encode_texts(self.tokenizer, [read_source_text(self.corpus_root / rel) for rel in files])
@@ -213,10 +214,13 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
     def streams(self) -> dict[str, torch.Tensor]:
         """The encoded ``train`` and ``val`` token streams (cached)."""
         train, val = self.split_files()
-        return cached_tensors(self._stream_cache_path(), source=self._stream_source(),
-                              make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
-                              what="encoded token streams",
-                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
+        return cached_tensors(
+            self._stream_cache_path(),
+            source=self._stream_source(),
+            make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
+            what="encoded token streams",
+            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -253,13 +257,24 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
     # ------------------------------------------------------------------ loaders
 
     def _eval_loader(self, rows: TensorDictDataset) -> DataLoader:
-        return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=False, seed=self.seed,
-                           num_workers=self.num_workers)
+        return rows_loader(
+            rows,
+            batch_size=self.batch_size,
+            collate_fn=LMCollator(),
+            train=False,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled rows (order a function of seed and epoch), resumable mid-epoch."""
         rows = self._datasets("fit")[0]
-        return rows_loader(rows, batch_size=self.batch_size, collate_fn=LMCollator(), train=True, seed=self.seed,
-                           num_workers=self.num_workers)
-
+        return rows_loader(
+            rows,
+            batch_size=self.batch_size,
+            collate_fn=LMCollator(),
+            train=True,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )

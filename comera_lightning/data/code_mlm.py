@@ -184,9 +184,7 @@ class MLMCollator:
         }
 
 
-def chunk_stream(
-    docs: Sequence[np.ndarray], seq_len: int, *, cls_id: int, sep_id: int, pad_id: int
-) -> torch.Tensor:
+def chunk_stream(docs: Sequence[np.ndarray], seq_len: int, *, cls_id: int, sep_id: int, pad_id: int) -> torch.Tensor:
     """Concatenate token arrays (``sep_id`` between documents) and cut rows ``[CLS] ... [SEP]``.
 
     Every row has exactly ``seq_len`` ids; only the last row can be short, and it is padded with
@@ -324,15 +322,13 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
 
     def _encoded_source(self) -> dict[str, Any]:
         tok_file = self._ensure_tokenizer_file()
-        return (
-            {
-                "tokenizer": file_sha1(tok_file),
-                "train": self._fingerprint("train"),
-                "val": self._fingerprint("val"),
-                "seq_len": self.seq_len,
-                "version": _ENCODING_VERSION,
-            }
-        )
+        return {
+            "tokenizer": file_sha1(tok_file),
+            "train": self._fingerprint("train"),
+            "val": self._fingerprint("val"),
+            "seq_len": self.seq_len,
+            "version": _ENCODING_VERSION,
+        }
 
     def _encode_split(self, files: list[str]) -> torch.Tensor:
         ids = self.special_ids
@@ -342,10 +338,13 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
 
     def _load_or_build_encoded(self) -> dict[str, torch.Tensor]:
         train, val = self.split_files()
-        return cached_tensors(self._encoded_cache_path(), source=self._encoded_source(),
-                              make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
-                              what="encoded masked-LM rows",
-                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
+        return cached_tensors(
+            self._encoded_cache_path(),
+            source=self._encoded_source(),
+            make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
+            what="encoded masked-LM rows",
+            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -393,8 +392,14 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         )
 
     def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
-        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=self._collator(deterministic=not train),
-                           train=train, seed=self.seed, num_workers=self.num_workers)
+        return rows_loader(
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=self._collator(deterministic=not train),
+            train=train,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -428,8 +433,14 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         uses_validation_rows_notice(self, "predict", _NO_TEST_SPLIT)
         if not len(rows):
             return []
-        return rows_loader(rows, batch_size=self.batch_size, collate_fn=KeepIndex(self._collator(deterministic=True)),
-                           train=False, seed=self.seed, num_workers=self.num_workers)
+        return rows_loader(
+            rows,
+            batch_size=self.batch_size,
+            collate_fn=KeepIndex(self._collator(deterministic=True)),
+            train=False,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     def _eval_rows(self, stage: str) -> TensorDictDataset:
         if self.val_dataset is None:

@@ -160,8 +160,14 @@ def extract_documented_functions(source: str, path: str = "") -> list[Documented
     out: list[DocumentedFunction] = []
     for name, node in _function_nodes(tree):
         first = node.body[0]
-        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)) or len(node.body) < 2:
+        if (
+            not (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            )
+            or len(node.body) < 2
+        ):
             continue
         docstring = ast.get_docstring(node, clean=True) or ""
         end = offset(node.end_lineno or node.lineno, node.end_col_offset or 0)
@@ -175,9 +181,7 @@ def extract_documented_functions(source: str, path: str = "") -> list[Documented
             tail = stripped[1:]
         lines = (head + tail).decode("utf-8", "replace").split("\n")
         indent = node.col_offset
-        body = "\n".join(
-            line[min(indent, len(line) - len(line.lstrip())) :].rstrip() for line in lines if line.strip()
-        )
+        body = "\n".join(line[min(indent, len(line) - len(line.lstrip())) :].rstrip() for line in lines if line.strip())
         out.append(DocumentedFunction(path, name, node.lineno, node.end_lineno or node.lineno, docstring, body))
     return out
 
@@ -341,9 +345,7 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
     def split_files(self) -> tuple[list[str], list[str]]:
         """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
         if self._files is None:
-            files = discover_files(
-                self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files
-            )
+            files = discover_files(self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files)
             self._files = split_by_hash(files, self.val_fraction)
         return self._files
 
@@ -439,18 +441,16 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return Path(self.cache_dir).expanduser() / "encoded" / f"code-pairs-{cache_key(self._encoded_source())}.pt"
 
     def _encoded_source(self) -> dict[str, Any]:
-        return (
-            {
-                "tokenizer": file_sha1(self._ensure_tokenizer_file()),
-                "train": self._fingerprint("train"),
-                "val": self._fingerprint("val"),
-                "val_fraction": self.val_fraction,
-                "max_examples": self.max_examples,
-                "seq_len": self.seq_len,
-                "seed": self.seed,
-                "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION],
-            }
-        )
+        return {
+            "tokenizer": file_sha1(self._ensure_tokenizer_file()),
+            "train": self._fingerprint("train"),
+            "val": self._fingerprint("val"),
+            "val_fraction": self.val_fraction,
+            "max_examples": self.max_examples,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION],
+        }
 
     def _encode(self, split: str) -> dict[str, torch.Tensor]:
         pairs = self.examples(split)
@@ -465,10 +465,13 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
 
     def _load_or_build_encoded(self) -> dict[str, dict[str, torch.Tensor]]:
         train, val = self.split_files()
-        return cached_tensors(self._encoded_cache_path(), source=self._encoded_source(),
-                              make=lambda: {"train": self._encode("train"), "val": self._encode("val")},
-                              what="encoded code-pair examples",
-                              origin=f"{len(train) + len(val):,} files under {self.corpus_root}")
+        return cached_tensors(
+            self._encoded_cache_path(),
+            source=self._encoded_source(),
+            make=lambda: {"train": self._encode("train"), "val": self._encode("val")},
+            what="encoded code-pair examples",
+            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -493,9 +496,16 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup(None)
         dataset = self.train_dataset if train else self.val_dataset
-        return rows_loader(dataset, batch_size=self.batch_size,  # type: ignore[arg-type]
-                           collate_fn=collate_fn or PairCollator(), train=train, seed=self.seed,
-                           num_workers=self.num_workers)
+        if dataset is None:
+            raise RuntimeError("CodePairsDataModule: setup() left no dataset to load")
+        return rows_loader(
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=collate_fn or PairCollator(),
+            train=train,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:

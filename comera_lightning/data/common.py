@@ -168,7 +168,8 @@ def discover_files(
                 found.append((rel_dir / name).as_posix())
     if not found:
         hint = (
-            "" if include_tests
+            ""
+            if include_tests
             else f" (directories named {sorted(TEST_DIR_NAMES)} are skipped unless include_tests=True)"
         )
         raise ValueError(

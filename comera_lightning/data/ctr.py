@@ -392,8 +392,14 @@ class CriteoDataModule(pl.LightningDataModule):
         stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         source = {"files": stats, "table_sizes": self.table_sizes, "version": 1}
         path = Path(self.cache_dir).expanduser() / "encoded" / f"criteo-{cache_key(source)}.pt"
-        return cached_tensors(path, source=source, make=parse, what="parsed Criteo rows",
-                              origin=f"{len(files)} file(s) in {self.data_dir}", mmap=True)
+        return cached_tensors(
+            path,
+            source=source,
+            make=parse,
+            what="parsed Criteo rows",
+            origin=f"{len(files)} file(s) in {self.data_dir}",
+            mmap=True,
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -413,7 +419,8 @@ class CriteoDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"no rows in {self.data_dir!r}: the Criteo files are empty; pass data_dir= files with rows (label, "
                 f"13 integer and 26 categorical tab-separated columns) or synthetic=True"
-                if not self.synthetic else "num_samples must be > 0"
+                if not self.synthetic
+                else "num_samples must be > 0"
             )
         n_test = round(n * self.test_fraction)
         if self.test_fraction > 0 and n >= 2:
@@ -426,13 +433,19 @@ class CriteoDataModule(pl.LightningDataModule):
         cut = test_cut - n_val
         self.train_dataset = TensorDictDataset(**{k: v[:cut] for k, v in data.items()})
         self.val_dataset = TensorDictDataset(**{k: v[cut:test_cut] for k, v in data.items()})
-        self.test_dataset = (TensorDictDataset(**{k: v[test_cut:] for k, v in data.items()}) if n_test
-                             else self.val_dataset)
+        self.test_dataset = (
+            TensorDictDataset(**{k: v[test_cut:] for k, v in data.items()}) if n_test else self.val_dataset
+        )
 
     def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
-        return rows_loader(dataset, batch_size=self.batch_size,
-                           collate_fn=collate_fn or CTRCollator(), train=train, seed=self.seed,
-                           num_workers=self.num_workers)
+        return rows_loader(
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=collate_fn or CTRCollator(),
+            train=train,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:

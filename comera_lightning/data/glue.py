@@ -517,32 +517,37 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         other = "validation_mismatched" if kind == "matched" else "validation_matched"
         for split in (f"test_{kind}", other):
             if mnli_split_exists(self.root, split, self.resolved_format) and self._read(split)[2]:
-                rank_zero_info(f"MNLIDataModule: test and predict run on the held-out split {split!r} "
-                               f"(validation: {self.validation_split!r})")
+                rank_zero_info(
+                    f"MNLIDataModule: test and predict run on the held-out split {split!r} "
+                    f"(validation: {self.validation_split!r})"
+                )
                 return split
         return self.validation_split
 
     def _encoded(self, split: str) -> dict[str, torch.Tensor]:
         tok_file = self._ensure_tokenizer_file()
-        source = (
-            {
-                "tokenizer": file_sha1(tok_file),
-                "source": self._source_fingerprint(split),
-                "format": self.resolved_format,
-                "split": split,
-                "seq_len": self.seq_len,
-                "max_train_samples": self.max_train_samples if split == "train" else None,
-                "version": _ENCODING_VERSION,
-            }
-        )
+        source = {
+            "tokenizer": file_sha1(tok_file),
+            "source": self._source_fingerprint(split),
+            "format": self.resolved_format,
+            "split": split,
+            "seq_len": self.seq_len,
+            "max_train_samples": self.max_train_samples if split == "train" else None,
+            "version": _ENCODING_VERSION,
+        }
         path = Path(self.cache_dir).expanduser() / "encoded" / f"mnli-{split}-{cache_key(source)}.pt"
 
         def make() -> dict[str, torch.Tensor]:
             a, b, y = self._read(split)
             return encode_pair_rows(self.tokenizer, a, b, y, self.seq_len, self.special_ids)
 
-        return cached_tensors(path, source=source, make=make, what=f"encoded MNLI split {split!r}",
-                              origin=f"{self.root} ({self.resolved_format})")
+        return cached_tensors(
+            path,
+            source=source,
+            make=make,
+            what=f"encoded MNLI split {split!r}",
+            origin=f"{self.root} ({self.resolved_format})",
+        )
 
     @override
     def prepare_data(self) -> None:
@@ -575,8 +580,14 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return getattr(self, name)
 
     def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
-        return rows_loader(dataset, batch_size=self.batch_size, collate_fn=collate_fn or PairCollator(),
-                           train=train, seed=self.seed, num_workers=self.num_workers)
+        return rows_loader(
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=collate_fn or PairCollator(),
+            train=train,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -590,7 +601,8 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         rows = self._dataset("test_dataset", stage)
         if self.resolved_test_split == self.validation_split:
             uses_validation_rows_notice(
-                self, stage, f"{str(self.root)!r} has no other labelled split; set test_split= to choose one")
+                self, stage, f"{str(self.root)!r} has no other labelled split; set test_split= to choose one"
+            )
         return rows
 
     @override
@@ -638,9 +650,7 @@ def _synthetic_pair(rng: random.Random) -> tuple[str, str, str]:
     return premise, hypothesis, label
 
 
-def write_synthetic_mnli(
-    directory: str | Path, num_train: int, num_val: int, fmt: str = "tsv", seed: int = 0
-) -> Path:
+def write_synthetic_mnli(directory: str | Path, num_train: int, num_val: int, fmt: str = "tsv", seed: int = 0) -> Path:
     """Write a SYNTHETIC MNLI-shaped dataset (for tests and smoke runs, not for reporting results).
 
     Writes ``train``, ``dev_matched`` and ``dev_mismatched`` (``fmt="tsv"``, GLUE columns incl.
@@ -653,8 +663,11 @@ def write_synthetic_mnli(
     out = Path(directory).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    names = ("train", "dev_matched", "dev_mismatched") if fmt == "tsv" else (
-        "train", "validation_matched", "validation_mismatched")
+    names = (
+        ("train", "dev_matched", "dev_mismatched")
+        if fmt == "tsv"
+        else ("train", "validation_matched", "validation_mismatched")
+    )
     for name, count in zip(names, (num_train, num_val, num_val), strict=True):
         rows = [_synthetic_pair(rng) for _ in range(count)]
         path = out / f"{name}.{fmt}"

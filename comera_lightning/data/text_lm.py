@@ -115,8 +115,10 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 f"(a datasets.save_to_disk folder); got files={files!r}, dataset_path={dataset_path!r}"
             )
         if dataset_path is not None and val_files is not None:
-            raise ValueError("val_files= goes with files=; a dataset_path's validation comes from its 'validation' "
-                             "split or val_fraction")
+            raise ValueError(
+                "val_files= goes with files=; a dataset_path's validation comes from its 'validation' "
+                "split or val_fraction"
+            )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if seq_len < 2 or batch_size < 1:
@@ -144,8 +146,10 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         if self._sources is None:
             if self.dataset_path is not None:
                 splits = dataset_sources(self.dataset_path)
-                self._sources = {"train": [splits["train"]], "val": [splits["validation"]] if "validation" in splits
-                                 else []}
+                self._sources = {
+                    "train": [splits["train"]],
+                    "val": [splits["validation"]] if "validation" in splits else [],
+                }
             else:
                 root = stdlib_root() if self.root == "stdlib" else self.root
                 train = resolve_files(self.files, root, "files")  # type: ignore[arg-type]
@@ -182,9 +186,12 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
             else:
                 budget = int(self.tokenizer_sample_mb * 2**20)
                 self._tokenizer_file, _ = cached_bpe_tokenizer(
-                    self.cache_dir, "text", {"corpus": self._corpus_fingerprint(), "text_field": self.text_field,
-                                             "sample_bytes": budget}, lambda: self._sample_text(budget),
-                    self.vocab_size)
+                    self.cache_dir,
+                    "text",
+                    {"corpus": self._corpus_fingerprint(), "text_field": self.text_field, "sample_bytes": budget},
+                    lambda: self._sample_text(budget),
+                    self.vocab_size,
+                )
         return self._tokenizer_file
 
     def _sample_text(self, budget: int) -> Iterator[str]:
@@ -231,8 +238,11 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
             "corpus": self._corpus_fingerprint(),
             "text_field": self.text_field,
             "eos_id": self.eos_id,
-            "split": ({"val_fraction": self.val_fraction, "seed": self.seed} if self._split_by_document()
-                      else {"val_sources": [s.name for s in self.sources()["val"]]}),
+            "split": (
+                {"val_fraction": self.val_fraction, "seed": self.seed}
+                if self._split_by_document()
+                else {"val_sources": [s.name for s in self.sources()["val"]]}
+            ),
         }
 
     def token_folder(self) -> Path:
@@ -246,9 +256,13 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         different = [key for key in expected if meta.get(key) != expected[key]]
         if not different:
             return
-        what = ("another tokenizer" if "tokenizer_sha1" in different else
-                "another corpus or split" if {"corpus", "split", "text_field"} & set(different) else
-                "another version or end-of-document token")
+        what = (
+            "another tokenizer"
+            if "tokenizer_sha1" in different
+            else "another corpus or split"
+            if {"corpus", "split", "text_field"} & set(different)
+            else "another version or end-of-document token"
+        )
         raise ValueError(
             f"the token store {str(folder)!r} was written by {what} (differs in {different}); nothing was "
             "overwritten: pass a new data.token_dir for this corpus and tokenizer, or delete that folder to "
@@ -285,14 +299,27 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                     f"the training documents of {self.files or self.dataset_path!r} give {writer.counts['train']} "
                     "token(s); a corpus needs at least two (point files= at non-empty documents)"
                 )
-            writer.commit({**identity, "tokenizer": str(self._tokenizer_file), "vocab_size": self.vocab_size_actual,
-                           "pad_id": self.pad_id})
+            writer.commit(
+                {
+                    **identity,
+                    "tokenizer": str(self._tokenizer_file),
+                    "vocab_size": self.vocab_size_actual,
+                    "pad_id": self.pad_id,
+                }
+            )
 
         sources = self.sources()
         count = len(sources["train"]) + len(sources["val"])
-        load_or_build(folder, kind="token-store", version=_STORE_VERSION, source=identity, build=build,
-                      files=STORE_FILES, what="token store",
-                      origin=f"{count:,} source(s) ({self.files or self.dataset_path}) with {self._tokenizer_file}")
+        load_or_build(
+            folder,
+            kind="token-store",
+            version=_STORE_VERSION,
+            source=identity,
+            build=build,
+            files=STORE_FILES,
+            what="token store",
+            origin=f"{count:,} source(s) ({self.files or self.dataset_path}) with {self._tokenizer_file}",
+        )
         return folder
 
     def _write_tokens(self, writer: TokenStoreWriter, progress: Progress = lambda text: None) -> None:
@@ -342,12 +369,18 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 "data.val_files"
             )
 
-
-    def _loader(self, rows: Any, sampler: ShardedShuffleSampler, loader: type[DataLoader] = DataLoader,
-                keep_index: bool = False) -> DataLoader:
-        return loader(rows, sampler=sampler, batch_size=self.batch_size, collate_fn=LMCollator(keep_index),
-                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                      generator=torch.Generator().manual_seed(self.seed))
+    def _loader(
+        self, rows: Any, sampler: ShardedShuffleSampler, loader: type[DataLoader] = DataLoader, keep_index: bool = False
+    ) -> DataLoader:
+        return loader(
+            rows,
+            sampler=sampler,
+            batch_size=self.batch_size,
+            collate_fn=LMCollator(keep_index),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -358,4 +391,3 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
     def _eval_loader(self, rows: TokenRows) -> DataLoader:
         """In order, this rank's share."""
         return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=False))
-

@@ -35,8 +35,15 @@ from typing import Any
 
 from .common import DEFAULT_EXCLUDED_DIRS, _name_some
 
-__all__ = ["Piece", "TextSource", "dataset_sources", "file_format", "iter_pieces", "resolve_files",
-           "sources_fingerprint"]
+__all__ = [
+    "Piece",
+    "TextSource",
+    "dataset_sources",
+    "file_format",
+    "iter_pieces",
+    "resolve_files",
+    "sources_fingerprint",
+]
 
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson", ".json")
 #: how many bytes of text a piece holds (the unit of tokenisation work)
@@ -82,8 +89,9 @@ def _glob_base(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
-def resolve_files(patterns: str | Sequence[str], root: str | os.PathLike[str] | None = None,
-                  what: str = "files") -> list[TextSource]:
+def resolve_files(
+    patterns: str | Sequence[str], root: str | os.PathLike[str] | None = None, what: str = "files"
+) -> list[TextSource]:
     """The files matching glob ``patterns`` (``**`` recurses), sorted, each once.
 
     Relative patterns are taken from ``root`` (default: the working directory). Hidden folders and the
@@ -289,7 +297,9 @@ def _parquet_pieces(source: TextSource, text_field: str, piece_bytes: int) -> It
     try:
         parquet = pq.ParquetFile(source.path)
     except (pa.ArrowInvalid, OSError) as err:
-        raise ValueError(f"{str(source.path)!r} is not a readable Parquet file ({err}); leave it out of files=") from None
+        raise ValueError(
+            f"{str(source.path)!r} is not a readable Parquet file ({err}); leave it out of files="
+        ) from None
     if text_field not in parquet.schema_arrow.names:
         raise _field_error(source, "(Parquet columns)", text_field, parquet.schema_arrow.names)
     row = 0

@@ -44,8 +44,14 @@ from typing_extensions import override
 
 from .common import _splitmix64
 
-__all__ = ["ShardedShuffleSampler", "TokenRows", "TokenStoreWriter", "keyed_permutation", "read_token_store",
-           "token_dtype"]
+__all__ = [
+    "ShardedShuffleSampler",
+    "TokenRows",
+    "TokenStoreWriter",
+    "keyed_permutation",
+    "read_token_store",
+    "token_dtype",
+]
 
 IGNORE_INDEX = -100
 SPLITS = ("train", "val")
@@ -196,8 +202,15 @@ class ShardedShuffleSampler(DistributedSampler):
 
     _CHUNK = 1 << 14
 
-    def __init__(self, num_rows: int, *, shuffle: bool = True, seed: int = 0, num_replicas: int | None = None,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self,
+        num_rows: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
         grouped = dist.is_available() and dist.is_initialized()
         self.num_replicas = int(num_replicas if num_replicas is not None else dist.get_world_size() if grouped else 1)
         self.rank = int(rank if rank is not None else dist.get_rank() if grouped else 0)

@@ -148,14 +148,20 @@ def cached_bpe_tokenizer(
         if not any(items):
             raise ValueError(f"no training text to fit the {name!r} tokenizer on (all inputs are empty)")
         progress(f"training on {len(items):,} texts")
-        tokenizer = train_bpe_tokenizer(items, vocab_size, length=len(items), add_prefix_space=add_prefix_space,
-                                        show_progress=sys.stderr.isatty())
+        tokenizer = train_bpe_tokenizer(
+            items, vocab_size, length=len(items), add_prefix_space=add_prefix_space, show_progress=sys.stderr.isatty()
+        )
         tokenizer.save(str(target))
 
-    return load_or_build(path, kind="bpe-tokenizer", version=_RECIPE_VERSION,
-                         source={**key_parts, "vocab_size": vocab_size, "prefix_space": add_prefix_space},
-                         build=build, what=f"{name!r} byte-level BPE tokenizer (vocabulary {vocab_size:,})",
-                         origin=origin or f"the {name!r} training text")
+    return load_or_build(
+        path,
+        kind="bpe-tokenizer",
+        version=_RECIPE_VERSION,
+        source={**key_parts, "vocab_size": vocab_size, "prefix_space": add_prefix_space},
+        build=build,
+        what=f"{name!r} byte-level BPE tokenizer (vocabulary {vocab_size:,})",
+        origin=origin or f"the {name!r} training text",
+    )
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -269,8 +275,9 @@ class TokenizerLifecycle:
     @property
     def special_ids(self) -> SpecialTokenIds:
         """Ids of [PAD], [CLS], [SEP], [MASK], [UNK] in the tokenizer."""
-        return SpecialTokenIds.from_tokenizer(self.tokenizer, require_mask=self.require_mask,
-                                              source=f"tokenizer {self._tokenizer_file}")
+        return SpecialTokenIds.from_tokenizer(
+            self.tokenizer, require_mask=self.require_mask, source=f"tokenizer {self._tokenizer_file}"
+        )
 
     @property
     def vocab_size_actual(self) -> int:

@@ -8,10 +8,10 @@ from .ctr import ClickThrough
 from .mlm import MaskedLM
 
 __all__ = [
-           "CausalLM",
-           "ClickThrough",
-           "ComeraTask",
-           "MaskedLM",
-           "SequenceClassification",
-           "check_checkpoint_file",
+    "CausalLM",
+    "ClickThrough",
+    "ComeraTask",
+    "MaskedLM",
+    "SequenceClassification",
+    "check_checkpoint_file",
 ]

@@ -83,8 +83,10 @@ class ComeraTask(LightningModule):
         current = inspect.currentframe()
         frame = frame or (current.f_back if current is not None else None)
         super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
-        plain = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type)
-                 else value for key, value in self.hparams.items()}
+        plain = {
+            key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+            for key, value in self.hparams.items()
+        }
         if plain != dict(self.hparams):
             super().save_hyperparameters(plain, frame=frame, logger=logger)  # a mapping: saved as it is
 
@@ -106,9 +108,9 @@ class ComeraTask(LightningModule):
             estimated = self.trainer.estimated_stepping_batches
             if not math.isfinite(estimated):
                 raise ValueError(
-                    f"optim.schedule={optim.schedule!r} decays the learning rate to zero at the end of training, but this "
-                    "run has no step or epoch limit (only max_time, or max_epochs=-1): set trainer.max_steps or "
-                    "trainer.max_epochs, or use optim.schedule='constant'"
+                    f"optim.schedule={optim.schedule!r} decays the learning rate to zero at the end of training, "
+                    "but this run has no step or epoch limit (only max_time, or max_epochs=-1): set "
+                    "trainer.max_steps or trainer.max_epochs, or use optim.schedule='constant'"
                 )
             total = max(1, int(estimated))
         scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -18,8 +18,13 @@ from .checks import check_id_ranges
 __all__ = ["CausalLM"]
 
 IGNORE = -100
-_GENERATION_ARGS = ("generate_max_new_tokens", "generate_top_k", "generate_temperature", "generate_seed",
-                    "print_samples")
+_GENERATION_ARGS = (
+    "generate_max_new_tokens",
+    "generate_top_k",
+    "generate_temperature",
+    "generate_seed",
+    "print_samples",
+)
 
 
 class CausalLM(ComeraTask):
@@ -90,14 +95,22 @@ class CausalLM(ComeraTask):
         ids = batch["input_ids"]
         labels = batch.get("labels")
         labels = self.next_token_labels(ids) if labels is None else labels
-        fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
-               f"size (data.vocab_size), or use the tokenizer the model was built for")
+        fix = (
+            f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
+            f"size (data.vocab_size), or use the tokenizer the model was built for"
+        )
         # ignored positions read as id 0: a static shape, so the step stays capturable in a CUDA graph
-        check_id_ranges([
-            ("a batch's input_ids", ids, self.vocab_size, fix),
-            (f"a batch's labels (besides {IGNORE}, the ignored positions)", labels.masked_fill(labels == IGNORE, 0),
-             self.vocab_size, fix),
-        ])
+        check_id_ranges(
+            [
+                ("a batch's input_ids", ids, self.vocab_size, fix),
+                (
+                    f"a batch's labels (besides {IGNORE}, the ignored positions)",
+                    labels.masked_fill(labels == IGNORE, 0),
+                    self.vocab_size,
+                    fix,
+                ),
+            ]
+        )
         return self.model(ids), labels
 
     @staticmethod
@@ -165,8 +178,9 @@ class CausalLM(ComeraTask):
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"prompt_ids must be (batch, prompt_len) with prompt_len >= 1, got shape "
-                             f"{tuple(prompt_ids.shape)}")
+            raise ValueError(
+                f"prompt_ids must be (batch, prompt_len) with prompt_len >= 1, got shape {tuple(prompt_ids.shape)}"
+            )
         was_training = self.model.training
         self.model.eval()
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -202,20 +216,27 @@ class CausalLM(ComeraTask):
         and, when the datamodule has ``decode``, ``prompt`` and ``completion`` (text)."""
         prompts = batch["input_ids"]
         generator = torch.Generator(device=self.device).manual_seed(self.generate_seed + batch_idx)
-        out = self.generate(prompts, self.generate_max_new_tokens, self.generate_top_k, self.generate_temperature,
-                            generator=generator)
+        out = self.generate(
+            prompts, self.generate_max_new_tokens, self.generate_top_k, self.generate_temperature, generator=generator
+        )
         datamodule = self.attached_datamodule
         decode = getattr(datamodule, "decode", None)
         index = batch.get("index", torch.arange(len(prompts)))
         samples = []
         for row, (prompt, full) in enumerate(zip(prompts, out, strict=True)):
-            sample: dict[str, Any] = {"index": int(index[row]), "prompt_ids": prompt.cpu(),
-                                      "generated_ids": full[prompts.shape[1]:].cpu()}
+            sample: dict[str, Any] = {
+                "index": int(index[row]),
+                "prompt_ids": prompt.cpu(),
+                "generated_ids": full[prompts.shape[1] :].cpu(),
+            }
             if callable(decode):
                 sample["prompt"], sample["completion"] = decode(sample["prompt_ids"]), decode(sample["generated_ids"])
             samples.append(sample)
-        if self.print_samples and "prompt" in (samples[0] if samples else {}) and (
-                self.attached_trainer is None or self.trainer.is_global_zero):
+        if (
+            self.print_samples
+            and "prompt" in (samples[0] if samples else {})
+            and (self.attached_trainer is None or self.trainer.is_global_zero)
+        ):
             for sample in samples:
                 print(f"--- prompt {sample['index']}:\n{sample['prompt']}\n--- continuation:\n{sample['completion']}")
         return samples

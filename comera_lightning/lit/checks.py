@@ -23,8 +23,10 @@ __all__ = ["check_checkpoint_file", "check_id_ranges", "check_output_dirs", "che
 #: ``ckpt_path`` values Lightning resolves itself (not files)
 _CKPT_KEYWORDS = {"best", "last", "hpc", "registry"}
 _TT_RANK_KEY = re.compile(r"(cores|gates)\.\d+|rank_mask_\d+")
-_FIX_CKPT = ("pass --ckpt_path a .ckpt file written by `comera fit` (runs/<experiment>/<run>/checkpoints/), e.g. "
-             "an earlier checkpoint or last.ckpt")
+_FIX_CKPT = (
+    "pass --ckpt_path a .ckpt file written by `comera fit` (runs/<experiment>/<run>/checkpoints/), e.g. "
+    "an earlier checkpoint or last.ckpt"
+)
 
 
 def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
@@ -55,11 +57,15 @@ def check_checkpoint_file(path: str | os.PathLike[str]) -> None:
     except Exception as err:  # every failure to read means the same to the user
         first = (str(err).strip().splitlines() or [""])[0][:200]
         if not is_zip:
-            reason = ("it is not a zip archive as torch.save writes: the file is truncated (an interrupted save or "
-                      "copy), corrupt, or not a PyTorch checkpoint at all")
+            reason = (
+                "it is not a zip archive as torch.save writes: the file is truncated (an interrupted save or "
+                "copy), corrupt, or not a PyTorch checkpoint at all"
+            )
         elif "weights only load failed" in str(err).lower() and "unsupported global" in str(err).lower():
-            reason = ("it holds Python objects that are not allowed when loading with weights_only=True (a "
-                      "comera checkpoint holds tensors and primitives only): it was not written by `comera fit`")
+            reason = (
+                "it holds Python objects that are not allowed when loading with weights_only=True (a "
+                "comera checkpoint holds tensors and primitives only): it was not written by `comera fit`"
+            )
         else:
             reason = "its content is damaged (a corrupt or partially overwritten file)"
         raise ValueError(
@@ -91,22 +97,28 @@ def check_state_dict_fits(module: nn.Module, state_dict: Mapping[str, torch.Tens
     prefixes = tuple(f"{name}." for name, _ in tt_layers(module))
 
     def rank_adaptive(key: str) -> bool:
-        return any(key.startswith(p) and _TT_RANK_KEY.fullmatch(key[len(p):]) for p in prefixes)
+        return any(key.startswith(p) and _TT_RANK_KEY.fullmatch(key[len(p) :]) for p in prefixes)
 
     own = module.state_dict()
     missing = [k for k in own if k not in state_dict and not rank_adaptive(k)]
     missing += [f"{p}cores.*" for p in prefixes if f"{p}cores.0" not in state_dict]
     unexpected = [k for k in state_dict if k not in own and not rank_adaptive(k)]
     reshaped = [
-        f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}" for k in own
-        if k in state_dict and not rank_adaptive(k) and torch.is_tensor(state_dict[k])
+        f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state_dict
+        and not rank_adaptive(k)
+        and torch.is_tensor(state_dict[k])
         and tuple(state_dict[k].shape) != tuple(own[k].shape)
     ]
     if not (missing or unexpected or reshaped):
         return
     problems = []
-    for label, keys in (("missing from the checkpoint", missing), ("not in this model", unexpected),
-                        ("with other shapes (checkpoint vs model)", reshaped)):
+    for label, keys in (
+        ("missing from the checkpoint", missing),
+        ("not in this model", unexpected),
+        ("with other shapes (checkpoint vs model)", reshaped),
+    ):
         if keys:
             problems.append(f"{len(keys)} {label}, e.g. {', '.join(keys[:3])}")
     raise ValueError(
@@ -154,8 +166,10 @@ def _unwritable(what: str, folder: str) -> tuple[str, str] | None:
     existing = path
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
-    fix = (f"point {what} at a writable folder (e.g. --trainer.default_root_dir for the comera CLI) or make "
-           f"{str(existing)!r} writable; nothing was written or deleted")
+    fix = (
+        f"point {what} at a writable folder (e.g. --trainer.default_root_dir for the comera CLI) or make "
+        f"{str(existing)!r} writable; nothing was written or deleted"
+    )
     if not existing.is_dir():
         return "file", f"{what} {folder!r} cannot be created: {str(existing)!r} is a file, not a folder; {fix}"
     if not os.access(existing, os.W_OK | os.X_OK):

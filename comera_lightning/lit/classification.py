@@ -61,18 +61,36 @@ class SequenceClassification(ComeraTask):
         return self._logits(batch, check_labels=False)
 
     def _logits(self, batch: dict[str, torch.Tensor], check_labels: bool) -> torch.Tensor:
-        checks = [("a batch's input_ids", batch["input_ids"], self.vocab_size,
-                   f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the "
-                   f"tokenizer's size (data.vocab_size), or use the tokenizer the model was built for")]
+        checks = [
+            (
+                "a batch's input_ids",
+                batch["input_ids"],
+                self.vocab_size,
+                f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the "
+                f"tokenizer's size (data.vocab_size), or use the tokenizer the model was built for",
+            )
+        ]
         if batch.get("token_type_ids") is not None:
             embeddings = self.model.encoder.embeddings.token_type_embeddings  # nn.Embedding or TTEmbedding
             types = cast(int, embeddings.num_embeddings)
-            checks.append(("a batch's token_type_ids", batch["token_type_ids"], types,
-                           "set model.type_vocab_size to the number of segments in the data (2 for sentence pairs)"))
+            checks.append(
+                (
+                    "a batch's token_type_ids",
+                    batch["token_type_ids"],
+                    types,
+                    "set model.type_vocab_size to the number of segments in the data (2 for sentence pairs)",
+                )
+            )
         if check_labels:
-            checks.append(("a batch's labels", batch["labels"], self.num_classes,
-                           "set model.num_classes to the number of classes in the data; unlabelled examples "
-                           "(label -1, e.g. a test split) cannot be trained or validated on"))
+            checks.append(
+                (
+                    "a batch's labels",
+                    batch["labels"],
+                    self.num_classes,
+                    "set model.num_classes to the number of classes in the data; unlabelled examples "
+                    "(label -1, e.g. a test split) cannot be trained or validated on",
+                )
+            )
         check_id_ranges(checks)
         return self.model(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
 

@@ -75,12 +75,16 @@ class MaskedLM(ComeraTask):
             return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=IGNORE), logits, labels
         selected = labels != IGNORE
         targets = labels[selected]
-        fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
-               f"size (data.vocab_size), or use the tokenizer the model was built for")
-        check_id_ranges([
-            ("a batch's input_ids", batch["input_ids"], self.vocab_size, fix),
-            (f"a batch's labels (besides {IGNORE}, the ignored positions)", targets, self.vocab_size, fix),
-        ])
+        fix = (
+            f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
+            f"size (data.vocab_size), or use the tokenizer the model was built for"
+        )
+        check_id_ranges(
+            [
+                ("a batch's input_ids", batch["input_ids"], self.vocab_size, fix),
+                (f"a batch's labels (besides {IGNORE}, the ignored positions)", targets, self.vocab_size, fix),
+            ]
+        )
         hidden = self.model.encoder(batch["input_ids"], batch.get("attention_mask"))
         # the vocabulary decoder is the widest layer: run it on the ~15% masked positions only
         logits = self.model.head(hidden[selected])
@@ -136,8 +140,10 @@ class MaskedLM(ComeraTask):
                     "whose tokenizer has a [MASK] token to find the masked positions"
                 )
             selected = input_ids == mask_id
-        fix = (f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
-               f"size (data.vocab_size), or use the tokenizer the model was built for")
+        fix = (
+            f"the model's vocabulary has {self.vocab_size} ids: set model.vocab_size to at least the tokenizer's "
+            f"size (data.vocab_size), or use the tokenizer the model was built for"
+        )
         check_id_ranges([("a batch's input_ids", input_ids, self.vocab_size, fix)])
         hidden = self.model.encoder(input_ids, batch.get("attention_mask"))
         probs = self.model.head(hidden[selected]).float().softmax(dim=-1)

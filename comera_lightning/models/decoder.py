@@ -56,9 +56,14 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float = 10000.0, offset: int = 0,
-                  device: torch.device | None = None,
-                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_len: int,
+    head_dim: int,
+    theta: float = 10000.0,
+    offset: int = 0,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of shape ``(seq_len, head_dim)`` for positions ``offset .. offset + seq_len - 1``.
 
     Channel ``i`` and ``i + head_dim / 2`` form one rotated pair with frequency ``theta^(-2i / head_dim)``
@@ -117,8 +122,9 @@ class KVCache:
         return keys, values
 
 
-def window_mask(query_start: int, queries: int, key_start: int, keys: int, window: int,
-                device: torch.device | None = None) -> torch.Tensor | None:
+def window_mask(
+    query_start: int, queries: int, key_start: int, keys: int, window: int, device: torch.device | None = None
+) -> torch.Tensor | None:
     """Boolean mask ``(queries, keys)`` (True = attend) of causal attention within ``window`` positions, for
     queries at positions ``query_start ..`` and keys at ``key_start ..``; ``None`` when it is plain causal
     attention over the same positions (SDPA's ``is_causal``, its fast path)."""
@@ -130,8 +136,9 @@ def window_mask(query_start: int, queries: int, key_start: int, keys: int, windo
 
 
 class _CausalSelfAttention(nn.Module):
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float,
-                 packed_dropout: bool) -> None:
+    def __init__(
+        self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float, packed_dropout: bool
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
         self.packed_dropout = packed_dropout
@@ -140,8 +147,15 @@ class _CausalSelfAttention(nn.Module):
         self.v_proj = factory.linear(f"{prefix}v_proj", d_model, d_model, bias=False)
         self.o_proj = factory.linear(f"{prefix}o_proj", d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         batch, seq_len, d_model = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -154,8 +168,15 @@ class _CausalSelfAttention(nn.Module):
         k, v = k.to(q.dtype), v.to(q.dtype)
         if cache is not None:
             k, v = cache.extend(layer, k, v)
-        attended = attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                             dropout_p=self.dropout if self.training else 0.0, packed_masks=self.packed_dropout)
+        attended = attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            packed_masks=self.packed_dropout,
+        )
         return self.o_proj(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -173,18 +194,35 @@ class _SwiGLU(nn.Module):
 class _DecoderLayer(nn.Module):
     """Pre-norm block: ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
 
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, d_ff: int,
-                 dropout: float, norm_eps: float, packed_dropout: bool) -> None:
+    def __init__(
+        self,
+        factory: LayerFactory,
+        prefix: str,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout: float,
+        norm_eps: float,
+        packed_dropout: bool,
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(d_model, norm_eps)
-        self.attention = _CausalSelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout,
-                                              packed_dropout)
+        self.attention = _CausalSelfAttention(
+            factory, f"{prefix}attention.", d_model, num_heads, dropout, packed_dropout
+        )
         self.mlp_norm = RMSNorm(d_model, norm_eps)
         self.mlp = _SwiGLU(factory, f"{prefix}mlp.", d_model, d_ff)
         self.dropout = dropout_layer(dropout, packed_dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin, mask, cache, layer))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
@@ -234,8 +272,10 @@ class DecoderLM(nn.Module):
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         if (d_model // num_heads) % 2:
-            raise ValueError(f"the head dimension d_model / num_heads = {d_model // num_heads} must be even "
-                             f"(rotary embeddings rotate channel pairs)")
+            raise ValueError(
+                f"the head dimension d_model / num_heads = {d_model // num_heads} must be even "
+                f"(rotary embeddings rotate channel pairs)"
+            )
         if min(vocab_size, d_model, d_ff, num_layers, max_len) < 1:
             raise ValueError("vocab_size, d_model, d_ff, num_layers and max_len must be >= 1")
         if not 0.0 <= dropout < 1.0:
@@ -245,10 +285,9 @@ class DecoderLM(nn.Module):
         self.head_dim, self.rope_theta = d_model // num_heads, float(rope_theta)
         self.tie_embeddings = bool(tie_embeddings)
         self.activation_checkpointing = bool(activation_checkpointing)
-        embed_std = d_model ** -0.5 if tie_embeddings else 1.0
+        embed_std = d_model**-0.5 if tie_embeddings else 1.0
         # text repeats tokens: each distinct id is looked up once (see TransformerEncoder)
-        self.embed_tokens = factory.embedding("embed_tokens", vocab_size, d_model, deduplicate=True,
-                                              init_std=embed_std)
+        self.embed_tokens = factory.embedding("embed_tokens", vocab_size, d_model, deduplicate=True, init_std=embed_std)
         if isinstance(self.embed_tokens, nn.Embedding) and tie_embeddings:
             nn.init.normal_(self.embed_tokens.weight, std=embed_std)
         self.drop = dropout_layer(dropout, packed_dropout)
@@ -265,7 +304,7 @@ class DecoderLM(nn.Module):
 
     def _rotary(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if start + length <= self.rope_cos.shape[0]:
-            return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
+            return self.rope_cos[start : start + length], self.rope_sin[start : start + length]
         # float32 math as for the precomputed tables, so a position gets the same table on every path (a cached
         # token and a full re-run agree exactly, also in float64)
         cos, sin = rotary_tables(length, self.head_dim, self.rope_theta, offset=start, device=device)
@@ -286,8 +325,10 @@ class DecoderLM(nn.Module):
         start, length = (cache.seen, input_ids.shape[1]) if cache is not None else (0, input_ids.shape[1])
         cached = cache.cached if cache is not None else 0
         if cache is not None and cache.keys and cache.keys[0].shape[0] != input_ids.shape[0]:
-            raise ValueError(f"the cache holds a batch of {cache.keys[0].shape[0]} sequences but input_ids has "
-                             f"{input_ids.shape[0]}: use one cache per batch (model.new_cache())")
+            raise ValueError(
+                f"the cache holds a batch of {cache.keys[0].shape[0]} sequences but input_ids has "
+                f"{input_ids.shape[0]}: use one cache per batch (model.new_cache())"
+            )
         cos, sin = self._rotary(start, length, input_ids.device)
         mask = window_mask(start, length, start - cached, cached + length, self.max_len, input_ids.device)
         x = self.drop(self.embed_tokens(input_ids))

@@ -56,8 +56,10 @@ class DLRM(nn.Module):
         if not table_sizes or min(table_sizes) < 1:
             raise ValueError(f"table_sizes must be a non-empty list of positive row counts, got {table_sizes}")
         if not bottom_mlp or bottom_mlp[-1] != embedding_dim:
-            raise ValueError(f"the last bottom_mlp width must equal embedding_dim={embedding_dim} (its output is "
-                             f"interacted with the embeddings), got bottom_mlp={bottom_mlp}")
+            raise ValueError(
+                f"the last bottom_mlp width must equal embedding_dim={embedding_dim} (its output is "
+                f"interacted with the embeddings), got bottom_mlp={bottom_mlp}"
+            )
         if interaction not in _INTERACTIONS:
             raise ValueError(f"interaction must be one of {_INTERACTIONS}, got {interaction!r}")
         config = LayerConfig.of(layer_config)
@@ -103,8 +105,9 @@ class DLRM(nn.Module):
         if dense.dim() != 2 or dense.shape[1] != self.num_dense:
             raise ValueError(f"dense must be (batch, {self.num_dense}), got shape {tuple(dense.shape)}")
         if sparse.dim() != 2 or sparse.shape[1] != len(self.embeddings) or sparse.shape[0] != dense.shape[0]:
-            raise ValueError(f"sparse must be (batch={dense.shape[0]}, {len(self.embeddings)}) ids, got shape "
-                             f"{tuple(sparse.shape)}")
+            raise ValueError(
+                f"sparse must be (batch={dense.shape[0]}, {len(self.embeddings)}) ids, got shape {tuple(sparse.shape)}"
+            )
         x = dense
         for layer in self.bottom_mlp:
             x = F.relu(layer(x))
@@ -115,4 +118,3 @@ class DLRM(nn.Module):
             if i < len(self.top_mlp) - 1:
                 z = F.relu(z)
         return z.squeeze(1)
-

@@ -108,17 +108,23 @@ class LayerConfig(GroupedOptions):
             if getattr(self, name):
                 _compile(getattr(self, name), f"layer_config.{name}")
         if self.bottleneck_activation is not None and self.bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
-            raise ValueError(f"layer_config.bottleneck_activation must be null or one of "
-                             f"{sorted(BOTTLENECK_ACTIVATIONS)}, got {self.bottleneck_activation!r}")
+            raise ValueError(
+                f"layer_config.bottleneck_activation must be null or one of "
+                f"{sorted(BOTTLENECK_ACTIVATIONS)}, got {self.bottleneck_activation!r}"
+            )
         if self.activation_layers is not None and self.bottleneck_activation is None:
-            raise ValueError("layer_config.activation_layers picks the layers for bottleneck_activation, which is "
-                             "not set: set bottleneck_activation (e.g. silu) or drop activation_layers")
+            raise ValueError(
+                "layer_config.activation_layers picks the layers for bottleneck_activation, which is "
+                "not set: set bottleneck_activation (e.g. silu) or drop activation_layers"
+            )
         for pattern, rank in (self.layer_ranks or {}).items():
             _compile(pattern, f"layer_config.layer_ranks key {pattern!r}")
             ranks = rank if isinstance(rank, (list, tuple)) else [rank]
             if not ranks or any(int(r) < 1 for r in ranks):
-                raise ValueError(f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1 or a non-empty list "
-                                 f"of ranks >= 1, got {rank}")
+                raise ValueError(
+                    f"layer_config.layer_ranks[{pattern!r}] must be a rank >= 1 or a non-empty list "
+                    f"of ranks >= 1, got {rank}"
+                )
 
 
 class LayerFactory:
@@ -128,14 +134,21 @@ class LayerFactory:
     def __init__(self, config: LayerConfig | Mapping[str, Any] | None = None) -> None:
         self.config = LayerConfig.of(config)
         self._dense_re = _compile(self.config.dense_layers, "dense_layers") if self.config.dense_layers else None
-        self._low_rank_re = _compile(self.config.low_rank_linears, "low_rank_linears") if self.config.low_rank_linears \
+        self._low_rank_re = (
+            _compile(self.config.low_rank_linears, "low_rank_linears") if self.config.low_rank_linears else None
+        )
+        self._low_rank_embedding_re = (
+            _compile(self.config.low_rank_embeddings, "low_rank_embeddings")
+            if self.config.low_rank_embeddings
             else None
-        self._low_rank_embedding_re = (_compile(self.config.low_rank_embeddings, "low_rank_embeddings")
-                                       if self.config.low_rank_embeddings else None)
-        self._rank_res = [(_compile(p, "layer_ranks"), [int(x) for x in r] if isinstance(r, (list, tuple)) else int(r))
-                          for p, r in (self.config.layer_ranks or {}).items()]
-        self._activation_re = (_compile(self.config.activation_layers, "activation_layers")
-                               if self.config.activation_layers else None)
+        )
+        self._rank_res = [
+            (_compile(p, "layer_ranks"), [int(x) for x in r] if isinstance(r, (list, tuple)) else int(r))
+            for p, r in (self.config.layer_ranks or {}).items()
+        ]
+        self._activation_re = (
+            _compile(self.config.activation_layers, "activation_layers") if self.config.activation_layers else None
+        )
         #: qualified name -> "tt" or "dense", in build order
         self.layers: dict[str, str] = {}
 
@@ -173,17 +186,28 @@ class LayerFactory:
             return nn.Linear(in_features, out_features, bias=bias)
         if self._low_rank_re is not None and self._low_rank_re.search(name):
             if in_modes is not None or out_modes is not None:
-                raise ValueError(f"layer {name!r} matches low_rank_linears but its model gives it modes "
-                                 f"{in_modes} x {out_modes}: leave it out of low_rank_linears")
+                raise ValueError(
+                    f"layer {name!r} matches low_rank_linears but its model gives it modes "
+                    f"{in_modes} x {out_modes}: leave it out of low_rank_linears"
+                )
             in_modes, out_modes = [in_features], [out_features]
         activated = config.bottleneck_activation is not None and (
-            self._activation_re is None or self._activation_re.search(name) is not None)
+            self._activation_re is None or self._activation_re.search(name) is not None
+        )
         if activated:
             tt_kwargs.setdefault("bottleneck_activation", config.bottleneck_activation)
-        return self._gates_as_configured(TTLinear(
-            in_features, out_features, self.rank_of(name, config.rank), in_modes=in_modes, out_modes=out_modes,
-            bias=bias, rank_threshold=config.rank_threshold, **tt_kwargs,
-        ))
+        return self._gates_as_configured(
+            TTLinear(
+                in_features,
+                out_features,
+                self.rank_of(name, config.rank),
+                in_modes=in_modes,
+                out_modes=out_modes,
+                bias=bias,
+                rank_threshold=config.rank_threshold,
+                **tt_kwargs,
+            )
+        )
 
     def _gates_as_configured(self, layer: TTLinear | TTEmbedding) -> TTLinear | TTEmbedding:
         if not self.config.learn_gates:
@@ -211,14 +235,23 @@ class LayerFactory:
             return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         if self._low_rank_embedding_re is not None and self._low_rank_embedding_re.search(name):
             if vocab_modes is not None or dim_modes is not None:
-                raise ValueError(f"embedding {name!r} matches low_rank_embeddings but its model gives it modes "
-                                 f"{vocab_modes} x {dim_modes}: leave it out of low_rank_embeddings")
+                raise ValueError(
+                    f"embedding {name!r} matches low_rank_embeddings but its model gives it modes "
+                    f"{vocab_modes} x {dim_modes}: leave it out of low_rank_embeddings"
+                )
             vocab_modes, dim_modes = [num_embeddings, 1], [1, embedding_dim]
-        return self._gates_as_configured(TTEmbedding(
-            num_embeddings, embedding_dim, self.rank_of(name, config.embedding_rank), vocab_modes=vocab_modes,
-            dim_modes=dim_modes, padding_idx=padding_idx, rank_threshold=config.rank_threshold, **tt_kwargs,
-        ))
+        return self._gates_as_configured(
+            TTEmbedding(
+                num_embeddings,
+                embedding_dim,
+                self.rank_of(name, config.embedding_rank),
+                vocab_modes=vocab_modes,
+                dim_modes=dim_modes,
+                padding_idx=padding_idx,
+                rank_threshold=config.rank_threshold,
+                **tt_kwargs,
+            )
+        )
 
     def __repr__(self) -> str:
         return f"LayerFactory({self.config!r})"
-

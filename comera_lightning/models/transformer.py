@@ -59,13 +59,27 @@ def _linear(factory: LayerFactory, name: str, in_features: int, out_features: in
 class _Embeddings(nn.Module):
     """Word + learned position + token-type embeddings, then LayerNorm and dropout."""
 
-    def __init__(self, factory: LayerFactory, prefix: str, vocab_size: int, d_model: int, max_len: int,
-                 type_vocab_size: int, dropout: float, padding_idx: int | None, packed_dropout: bool) -> None:
+    def __init__(
+        self,
+        factory: LayerFactory,
+        prefix: str,
+        vocab_size: int,
+        d_model: int,
+        max_len: int,
+        type_vocab_size: int,
+        dropout: float,
+        padding_idx: int | None,
+        packed_dropout: bool,
+    ) -> None:
         super().__init__()
         vocab_modes, dim_modes = paper_embedding_modes(vocab_size, d_model)
         self.word_embeddings = factory.embedding(
-            f"{prefix}word_embeddings", vocab_size, d_model, padding_idx=padding_idx,
-            vocab_modes=vocab_modes, dim_modes=dim_modes,
+            f"{prefix}word_embeddings",
+            vocab_size,
+            d_model,
+            padding_idx=padding_idx,
+            vocab_modes=vocab_modes,
+            dim_modes=dim_modes,
             # text repeats tokens (a 32 x 128 batch of stdlib code holds ~1000 distinct ids): each distinct id
             # is looked up once, 2.5x faster and 2.7x lighter there (benchmarks/bench_embedding_lookup.py)
             deduplicate=True,
@@ -79,21 +93,27 @@ class _Embeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_len={self.max_len}; truncate the inputs "
-                             f"or build the model with a larger max_len")
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_len={self.max_len}; truncate the inputs "
+                f"or build the model with a larger max_len"
+            )
         positions = torch.arange(seq_len, device=input_ids.device)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions).unsqueeze(0)
-             + self.token_type_embeddings(token_type_ids))
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions).unsqueeze(0)
+            + self.token_type_embeddings(token_type_ids)
+        )
         return self.dropout(self.norm(x))
 
 
 class _SelfAttention(nn.Module):
     """Multi-head self-attention with separate q/k/v/output projections and a key padding mask."""
 
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float,
-                 packed_dropout: bool) -> None:
+    def __init__(
+        self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float, packed_dropout: bool
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
         self.packed_dropout = packed_dropout
@@ -111,16 +131,30 @@ class _SelfAttention(nn.Module):
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = attention(q, k, v, attn_mask=key_mask, dropout_p=self.dropout if self.training else 0.0,
-                             packed_masks=self.packed_dropout)
+        attended = attention(
+            q,
+            k,
+            v,
+            attn_mask=key_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            packed_masks=self.packed_dropout,
+        )
         return self.output(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
 class _EncoderLayer(nn.Module):
     """Post-LN block: ``x = LN(x + attn(x)); x = LN(x + fc2(gelu(fc1(x))))``."""
 
-    def __init__(self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, d_ff: int,
-                 dropout: float, packed_dropout: bool) -> None:
+    def __init__(
+        self,
+        factory: LayerFactory,
+        prefix: str,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout: float,
+        packed_dropout: bool,
+    ) -> None:
         super().__init__()
         self.attention = _SelfAttention(factory, f"{prefix}attention.", d_model, num_heads, dropout, packed_dropout)
         self.attention_norm = nn.LayerNorm(d_model)
@@ -188,8 +222,17 @@ class TransformerEncoder(nn.Module):
         self.d_model, self.activation_checkpointing = d_model, bool(activation_checkpointing)
         # what a task head on top builds with (the same dropout and layer decisions as the encoder's)
         self.dropout_p, self.packed_dropout, self.layer_config = dropout, packed_dropout, factory.config
-        self.embeddings = _Embeddings(factory, f"{name_prefix}embeddings.", vocab_size, d_model, max_len,
-                                      type_vocab_size, dropout, padding_idx, packed_dropout)
+        self.embeddings = _Embeddings(
+            factory,
+            f"{name_prefix}embeddings.",
+            vocab_size,
+            d_model,
+            max_len,
+            type_vocab_size,
+            dropout,
+            padding_idx,
+            packed_dropout,
+        )
         self.layers = nn.ModuleList(
             _EncoderLayer(factory, f"{name_prefix}layers.{i}.", d_model, num_heads, d_ff, dropout, packed_dropout)
             for i in range(num_layers)
@@ -209,8 +252,10 @@ class TransformerEncoder(nn.Module):
         key_mask = None
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+                    f"{tuple(input_ids.shape)}"
+                )
             key_mask = attention_mask.bool()
             # a sequence with no token would softmax over nothing (NaN on some SDPA backends): let it attend everywhere
             key_mask = key_mask | ~key_mask.any(dim=1, keepdim=True)

@@ -160,8 +160,11 @@ class TTLayer(nn.Module):
         """Cores with the masked gates folded into their trailing rank index (differentiable); the cores'
         gradients arrive in their own layout, as DDP wants them."""
         # sharded parameters (FSDP2, outside its forward) are combined with the masks as their full values
-        return apply_gates([keep_grad_layout(full_tensor(core)) for core in self.cores],
-                           [full_tensor(gate) for gate in self.gates], self.rank_masks)
+        return apply_gates(
+            [keep_grad_layout(full_tensor(core)) for core in self.cores],
+            [full_tensor(gate) for gate in self.gates],
+            self.rank_masks,
+        )
 
     # --- inference cache -----------------------------------------------------------------------------
     def _serves_from_cache(self) -> bool:
@@ -188,17 +191,20 @@ class TTLayer(nn.Module):
         which do not bump it; identity catches a replaced tensor (a new mask buffer,
         ``load_state_dict(assign=True)``); ``data_ptr`` and shape catch ``param.data = ...``, which keeps the
         version counter (truncation, ``.to()``, which also clear the cache themselves): a new dtype or device
-        means new storage, and the entry pins the old one so its address cannot be reused. The entry holds the stamped tensors and their
-        old storages so that no id or address is reused while it lives. Only ``param.data.<op>_()`` in eval
-        mode, which bypasses the version counter, goes unseen: call :meth:`clear_inference_cache` after such a
-        change. ``train()``, ``.to()``, loading, truncation and any forward with autograd on also clear it.
+        means new storage, and the entry pins the old one so its address cannot be reused. The entry holds the
+        stamped tensors and their old storages so that no id or address is reused while it lives. Only
+        ``param.data.<op>_()`` in eval mode, which bypasses the version counter, goes unseen: call
+        :meth:`clear_inference_cache` after such a change. ``train()``, ``.to()``, loading, truncation and any
+        forward with autograd on also clear it.
         """
         # the registries, not the ParameterList / property views: this runs on every cached call
-        tensors = tuple(t for t in (*self.cores._parameters.values(), *self.gates._parameters.values(),
-                                    *self._buffers.values()) if t is not None)
+        tensors = tuple(
+            t
+            for t in (*self.cores._parameters.values(), *self.gates._parameters.values(), *self._buffers.values())
+            if t is not None
+        )
         try:
-            stamp = (key, _optimizer_steps,
-                     tuple((id(t), t._version, t.data_ptr(), t.shape) for t in tensors))
+            stamp = (key, _optimizer_steps, tuple((id(t), t._version, t.data_ptr(), t.shape) for t in tensors))
         except RuntimeError:  # inference tensors (made under inference_mode) have no version counter
             return build()
         entry = self._inference_entry
@@ -281,7 +287,8 @@ class TTLayer(nn.Module):
             raise RuntimeError(
                 "this layer's parameters are sharded (FSDP2): a cut changes their shapes, which needs the model "
                 "resharded; train with comera_lightning.sharding.FSDP2Strategy, whose truncate_layers_() does it "
-                "(RankAdaptation calls it)")
+                "(RankAdaptation calls it)"
+            )
         self.clear_inference_cache()
         for param, selection in record:
             _resize_parameter(param, selection)
@@ -308,11 +315,11 @@ class TTLayer(nn.Module):
         """Keep the leading ``keep`` share of every internal bond (at least one slice) and remove the rest.
 
         Fixed-rank pruning, without training the gates down: zeroes the other slices' gates, masks and
-        physically truncates them (slices already dead stay dead). Pass the returned record to ``slice_optimizer_state`` (or, in Lightning,
-        ``after_truncation``) so an optimiser keeps training exactly.
+        physically truncates them (slices already dead stay dead). Pass the returned record to
+        ``slice_optimizer_state`` (or, in Lightning, ``after_truncation``) so an optimiser keeps training exactly.
         """
         for gate in self.gates:
-            gate[leading_share(gate.numel(), keep):] = 0.0
+            gate[leading_share(gate.numel(), keep) :] = 0.0
         self.refresh_masks_()
         return self.truncate_()
 
@@ -397,6 +404,8 @@ def _torch_factors(tt: Any, ndim: int, where: str, expected: str) -> list[torch.
     """The factors of a tensorly TT / TT-matrix (any backend) or a list of tensors, as torch tensors."""
     factors = [torch.as_tensor(f).detach() for f in getattr(tt, "factors", tt)]
     if not factors or any(f.dim() != ndim for f in factors):
-        raise ValueError(f"{where} expects {expected}: factors with {ndim} dimensions, got shapes "
-                         f"{[tuple(f.shape) for f in factors]}")
+        raise ValueError(
+            f"{where} expects {expected}: factors with {ndim} dimensions, got shapes "
+            f"{[tuple(f.shape) for f in factors]}"
+        )
     return factors

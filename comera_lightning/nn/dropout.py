@@ -30,8 +30,9 @@ _LANE_LEVELS = 1 << 16
 _LANES_PER_DRAW = 4
 
 
-def keep_mask(shape: Sequence[int], p: float, device: torch.device | str | None = None,
-              generator: torch.Generator | None = None) -> tuple[torch.Tensor, float]:
+def keep_mask(
+    shape: Sequence[int], p: float, device: torch.device | str | None = None, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, float]:
     """A ``bool`` mask of ``shape``, True where an element is kept, and the scale for the kept ones.
 
     Each element is dropped with probability ``round(p * 65536) / 65536``; the scale is ``1 / (1 - that)``.
@@ -89,8 +90,16 @@ def dropout_layer(p: float, packed: bool) -> nn.Dropout:
     return PackedDropout(p) if packed else nn.Dropout(p)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-              is_causal: bool = False, dropout_p: float = 0.0, packed_masks: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    packed_masks: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, except that dropout on a CPU with ``packed_masks`` uses packed masks.
 
     Attention dropout already sends SDPA to its unfused math path (scores, softmax, dropout, product); this is
@@ -99,8 +108,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
     masked gets zeros, as in SDPA.
     """
     if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                              dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if is_causal and attn_mask is not None:
         raise ValueError("attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")
     # scaling q is half the work of scaling the scores when head_dim <= keys; an additive -inf bias costs
@@ -117,8 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
             # its probabilities are zeroed below, which SDPA's output is
             has_key = attn_mask.any(dim=-1, keepdim=True)
             blocked = blocked & has_key
-        scores.add_(torch.zeros(blocked.shape, dtype=scores.dtype, device=q.device).masked_fill(blocked,
-                                                                                               float("-inf")))
+        scores.add_(torch.zeros(blocked.shape, dtype=scores.dtype, device=q.device).masked_fill(blocked, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     if has_key is not None:
         probs = probs.masked_fill(~has_key, 0.0)

@@ -64,8 +64,10 @@ class TTEmbedding(TTLayer):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         self.deduplicate = bool(deduplicate)
-        num_modes = len(vocab_modes) if vocab_modes is not None else (
-            len(dim_modes) if dim_modes is not None else default_num_modes(num_embeddings)
+        num_modes = (
+            len(vocab_modes)
+            if vocab_modes is not None
+            else (len(dim_modes) if dim_modes is not None else default_num_modes(num_embeddings))
         )
         self.vocab_modes = (
             padded_modes(num_embeddings, num_modes)
@@ -85,7 +87,10 @@ class TTEmbedding(TTLayer):
         sizes = [v * e for v, e in zip(self.vocab_modes, self.dim_modes, strict=True)]
         ranks = resolve_ranks(sizes, rank)
         dtype = dtype or torch.get_default_dtype()
-        shapes = [(ranks[k], v, e, ranks[k + 1]) for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes, strict=True))]
+        shapes = [
+            (ranks[k], v, e, ranks[k + 1])
+            for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes, strict=True))
+        ]
         self._init_train(init_cores(shapes, init_std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
 
     @classmethod
@@ -94,8 +99,13 @@ class TTEmbedding(TTLayer):
     ) -> tuple[TTEmbedding, float]:
         """A TTEmbedding initialised by TT-matrix SVD of ``embedding.weight``; returns it and the relative error."""
         layer = cls(
-            embedding.num_embeddings, embedding.embedding_dim, rank, padding_idx=embedding.padding_idx,
-            dtype=embedding.weight.dtype, device=embedding.weight.device, **kwargs,
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            rank,
+            padding_idx=embedding.padding_idx,
+            dtype=embedding.weight.dtype,
+            device=embedding.weight.device,
+            **kwargs,
         )
         factors = ttm_from_dense(embedding.weight.detach(), layer.vocab_modes, layer.dim_modes, layer.ranks)
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
@@ -177,8 +187,17 @@ class TTEmbedding(TTLayer):
         dim_modes = [int(f.shape[2]) for f in factors]
         num_embeddings = math.prod(vocab_modes) if num_embeddings is None else num_embeddings
         # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
-        layer = cls(num_embeddings, math.prod(dim_modes), 1, vocab_modes, dim_modes, padding_idx=padding_idx,
-                    dtype=factors[0].dtype, device=factors[0].device, **kwargs)
+        layer = cls(
+            num_embeddings,
+            math.prod(dim_modes),
+            1,
+            vocab_modes,
+            dim_modes,
+            padding_idx=padding_idx,
+            dtype=factors[0].dtype,
+            device=factors[0].device,
+            **kwargs,
+        )
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
             for core, factor in zip(layer.cores, factors, strict=True):

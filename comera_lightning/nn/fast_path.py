@@ -27,8 +27,9 @@ _SAVED = "_comera_fast_path"  # the value torch had chosen, kept on the module w
 
 
 def _lacks_dense_weights(layer: nn.TransformerEncoderLayer) -> bool:
-    return not all(isinstance(getattr(getattr(layer, name, None), "weight", None), torch.Tensor)
-                   for name in ("linear1", "linear2"))
+    return not all(
+        isinstance(getattr(getattr(layer, name, None), "weight", None), torch.Tensor) for name in ("linear1", "linear2")
+    )
 
 
 def steer_off_fast_paths(model: nn.Module) -> list[str]:
@@ -45,7 +46,8 @@ def steer_off_fast_paths(model: nn.Module) -> list[str]:
             module.activation_relu_or_gelu = 0
             steered.append(name)
         elif isinstance(module, nn.TransformerEncoder) and any(
-                isinstance(layer, nn.TransformerEncoderLayer) and _lacks_dense_weights(layer) for layer in module.layers):
+            isinstance(layer, nn.TransformerEncoderLayer) and _lacks_dense_weights(layer) for layer in module.layers
+        ):
             if not hasattr(module, _SAVED):
                 setattr(module, _SAVED, getattr(module, "use_nested_tensor", False))
             module.use_nested_tensor = False
@@ -62,6 +64,7 @@ def restore_fast_paths(model: nn.Module) -> None:
             module.activation_relu_or_gelu = getattr(module, _SAVED)
             delattr(module, _SAVED)
         elif isinstance(module, nn.TransformerEncoder) and not any(
-                isinstance(layer, nn.TransformerEncoderLayer) and _lacks_dense_weights(layer) for layer in module.layers):
+            isinstance(layer, nn.TransformerEncoderLayer) and _lacks_dense_weights(layer) for layer in module.layers
+        ):
             module.use_nested_tensor = getattr(module, _SAVED)
             delattr(module, _SAVED)

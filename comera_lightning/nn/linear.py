@@ -76,8 +76,10 @@ class TTLinear(TTLayer):
     ) -> None:
         super().__init__()
         if bottleneck_activation is not None and bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
-            raise ValueError(f"bottleneck_activation must be None or one of {sorted(BOTTLENECK_ACTIVATIONS)}, got "
-                             f"{bottleneck_activation!r}")
+            raise ValueError(
+                f"bottleneck_activation must be None or one of {sorted(BOTTLENECK_ACTIVATIONS)}, got "
+                f"{bottleneck_activation!r}"
+            )
         self.bottleneck_activation = bottleneck_activation
         if in_features < 1 or out_features < 1:
             raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
@@ -98,13 +100,16 @@ class TTLinear(TTLayer):
         self.contraction_plan: str | None = None
 
     @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, rank: int | Sequence[int] = 30, **kwargs
-    ) -> tuple[TTLinear, float]:
+    def from_linear(cls, linear: nn.Linear, rank: int | Sequence[int] = 30, **kwargs) -> tuple[TTLinear, float]:
         """A TTLinear initialised by TT-SVD of ``linear.weight``; returns it with the relative error."""
         layer = cls(
-            linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
-            dtype=linear.weight.dtype, device=linear.weight.device, **kwargs,
+            linear.in_features,
+            linear.out_features,
+            rank,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **kwargs,
         )
         weight = linear.weight.detach().transpose(0, 1)
         factors = tt_from_dense(weight, layer.in_modes, layer.out_modes, layer.ranks)
@@ -159,12 +164,24 @@ class TTLinear(TTLayer):
         compute = compute_dtype(x)
         activation = self.bottleneck_activation
         # the compute dtype is the rest of the key: it folds in autocast's state and the input's dtype
-        merged = self._inference_cached(compute, lambda: merge_tt_linear(
-            self.gated_cores(), len(self.in_modes), compute, self.in_features, self.out_features,
-            keep_factors=activation is not None))
+        merged = self._inference_cached(
+            compute,
+            lambda: merge_tt_linear(
+                self.gated_cores(),
+                len(self.in_modes),
+                compute,
+                self.in_features,
+                self.out_features,
+                keep_factors=activation is not None,
+            ),
+        )
         bias = None if self.bias is None else self.bias.to(compute)
-        y = merged_tt_linear(x.reshape(-1, self.in_features).to(compute), merged, bias,
-                             None if activation is None else BOTTLENECK_ACTIVATIONS[activation])
+        y = merged_tt_linear(
+            x.reshape(-1, self.in_features).to(compute),
+            merged,
+            bias,
+            None if activation is None else BOTTLENECK_ACTIVATIONS[activation],
+        )
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_dense(self) -> torch.Tensor:
@@ -173,7 +190,8 @@ class TTLinear(TTLayer):
             raise ValueError(
                 f"this TTLinear computes act(x L) R with bottleneck_activation={self.bottleneck_activation!r}: it is "
                 "not a linear map and has no dense weight; keep it as a TT layer (export it with its cores), or "
-                "train it with bottleneck_activation=None if you need nn.Linear")
+                "train it with bottleneck_activation=None if you need nn.Linear"
+            )
         full = tt_to_dense(self.gated_cores(), len(self.in_modes))
         return full[: self.in_features, : self.out_features].transpose(0, 1)
 
@@ -214,8 +232,17 @@ class TTLinear(TTLayer):
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
-        layer = cls(in_features, out_features, 1, in_modes, out_modes, bias=bias is not None,
-                    dtype=factors[0].dtype, device=factors[0].device, **kwargs)
+        layer = cls(
+            in_features,
+            out_features,
+            1,
+            in_modes,
+            out_modes,
+            bias=bias is not None,
+            dtype=factors[0].dtype,
+            device=factors[0].device,
+            **kwargs,
+        )
         layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
         with torch.no_grad():
             for core, factor in zip(layer.cores, factors, strict=True):
@@ -229,8 +256,10 @@ class TTLinear(TTLayer):
         """Force one of :data:`comera_lightning.tt.PLANS`, or None to let the planner choose per call."""
         check_plan(plan)
         if self.bottleneck_activation is not None and plan not in (None, "half_merge"):
-            raise ValueError(f"a TTLinear with bottleneck_activation={self.bottleneck_activation!r} always runs the "
-                             f"bottleneck order act(x L) R (half_merge); plan {plan!r} would skip the activation")
+            raise ValueError(
+                f"a TTLinear with bottleneck_activation={self.bottleneck_activation!r} always runs the "
+                f"bottleneck order act(x L) R (half_merge); plan {plan!r} would skip the activation"
+            )
         self.contraction_plan = plan
 
     def extra_repr(self) -> str:
@@ -240,4 +269,3 @@ class TTLinear(TTLayer):
             + ("" if self.bottleneck_activation is None else f"bottleneck_activation={self.bottleneck_activation}, ")
             + super().extra_repr()
         )
-

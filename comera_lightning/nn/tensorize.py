@@ -107,9 +107,11 @@ def tensorize(
     if min_features < 1:
         raise ValueError(f"min_features must be >= 1, got {min_features}")
     if decompose and bottleneck_activation is not None:
-        raise ValueError(f"decompose=True initialises each layer from its dense weight, but with "
-                         f"bottleneck_activation={bottleneck_activation!r} a layer is no longer linear; train it from "
-                         f"scratch (decompose=False) or drop the activation")
+        raise ValueError(
+            f"decompose=True initialises each layer from its dense weight, but with "
+            f"bottleneck_activation={bottleneck_activation!r} a layer is no longer linear; train it from "
+            f"scratch (decompose=False) or drop the activation"
+        )
     linear_kwargs = dict(layer_kwargs)
     if bottleneck_activation is not None:
         linear_kwargs["bottleneck_activation"] = bottleneck_activation
@@ -129,8 +131,11 @@ def tensorize(
         if is_conv1d:
             rows, cols = module.weight.shape  # Conv1D stores (in, out)
         else:
-            rows, cols = (module.in_features, module.out_features) if is_linear else (
-                module.num_embeddings, module.embedding_dim)
+            rows, cols = (
+                (module.in_features, module.out_features)
+                if is_linear
+                else (module.num_embeddings, module.embedding_dim)
+            )
         if min(rows, cols) < min_features:
             continue
         if include_re is not None and not include_re.search(name):
@@ -151,28 +156,65 @@ def tensorize(
                 source = _conv1d_as_linear(module) if is_conv1d else module
                 layer, error = TTLinear.from_linear(source, rank, **modes, **linear_kwargs)
             else:
-                layer = TTLinear(rows, cols, rank, bias=module.bias is not None, dtype=module.weight.dtype,
-                                 device=module.weight.device, **modes, **linear_kwargs)
+                layer = TTLinear(
+                    rows,
+                    cols,
+                    rank,
+                    bias=module.bias is not None,
+                    dtype=module.weight.dtype,
+                    device=module.weight.device,
+                    **modes,
+                    **linear_kwargs,
+                )
         else:
             emb_rank = rank if embedding_rank is None else embedding_rank
             modes = dict(vocab_modes=[rows, 1], dim_modes=[1, cols]) if low_rank else {}
             if decompose:
                 layer, error = TTEmbedding.from_embedding(module, emb_rank, **modes, **layer_kwargs)
             else:
-                layer = TTEmbedding(rows, cols, emb_rank, padding_idx=module.padding_idx,
-                                    dtype=module.weight.dtype, device=module.weight.device, **modes, **layer_kwargs)
+                layer = TTEmbedding(
+                    rows,
+                    cols,
+                    emb_rank,
+                    padding_idx=module.padding_idx,
+                    dtype=module.weight.dtype,
+                    device=module.weight.device,
+                    **modes,
+                    **layer_kwargs,
+                )
         if not learn_gates:
             for gate in layer.gates:
                 gate.requires_grad_(False)
         _set_submodule(model, name, layer)
         replaced[id(module)] = layer
-        records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", (rows, cols), layer.ranks,
-                                       layer.dense_parameters, layer.allocated_parameters(), error))
+        records.append(
+            TensorizeRecord(
+                name,
+                "linear" if is_linear else "embedding",
+                (rows, cols),
+                layer.ranks,
+                layer.dense_parameters,
+                layer.allocated_parameters(),
+                error,
+            )
+        )
     if records:
-        _record_spec(model, dict(rank=rank, min_features=min_features, include=include, exclude=exclude,
-                                 linears=linears, embeddings=embeddings, embedding_rank=embedding_rank,
-                                 low_rank=low_rank, bottleneck_activation=bottleneck_activation,
-                                 learn_gates=learn_gates, layer_kwargs=layer_kwargs))
+        _record_spec(
+            model,
+            dict(
+                rank=rank,
+                min_features=min_features,
+                include=include,
+                exclude=exclude,
+                linears=linears,
+                embeddings=embeddings,
+                embedding_rank=embedding_rank,
+                low_rank=low_rank,
+                bottleneck_activation=bottleneck_activation,
+                learn_gates=learn_gates,
+                layer_kwargs=layer_kwargs,
+            ),
+        )
         steer_off_fast_paths(model)
     return records
 
@@ -222,15 +264,22 @@ def tensorize_specs(source: nn.Module | Mapping[str, Any]) -> dict[str, list[dic
     """The :func:`tensorize` calls recorded on a model or in its state dict: ``{module name: [arguments, ...]}``,
     each module's calls in order."""
     if isinstance(source, nn.Module):
-        return {name: [dict(spec) for spec in module.__dict__[_SPECS_ATTR]] for name, module in source.named_modules()
-                if module.__dict__.get(_SPECS_ATTR)}
+        return {
+            name: [dict(spec) for spec in module.__dict__[_SPECS_ATTR]]
+            for name, module in source.named_modules()
+            if module.__dict__.get(_SPECS_ATTR)
+        }
     metadata = getattr(source, "_metadata", None) or {}
-    return {prefix: list(entry[SPEC_KEY]) for prefix, entry in metadata.items()
-            if isinstance(entry, Mapping) and entry.get(SPEC_KEY)}
+    return {
+        prefix: list(entry[SPEC_KEY])
+        for prefix, entry in metadata.items()
+        if isinstance(entry, Mapping) and entry.get(SPEC_KEY)
+    }
 
 
-def tensorize_like(model: nn.Module, state_dict: Mapping[str, Any],
-                   specs: Mapping[str, list[dict[str, Any]]] | None = None) -> list[TensorizeRecord]:
+def tensorize_like(
+    model: nn.Module, state_dict: Mapping[str, Any], specs: Mapping[str, list[dict[str, Any]]] | None = None
+) -> list[TensorizeRecord]:
     """Give a dense ``model`` the comera layers that ``state_dict`` was saved with, so that it loads.
 
     Repeats, on the same submodules, the :func:`tensorize` calls recorded in the state dict's metadata (or given as
@@ -248,8 +297,10 @@ def tensorize_like(model: nn.Module, state_dict: Mapping[str, Any],
         try:
             target = model.get_submodule(prefix)
         except AttributeError as err:
-            raise ValueError(f"the state dict records tensorize() on submodule {prefix!r}, which this "
-                             f"{type(model).__name__} does not have: it is from a different model") from err
+            raise ValueError(
+                f"the state dict records tensorize() on submodule {prefix!r}, which this "
+                f"{type(model).__name__} does not have: it is from a different model"
+            ) from err
         done = target.__dict__.get(_SPECS_ATTR, [])
         for spec in calls:
             if spec in done:
@@ -258,7 +309,8 @@ def tensorize_like(model: nn.Module, state_dict: Mapping[str, Any],
                 raise ValueError(
                     f"tensorize() on {prefix or 'the model'} was called with {', '.join(spec['unportable'])}, which a "
                     f"checkpoint cannot carry; call tensorize() with these arguments in the model's __init__ (or by "
-                    f"hand before loading)")
+                    f"hand before loading)"
+                )
             arguments = {k: v for k, v in spec.items() if k not in ("layer_kwargs", "decompose")}
             records += tensorize(target, **arguments, **spec["layer_kwargs"])
     missing = _missing_tt_layers(model, state_dict)
@@ -267,7 +319,8 @@ def tensorize_like(model: nn.Module, state_dict: Mapping[str, Any],
             f"the state dict holds comera layers at {missing}, which this {type(model).__name__} builds dense, and "
             f"records no tensorize() call that builds them (saved before tensorize() recorded its arguments, or "
             f"its metadata was lost, e.g. by copying into a plain dict); call tensorize() with the arguments used "
-            f"in training, then load_state_dict")
+            f"in training, then load_state_dict"
+        )
     return records
 
 
@@ -304,10 +357,22 @@ def untensorize(model: nn.Module) -> list[TensorizeRecord]:
         _set_submodule(model, name, dense)
         replaced[id(module)] = dense
         is_linear = isinstance(module, TTLinear)
-        shape = ((module.in_features, module.out_features) if isinstance(module, TTLinear)
-                 else (module.num_embeddings, module.embedding_dim))
-        records.append(TensorizeRecord(name, "linear" if is_linear else "embedding", shape, module.active_ranks,
-                                       module.dense_parameters, module.active_parameters(), None))
+        shape = (
+            (module.in_features, module.out_features)
+            if isinstance(module, TTLinear)
+            else (module.num_embeddings, module.embedding_dim)
+        )
+        records.append(
+            TensorizeRecord(
+                name,
+                "linear" if is_linear else "embedding",
+                shape,
+                module.active_ranks,
+                module.dense_parameters,
+                module.active_parameters(),
+                None,
+            )
+        )
     restore_fast_paths(model)
     if not tt_layers(model):  # a dense model's state dict must not ask for comera layers again
         for module in model.modules():
@@ -334,8 +399,13 @@ def _dense_module(layer: TTLinear | TTEmbedding) -> nn.Module:
 def _is_hf_conv1d(module: nn.Module) -> bool:
     """Hugging Face ``transformers.pytorch_utils.Conv1D``, recognised without importing transformers."""
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(weight, torch.Tensor)
-            and weight.dim() == 2 and weight.shape[1] == module.nf)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.shape[1] == module.nf
+    )
 
 
 def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
@@ -412,11 +482,15 @@ class SizeReport:
     def to_markdown(self) -> str:
         lines = ["| layer | ranks | active params | dense params | compression |", "|---|---|---|---|---|"]
         for layer in self.layers:
-            lines.append(f"| {layer.name} | {layer.active_ranks} | {layer.active_parameters:,} | "
-                         f"{layer.dense_parameters:,} | {layer.compression:.1f}x |")
+            lines.append(
+                f"| {layer.name} | {layer.active_ranks} | {layer.active_parameters:,} | "
+                f"{layer.dense_parameters:,} | {layer.compression:.1f}x |"
+            )
         lines.append(f"| other (dense) | - | {self.other_parameters:,} | {self.other_parameters:,} | 1.0x |")
-        lines.append(f"| **total** | - | {self.active_parameters:,} | {self.dense_equivalent_parameters:,} | "
-                     f"{self.compression_ratio:.1f}x |")
+        lines.append(
+            f"| **total** | - | {self.active_parameters:,} | {self.dense_equivalent_parameters:,} | "
+            f"{self.compression_ratio:.1f}x |"
+        )
         return "\n".join(lines)
 
 
@@ -428,8 +502,16 @@ def size_report(model: nn.Module) -> SizeReport:
     for name, layer in layers:
         # read masks and shapes once per layer: loggers call this every step
         ranks, active, sizes = layer.ranks, layer.active_ranks, layer.mode_sizes
-        report.layers.append(LayerSize(name, ranks, active, train_parameter_count(sizes, active),
-                                       train_parameter_count(sizes, ranks), layer.dense_parameters))
+        report.layers.append(
+            LayerSize(
+                name,
+                ranks,
+                active,
+                train_parameter_count(sizes, active),
+                train_parameter_count(sizes, ranks),
+                layer.dense_parameters,
+            )
+        )
     # a TT layer's bias is an ordinary parameter: it counts on both sides
     report.other_parameters = sum(p.numel() for p in model.parameters() if id(p) not in tt_param_ids)
     return report

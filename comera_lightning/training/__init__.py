@@ -15,6 +15,15 @@ from .predictions import PredictionWriter
 from .progress import StepProgressBar
 
 __all__ = [
-    "CompactModelSummary", "CudaGraphs", "DeadRankWatchdog", "DivergenceError", "DivergenceGuard", "FaultTolerance",
-    "FinalValidation", "KeepFreedMemory", "PredictionWriter", "ResilientMLFlowLogger", "StepProgressBar",
+    "CompactModelSummary",
+    "CudaGraphs",
+    "DeadRankWatchdog",
+    "DivergenceError",
+    "DivergenceGuard",
+    "FaultTolerance",
+    "FinalValidation",
+    "KeepFreedMemory",
+    "PredictionWriter",
+    "ResilientMLFlowLogger",
+    "StepProgressBar",
 ]

@@ -88,8 +88,11 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Ite
         except Exception as error:
             if is_disk_full(error):
                 kept = "the earlier file is intact" if path.exists() else "nothing was written under that name"
-                raise OSError(errno.ENOSPC, f"no space left on device while writing {str(path)!r} ({kept}): free "
-                              f"space on the file system of {str(path.parent)!r} or write elsewhere") from error
+                raise OSError(
+                    errno.ENOSPC,
+                    f"no space left on device while writing {str(path)!r} ({kept}): free "
+                    f"space on the file system of {str(path.parent)!r} or write elsewhere",
+                ) from error
             raise
         if overwrite:
             os.replace(tmp, path)

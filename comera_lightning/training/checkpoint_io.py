@@ -55,8 +55,10 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     if not folder.is_dir():
         return torch.load(folder, map_location=map_location, weights_only=True)
     if not (folder / ".metadata").is_file() or not (folder / _SHARDED_METADATA).is_file():
-        raise ValueError(f"{os.fspath(path)!r} is a folder but not a distributed checkpoint (no .metadata and "
-                         f"{_SHARDED_METADATA}); pass a .ckpt file or the folder a sharded run saved")
+        raise ValueError(
+            f"{os.fspath(path)!r} is a folder but not a distributed checkpoint (no .metadata and "
+            f"{_SHARDED_METADATA}); pass a .ckpt file or the folder a sharded run saved"
+        )
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     checkpoint = torch.load(folder / _SHARDED_METADATA, map_location=map_location, weights_only=True)

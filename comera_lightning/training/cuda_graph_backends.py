@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "CAPTURE_HINT", "CudaGraphBackend", "CudaGraphCaptureError", "Graph", "GraphBackend", "ReplayBackend",
+    "CAPTURE_HINT",
+    "CudaGraphBackend",
+    "CudaGraphCaptureError",
+    "Graph",
+    "GraphBackend",
+    "ReplayBackend",
     "StaleGraphError",
 ]
 
@@ -142,8 +147,11 @@ class CudaGraphBackend(GraphBackend):
         # torch.cuda.max_memory_allocated does not count
         if self._pool is None:
             return 0
-        return sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
-                   if tuple(segment["segment_pool_id"]) == tuple(self._pool))
+        return sum(
+            segment["total_size"] - segment["allocated_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment["segment_pool_id"]) == tuple(self._pool)
+        )
 
 
 class _ReplayGraph(Graph):
@@ -153,8 +161,10 @@ class _ReplayGraph(Graph):
 
     def replay(self) -> None:
         if self._key_fn() != self._key:
-            raise StaleGraphError("replaying a graph whose parameters, buffers, optimiser state, hyperparameters or "
-                                  "gradient tensors changed since capture; a CUDA graph would use the old ones")
+            raise StaleGraphError(
+                "replaying a graph whose parameters, buffers, optimiser state, hyperparameters or "
+                "gradient tensors changed since capture; a CUDA graph would use the old ones"
+            )
         fresh = self._fn()
         if len(fresh) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(fresh, self.outputs, strict=True)):
             raise CudaGraphCaptureError(

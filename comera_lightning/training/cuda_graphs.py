@@ -157,10 +157,12 @@ class _Watch:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.ptrs = [p.data_ptr() for p in self.params]
         self.group_lists = [(group, group["params"], len(group["params"]), len(group)) for group in self.groups]
-        self.group_tensors = [(g, k, v) for g in self.groups for k, v in g.items()
-                              if k != "params" and torch.is_tensor(v)]
-        self.constant_keys = [[k for k, v in g.items() if k != "params" and not torch.is_tensor(v)]
-                              for g in self.groups]
+        self.group_tensors = [
+            (g, k, v) for g in self.groups for k, v in g.items() if k != "params" and torch.is_tensor(v)
+        ]
+        self.constant_keys = [
+            [k for k, v in g.items() if k != "params" and not torch.is_tensor(v)] for g in self.groups
+        ]
         self.constants = [tuple(g[k] for k in keys) for g, keys in zip(self.groups, self.constant_keys, strict=True)]
         self.state_dicts = [st for p in self.params if (st := optimizer.state.get(p)) is not None]
         self.n_state = len(optimizer.state)
@@ -174,8 +176,9 @@ class _Watch:
         opt = self.optimizer
         if opt.state is not self.state or opt.param_groups is not self.groups or self.module.training != self.training:
             return False
-        if any(g["params"] is not params or len(params) != n or len(g) != size
-               for g, params, n, size in self.group_lists):
+        if any(
+            g["params"] is not params or len(params) != n or len(g) != size for g, params, n, size in self.group_lists
+        ):
             return False
         if [p.data_ptr() for p in self.params] != self.ptrs:
             return False
@@ -186,8 +189,10 @@ class _Watch:
         if any(g.get(k) is not v for g, k, v in self.group_tensors):
             return False
         # tuple equality tries identity first: unchanged floats cost nothing
-        if any(tuple(g.get(k) for k in keys) != values
-               for g, keys, values in zip(self.groups, self.constant_keys, self.constants, strict=True)):
+        if any(
+            tuple(g.get(k) for k in keys) != values
+            for g, keys, values in zip(self.groups, self.constant_keys, self.constants, strict=True)
+        ):
             return False
         if not all(map(operator.is_, [d.get(name) for d, name in self.buffer_keys], self.buffer_values)):
             return False
@@ -223,8 +228,9 @@ class CudaGraphs(Callback):
         if backend not in ("auto", "cuda", "replay"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'replay', got {backend!r}")
         if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (the optimiser state must exist before capture), "
-                             f"got {warmup_steps}")
+            raise ValueError(
+                f"warmup_steps must be >= 1 (the optimiser state must exist before capture), got {warmup_steps}"
+            )
         if shape_change not in ("eager", "error"):
             raise ValueError(f"shape_change must be 'eager' or 'error', got {shape_change!r}")
         self.backend = backend
@@ -232,11 +238,11 @@ class CudaGraphs(Callback):
         self.tensor_lr = tensor_lr
         self.shape_change = shape_change
         # counters (per fit)
-        self.captures = 0          # captures of the forward+backward graph
-        self.step_captures = 0     # captures of the optimiser-step graph
-        self.replays = 0           # steps whose forward+backward was a replay
-        self.step_replays = 0      # optimiser steps that were a replay
-        self.eager_steps = 0       # warm-up and fallback steps
+        self.captures = 0  # captures of the forward+backward graph
+        self.step_captures = 0  # captures of the optimiser-step graph
+        self.replays = 0  # steps whose forward+backward was a replay
+        self.step_replays = 0  # optimiser steps that were a replay
+        self.eager_steps = 0  # warm-up and fallback steps
         self.invalidations: list[str] = []
         self._backend: GraphBackend | None = None
         self._inactive_reason: str | None = None
@@ -287,10 +293,12 @@ class CudaGraphs(Callback):
         self.invalidations.append(reason)
         rank_zero_info(f"CudaGraphs: graphs dropped ({reason}); re-capturing after {self.warmup_steps} eager steps")
         if len(self.invalidations) == 5 and not self._warned_often:
-            rank_zero_warn(f"CudaGraphs: the graphs were re-captured 5 times (last: {reason}); frequent re-captures "
-                           "cost more than they save. A float learning rate changed by a scheduler (use Adam/AdamW "
-                           "with tensor_lr=True) or Python state changing every step are typical causes",
-                           category=UserWarning)
+            rank_zero_warn(
+                f"CudaGraphs: the graphs were re-captured 5 times (last: {reason}); frequent re-captures "
+                "cost more than they save. A float learning rate changed by a scheduler (use Adam/AdamW "
+                "with tensor_lr=True) or Python state changing every step are typical causes",
+                category=UserWarning,
+            )
             self._warned_often = True
         # the gradients stay (the next eager step replaces them): invalidated between the backward and the optimiser
         # step (a hook changed what the graphs read, or called this), the step then runs eagerly on them
@@ -313,9 +321,11 @@ class CudaGraphs(Callback):
         else:
             return CudaGraphBackend(device)
         if self.backend == "cuda":
-            raise RuntimeError(f"CudaGraphs(backend='cuda') cannot capture: {reason}. Train on a CUDA device "
-                               "(--trainer.accelerator gpu) or use backend='auto' to run eagerly where CUDA is "
-                               "missing")
+            raise RuntimeError(
+                f"CudaGraphs(backend='cuda') cannot capture: {reason}. Train on a CUDA device "
+                "(--trainer.accelerator gpu) or use backend='auto' to run eagerly where CUDA is "
+                "missing"
+            )
         self._inactive_reason = reason
         return None
 
@@ -323,35 +333,53 @@ class CudaGraphs(Callback):
         """Raise a ValueError naming the problem and the fix when the setup cannot run a captured step."""
         problems = []
         if not pl_module.automatic_optimization:
-            problems.append("manual optimisation is not supported: the callback captures Lightning's automatic "
-                            "step; capture your own step with torch.cuda.graph instead")
+            problems.append(
+                "manual optimisation is not supported: the callback captures Lightning's automatic "
+                "step; capture your own step with torch.cuda.graph instead"
+            )
         if len(trainer.optimizers) != 1:
-            problems.append("exactly one optimiser is supported, configure_optimizers returned "
-                            f"{len(trainer.optimizers)}")
+            problems.append(
+                f"exactly one optimiser is supported, configure_optimizers returned {len(trainer.optimizers)}"
+            )
         else:
             optimizer = trainer.optimizers[0]
             if not ("capturable" in optimizer.defaults or isinstance(optimizer, torch.optim.SGD)):
-                problems.append(f"{type(optimizer).__name__} has no capturable mode; use AdamW/Adam (capturable) "
-                                "or SGD")
+                problems.append(
+                    f"{type(optimizer).__name__} has no capturable mode; use AdamW/Adam (capturable) or SGD"
+                )
         if trainer.accumulate_grad_batches != 1:
-            problems.append(f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
-                            "supported: use a larger batch instead")
+            problems.append(
+                f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+                "supported: use a larger batch instead"
+            )
         if not isinstance(trainer.strategy, SingleDeviceStrategy):
-            problems.append(f"strategy {type(trainer.strategy).__name__} is not supported: only single-device training "
-                            "is captured (DDP's gradient hooks run during backward); use devices=1")
+            problems.append(
+                f"strategy {type(trainer.strategy).__name__} is not supported: only single-device training "
+                "is captured (DDP's gradient hooks run during backward); use devices=1"
+            )
         plugin = trainer.precision_plugin
-        if type(plugin) not in _SUPPORTED_PRECISION or getattr(plugin, "scaler", None) is not None \
-                or getattr(plugin, "precision", None) == "16-mixed":
-            problems.append(f"precision {getattr(plugin, 'precision', type(plugin).__name__)!r} is not supported: fp16 "
-                            "mixed precision's GradScaler checks for overflow on the host, which a graph cannot do; "
-                            "use precision='bf16-mixed' or '32-true'")
+        if (
+            type(plugin) not in _SUPPORTED_PRECISION
+            or getattr(plugin, "scaler", None) is not None
+            or getattr(plugin, "precision", None) == "16-mixed"
+        ):
+            problems.append(
+                f"precision {getattr(plugin, 'precision', type(plugin).__name__)!r} is not supported: fp16 "
+                "mixed precision's GradScaler checks for overflow on the host, which a graph cannot do; "
+                "use precision='bf16-mixed' or '32-true'"
+            )
         for hook in ("backward", "optimizer_zero_grad"):
             if is_overridden(hook, pl_module, LightningModule):
-                problems.append(f"the LightningModule overrides {hook}(), which the captured step replaces; remove the "
-                                "override (gradients are written fresh every step)")
+                problems.append(
+                    f"the LightningModule overrides {hook}(), which the captured step replaces; remove the "
+                    "override (gradients are written fresh every step)"
+                )
         if problems:
-            raise ValueError("CudaGraphs cannot capture this training setup:\n- " + "\n- ".join(problems)
-                             + "\nRemove the CudaGraphs callback to train eagerly.")
+            raise ValueError(
+                "CudaGraphs cannot capture this training setup:\n- "
+                + "\n- ".join(problems)
+                + "\nRemove the CudaGraphs callback to train eagerly."
+            )
 
     # --- Lightning hooks ----------------------------------------------------------------------------------
     @override
@@ -359,14 +387,20 @@ class CudaGraphs(Callback):
         if stage != "fit":
             return
         if not self._warned_experimental:
-            rank_zero_warn("CudaGraphs is experimental and unverified on a GPU (benchmarks/bench_cuda_graphs.py is "
-                           "its first real run); torch.compile(model, mode='reduce-overhead') is the supported route "
-                           "to CUDA graphs.", category=UserWarning)
+            rank_zero_warn(
+                "CudaGraphs is experimental and unverified on a GPU (benchmarks/bench_cuda_graphs.py is "
+                "its first real run); torch.compile(model, mode='reduce-overhead') is the supported route "
+                "to CUDA graphs.",
+                category=UserWarning,
+            )
             self._warned_experimental = True
         self._backend = self._select_backend(trainer)
         if self._backend is None and not self._warned_inactive:
-            rank_zero_warn(f"CudaGraphs is inactive: {self._inactive_reason}. Training runs eagerly, without CUDA "
-                           "graphs (pass backend='cuda' to make this an error).", category=UserWarning)
+            rank_zero_warn(
+                f"CudaGraphs is inactive: {self._inactive_reason}. Training runs eagerly, without CUDA "
+                "graphs (pass backend='cuda' to make this an error).",
+                category=UserWarning,
+            )
             self._warned_inactive = True
 
     @override
@@ -382,8 +416,10 @@ class CudaGraphs(Callback):
         self.invalidations = []
         self._device_type = trainer.strategy.root_device.type
         self._install(pl_module, trainer.optimizers[0])
-        rank_zero_info(f"CudaGraphs: capturing the training step with the {self._backend.name} backend after "
-                       f"{self.warmup_steps} eager steps")
+        rank_zero_info(
+            f"CudaGraphs: capturing the training step with the {self._backend.name} backend after "
+            f"{self.warmup_steps} eager steps"
+        )
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -413,9 +449,12 @@ class CudaGraphs(Callback):
         """Counters for RankMonitor: captures, replays, eager steps, invalidations."""
         if not self.active:
             return {}
-        return {"cuda_graphs/captures": float(self.captures), "cuda_graphs/replays": float(self.replays),
-                "cuda_graphs/eager_steps": float(self.eager_steps),
-                "cuda_graphs/invalidations": float(len(self.invalidations))}
+        return {
+            "cuda_graphs/captures": float(self.captures),
+            "cuda_graphs/replays": float(self.replays),
+            "cuda_graphs/eager_steps": float(self.eager_steps),
+            "cuda_graphs/invalidations": float(len(self.invalidations)),
+        }
 
     # --- driving the step without a Trainer (benchmarks) -----------------------------------------------------
     def attach(self, module: LightningModule, optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
@@ -430,8 +469,10 @@ class CudaGraphs(Callback):
         elif device.type == "cuda" and torch.cuda.is_available():
             self._backend = CudaGraphBackend(device)
         else:
-            raise RuntimeError(f"CudaGraphs.attach: CUDA graphs need a CUDA device, got {device} (backend='replay' "
-                               "runs the plumbing eagerly anywhere)")
+            raise RuntimeError(
+                f"CudaGraphs.attach: CUDA graphs need a CUDA device, got {device} (backend='replay' "
+                "runs the plumbing eagerly anywhere)"
+            )
         self._device_type = device.type
         self._install(module, optimizer)
 
@@ -515,12 +556,17 @@ class CudaGraphs(Callback):
         inputs = _tensors(batch)
         if self._graph_fb is not None and _signature(inputs) != self._input_signature:
             if self.shape_change == "error":
-                raise ValueError(f"CudaGraphs: a batch with tensors {[tuple(t.shape) for t in inputs]} differs from "
-                                 f"the captured {[tuple(s[0]) for s in self._input_signature or ()]}; use "
-                                 "drop_last=True (or shape_change='eager')")
+                raise ValueError(
+                    f"CudaGraphs: a batch with tensors {[tuple(t.shape) for t in inputs]} differs from "
+                    f"the captured {[tuple(s[0]) for s in self._input_signature or ()]}; use "
+                    "drop_last=True (or shape_change='eager')"
+                )
             if not self._warned_shape:
-                rank_zero_warn("CudaGraphs: a batch of another shape than the captured one runs eagerly (e.g. a "
-                               "short last batch; drop_last=True avoids it)", category=UserWarning)
+                rank_zero_warn(
+                    "CudaGraphs: a batch of another shape than the captured one runs eagerly (e.g. a "
+                    "short last batch; drop_last=True avoids it)",
+                    category=UserWarning,
+                )
                 self._warned_shape = True
             return self._eager_forward_backward(batch, args, kwargs)
         if self._graph_fb is None and self._warmup_left > 0:
@@ -586,8 +632,10 @@ class CudaGraphs(Callback):
                 if log_args:
                     raise TypeError("CudaGraphs: pass self.log options by keyword inside a captured training_step")
                 if not (torch.is_tensor(value) or isinstance(value, (int, float, bool))):
-                    raise CudaGraphCaptureError(f"CudaGraphs: self.log({name!r}, <{type(value).__name__}>) cannot be "
-                                                "captured; log a tensor (update torchmetrics outside training_step)")
+                    raise CudaGraphCaptureError(
+                        f"CudaGraphs: self.log({name!r}, <{type(value).__name__}>) cannot be "
+                        "captured; log a tensor (update torchmetrics outside training_step)"
+                    )
                 records.append((name, value, options))
 
             _shadow(module, "log", record_log)
@@ -598,8 +646,10 @@ class CudaGraphs(Callback):
                 module.__dict__.pop("log", None)
             loss = _loss_of(output)
             if loss is None:
-                raise CudaGraphCaptureError("CudaGraphs: training_step returned no loss; a captured step cannot be "
-                                            "skipped. Return the loss tensor (or a dict with 'loss')")
+                raise CudaGraphCaptureError(
+                    "CudaGraphs: training_step returned no loss; a captured step cannot be "
+                    "skipped. Return the loss tensor (or a dict with 'loss')"
+                )
             with _backward_context(self._device_type):
                 loss.backward()
             out_tensors = [t.detach() for t in _tensors(output)]
@@ -635,8 +685,13 @@ class CudaGraphs(Callback):
                 loss = closure()  # training_step (replay or eager) + Lightning's eager hooks and clipping
         mode, self._mode = self._mode, None
         unchanged = mode == "graph" and self._watch is not None and self._watch.unchanged()
-        if (mode == "graph" and self._graph_step is None and self._graph_fb is not None and self._grads_static()
-                and unchanged):
+        if (
+            mode == "graph"
+            and self._graph_step is None
+            and self._graph_fb is not None
+            and self._grads_static()
+            and unchanged
+        ):
             self._capture_step()
         if mode == "graph" and self._graph_step is not None and self._grads_static():
             if unchanged:

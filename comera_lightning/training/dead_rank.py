@@ -54,8 +54,14 @@ class Heartbeat:
         on_lost: what to do; for tests and embedding.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 on_lost: Callable[[list[int], str], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        on_lost: Callable[[list[int], str], None] | None = None,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, float(timeout_s)
@@ -147,14 +153,21 @@ class Heartbeat:
             except Exception:
                 pass
         if lost == [0] and self._store_silent_since is not None:
-            message = (f"comera: lost rank 0 (the process that hosts the rendezvous store at {_store_address()} "
-                       f"stopped answering: {self._store_error}{cause})")
+            message = (
+                f"comera: lost rank 0 (the process that hosts the rendezvous store at {_store_address()} "
+                f"stopped answering: {self._store_error}{cause})"
+            )
         else:
             silent = self.timeout_s if not cause else 1.5 * self.interval_s
-            message = (f"comera: lost rank {', '.join(map(str, lost))} of {self.world_size}: no heartbeat for "
-                       f"{silent:.1f} s (killed, out of memory, or its machine is gone){cause}")
-        self.on_lost(lost, f"{message}; rank {self.rank} exits with code {EXIT_CODE} instead of waiting for it. "
-                           "Resume from the newest step checkpoint (comera fit ... --resume auto).")
+            message = (
+                f"comera: lost rank {', '.join(map(str, lost))} of {self.world_size}: no heartbeat for "
+                f"{silent:.1f} s (killed, out of memory, or its machine is gone){cause}"
+            )
+        self.on_lost(
+            lost,
+            f"{message}; rank {self.rank} exits with code {EXIT_CODE} instead of waiting for it. "
+            "Resume from the newest step checkpoint (comera fit ... --resume auto).",
+        )
 
 
 def _store_address() -> str:
@@ -189,11 +202,14 @@ class DeadRankWatchdog(Callback):
             return
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:
-            rank_zero_warn("DeadRankWatchdog: MASTER_ADDR/MASTER_PORT are not set, so there is no store to beat in; "
-                           "a dead process is noticed only through the process group's own timeout")
+            rank_zero_warn(
+                "DeadRankWatchdog: MASTER_ADDR/MASTER_PORT are not set, so there is no store to beat in; "
+                "a dead process is noticed only through the process group's own timeout"
+            )
             return
-        store = dist.TCPStore(host, int(port), trainer.world_size, is_master=False,
-                              timeout=timedelta(seconds=self.timeout_s))
+        store = dist.TCPStore(
+            host, int(port), trainer.world_size, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+        )
         self._heartbeat = Heartbeat(store, trainer.global_rank, trainer.world_size, self.timeout_s).start()
 
     @override

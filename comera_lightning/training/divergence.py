@@ -32,9 +32,11 @@ from typing_extensions import override
 
 __all__ = ["DivergenceError", "DivergenceGuard"]
 
-_FIX = ("lower the learning rates (model.optim.lr_cores / lr_gates / lr_other), enable gradient clipping "
-        "(trainer.gradient_clip_val, e.g. 1.0), add or lengthen LR warmup, and check the data for NaN/inf or "
-        "out-of-range values")
+_FIX = (
+    "lower the learning rates (model.optim.lr_cores / lr_gates / lr_other), enable gradient clipping "
+    "(trainer.gradient_clip_val, e.g. 1.0), add or lengthen LR warmup, and check the data for NaN/inf or "
+    "out-of-range values"
+)
 
 
 class DivergenceError(RuntimeError):
@@ -100,8 +102,9 @@ class DivergenceGuard(Callback):
         if self._loss_finite is None or self._bad_loss_value is None:
             self._loss_finite, self._bad_loss_value = finite, loss.detach().float().reshape(-1)[:1]
         else:
-            self._bad_loss_value = torch.where(self._loss_finite, loss.detach().float().reshape(-1)[:1],
-                                               self._bad_loss_value)
+            self._bad_loss_value = torch.where(
+                self._loss_finite, loss.detach().float().reshape(-1)[:1], self._bad_loss_value
+            )
             self._loss_finite = self._loss_finite & finite
 
     @override
@@ -127,8 +130,10 @@ class DivergenceGuard(Callback):
         what = self._describe(pl_module, params, bad_loss, bad_grads, loss_value)
         where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {self._batch_idx})"
         if self.action == "stop":
-            raise DivergenceError(f"training diverged at {where}: {what}. To fix: {_FIX}; or use "
-                                  f"DivergenceGuard(action='skip') to drop such steps")
+            raise DivergenceError(
+                f"training diverged at {where}: {what}. To fix: {_FIX}; or use "
+                f"DivergenceGuard(action='skip') to drop such steps"
+            )
         for p in params:  # drop the step: no update, no moment, no weight decay, no step count
             p.grad = None
         self.skipped_steps += 1
@@ -138,21 +143,32 @@ class DivergenceGuard(Callback):
                 f"training diverged: {self.consecutive_skips} optimizer steps in a row had {what} (last at "
                 f"{where}); skipping does not help. To fix: {_FIX}"
             )
-        rank_zero_warn(f"DivergenceGuard: skipped {where}: {what} ({self.consecutive_skips} in a row, "
-                       f"{self.skipped_steps} in total)", category=UserWarning)
+        rank_zero_warn(
+            f"DivergenceGuard: skipped {where}: {what} ({self.consecutive_skips} in a row, "
+            f"{self.skipped_steps} in total)",
+            category=UserWarning,
+        )
 
     # --- reporting and state -------------------------------------------------------------------------
-    def _describe(self, pl_module: LightningModule, params: list[torch.Tensor], bad_loss: bool, bad_grads: bool,
-                  loss_value: torch.Tensor | None) -> str:
+    def _describe(
+        self,
+        pl_module: LightningModule,
+        params: list[torch.Tensor],
+        bad_loss: bool,
+        bad_grads: bool,
+        loss_value: torch.Tensor | None,
+    ) -> str:
         parts = []
         if bad_loss:
             value = float(loss_value[0]) if loss_value is not None and loss_value.numel() else math.nan
-            parts.append(f"a non-finite loss ({value})" if not math.isfinite(value) else
-                         "a non-finite loss (on another process)")
+            parts.append(
+                f"a non-finite loss ({value})" if not math.isfinite(value) else "a non-finite loss (on another process)"
+            )
         if bad_grads:
             names = {id(p): n for n, p in pl_module.named_parameters()}
-            bad = [names.get(id(p), "?") for p in params
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            bad = [
+                names.get(id(p), "?") for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             parts.append(f"non-finite gradients ({shown})" if bad else "non-finite gradients (on another process)")
         return " and ".join(parts)

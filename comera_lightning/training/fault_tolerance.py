@@ -99,8 +99,15 @@ def restore_rng_state(state: dict[str, torch.Tensor], device: torch.device | Non
         torch.set_rng_state(state["torch"].detach().to("cpu", torch.uint8))
     if "numpy_keys" in state:
         pos, has_gauss = (int(v) for v in state["numpy_meta"].tolist())
-        np.random.set_state(("MT19937", state["numpy_keys"].cpu().numpy().astype(np.uint32), pos, has_gauss,
-                             float(state["numpy_gauss"].item())))
+        np.random.set_state(
+            (
+                "MT19937",
+                state["numpy_keys"].cpu().numpy().astype(np.uint32),
+                pos,
+                has_gauss,
+                float(state["numpy_gauss"].item()),
+            )
+        )
     if "python" in state:
         values = [int(v) for v in state["python"].tolist()]
         gauss = float(state["python_gauss"].item())
@@ -146,8 +153,11 @@ def find_resume_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
         try:
             _check_loadable(path)
         except Exception as error:
-            warnings.warn(f"FaultTolerance: skipping checkpoint {str(path)!r}, it does not load with "
-                          f"weights_only=True: {type(error).__name__}: {error}", stacklevel=2)
+            warnings.warn(
+                f"FaultTolerance: skipping checkpoint {str(path)!r}, it does not load with "
+                f"weights_only=True: {type(error).__name__}: {error}",
+                stacklevel=2,
+            )
             continue
         return path
     return None
@@ -169,8 +179,10 @@ def requeue_slurm_job() -> None:
     if result.returncode == 0:
         rank_zero_info(f"FaultTolerance: requeued SLURM job {job}")
     else:
-        rank_zero_warn(f"FaultTolerance: `scontrol requeue {job}` failed ({result.returncode}): "
-                       f"{result.stderr.strip()}; resubmit the job by hand")
+        rank_zero_warn(
+            f"FaultTolerance: `scontrol requeue {job}` failed ({result.returncode}): "
+            f"{result.stderr.strip()}; resubmit the job by hand"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- callback
@@ -198,8 +210,14 @@ class FaultTolerance(RemovalPolicyCheckpoint):
             them, and after its save global rank 0 requeues the job (``scontrol requeue``).
     """
 
-    def __init__(self, every_n_steps: int = 100, dirpath: str | None = None, keep: int = 2,
-                 atomic_io: bool = True, signals: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        dirpath: str | None = None,
+        keep: int = 2,
+        atomic_io: bool = True,
+        signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+    ) -> None:
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0 (0 disables), got {every_n_steps}")
         if keep < 1:
@@ -209,9 +227,17 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         if unknown:
             raise ValueError(f"signals: unknown signal name(s) {unknown}; use names such as SIGTERM, SIGUSR1")
         # save_on_train_epoch_end: never defer a step checkpoint to the end of a validation
-        super().__init__(dirpath=dirpath, filename="step={step:09d}", monitor="step", mode="max", save_top_k=keep,
-                         auto_insert_metric_name=False, every_n_train_steps=every_n_steps, every_n_epochs=0,
-                         save_on_train_epoch_end=True)
+        super().__init__(
+            dirpath=dirpath,
+            filename="step={step:09d}",
+            monitor="step",
+            mode="max",
+            save_top_k=keep,
+            auto_insert_metric_name=False,
+            every_n_train_steps=every_n_steps,
+            every_n_epochs=0,
+            save_on_train_epoch_end=True,
+        )
         self.every_n_steps = int(every_n_steps)
         self.keep = int(keep)
         self.atomic_io = atomic_io
@@ -260,8 +286,10 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
-            rank_zero_info(f"FaultTolerance: removed {len(stale)} step checkpoint(s) that are not this run's "
-                           f"from {folder}: {', '.join(p.name for p in stale)}")
+            rank_zero_info(
+                f"FaultTolerance: removed {len(stale)} step checkpoint(s) that are not this run's "
+                f"from {folder}: {', '.join(p.name for p in stale)}"
+            )
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -313,8 +341,9 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         self._step_at_batch_start = trainer.global_step
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not self._previous_handlers or trainer.global_step == self._step_at_batch_start:
             return  # not handling signals, or an accumulation micro-batch: no optimiser step yet
@@ -330,13 +359,18 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         name = signal.Signals(signum).name
         code = 128 + int(signum)
         environment = getattr(trainer.strategy, "cluster_environment", None)
-        requeue = (isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-                   and signum == environment.requeue_signal)
+        requeue = (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and signum == environment.requeue_signal
+        )
         if trainer.is_global_zero:
             where = f"wrote the step checkpoint {path}" if path else "no checkpoint folder"
-            rank_zero_info(f"FaultTolerance: received {name}; finished step {trainer.global_step}, "
-                           f"{where}; exiting with code {code}. Resume with `comera fit ... --resume auto` "
-                           "(or Trainer.fit(..., ckpt_path=find_resume_checkpoint(dirpath))).")
+            rank_zero_info(
+                f"FaultTolerance: received {name}; finished step {trainer.global_step}, "
+                f"{where}; exiting with code {code}. Resume with `comera fit ... --resume auto` "
+                "(or Trainer.fit(..., ckpt_path=find_resume_checkpoint(dirpath)))."
+            )
             if requeue:
                 requeue_slurm_job()
         raise SIGTERMException(code)
@@ -375,8 +409,11 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         found = []
         for loader in loaders:
             collate = getattr(loader, "collate_fn", None)
-            if getattr(loader, "num_workers", 0) == 0 and callable(getattr(collate, "state_dict", None)) \
-                    and callable(getattr(collate, "load_state_dict", None)):
+            if (
+                getattr(loader, "num_workers", 0) == 0
+                and callable(getattr(collate, "state_dict", None))
+                and callable(getattr(collate, "load_state_dict", None))
+            ):
                 found.append(collate)
         return found
 
@@ -401,14 +438,16 @@ class FaultTolerance(RemovalPolicyCheckpoint):
         ranks = rng.get("ranks") or []
         rank = trainer.global_rank
         if len(ranks) != trainer.world_size:
-            rank_zero_warn(f"FaultTolerance: the checkpoint's random state is from {len(ranks)} process(es), this "
-                           f"run has {trainer.world_size}; random streams continue from the seed instead")
+            rank_zero_warn(
+                f"FaultTolerance: the checkpoint's random state is from {len(ranks)} process(es), this "
+                f"run has {trainer.world_size}; random streams continue from the seed instead"
+            )
             return
         state = ranks[rank]
         restore_rng_state(state, trainer.strategy.root_device)
         for i, collate in enumerate(self._collate_fns(trainer)):
             prefix = f"collate{i}."
-            part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             if part:
                 collate.load_state_dict({"rank": getattr(collate, "rank", rank), **part})
 

@@ -77,8 +77,10 @@ class KeepFreedMemory(Callback):
         self.applied = keep_freed_memory(True)
         if not self.applied:
             library = platform.libc_ver()[0] or "not glibc"
-            rank_zero_warn(f"KeepFreedMemory: this C library ({platform.system()}, {library}) has no mallopt; "
-                           "training runs with the allocator's own behaviour. Remove the callback to silence this.")
+            rank_zero_warn(
+                f"KeepFreedMemory: this C library ({platform.system()}, {library}) has no mallopt; "
+                "training runs with the allocator's own behaviour. Remove the callback to silence this."
+            )
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

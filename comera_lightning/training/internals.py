@@ -4,9 +4,9 @@ The rest of the package uses public API of Lightning, Fabric, MLflow and torch, 
 (the TT layers cannot import from ``training/``): ``Module._load_from_state_dict``, the override point torch documents
 for custom state-dict loading, and the inference cache's stamp, which reads ``Tensor._version`` (the in-place
 counter autograd keeps; torch has no public one) and the ``_parameters`` / ``_buffers`` registries directly, as
-the cheapest walk over a layer's tensors on every cached call (not measured against the public iterators). What is here has no public
-equivalent; each entry says what it touches, why, and what to look at when an upgrade breaks it. Checked
-against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used).
+the cheapest walk over a layer's tensors on every cached call (not measured against the public iterators). What
+is here has no public equivalent; each entry says what it touches, why, and what to look at when an upgrade
+breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: nothing private is used).
 
 * ``ModelCheckpoint._should_remove_checkpoint`` (Lightning): :class:`RemovalPolicyCheckpoint`, for
   ``training.fault_tolerance``;
@@ -32,8 +32,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-__all__ = ["IndexSamplerHook", "RemovalPolicyCheckpoint", "buffer_slots", "carry_scheduler_mark",
-           "record_optimizer_step", "reshard_fsdp_parameters_"]
+__all__ = [
+    "IndexSamplerHook",
+    "RemovalPolicyCheckpoint",
+    "buffer_slots",
+    "carry_scheduler_mark",
+    "record_optimizer_step",
+    "reshard_fsdp_parameters_",
+]
 
 
 # --- Lightning ------------------------------------------------------------------------------------------
@@ -149,9 +155,16 @@ def reshard_fsdp_parameters_(
                 if value is None:
                     continue
                 old._post_load_hook_handle.remove()
-                new = FSDPParam(torch.nn.Parameter(value, requires_grad=old.sharded_param.requires_grad),
-                                old._module_info, old.mesh_info, old.post_forward_mesh_info, old.device, None,
-                                old.mp_policy, group.offload_policy)
+                new = FSDPParam(
+                    torch.nn.Parameter(value, requires_grad=old.sharded_param.requires_grad),
+                    old._module_info,
+                    old.mesh_info,
+                    old.post_forward_mesh_info,
+                    old.device,
+                    None,
+                    old.mp_policy,
+                    group.offload_policy,
+                )
                 new._param_fqn = old._param_fqn
                 new.init_dtype_attrs(group.mp_policy)
                 group.fsdp_params[i] = new

@@ -41,8 +41,14 @@ class CompactModelSummary(RichModelSummary):
 
     @override
     def summarize(  # type: ignore[override]  # Lightning's staticmethod; an instance method reaches the lines
-        self, summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
-        model_size: float, total_training_modes: dict[str, int], total_flops: int, **summarize_kwargs: Any,
+        self,
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
     ) -> None:
         from lightning.pytorch.utilities.model_summary import get_human_readable_count
         from rich import get_console
@@ -59,10 +65,12 @@ class CompactModelSummary(RichModelSummary):
         console = get_console()
         console.print(table)
         frozen = int(total_parameters - trainable_parameters)
-        lines = [f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}",
-                 f"[bold]Non-trainable params[/]: {get_human_readable_count(frozen)}",
-                 f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))} ({model_size:.2f} MB)",
-                 *self._extra_lines]
+        lines = [
+            f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}",
+            f"[bold]Non-trainable params[/]: {get_human_readable_count(frozen)}",
+            f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))} ({model_size:.2f} MB)",
+            *self._extra_lines,
+        ]
         if total_flops:
             lines.append(f"[bold]Total FLOPs[/]: {get_human_readable_count(int(total_flops))}")
         for line in lines:

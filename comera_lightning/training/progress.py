@@ -87,8 +87,9 @@ class _StepTimeColumn(ProgressColumn):
     def render(self, task: Task) -> Any:
         if "elapsed_s" not in task.fields:
             return self.fallback.render(task)
-        return Text(f"{_clock_text(task.fields['elapsed_s'])} • {_clock_text(task.fields['remaining_s'])}",
-                    style=self.style)
+        return Text(
+            f"{_clock_text(task.fields['elapsed_s'])} • {_clock_text(task.fields['remaining_s'])}", style=self.style
+        )
 
 
 class _StepRateColumn(ProgressColumn):
@@ -162,6 +163,12 @@ class StepProgressBar(RichProgressBar):
             description = f"[{self.theme.description}]{description}"
         step = trainer.global_step
         self.progress.update(
-            task, completed=step, description=description, visible=True, elapsed_s=self.clock.elapsed(),
-            steps_per_s=self.clock.rate(), remaining_s=self.clock.remaining(step, trainer.max_steps))
+            task,
+            completed=step,
+            description=description,
+            visible=True,
+            elapsed_s=self.clock.elapsed(),
+            steps_per_s=self.clock.rate(),
+            remaining_s=self.clock.remaining(step, trainer.max_steps),
+        )
         self.refresh()

@@ -53,7 +53,10 @@ PLANS = ("half_merge", "sweep", "merge_in_sweep_out", "sweep_in_merge_out", "den
 # non-linearities a TT linear may apply on its middle bond (CoLA's low-rank activation); each maps 0 to 0, so a
 # switched-off bond slice stays exactly removed
 BOTTLENECK_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu, "tanh": torch.tanh,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "relu": torch.relu,
+    "tanh": torch.tanh,
 }
 
 
@@ -148,15 +151,37 @@ def plan_costs(
         batch_flops = 3 * (in_side[0] + out_side[0])
         setup = (merge_in if in_side is merge_in_batch else 0) + (merge_out if out_side is merge_out_batch else 0)
         kernels = 3 * (in_side[2] + out_side[2])
-        kernels += 3 * ((k_merge_in if in_side is merge_in_batch else 0) + (k_merge_out if out_side is merge_out_batch else 0))
+        kernels += 3 * (
+            (k_merge_in if in_side is merge_in_batch else 0) + (k_merge_out if out_side is merge_out_batch else 0)
+        )
         moved = 3 * (in_side[1] + out_side[1])
-        costs.append(_finish(plan, batch_flops + 3 * setup, moved, kernels, in_side[3] + out_side[3],
-                             max(in_side[4], out_side[4]), element_bytes, model))
+        costs.append(
+            _finish(
+                plan,
+                batch_flops + 3 * setup,
+                moved,
+                kernels,
+                in_side[3] + out_side[3],
+                max(in_side[4], out_side[4]),
+                element_bytes,
+                model,
+            )
+        )
     dense_setup = merge_in + merge_out + 2 * M * r * N
     dense_flops = 3 * (2 * B * M * N + dense_setup)
     dense_moved = 3 * (B * M + M * N + B * N)
-    costs.append(_finish("dense", dense_flops, dense_moved, 3 * (1 + 1 + k_merge_in + k_merge_out), M * N,
-                         max(M * N, B * N), element_bytes, model))
+    costs.append(
+        _finish(
+            "dense",
+            dense_flops,
+            dense_moved,
+            3 * (1 + 1 + k_merge_in + k_merge_out),
+            M * N,
+            max(M * N, B * N),
+            element_bytes,
+            model,
+        )
+    )
     return costs
 
 
@@ -475,7 +500,11 @@ class MergedTTLinear(NamedTuple):
 
 
 def merge_tt_linear(
-    cores: Sequence[torch.Tensor], num_in: int, dtype: torch.dtype, rows: int | None = None, cols: int | None = None,
+    cores: Sequence[torch.Tensor],
+    num_in: int,
+    dtype: torch.dtype,
+    rows: int | None = None,
+    cols: int | None = None,
     keep_factors: bool = False,
 ) -> MergedTTLinear:
     """The batch-free part of ``y = x W`` for the TT ``cores`` whose first ``num_in`` cores are the input side.
@@ -502,8 +531,12 @@ def merge_tt_linear(
     return MergedTTLinear(*padded, None, rank, (left, right))
 
 
-def merged_tt_linear(x: torch.Tensor, merged: MergedTTLinear, bias: torch.Tensor | None = None,
-                     activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def merged_tt_linear(
+    x: torch.Tensor,
+    merged: MergedTTLinear,
+    bias: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``x (B, M) @ W + bias`` from a :class:`MergedTTLinear` in ``x``'s dtype: one GEMM, or two through the
     rank-``r`` bottleneck (``(x L) R``, or ``activation(x L) R``)."""
     if activation is not None and merged.weight is not None:

@@ -45,8 +45,10 @@ def _best_factorization(n: int, num_modes: int, largest_allowed: int) -> tuple[i
         rest = _best_factorization(n // first, num_modes - 1, first)
         if rest is not None:
             candidate = (first, *rest)
-            if best is None or max(candidate) < max(best) or (
-                max(candidate) == max(best) and sum(candidate) < sum(best)
+            if (
+                best is None
+                or max(candidate) < max(best)
+                or (max(candidate) == max(best) and sum(candidate) < sum(best))
             ):
                 best = candidate
     return best

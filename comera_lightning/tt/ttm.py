@@ -59,9 +59,7 @@ def ttm_lookup_halves(
     return rows.reshape(ids.shape[0], left.shape[1] * right.shape[2])
 
 
-def ttm_lookup(
-    cores: Sequence[torch.Tensor], ids: torch.Tensor, deduplicate: bool = False
-) -> torch.Tensor:
+def ttm_lookup(cores: Sequence[torch.Tensor], ids: torch.Tensor, deduplicate: bool = False) -> torch.Tensor:
     """Rows ``ids`` (1-d, already validated) of the TTM table, by the half-merge lookup.
 
     With ``deduplicate`` each distinct id is computed once and scattered back, which pays off when a

@@ -9,8 +9,20 @@ import pytest
 import torch
 
 TINY = bench.Shape(vocab=500, dim=24, vocab_modes=(5, 10, 10), dim_modes=(2, 3, 4), batch=4, seq_len=16)
-TINY_ARGS = ["--vocab-size", "500", "--embedding-dim", "24", "--vocab-modes", "5,10,10", "--dim-modes", "2,3,4",
-             "--batch", "4", "--seq-len", "16"]
+TINY_ARGS = [
+    "--vocab-size",
+    "500",
+    "--embedding-dim",
+    "24",
+    "--vocab-modes",
+    "5,10,10",
+    "--dim-modes",
+    "2,3,4",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+]
 
 
 def test_zipf_ids_are_seeded_in_range_and_repeat_far_more_than_uniform_ids():
@@ -60,7 +72,8 @@ def test_stdlib_ids_tokenise_a_code_corpus(tmp_path):
     corpus.mkdir()
     for k in range(6):
         (corpus / f"mod{k}.py").write_text(
-            "\n".join(f"def function_{k}_{j}(value):\n    return value * {j} + {k}\n" for j in range(40)))
+            "\n".join(f"def function_{k}_{j}(value):\n    return value * {j} + {k}\n" for j in range(40))
+        )
     ids = bench.stdlib_ids(300, batch=3, seq_len=16, seed=0, cache_dir=str(tmp_path / "cache"), root=str(corpus))
     assert ids.shape == (3, 16) and ids.dtype == torch.int64
     assert int(ids.min()) >= 0 and int(ids.max()) < 300
@@ -70,8 +83,26 @@ def test_stdlib_ids_tokenise_a_code_corpus(tmp_path):
 
 @pytest.mark.slow
 def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count(tmp_path, capsys):
-    rc = bench.main([*TINY_ARGS, "--ranks", "3", "--distributions", "uniform", "zipf", "--repeats", "1",
-                     "--min-sample-ms", "0.5", "--max-other-load", "1", "--threads", "1", "--out-dir", str(tmp_path)])
+    rc = bench.main(
+        [
+            *TINY_ARGS,
+            "--ranks",
+            "3",
+            "--distributions",
+            "uniform",
+            "zipf",
+            "--repeats",
+            "1",
+            "--min-sample-ms",
+            "0.5",
+            "--max-other-load",
+            "1",
+            "--threads",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "## Ratios" in out and "## Targets (rank 3" in out
@@ -90,13 +121,16 @@ def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count
         fwd = case["memory_forward_bytes"]["nn.Embedding"]
         assert fwd["gradients"] == 0 and fwd["total"] == table_bytes + 64 * 24 * 4  # weight + looked-up rows
         ranks = case["ranks"]
-        core_bytes = 4 * sum(ranks[k] * v * e * ranks[k + 1] for k, (v, e) in enumerate(zip((5, 10, 10), (2, 3, 4), strict=True)))
+        core_bytes = 4 * sum(
+            ranks[k] * v * e * ranks[k + 1] for k, (v, e) in enumerate(zip((5, 10, 10), (2, 3, 4), strict=True))
+        )
         gate_bytes = 4 * sum(ranks[1:-1])
         for name in bench.TT_NAMES:
             assert mem[name]["parameters"] == core_bytes + gate_bytes
             assert mem[name]["total"] >= mem[name]["parameters"] + mem[name]["gradients"]
         assert case["ratios"]["chain_over_ttm_dedup_memory"] == pytest.approx(
-            mem["chain"]["total"] / mem["ttm+dedup"]["total"])
+            mem["chain"]["total"] / mem["ttm+dedup"]["total"]
+        )
         assert case["unique_ids"] <= case["tokens"] == 64
     assert {c["variant"] for c in data["targets"]["cases"]} == {"ttm+dedup", "ttm"}
 
@@ -104,8 +138,25 @@ def test_main_writes_json_and_png_with_measured_memory_that_matches_a_hand_count
 @pytest.mark.slow
 def test_a_missed_target_is_explained_by_a_profile(tmp_path, capsys):
     # at this tiny shape the per-row chain is not 5x slower: the script must profile and print why
-    bench.main([*TINY_ARGS, "--ranks", "2", "--distributions", "zipf", "--repeats", "1", "--min-sample-ms", "0.5",
-                "--max-other-load", "1", "--threads", "1", "--out-dir", str(tmp_path)])
+    bench.main(
+        [
+            *TINY_ARGS,
+            "--ranks",
+            "2",
+            "--distributions",
+            "zipf",
+            "--repeats",
+            "1",
+            "--min-sample-ms",
+            "0.5",
+            "--max-other-load",
+            "1",
+            "--threads",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     data = json.loads((tmp_path / "embedding_lookup.json").read_text())
     if data["targets"]["speed_met"] and data["targets"]["memory_met"]:
@@ -116,14 +167,17 @@ def test_a_missed_target_is_explained_by_a_profile(tmp_path, capsys):
     assert "## Profiles" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--repeats", "0"], "--repeats"),
-    (["--ranks", "0"], "--ranks"),
-    (["--zipf-exponent", "0"], "--zipf-exponent"),
-    (["--vocab-modes", "5,10,9"], "bad table shape"),
-    (["--vocab-modes", "5,a"], "modes must be integers"),
-    (["--distributions", "gauss"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeats", "0"], "--repeats"),
+        (["--ranks", "0"], "--ranks"),
+        (["--zipf-exponent", "0"], "--zipf-exponent"),
+        (["--vocab-modes", "5,10,9"], "bad table shape"),
+        (["--vocab-modes", "5,a"], "modes must be integers"),
+        (["--distributions", "gauss"], "invalid choice"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         bench.main([*TINY_ARGS, *argv, "--out-dir", str(tmp_path)])

@@ -8,8 +8,22 @@ import bench_soak as bench
 
 
 def test_a_short_soak_samples_every_mode_and_reports_the_slope(tmp_path, capsys):
-    bench.main(["--quick", "--steps", "60", "--sample-every", "20", "--warmup", "20", "--modes", "off",
-                "truncate+ckpt", "--out-dir", str(tmp_path)])
+    bench.main(
+        [
+            "--quick",
+            "--steps",
+            "60",
+            "--sample-every",
+            "20",
+            "--warmup",
+            "20",
+            "--modes",
+            "off",
+            "truncate+ckpt",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     res = json.loads((tmp_path / "soak_quick.json").read_text())
     for mode in ("off", "truncate+ckpt"):
         samples = res["results"][mode]["samples"]

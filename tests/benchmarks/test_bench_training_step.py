@@ -42,8 +42,15 @@ def _galore_available() -> bool:
 
 def test_paper_shape_is_the_configs_six_encoder_model():
     shape = bts.paper_shape()
-    assert (shape.vocab_size, shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers, shape.seq_len,
-            shape.num_classes) == (30522, 768, 12, 3072, 6, 128, 3)
+    assert (
+        shape.vocab_size,
+        shape.d_model,
+        shape.num_heads,
+        shape.d_ff,
+        shape.num_layers,
+        shape.seq_len,
+        shape.num_classes,
+    ) == (30522, 768, 12, 3072, 6, 128, 3)
     assert (shape.rank, shape.embedding_rank) == (30, 32)
     # the reference code tensorises the pooler and keeps the 768 -> 3 classifier dense
     assert "pooler" not in shape.dense_layers and "classifier" in shape.dense_layers
@@ -73,8 +80,9 @@ def test_dense_and_comera_candidates_train_with_finite_losses(batch):
         losses = [float(cand.step()) for _ in range(3)]
         assert all(math.isfinite(v) for v in losses), (cand.name, losses)
         assert losses[-1] < cand.info["first_loss"], f"{cand.name} does not learn its one batch: {losses}"
-    assert not any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == TINY.vocab_size
-                   for m in comera.model.modules()), "CoMERA's word embedding must be a TT embedding"
+    assert not any(
+        isinstance(m, torch.nn.Embedding) and m.num_embeddings == TINY.vocab_size for m in comera.model.modules()
+    ), "CoMERA's word embedding must be a TT embedding"
     # word embedding + q,k,v,o,fc1,fc2 per layer + the pooler
     assert len(tt_layers(comera.model)) == 1 + 6 * TINY.num_layers + 1
     assert comera.parameters < dense.parameters
@@ -92,13 +100,18 @@ def test_galore_starts_from_the_dense_model_and_refreshes_only_when_asked(batch)
     first = [galore.optimizer.state[p]["projector"].ortho_matrix for p in targets]
     for _ in range(3):
         assert math.isfinite(float(galore.step()))
-    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is m for p, m in zip(targets, first, strict=True)), \
+    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is m for p, m in zip(targets, first, strict=True)), (
         "a steady-state step must not recompute the projection"
+    )
     galore.info["refresh_step"]()
-    assert all(galore.optimizer.state[p]["projector"].ortho_matrix is not m for p, m in zip(targets, first, strict=True)), \
-        "the refresh step must recompute every projection"
-    assert all(galore.optimizer.state[p]["exp_avg"].shape[-1] == GALORE_TINY["rank"]
-               or galore.optimizer.state[p]["exp_avg"].shape[0] == GALORE_TINY["rank"] for p in targets)
+    assert all(
+        galore.optimizer.state[p]["projector"].ortho_matrix is not m for p, m in zip(targets, first, strict=True)
+    ), "the refresh step must recompute every projection"
+    assert all(
+        galore.optimizer.state[p]["exp_avg"].shape[-1] == GALORE_TINY["rank"]
+        or galore.optimizer.state[p]["exp_avg"].shape[0] == GALORE_TINY["rank"]
+        for p in targets
+    )
 
 
 def test_galore_missing_is_skipped_with_the_install_command(batch, monkeypatch):
@@ -113,8 +126,9 @@ def test_quarter_has_a_quarter_of_the_parameters_and_consistent_optimizer_state(
     quarter = bts.comera_quarter(base, TINY, ids, labels)
     assert quarter.info["basis"] == "total"
     assert quarter.parameters / base.parameters == pytest.approx(0.25, abs=0.02)
-    assert quarter.info["parameters"] == quarter.parameters == bts.parameters_after_cut(base.model,
-                                                                                          quarter.info["keep"])
+    assert (
+        quarter.info["parameters"] == quarter.parameters == bts.parameters_after_cut(base.model, quarter.info["keep"])
+    )
     assert base.model is not quarter.model and base.parameters == bts.trainable_parameters(base.model)
     for _, layer in tt_layers(quarter.model):
         assert all(bool(m.all()) for m in layer.rank_masks), "after truncation every remaining slice is active"
@@ -127,8 +141,16 @@ def test_quarter_has_a_quarter_of_the_parameters_and_consistent_optimizer_state(
 
 def test_quarter_falls_back_to_the_tt_parameters_when_the_rest_is_too_big(batch):
     ids, labels = batch
-    shape = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0,
-                      dense_layers="position|token_type|pooler|classifier|fc1|fc2")
+    shape = bts.Shape(
+        vocab_size=300,
+        d_model=64,
+        num_heads=2,
+        d_ff=256,
+        num_layers=1,
+        seq_len=16,
+        dropout=0.0,
+        dense_layers="position|token_type|pooler|classifier|fc1|fc2",
+    )
     base = bts.comera(shape, ids, labels)
     quarter = bts.comera_quarter(base, shape, ids, labels)
     assert quarter.info["basis"] == "tt"
@@ -216,8 +238,12 @@ def test_bf16_mixed_autocasts_forward_and_keeps_float32_state(batch):
     assert outputs == [torch.bfloat16]
     assert {p.dtype for p in cand.model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in cand.model.parameters() if p.grad is not None} == {torch.float32}
-    assert {v.dtype for state in cand.optimizer.state.values() for v in state.values()
-            if torch.is_tensor(v) and v.is_floating_point()} == {torch.float32}
+    assert {
+        v.dtype
+        for state in cand.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.is_floating_point()
+    } == {torch.float32}
 
 
 def test_execution_validates_and_names_the_outputs():
@@ -248,9 +274,16 @@ def test_device_times_reads_a_cuda_profiles_key_averages():
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     event = lambda key, device, us, note=False: SimpleNamespace(  # noqa: E731
-        key=key, device_type=device, self_device_time_total=us, is_user_annotation=note)
-    events = [event("aten::mm", cpu, 300.0), event("aten::add", cpu, 100.0), event("aten::view", cpu, 0.0),
-              event("gemm_kernel", cuda, 300.0), event("add_kernel", cuda, 100.0), event("step", cuda, 999.0, True)]
+        key=key, device_type=device, self_device_time_total=us, is_user_annotation=note
+    )
+    events = [
+        event("aten::mm", cpu, 300.0),
+        event("aten::add", cpu, 100.0),
+        event("aten::view", cpu, 0.0),
+        event("gemm_kernel", cuda, 300.0),
+        event("add_kernel", cuda, 100.0),
+        event("step", cuda, 999.0, True),
+    ]
     out = harness.device_times(events, iterations=2)
     assert out["total_self_device_s"] == pytest.approx(200e-6)
     assert out["device_ops_s"] == pytest.approx({"aten::mm": 150e-6, "aten::add": 50e-6})
@@ -260,9 +293,30 @@ def test_device_times_reads_a_cuda_profiles_key_averages():
 def test_main_bf16_mixed_on_the_cpu_records_it_and_trains(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
-    assert bts.main(["--quick", "--part", "step", "--precision", "bf16-mixed", "--batch", "2", "--repeats", "1",
-                     "--refresh-samples", "0", "--profile", "never", "--max-other-load", "1",
-                     "--out-dir", str(tmp_path)]) == 0
+    assert (
+        bts.main(
+            [
+                "--quick",
+                "--part",
+                "step",
+                "--precision",
+                "bf16-mixed",
+                "--batch",
+                "2",
+                "--repeats",
+                "1",
+                "--refresh-samples",
+                "0",
+                "--profile",
+                "never",
+                "--max-other-load",
+                "1",
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "bf16-mixed (float32 weights) CPU" in capsys.readouterr().out
     assert not (tmp_path / "training_step.json").exists()  # the float32 results are not overwritten
     step = json.loads((tmp_path / "training_step_bf16.json").read_text())
@@ -293,10 +347,32 @@ def test_device_cuda_without_cuda_fails_clearly(capsys):
 def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
-    rc = bts.main(["--batch", "2", "--layers", "1", "--repeats", "1", "--refresh-samples", "1", "--profile", "always",
-                   "--min-total-s", "0",
-                   "--d-models", "64", "--scaling-layers", "1", "--scaling-batch", "1", "--max-other-load", "1",
-                   "--out-dir", str(tmp_path)])
+    rc = bts.main(
+        [
+            "--batch",
+            "2",
+            "--layers",
+            "1",
+            "--repeats",
+            "1",
+            "--refresh-samples",
+            "1",
+            "--profile",
+            "always",
+            "--min-total-s",
+            "0",
+            "--d-models",
+            "64",
+            "--scaling-layers",
+            "1",
+            "--scaling-batch",
+            "1",
+            "--max-other-load",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "time dense/CoMERA" in out and "target (issue 6)" in out and out.count("why (profile") == 2
@@ -310,7 +386,8 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
         assert entry["median_s"] > 0 and entry["tokens_per_s"] > 0 and entry["memory"]["total"] > 0, name
         assert len(res["timing"]["samples_s"][name]) >= 1
     assert res["ratios"]["time dense/CoMERA"] == pytest.approx(
-        res["candidates"][bts.DENSE]["median_s"] / res["candidates"][bts.COMERA]["median_s"])
+        res["candidates"][bts.DENSE]["median_s"] / res["candidates"][bts.COMERA]["median_s"]
+    )
     assert len(step["verdicts"]) == 3 and [v["batch"] for v in step["verdicts"]] == [2, 1, 1]
     profiles = step["profiles"]
     assert set(profiles) == {"1", "2"} and profiles["2"]["against"] == bts.DENSE
@@ -328,8 +405,27 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
 def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
     monkeypatch.setitem(sys.modules, "galore_torch", None)
-    assert bts.main(["--part", "step", "--batch", "1", "--repeats", "1", "--profile", "never", "--min-total-s", "0",
-                     "--max-other-load", "1", "--out-dir", str(tmp_path)]) == 0
+    assert (
+        bts.main(
+            [
+                "--part",
+                "step",
+                "--batch",
+                "1",
+                "--repeats",
+                "1",
+                "--profile",
+                "never",
+                "--min-total-s",
+                "0",
+                "--max-other-load",
+                "1",
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "skipped" in out and "pip install -e .[galore]" in out
     step = json.loads((tmp_path / "training_step.json").read_text())
@@ -338,12 +434,15 @@ def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "training_scaling.json").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--part", "bogus"], "invalid choice"),
-    (["--batch", "0"], "positive integer"),
-    (["--batch", "many"], "positive integer"),
-    (["--d-models", "100"], "multiples of 64"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--part", "bogus"], "invalid choice"),
+        (["--batch", "0"], "positive integer"),
+        (["--batch", "many"], "positive integer"),
+        (["--d-models", "100"], "multiples of 64"),
+    ],
+)
 def test_bad_arguments_fail_clearly(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bts.main(argv)

@@ -8,8 +8,25 @@ import bench_tt_linear as bench
 import pytest
 import torch
 
-ONE_CASE = ["--quick", "--shapes", "768x768", "--rows", "1", "--ranks", "8", "--repeats", "1", "--min-case-s", "0",
-            "--min-sample-ms", "1", "--max-other-load", "1", "--threads", "1"]
+ONE_CASE = [
+    "--quick",
+    "--shapes",
+    "768x768",
+    "--rows",
+    "1",
+    "--ranks",
+    "8",
+    "--repeats",
+    "1",
+    "--min-case-s",
+    "0",
+    "--min-sample-ms",
+    "1",
+    "--max-other-load",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def test_case_list_puts_the_main_cases_first_without_duplicates():
@@ -51,7 +68,8 @@ def test_one_case_end_to_end_writes_tables_json_and_png(tmp_path, capsys):
         assert len(c["samples_s"]) == case["rounds_used"] >= 1 and c["median_s"] > 0
     assert cands["nn.Linear"]["memory"]["param_bytes"] == (768 * 768 + 768) * 4
     assert case["ratios"]["dense_time_over_tt_time"] == pytest.approx(
-        cands["nn.Linear"]["median_s"] / cands["planner"]["median_s"])
+        cands["nn.Linear"]["median_s"] / cands["planner"]["median_s"]
+    )
     assert case["noise_cell"].startswith(f"{case['rounds_clean']}/{case['rounds_total']}")
     assert data["meta"]["machine"]["torch"] == torch.__version__
     assert data["targets"]["planner_never_slower_than_best_einsum"]["met"] in (True, False)
@@ -65,11 +83,14 @@ def test_out_still_names_the_json_and_the_png_goes_next_to_it(tmp_path, capsys):
     assert (tmp_path / "sub" / "tt.png").is_file()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--rows", "7"], "leave no case"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--shapes", "1x1"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rows", "7"], "leave no case"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--shapes", "1x1"], "invalid choice"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--quick", *argv])

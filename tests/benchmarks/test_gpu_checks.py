@@ -32,21 +32,43 @@ def _write(path: Path, payload: dict) -> None:
 
 def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, comera_ppl: float) -> None:
     """What the four checks write, trimmed to the fields the summary reads."""
-    _write(work / "cuda_graphs" / "cuda_graphs.json", {
-        "skipped": False, "identity": [{"identical": True}, {"identical": True}],
-        "timing": [{"size": "quickstart", "precision": "bf16-mixed", "batch": 1, "speedup": graphs_speedup},
-                   {"size": "quickstart", "precision": "bf16-mixed", "batch": 32, "speedup": 1.05}]})
-    cands = {"dense+AdamW": {"skipped": None, "memory": {"total": 900}},
-             "dense+GaLore": {"skipped": None, "memory": {"total": 1000}},
-             "CoMERA r30": {"skipped": None, "memory": {"total": 100}}}
-    _write(work / "training_step" / "training_step_cuda_bf16.json", {
-        "results": {"1": {"candidates": cands, "ratios": {"time dense/CoMERA": 1.1}},
-                    "32": {"candidates": cands, "ratios": {"time dense/CoMERA": step_speedup}}},
-        "profiles": {"32": {"why": "aten::mm 40 %"}}})
+    _write(
+        work / "cuda_graphs" / "cuda_graphs.json",
+        {
+            "skipped": False,
+            "identity": [{"identical": True}, {"identical": True}],
+            "timing": [
+                {"size": "quickstart", "precision": "bf16-mixed", "batch": 1, "speedup": graphs_speedup},
+                {"size": "quickstart", "precision": "bf16-mixed", "batch": 32, "speedup": 1.05},
+            ],
+        },
+    )
+    cands = {
+        "dense+AdamW": {"skipped": None, "memory": {"total": 900}},
+        "dense+GaLore": {"skipped": None, "memory": {"total": 1000}},
+        "CoMERA r30": {"skipped": None, "memory": {"total": 100}},
+    }
+    _write(
+        work / "training_step" / "training_step_cuda_bf16.json",
+        {
+            "results": {
+                "1": {"candidates": cands, "ratios": {"time dense/CoMERA": 1.1}},
+                "32": {"candidates": cands, "ratios": {"time dense/CoMERA": step_speedup}},
+            },
+            "profiles": {"32": {"why": "aten::mm 40 %"}},
+        },
+    )
     step = {"global_step": 200, "truncations": 3, "rank_sum_start": 500, "rank_sum_end": 300, "checkpoint": "a"}
     _write(work / "fit_resume" / "fit_check.json", {"first": step, "resumed": {**step, "global_step": 240}})
-    run = lambda method, ppl: {"method": method, "tokens": 1000, "train_s": 2.0,  # noqa: E731
-                               "final": {"metrics": {"val/perplexity": ppl}, "compression_ratio": 1.0}}
+
+    def run(method, ppl):
+        return {
+            "method": method,
+            "tokens": 1000,
+            "train_s": 2.0,
+            "final": {"metrics": {"val/perplexity": ppl}, "compression_ratio": 1.0},
+        }
+
     _write(work / "llm_60m" / "llm_study.json", {"runs": [run("dense", 30.0), run("comera", comera_ppl)]})
 
 
@@ -72,7 +94,11 @@ def test_summary_reports_misses_and_missing_checks(tmp_path):
     work = tmp_path / "work"
     _fake_outputs(work, step_speedup=1.5, graphs_speedup=1.1, comera_ppl=31.0)
     (work / "fit_resume" / "fit_check.json").unlink()
-    gpu_checks.write_summary(tmp_path, work, {"fit_resume": {"status": "failed", "wall_s": 3.0, "detail": "exit 1"}},
-                             {"cuda": None, "cpu": "test CPU"})
+    gpu_checks.write_summary(
+        tmp_path,
+        work,
+        {"fit_resume": {"status": "failed", "wall_s": 3.0, "detail": "exit 1"}},
+        {"cuda": None, "cpu": "test CPU"},
+    )
     text = (tmp_path / "summary.md").read_text()
     assert text.count("MISSED") == 3 and "| n/a |" in text and "exit 1" in text

@@ -65,8 +65,9 @@ def test_interleave_keeps_every_candidate_and_orders_rounds_randomly():
 
         return step
 
-    timing = harness.interleave({"a": make("a", 8), "b": make("b", 200)}, repeats=3, min_sample_s=0.001,
-                                max_other_load=1.0, seed=1)
+    timing = harness.interleave(
+        {"a": make("a", 8), "b": make("b", 200)}, repeats=3, min_sample_s=0.001, max_other_load=1.0, seed=1
+    )
     assert set(timing.samples) == {"a", "b"}
     assert all(len(v) >= 3 for v in timing.samples.values())
     assert calls["a"] > 3 and calls["b"] > 3
@@ -118,11 +119,21 @@ def test_cuda_profile_leaves_the_final_device_drain_out_of_the_host_ops(monkeypa
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def event(key, device, cpu_us, device_us=0.0):
-        return SimpleNamespace(key=key, device_type=device, self_cpu_time_total=cpu_us, count=2,
-                               self_device_time_total=device_us, is_user_annotation=False)
+        return SimpleNamespace(
+            key=key,
+            device_type=device,
+            self_cpu_time_total=cpu_us,
+            count=2,
+            self_device_time_total=device_us,
+            is_user_annotation=False,
+        )
 
-    averages = [event("aten::mm", cpu, 300.0, 500.0), event("cudaLaunchKernel", cpu, 100.0),
-                event("cudaDeviceSynchronize", cpu, 5000.0), event("gemm_kernel", cuda, 0.0, 500.0)]
+    averages = [
+        event("aten::mm", cpu, 300.0, 500.0),
+        event("cudaLaunchKernel", cpu, 100.0),
+        event("cudaDeviceSynchronize", cpu, 5000.0),
+        event("gemm_kernel", cuda, 0.0, 500.0),
+    ]
 
     class FakeProfile:
         def __init__(self, activities):

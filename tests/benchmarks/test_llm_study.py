@@ -23,8 +23,16 @@ def test_spec_from_a_text_config_keeps_its_datamodule_and_recipe():
 
 def test_overrides_set_nested_values_as_yaml():
     spec = llm_study.spec_from_config(LLM_60M)
-    llm_study.apply_overrides(spec, ["data.root=stdlib", "data.val_files=null", "model.optim.warmup_steps=7",
-                                     "rank.gamma=0.01", "data.files='**/*.py'"])
+    llm_study.apply_overrides(
+        spec,
+        [
+            "data.root=stdlib",
+            "data.val_files=null",
+            "model.optim.warmup_steps=7",
+            "rank.gamma=0.01",
+            "data.files='**/*.py'",
+        ],
+    )
     assert spec.data_kwargs["root"] == "stdlib" and spec.data_kwargs["val_files"] is None
     assert spec.data_kwargs["files"] == "**/*.py"
     assert spec.task_kwargs["optim"]["warmup_steps"] == 7 and spec.task_kwargs["optim"]["schedule"] == "cosine"
@@ -59,11 +67,38 @@ def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_matched_protocol_on_a_text_corpus_in_bf16(tmp_path):
-    argv = ["--quick", "--config", str(LLM_60M), "--protocols", "matched", "--methods", "dense", "comera",
-            "--precision", "bf16-mixed", "--budget-s", "1.5", "--threads", "1", "--out-dir", str(tmp_path),
-            "--cache-dir", str(tmp_path / "cache"), "--set", "data.root=stdlib", "--set", "data.files='email/*.py'",
-            "--set", "data.val_files=null", "--set", "data.tokenizer_path=null", "--set", "data.num_workers=0",
-            "--set", "data.val_fraction=0.2"]
+    argv = [
+        "--quick",
+        "--config",
+        str(LLM_60M),
+        "--protocols",
+        "matched",
+        "--methods",
+        "dense",
+        "comera",
+        "--precision",
+        "bf16-mixed",
+        "--budget-s",
+        "1.5",
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--set",
+        "data.root=stdlib",
+        "--set",
+        "data.files='email/*.py'",
+        "--set",
+        "data.val_files=null",
+        "--set",
+        "data.tokenizer_path=null",
+        "--set",
+        "data.num_workers=0",
+        "--set",
+        "data.val_fraction=0.2",
+    ]
     assert llm_study.main(argv) == 0
     result = json.loads((tmp_path / "llm_study.json").read_text())
     assert result["spec"]["precision"] == "bf16-mixed" and result["spec"]["datamodule"] == "TextLMDataModule"
@@ -80,9 +115,34 @@ def test_matched_protocol_on_a_text_corpus_in_bf16(tmp_path):
 
 
 def test_a_corpus_too_small_to_validate_on_is_refused_by_name(tmp_path):
-    argv = ["--quick", "--config", str(LLM_60M), "--protocols", "steps", "--methods", "dense", "--steps", "2",
-            "--threads", "1", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
-            "--set", "data.root=stdlib", "--set", "data.files='json/*.py'", "--set", "data.val_files=null",
-            "--set", "data.tokenizer_path=null", "--set", "data.num_workers=0", "--set", "data.val_fraction=0.01"]
+    argv = [
+        "--quick",
+        "--config",
+        str(LLM_60M),
+        "--protocols",
+        "steps",
+        "--methods",
+        "dense",
+        "--steps",
+        "2",
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--set",
+        "data.root=stdlib",
+        "--set",
+        "data.files='json/*.py'",
+        "--set",
+        "data.val_files=null",
+        "--set",
+        "data.tokenizer_path=null",
+        "--set",
+        "data.num_workers=0",
+        "--set",
+        "data.val_fraction=0.01",
+    ]
     with pytest.raises(ValueError, match=r"validation set is empty .* data.val_fraction"):
         llm_study.main(argv)

@@ -21,11 +21,18 @@ def test_points_parse_and_refuse_bad_input():
     assert ps.Point.parse("comera:50:ramp=0.9") == ps.Point("comera", 50.0, ramp_fraction=0.9)
     assert ps.Point.parse("comera:50:floor=1:ramp=0.9").name == "comera:50:floor=1:ramp=0.9"
     assert ps.Point.parse("lowrank:8").family == "lowrank" and ps.Point.parse("comera:5").family == "comera"
-    for bad, match in [("sparse:3", "write dense:WIDTH"), ("dense", "write dense:WIDTH"), ("dense:x", "not a number"),
-                       ("dense:4.5", "positive integers"), ("comera:0", "positive"),
-                       ("dense:8:floor=1", "only comera points take options"), ("comera:5:gamma=1", "only floor=F"),
-                       ("comera:5:floor=high", "floor needs a number"), ("comera:5:ramp=0", r"in \(0, 1\]"),
-                       ("comera:5:ramp=1.5", r"in \(0, 1\]")]:
+    for bad, match in [
+        ("sparse:3", "write dense:WIDTH"),
+        ("dense", "write dense:WIDTH"),
+        ("dense:x", "not a number"),
+        ("dense:4.5", "positive integers"),
+        ("comera:0", "positive"),
+        ("dense:8:floor=1", "only comera points take options"),
+        ("comera:5:gamma=1", "only floor=F"),
+        ("comera:5:floor=high", "floor needs a number"),
+        ("comera:5:ramp=0", r"in \(0, 1\]"),
+        ("comera:5:ramp=1.5", r"in \(0, 1\]"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ps.Point.parse(bad)
 
@@ -60,8 +67,9 @@ def test_low_rank_points_are_plain_products_with_frozen_gates(spec):
         task, _, method = ps.build_point(spec, ps.Point.parse(f"lowrank:{rank}"))
         layers = [layer for _, layer in tt_layers(task)]
         assert method == "dense"  # no rank callbacks: nothing decides ranks
-        assert layers and all(len(layer.cores) == 2 and layer.ranks == [1, min(rank, *layer.mode_sizes), 1]
-                              for layer in layers)
+        assert layers and all(
+            len(layer.cores) == 2 and layer.ranks == [1, min(rank, *layer.mode_sizes), 1] for layer in layers
+        )
         assert not any(gate.requires_grad for layer in layers for gate in layer.gates)
         sizes.append(size_report(task).active_parameters)
     assert sizes[0] < sizes[1]
@@ -93,20 +101,52 @@ def test_interpolation_in_log_parameters():
 
 
 def _study(seed, runs, task="mlm", higher=True):
-    return {"task": task, "seed": seed, "higher_is_better": higher, "late_start_step": 4, "spec": {"steps": 10},
-            "runs": {name: {"family": name.split(":")[0], "kind": name.split(":")[0], "metric": "m",
-                            "final_metric": value, "params_active": params, "compression_ratio": 1000 / params,
-                            "late_dip": 0.0 if name.startswith("comera") else None}
-                     for name, (params, value) in runs.items()}}
+    return {
+        "task": task,
+        "seed": seed,
+        "higher_is_better": higher,
+        "late_start_step": 4,
+        "spec": {"steps": 10},
+        "runs": {
+            name: {
+                "family": name.split(":")[0],
+                "kind": name.split(":")[0],
+                "metric": "m",
+                "final_metric": value,
+                "params_active": params,
+                "compression_ratio": 1000 / params,
+                "late_dip": 0.0 if name.startswith("comera") else None,
+            }
+            for name, (params, value) in runs.items()
+        },
+    }
 
 
 def test_aggregate_compares_at_equal_size_and_finds_the_free_compression():
-    a = _study(0, {"dense:64": (1000, 0.50), "dense:16": (100, 0.20), "dense:8": (10, 0.10),
-                   "lowrank:4": (100, 0.25), "lowrank:2": (10, 0.05),
-                   "comera:10": (100, 0.495), "comera:50": (20, 0.30)})
-    b = _study(1, {"dense:64": (1000, 0.52), "dense:16": (100, 0.22), "dense:8": (10, 0.12),
-                   "lowrank:4": (100, 0.27), "lowrank:2": (10, 0.07),
-                   "comera:10": (100, 0.505), "comera:50": (20, 0.10)})
+    a = _study(
+        0,
+        {
+            "dense:64": (1000, 0.50),
+            "dense:16": (100, 0.20),
+            "dense:8": (10, 0.10),
+            "lowrank:4": (100, 0.25),
+            "lowrank:2": (10, 0.05),
+            "comera:10": (100, 0.495),
+            "comera:50": (20, 0.30),
+        },
+    )
+    b = _study(
+        1,
+        {
+            "dense:64": (1000, 0.52),
+            "dense:16": (100, 0.22),
+            "dense:8": (10, 0.12),
+            "lowrank:4": (100, 0.27),
+            "lowrank:2": (10, 0.07),
+            "comera:10": (100, 0.505),
+            "comera:50": (20, 0.10),
+        },
+    )
     agg = ps.aggregate([a, b])
     p = agg["points"]["comera:50"]
     assert (p["metric_mean"], p["metric_min"], p["metric_max"]) == pytest.approx((0.20, 0.10, 0.30))
@@ -130,8 +170,12 @@ def test_aggregate_compares_at_equal_size_and_finds_the_free_compression():
 
 
 def test_perplexity_tolerance_is_five_percent():
-    a = _study(0, {"dense:64": (1000, 20.0), "dense:8": (10, 80.0), "comera:5": (200, 20.9),
-                   "comera:20": (50, 21.5)}, task="lm", higher=False)
+    a = _study(
+        0,
+        {"dense:64": (1000, 20.0), "dense:8": (10, 80.0), "comera:5": (200, 20.9), "comera:20": (50, 21.5)},
+        task="lm",
+        higher=False,
+    )
     agg = ps.aggregate([a])
     assert agg["free_compression"]["point"] == "comera:5"  # 20.9 <= 21.0, 21.5 > 21.0
     assert agg["comparisons"]["comera:20"]["vs_dense"] > 0  # dense perplexity at 50 parameters is higher
@@ -147,8 +191,23 @@ def test_late_dip_measures_the_fall_after_the_switch():
 
 
 def test_end_to_end_resumes_and_aggregates(tmp_path, capsys):
-    argv = ["--task", "mlm", "--quick", "--steps", "4", "--threads", "1", "--out-dir", str(tmp_path),
-            "--cache-dir", str(tmp_path / "cache"), "--points", "dense:16", "lowrank:2", "comera:4:floor=1"]
+    argv = [
+        "--task",
+        "mlm",
+        "--quick",
+        "--steps",
+        "4",
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--points",
+        "dense:16",
+        "lowrank:2",
+        "comera:4:floor=1",
+    ]
     assert ps.main(argv) == 0
     out = tmp_path / "pareto_mlm_stdlib_s0_quick.json"
     study = json.loads(out.read_text())

@@ -17,9 +17,21 @@ STEPS, BUDGET_S, VAL_EVERY = 6, 1.5, 3
 def study(tmp_path_factory) -> tuple[Path, str]:
     """One tiny run of both studies and both protocols through ``main`` (the command-line path)."""
     out = tmp_path_factory.mktemp("quality")
-    argv = ["--quick", "--steps", str(STEPS), "--budget-s", str(BUDGET_S), "--val-every", str(VAL_EVERY),
-            "--threads", "1",  # two threads on a busy 2-core machine spin-wait on each other: 10x slower steps
-            "--out-dir", str(out), "--cache-dir", str(out / "cache")]
+    argv = [
+        "--quick",
+        "--steps",
+        str(STEPS),
+        "--budget-s",
+        str(BUDGET_S),
+        "--val-every",
+        str(VAL_EVERY),
+        "--threads",
+        "1",  # two threads on a busy 2-core machine spin-wait on each other: 10x slower steps
+        "--out-dir",
+        str(out),
+        "--cache-dir",
+        str(out / "cache"),
+    ]
     assert qs.main(argv) == 0
     return out, (out / "quality_study.md").read_text()
 
@@ -150,9 +162,29 @@ def test_bad_settings_in_the_api_are_refused():
 
 @pytest.mark.slow
 def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
-    argv = ["--quick", "--study", "mlm", "--protocol", "matched", "--steps", str(STEPS), "--val-every", "3",
-            "--methods", "dense", "comera", "comera-paper", "--threads", "1", "--tag", "_m",
-            "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    argv = [
+        "--quick",
+        "--study",
+        "mlm",
+        "--protocol",
+        "matched",
+        "--steps",
+        str(STEPS),
+        "--val-every",
+        "3",
+        "--methods",
+        "dense",
+        "comera",
+        "comera-paper",
+        "--threads",
+        "1",
+        "--tag",
+        "_m",
+        "--out-dir",
+        str(tmp_path),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     assert qs.main(argv) == 0
     result = json.loads((tmp_path / "quality_mlm_m.json").read_text())
     assert not (tmp_path / "quality_mlm_m.partial.json").exists()
@@ -171,8 +203,21 @@ def test_matched_protocol_gives_comera_the_dense_runs_wall_clock(tmp_path):
 @pytest.mark.slow
 def test_a_cut_off_study_resumes_and_a_changed_one_is_refused(study, tmp_path, capsys):
     out, _ = study
-    argv = ["--quick", "--study", "dlrm", "--steps", str(STEPS), "--budget-s", str(BUDGET_S), "--val-every",
-            str(VAL_EVERY), "--threads", "1", "--out-dir", str(tmp_path)]
+    argv = [
+        "--quick",
+        "--study",
+        "dlrm",
+        "--steps",
+        str(STEPS),
+        "--budget-s",
+        str(BUDGET_S),
+        "--val-every",
+        str(VAL_EVERY),
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     (tmp_path / "quality_dlrm.partial.json").write_text((out / "quality_dlrm.json").read_text())
     assert qs.main(argv) == 0
     assert capsys.readouterr().out.count("already in") == 4  # every run was there: nothing trained again

@@ -21,8 +21,11 @@ def _callbacks(*configs: Path) -> list:
 
 
 def test_each_fragment_adds_its_callback():
-    kinds = {"rank_adaptation.yaml": RankAdaptation, "contraction_planner.yaml": ContractionPlanner,
-             "tensorize.yaml": Tensorize}
+    kinds = {
+        "rank_adaptation.yaml": RankAdaptation,
+        "contraction_planner.yaml": ContractionPlanner,
+        "tensorize.yaml": Tensorize,
+    }
     for name, kind in kinds.items():
         assert sum(isinstance(c, kind) for c in _callbacks(FRAGMENTS / name)) == 1, name
 
@@ -41,8 +44,13 @@ def test_fragment_is_valid_yaml_for_the_cli(name):
 
 
 def test_tensorize_from_the_command_line():
-    args = ["--trainer.callbacks+=comera_lightning.callbacks.Tensorize", "--trainer.callbacks.rank=8",
-            "--trainer.callbacks.min_features=16", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+    args = [
+        "--trainer.callbacks+=comera_lightning.callbacks.Tensorize",
+        "--trainer.callbacks.rank=8",
+        "--trainer.callbacks.min_features=16",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+    ]
     cli = LightningCLI(TinyRegressor, run=False, args=args, save_config_callback=None)
     found = [c for c in cli.trainer.callbacks if isinstance(c, Tensorize)]
     assert len(found) == 1 and found[0].arguments["rank"] == 8 and found[0].arguments["min_features"] == 16

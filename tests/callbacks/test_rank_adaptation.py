@@ -17,8 +17,16 @@ from comera_lightning.tt import bond_weights
 
 
 def _trainer(tmp_path, callbacks, max_steps=40, **kwargs) -> Trainer:
-    options = dict(max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                   enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    options = dict(
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -36,7 +44,11 @@ def test_penalty_gradient_added_to_gates_once_per_step():
     callback.on_before_optimizer_step(None, model, optimizer)
     # independent computation: d(weighted mean |d|)/dd = w_k * sign(d) / sum_k w_k * r_k
     weights = [bond_weights(layer.mode_sizes, layer.active_ranks) for layer in layers]
-    normaliser = sum(wk * gate.numel() for w, layer in zip(weights, layers, strict=True) for wk, gate in zip(w, layer.gates, strict=True))
+    normaliser = sum(
+        wk * gate.numel()
+        for w, layer in zip(weights, layers, strict=True)
+        for wk, gate in zip(w, layer.gates, strict=True)
+    )
     for w, layer in zip(weights, layers, strict=True):
         for wk, gate in zip(w, layer.gates, strict=True):
             torch.testing.assert_close(gate.grad, torch.full_like(gate, 0.5 * wk / normaliser))
@@ -61,8 +73,14 @@ def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path, polic
     model = TinyRegressor()
     dense = size_report(model).dense_equivalent_parameters
     late_stage = "paper" if policy == "paper" else ScheduledLateStage(cut_every_n_steps=4, max_cut_fraction=0.25)
-    callback = RankAdaptation(gamma=0.01, late_start_step=8, target_compression=8.0, late_stage=late_stage,
-                              truncate_every_n_steps=8, min_dead_fraction=0.1)
+    callback = RankAdaptation(
+        gamma=0.01,
+        late_start_step=8,
+        target_compression=8.0,
+        late_stage=late_stage,
+        truncate_every_n_steps=8,
+        min_dead_fraction=0.1,
+    )
     planner = ContractionPlanner()
     _trainer(tmp_path, [callback, planner], max_steps=96).fit(model, regression_loader())
     report = size_report(model)
@@ -79,8 +97,12 @@ def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path, polic
                 assert value.shape == p.shape
     # training went on after the truncations: the loss keeps falling at the end of the run
     assert sum(model.losses[-8:]) < sum(model.losses[-24:-16])
-    assert planner.plans and all(entry["ranks"] == layer.ranks for name, entry in planner.plans.items()
-                                 for n, layer in tt_layers(model) if n == name)
+    assert planner.plans and all(
+        entry["ranks"] == layer.ranks
+        for name, entry in planner.plans.items()
+        for n, layer in tt_layers(model)
+        if n == name
+    )
 
 
 def test_accumulation_adds_penalty_once_per_optimizer_step(tmp_path):
@@ -91,8 +113,9 @@ def test_accumulation_adds_penalty_once_per_optimizer_step(tmp_path):
             calls.append(trainer.global_step)
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
-    trainer = _trainer(tmp_path, [Counting(gamma=0.3, truncate_every_n_steps=4)], max_steps=12,
-                       accumulate_grad_batches=2)
+    trainer = _trainer(
+        tmp_path, [Counting(gamma=0.3, truncate_every_n_steps=4)], max_steps=12, accumulate_grad_batches=2
+    )
     trainer.fit(TinyRegressor(), regression_loader())
     assert len(calls) == trainer.global_step == 12
 
@@ -118,8 +141,9 @@ class _Snapshot(Callback):
 
 @pytest.mark.slow
 def test_ddp_two_processes_agree_on_ranks_and_parameters(tmp_path):
-    callback = RankAdaptation(gamma=0.3, late_start_step=10, target_compression=6.0,
-                              truncate_every_n_steps=6, min_dead_fraction=0.1)
+    callback = RankAdaptation(
+        gamma=0.3, late_start_step=10, target_compression=6.0, truncate_every_n_steps=6, min_dead_fraction=0.1
+    )
     trainer = _trainer(tmp_path, [callback, _Snapshot(tmp_path)], max_steps=24, strategy="ddp_spawn", devices=2)
     trainer.fit(TinyRegressor(), regression_loader())
     first, second = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
@@ -134,15 +158,19 @@ def test_ddp_two_processes_agree_on_ranks_and_parameters(tmp_path):
 
 def test_resume_after_truncation_matches_uninterrupted_run(tmp_path):
     def callbacks():
-        return [RankAdaptation(gamma=1.0, late_start_step=16, target_compression=6.0,
-                               truncate_every_n_steps=4, min_dead_fraction=0.1)]
+        return [
+            RankAdaptation(
+                gamma=1.0, late_start_step=16, target_compression=6.0, truncate_every_n_steps=4, min_dead_fraction=0.1
+            )
+        ]
 
     # one batch per epoch: every step sees the same data, so the comparison is about the restored
     # model/optimiser/callback state and not about where Lightning restarts a plain DataLoader
     full = TinyRegressor()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
     _trainer(tmp_path, [*callbacks(), checkpoint], max_steps=40, enable_checkpointing=True).fit(
-        full, regression_loader(n=32))
+        full, regression_loader(n=32)
+    )
     path = tmp_path / "ckpt" / "epoch=23-step=24.ckpt"
     saved = torch.load(path, weights_only=True)  # tensors and primitives only
     original = TinyRegressor().state_dict()
@@ -160,8 +188,9 @@ def test_resume_after_truncation_matches_uninterrupted_run(tmp_path):
 
 def test_truncated_checkpoint_loads_into_original_ranks(tmp_path):
     model = TinyRegressor()
-    trainer = _trainer(tmp_path, [RankAdaptation(gamma=0.5, truncate_every_n_steps=8, min_dead_fraction=0.1)],
-                       max_steps=32)
+    trainer = _trainer(
+        tmp_path, [RankAdaptation(gamma=0.5, truncate_every_n_steps=8, min_dead_fraction=0.1)], max_steps=32
+    )
     trainer.fit(model, regression_loader())
     path = tmp_path / "final.ckpt"
     trainer.save_checkpoint(path)
@@ -183,7 +212,8 @@ def test_bad_configuration_errors(tmp_path):
         RankAdaptation(truncate_every_n_steps=0)
     with pytest.raises(ValueError, match="is impossible"):
         _trainer(tmp_path, [RankAdaptation(target_compression=1000.0)], max_steps=1).fit(
-            TinyRegressor(), regression_loader())
+            TinyRegressor(), regression_loader()
+        )
 
 
 def test_errors_when_model_has_no_comera_layers_or_gates_not_optimised(tmp_path):

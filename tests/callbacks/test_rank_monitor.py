@@ -38,8 +38,9 @@ class PlainMLP(LightningModule):
 
 def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g)),
-                      batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 4, generator=g)), batch_size=batch_size
+    )
 
 
 class RecordingLogger(Logger):
@@ -86,10 +87,12 @@ class KillSlices(Callback):
 
 
 def trainer(tmp_path: Path, callbacks, logger, max_steps: int, **kwargs) -> Trainer:
-    options = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False)
-    return Trainer(default_root_dir=tmp_path, max_steps=max_steps, callbacks=callbacks, logger=logger,
-                   **(options | kwargs))
+    options = dict(
+        accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False
+    )
+    return Trainer(
+        default_root_dir=tmp_path, max_steps=max_steps, callbacks=callbacks, logger=logger, **(options | kwargs)
+    )
 
 
 RANK_KEY = "rank/model.0/bond1"  # model.0 = TTLinear(32 -> 64) with ranks [1, 4, 4, 1]
@@ -104,9 +107,19 @@ def test_one_batched_call_per_event_with_all_keys(tmp_path):
     # start (0), every 5 steps, end (12): one call each, nothing split across calls
     assert [s for s, _ in ours] == [0, 5, 10, 12]
     assert len(ours) == len([c for c in logger.calls if any(k.startswith(("rank/", "params/")) for k in c[1])])
-    expected = {"rank/model.0/bond1", "rank/model.0/bond2", "rank/model.2/bond1", "rank/model.2/bond2",
-                "rank/model.2/bond3", "params/active", "params/allocated", "params/dense_equivalent",
-                "compression_ratio", "comera/stage", "comera/penalty"}
+    expected = {
+        "rank/model.0/bond1",
+        "rank/model.0/bond2",
+        "rank/model.2/bond1",
+        "rank/model.2/bond2",
+        "rank/model.2/bond3",
+        "params/active",
+        "params/allocated",
+        "params/dense_equivalent",
+        "compression_ratio",
+        "comera/stage",
+        "comera/penalty",
+    }
     for _, metrics in ours:
         assert set(metrics) == expected
         assert all(isinstance(v, float) for v in metrics.values())
@@ -133,8 +146,13 @@ def test_history_stays_bounded_over_a_long_run_and_keeps_the_rank_changes(tmp_pa
 
 def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     logger = RecordingLogger()
-    trainer(tmp_path, [RankMonitor(log_every_n_steps=2, save_artifacts=False)], logger, max_steps=4,
-            accumulate_grad_batches=3).fit(PlainMLP(), loader())
+    trainer(
+        tmp_path,
+        [RankMonitor(log_every_n_steps=2, save_artifacts=False)],
+        logger,
+        max_steps=4,
+        accumulate_grad_batches=3,
+    ).fit(PlainMLP(), loader())
     assert [s for s, m in logger.calls if RANK_KEY in m] == [0, 2, 4]
 
 
@@ -158,10 +176,12 @@ def test_mlflow_metrics_and_artifacts(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    logger = MLFlowLogger(experiment_name="rank_monitor", tracking_uri=uri,
-                          artifact_location=(tmp_path / "artifacts").as_uri())
+    logger = MLFlowLogger(
+        experiment_name="rank_monitor", tracking_uri=uri, artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     trainer(tmp_path, [KillSlices(at=3), RankMonitor(log_every_n_steps=5)], logger, max_steps=10).fit(
-        PlainMLP(), loader())
+        PlainMLP(), loader()
+    )
 
     client = MlflowClient(tracking_uri=uri)
     run_id = logger.run_id
@@ -208,7 +228,8 @@ def test_no_logger_and_no_comera_layers(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path / "c", [RankMonitor(log_every_n_steps=1)], logger, max_steps=3).fit(
-            PlainMLP(tensorized=False), loader())
+            PlainMLP(tensorized=False), loader()
+        )
     assert len([w for w in caught if "no comera layers" in str(w.message)]) == 1
     assert not any(k.startswith(("rank/", "params/")) for _, m in logger.calls for k in m)
     assert not list((tmp_path / "c").rglob("rank_*"))
@@ -250,11 +271,21 @@ def test_names_plot_and_arguments(tmp_path):
         RankMonitor(log_every_n_steps=0)
 
     # many layers: the heatmap layout; few layers: one panel per layer
-    layers = {f"encoder.{i}.fc{j}": {"steps": [0, 50], "active_ranks": [[1, 8, 8, 1], [1, 8 - i % 8, 4, 1]]}
-              for i in range(30) for j in (1, 2)}
-    history = {"steps": [0, 50, 100], "layers": layers,
-               "params": {"steps": [0, 50], "active": [1000, 600], "allocated": [1000, 1000],
-                          "dense_equivalent": [9000, 9000]}}
+    layers = {
+        f"encoder.{i}.fc{j}": {"steps": [0, 50], "active_ranks": [[1, 8, 8, 1], [1, 8 - i % 8, 4, 1]]}
+        for i in range(30)
+        for j in (1, 2)
+    }
+    history = {
+        "steps": [0, 50, 100],
+        "layers": layers,
+        "params": {
+            "steps": [0, 50],
+            "active": [1000, 600],
+            "allocated": [1000, 1000],
+            "dense_equivalent": [9000, 9000],
+        },
+    }
     for n_layers, name in [(60, "many.png"), (3, "few.png")]:
         plot_rank_history(history | {"layers": dict(list(layers.items())[:n_layers])}, str(tmp_path / name))
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
@@ -265,8 +296,14 @@ def test_two_processes_log_once_from_rank_zero(tmp_path):
     import csv
 
     logger = CSVLogger(tmp_path, name="csv", version=0)
-    trainer(tmp_path, [KillSlices(at=3), RankMonitor(log_every_n_steps=2)], logger, max_steps=6,
-            strategy="ddp_spawn", devices=2).fit(PlainMLP(), loader())
+    trainer(
+        tmp_path,
+        [KillSlices(at=3), RankMonitor(log_every_n_steps=2)],
+        logger,
+        max_steps=6,
+        strategy="ddp_spawn",
+        devices=2,
+    ).fit(PlainMLP(), loader())
     log_dir = tmp_path / "csv" / "version_0"
     rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
     assert [(int(r["step"]), float(r[RANK_KEY])) for r in rows] == [(0, 4.0), (2, 4.0), (4, 2.0), (6, 2.0)]
@@ -277,8 +314,13 @@ def test_two_processes_log_once_from_rank_zero(tmp_path):
 
 def adaptation() -> RankAdaptation:
     """Late stage from step 5, truncation checks every 4 steps (the slices KillSlices(at=3) kills go at 4)."""
-    return RankAdaptation(gamma=0.01, late_start_step=5, target_size_ratio=0.9, truncate_every_n_steps=4,
-                          late_stage=ScheduledLateStage(ramp_steps=2, cut_every_n_steps=1, importance="norm"))
+    return RankAdaptation(
+        gamma=0.01,
+        late_start_step=5,
+        target_size_ratio=0.9,
+        truncate_every_n_steps=4,
+        late_stage=ScheduledLateStage(ramp_steps=2, cut_every_n_steps=1, importance="norm"),
+    )
 
 
 @pytest.mark.parametrize("monitor_first", [True, False])
@@ -306,16 +348,19 @@ def test_picture_with_switch_and_truncations_reaches_mlflow(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    logger = MLFlowLogger(experiment_name="rank_picture", tracking_uri=uri,
-                          artifact_location=(tmp_path / "artifacts").as_uri())
+    logger = MLFlowLogger(
+        experiment_name="rank_picture", tracking_uri=uri, artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     trainer(tmp_path, [KillSlices(at=3), adaptation(), RankMonitor(log_every_n_steps=2)], logger, max_steps=10).fit(
-        PlainMLP(), loader())
+        PlainMLP(), loader()
+    )
 
     client = MlflowClient(tracking_uri=uri)
     names = {a.path for a in client.list_artifacts(logger.run_id, "comera")}
     assert names == {"comera/rank_evolution.png", "comera/rank_history.json"}
-    history = json.loads(Path(client.download_artifacts(logger.run_id, "comera/rank_history.json",
-                                                        str(tmp_path / "dl"))).read_text())["history"]
+    history = json.loads(
+        Path(client.download_artifacts(logger.run_id, "comera/rank_history.json", str(tmp_path / "dl"))).read_text()
+    )["history"]
     assert history["events"]["stage_switch"] == 5 and 4 in history["events"]["truncations"]
     png = Path(client.download_artifacts(logger.run_id, "comera/rank_evolution.png", str(tmp_path / "dl")))
     image = imread(png)
@@ -327,14 +372,23 @@ def synthetic_history(blocks: int = 6, switch: int | None = 600, events: bool = 
     steps = list(range(0, 1001, 50))
     layers = {}
     for b in range(blocks):
-        for j, kind in enumerate(["attention.query", "attention.key", "attention.value", "attention.output",
-                                  "fc1", "fc2"]):
+        for j, kind in enumerate(
+            ["attention.query", "attention.key", "attention.value", "attention.output", "fc1", "fc2"]
+        ):
             change = [0, 200 + 40 * j, 700 + 20 * b]
             ranks = [[1, 30, 30, 30, 30, 30, 1], [1, 28 - b, 25, 30 - j, 22, 29, 1], [1, 12, 9 - b, 15, 10 - j, 14, 1]]
             layers[f"model.encoder.layers.{b}.{kind}"] = {"steps": change, "active_ranks": ranks}
-    history = {"format_version": 1, "steps": steps, "layers": layers,
-               "params": {"steps": [0, 300, 700, 800], "active": [9000, 7000, 4000, 4000],
-                          "allocated": [9000, 9000, 9000, 4000], "dense_equivalent": [90000] * 4}}
+    history = {
+        "format_version": 1,
+        "steps": steps,
+        "layers": layers,
+        "params": {
+            "steps": [0, 300, 700, 800],
+            "active": [9000, 7000, 4000, 4000],
+            "allocated": [9000, 9000, 9000, 4000],
+            "dense_equivalent": [90000] * 4,
+        },
+    }
     if events:
         history["events"] = {"stage_switch": switch, "truncations": [400, 800], "target_size": 4500.0}
     return history

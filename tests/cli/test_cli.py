@@ -28,7 +28,9 @@ def test_every_config_fits_and_validates_tiny(name, workdir):
     overrides = _tiny_overrides(name, workdir / "mnli")
     cli = _run("fit", f"--config={CONFIGS / name}", *overrides, *TINY_TRAINER)
     assert cli.trainer.global_step == 6
-    checkpoint = Path(cli.trainer.checkpoint_callback.last_model_path or cli.trainer.checkpoint_callback.best_model_path)
+    checkpoint = Path(
+        cli.trainer.checkpoint_callback.last_model_path or cli.trainer.checkpoint_callback.best_model_path
+    )
     assert checkpoint.is_file() and checkpoint.resolve().is_relative_to(workdir / "runs")
     validated = _run("validate", f"--config={CONFIGS / name}", *overrides, *TINY_TRAINER, f"--ckpt_path={checkpoint}")
     assert validated.trainer.callback_metrics, "validate produced no metrics"
@@ -38,9 +40,13 @@ def test_every_config_fits_and_validates_tiny(name, workdir):
 def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(workdir):
     config = CONFIGS / "quickstart.yaml"
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
-    shrink = ["--trainer.max_steps=24", "--trainer.limit_train_batches=24", "--model.optim.lr_gates=0.2",
-              "--model.optim.warmup_steps=0",
-              f"--config={_callbacks_config(workdir, gamma=1.0, late_start_step=8, truncate_every_n_steps=8)}"]
+    shrink = [
+        "--trainer.max_steps=24",
+        "--trainer.limit_train_batches=24",
+        "--model.optim.lr_gates=0.2",
+        "--model.optim.warmup_steps=0",
+        f"--config={_callbacks_config(workdir, gamma=1.0, late_start_step=8, truncate_every_n_steps=8)}",
+    ]
     cli = _run("fit", f"--config={config}", *overrides, *TINY_TRAINER, *shrink)
     adaptation = next(c for c in cli.trainer.callbacks if isinstance(c, RankAdaptation))
     assert adaptation.truncations >= 1, "no truncation happened in the tiny quickstart"
@@ -55,8 +61,10 @@ def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(wo
     assert history[-1].value > history[0].value
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert "config.yaml" in artifacts
-    assert {a.path for a in client.list_artifacts(run_id, "comera")} >= {"comera/rank_evolution.png",
-                                                                          "comera/rank_history.json"}
+    assert {a.path for a in client.list_artifacts(run_id, "comera")} >= {
+        "comera/rank_evolution.png",
+        "comera/rank_history.json",
+    }
 
     checkpoint = cli.trainer.checkpoint_callback.last_model_path
     saved = torch.load(checkpoint, weights_only=True)["state_dict"]
@@ -72,12 +80,20 @@ def test_quickstart_tracks_ranks_in_mlflow_and_validates_truncated_checkpoint(wo
 @pytest.mark.slow
 def test_quickstart_runs_under_ddp_spawn_and_bf16(workdir, capfd):
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
-    _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
-         "--trainer.strategy=ddp_spawn", "--trainer.devices=2", "--trainer.max_steps=4")
+    _run(
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        *overrides,
+        *TINY_TRAINER,
+        "--trainer.strategy=ddp_spawn",
+        "--trainer.devices=2",
+        "--trainer.max_steps=4",
+    )
     # TT gradients come in their parameters' layout: DDP copies nothing extra into its buckets
     assert "Grad strides do not match bucket view strides" not in capfd.readouterr().err
-    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
-               "--trainer.precision=bf16-mixed")
+    cli = _run(
+        "fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER, "--trainer.precision=bf16-mixed"
+    )
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
@@ -96,10 +112,20 @@ def test_quickstart_validates_by_global_step_across_epochs_on_a_small_corpus(wor
     val_check_interval optimiser steps, across epoch boundaries (the config validates by global step)."""
     root = _small_source_tree(workdir / "small_src")
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
-    small = [f"--data.root={root}", "--data.max_files=null", "--data.max_sequences=40", "--data.val_fraction=0.2",
-             "--trainer.max_steps=21", "--trainer.val_check_interval=7", "--trainer.limit_val_batches=1",
-             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-             "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu", "--trainer.devices=1"]
+    small = [
+        f"--data.root={root}",
+        "--data.max_files=null",
+        "--data.max_sequences=40",
+        "--data.val_fraction=0.2",
+        "--trainer.max_steps=21",
+        "--trainer.val_check_interval=7",
+        "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+    ]
     cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *small)
     assert cli.trainer.num_training_batches == 5  # 40 rows / batch 8: fewer than val_check_interval
     assert cli.trainer.global_step == 21 and cli.trainer.current_epoch >= 4
@@ -126,16 +152,26 @@ def test_binary_corpus_is_refused_up_front_naming_the_files(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("late_stage", [
-    "paper",
-    '{"class_path": "comera_lightning.callbacks.ScheduledLateStage", '
-    '"init_args": {"ramp_steps": 8, "cut_every_n_steps": 2, "max_cut_fraction": 0.5}}',
-])
+@pytest.mark.parametrize(
+    "late_stage",
+    [
+        "paper",
+        '{"class_path": "comera_lightning.callbacks.ScheduledLateStage", '
+        '"init_args": {"ramp_steps": 8, "cut_every_n_steps": 2, "max_cut_fraction": 0.5}}',
+    ],
+)
 def test_late_stage_policy_from_yaml(workdir, late_stage):
     overrides = _tiny_overrides("quickstart.yaml", workdir / "mnli")
     config = _callbacks_config(workdir, late_start_step=4, target_compression=15.0, late_stage=late_stage)
-    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *overrides, *TINY_TRAINER,
-               "--trainer.max_steps=16", "--trainer.limit_train_batches=16", f"--config={config}")
+    cli = _run(
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        *overrides,
+        *TINY_TRAINER,
+        "--trainer.max_steps=16",
+        "--trainer.limit_train_batches=16",
+        f"--config={config}",
+    )
     adaptation = next(c for c in cli.trainer.callbacks if isinstance(c, RankAdaptation))
     assert adaptation.stage == 1
     if late_stage == "paper":

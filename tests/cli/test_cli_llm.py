@@ -13,8 +13,12 @@ from comera_lightning.data import CodeLMDataModule
 from comera_lightning.lit import CausalLM
 from comera_lightning.nn import size_report, tt_layers
 
-LLM_CONFIGS = {"llm_cpu.yaml": "CodeLMDataModule", "llm_text_cpu.yaml": "TextLMDataModule",
-               "llm_60m.yaml": "TextLMDataModule", "llm_130m.yaml": "TextLMDataModule"}
+LLM_CONFIGS = {
+    "llm_cpu.yaml": "CodeLMDataModule",
+    "llm_text_cpu.yaml": "TextLMDataModule",
+    "llm_60m.yaml": "TextLMDataModule",
+    "llm_130m.yaml": "TextLMDataModule",
+}
 NO_LOGGER = ["--trainer.logger=false"]  # MLflow is covered by test_cli.py; here it would only cost time
 
 
@@ -44,22 +48,48 @@ def test_llm_cpu_config_builds_a_tensorised_decoder():
 def test_llm_cpu_fit_then_predict_samples_from_the_truncated_checkpoint(workdir, capsys):
     root = _small_source_tree(workdir / "src", n_files=8)
     config = CONFIGS / "llm_cpu.yaml"
-    callbacks = _callbacks_config(workdir, gamma=1.0, late_start_step=6, truncate_every_n_steps=6,
-                                  target_compression=3.0)
-    data = [f"--data.root={root}", "--data.max_files=null", "--data.max_sequences=null", "--data.val_fraction=0.25",
-            "--data.num_prompts=2", "--data.prompt_len=6"]
-    fitted = _run("fit", f"--config={config}", *TINY_ENCODER, *data, *TINY_TRAINER, *NO_LOGGER,
-                  "--trainer.max_steps=18", "--trainer.limit_train_batches=18", "--model.optim.lr_gates=0.2",
-                  "--model.optim.warmup_steps=0", f"--config={callbacks}")
+    callbacks = _callbacks_config(
+        workdir, gamma=1.0, late_start_step=6, truncate_every_n_steps=6, target_compression=3.0
+    )
+    data = [
+        f"--data.root={root}",
+        "--data.max_files=null",
+        "--data.max_sequences=null",
+        "--data.val_fraction=0.25",
+        "--data.num_prompts=2",
+        "--data.prompt_len=6",
+    ]
+    fitted = _run(
+        "fit",
+        f"--config={config}",
+        *TINY_ENCODER,
+        *data,
+        *TINY_TRAINER,
+        *NO_LOGGER,
+        "--trainer.max_steps=18",
+        "--trainer.limit_train_batches=18",
+        "--model.optim.lr_gates=0.2",
+        "--model.optim.warmup_steps=0",
+        f"--config={callbacks}",
+    )
     adaptation = next(c for c in fitted.trainer.callbacks if isinstance(c, RankAdaptation))
     assert adaptation.truncations >= 1
     checkpoint = fitted.trainer.checkpoint_callback.last_model_path
     saved = torch.load(checkpoint, weights_only=True)["state_dict"]
     capsys.readouterr()
 
-    predicted = _run("predict", f"--config={config}", *TINY_ENCODER, *data, *TINY_TRAINER, *NO_LOGGER,
-                     "--model.generate_max_new_tokens=5", "--model.generate_top_k=3",
-                     "--model.generate_temperature=0.8", f"--ckpt_path={checkpoint}")
+    predicted = _run(
+        "predict",
+        f"--config={config}",
+        *TINY_ENCODER,
+        *data,
+        *TINY_TRAINER,
+        *NO_LOGGER,
+        "--model.generate_max_new_tokens=5",
+        "--model.generate_top_k=3",
+        "--model.generate_temperature=0.8",
+        f"--ckpt_path={checkpoint}",
+    )
     layers = tt_layers(predicted.model)
     assert layers
     for name, layer in layers:  # built at full rank, restored at the checkpoint's truncated ranks

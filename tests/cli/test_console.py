@@ -14,8 +14,16 @@ from comera_lightning.training.host_memory import keeps_freed_memory_here
 
 @pytest.mark.slow
 def test_a_quickstart_fit_prints_the_summary_and_no_upstream_noise(workdir, capfd):
-    _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY_ENCODER, *TINY_TRAINER, "--trainer.max_steps=2",
-         "--trainer.enable_model_summary=true", "--data.max_files=15", "--data.max_sequences=200")
+    _run(
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        *TINY_ENCODER,
+        *TINY_TRAINER,
+        "--trainer.max_steps=2",
+        "--trainer.enable_model_summary=true",
+        "--data.max_files=15",
+        "--data.max_sequences=200",
+    )
     captured = capfd.readouterr()
     printed = captured.out + captured.err
     for upstream in ("Tip: For seamless cloud", "LeafSpec", "Total FLOPs", "Skipping setting a default"):
@@ -39,10 +47,20 @@ class _BuildOnly(ComeraCLI):
 
 def test_a_gpu_config_fitted_without_a_gpu_warns_and_names_the_cpu_config(workdir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with (pytest.warns(UserWarning, match=r"configs/llm_60m.yaml is made for GPUs .* use --config llm_cpu"),
-          pytest.raises(_Built) as built):
-        _BuildOnly(args=["fit", f"--config={CONFIGS / 'llm_60m.yaml'}", *TINY_ENCODER, "--trainer.logger=false",
-                         "--trainer.precision=32-true", "--trainer.accelerator=cpu"])
+    with (
+        pytest.warns(UserWarning, match=r"configs/llm_60m.yaml is made for GPUs .* use --config llm_cpu"),
+        pytest.raises(_Built) as built,
+    ):
+        _BuildOnly(
+            args=[
+                "fit",
+                f"--config={CONFIGS / 'llm_60m.yaml'}",
+                *TINY_ENCODER,
+                "--trainer.logger=false",
+                "--trainer.precision=32-true",
+                "--trainer.accelerator=cpu",
+            ]
+        )
     # fast by default on a CPU: freed memory kept, although this config does not list the callback
     if keeps_freed_memory_here():
         assert sum(isinstance(c, KeepFreedMemory) for c in built.value.cli.trainer.callbacks) == 1

@@ -9,8 +9,12 @@ from jsonargparse import Namespace
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.cli import ComeraCLI, apply_rank_adaptation_knobs
 
-KNOBS = ["--rank_adaptation.target_compression=5", "--rank_adaptation.gamma=0.02",
-         "--rank_adaptation.late_start_step=100", "--rank_adaptation.truncate_every_n_steps=10"]
+KNOBS = [
+    "--rank_adaptation.target_compression=5",
+    "--rank_adaptation.gamma=0.02",
+    "--rank_adaptation.late_start_step=100",
+    "--rank_adaptation.truncate_every_n_steps=10",
+]
 
 
 class _Parsed(Exception):
@@ -34,24 +38,47 @@ def test_every_shipped_config_with_rank_adaptation_takes_the_knobs(name):
     with pytest.raises(_Parsed) as parsed:
         _ParseOnly(args=["fit", f"--config={CONFIGS / name}", *KNOBS])
     (init_args,) = _rank_adaptation_args(parsed.value.config)
-    assert (init_args.target_compression, init_args.gamma, init_args.late_start_step,
-            init_args.truncate_every_n_steps) == (5.0, 0.02, 100, 10)
+    assert (
+        init_args.target_compression,
+        init_args.gamma,
+        init_args.late_start_step,
+        init_args.truncate_every_n_steps,
+    ) == (5.0, 0.02, 100, 10)
     assert init_args.get("target_size") is None
 
 
 @pytest.mark.slow
 def test_knobs_reach_the_callback_of_a_fit(workdir):
-    cli = _run("fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY_ENCODER, *TINY_TRAINER,
-               "--trainer.max_steps=2", "--data.max_files=15", "--data.max_sequences=200", *KNOBS)
+    cli = _run(
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        *TINY_ENCODER,
+        *TINY_TRAINER,
+        "--trainer.max_steps=2",
+        "--data.max_files=15",
+        "--data.max_sequences=200",
+        *KNOBS,
+    )
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, RankAdaptation)]
-    assert (callback.target_compression, callback.gamma, callback.late_start_step,
-            callback.truncate_every_n_steps) == (5.0, 0.02, 100, 10)
+    assert (callback.target_compression, callback.gamma, callback.late_start_step, callback.truncate_every_n_steps) == (
+        5.0,
+        0.02,
+        100,
+        10,
+    )
 
 
 def test_a_size_target_replaces_the_configs_ratio_and_the_ratio_a_size():
-    config = Namespace(trainer=Namespace(callbacks=[Namespace(
-        class_path="comera_lightning.callbacks.RankAdaptation",
-        init_args=Namespace(target_compression=20.0, target_size=None, gamma=0.005))]))
+    config = Namespace(
+        trainer=Namespace(
+            callbacks=[
+                Namespace(
+                    class_path="comera_lightning.callbacks.RankAdaptation",
+                    init_args=Namespace(target_compression=20.0, target_size=None, gamma=0.005),
+                )
+            ]
+        )
+    )
     apply_rank_adaptation_knobs(config, Namespace(target_size=50_000, target_compression=None, gamma=None))
     init_args = config.trainer.callbacks[0].init_args
     assert (init_args.target_size, init_args.target_compression, init_args.gamma) == (50_000, None, 0.005)

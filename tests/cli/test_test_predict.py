@@ -54,11 +54,26 @@ def test_masked_lm_test_and_predict_after_fit(workdir):
     out = workdir / "preds" / "mlm.jsonl"
     main(["predict", config, *overrides, f"--ckpt_path={checkpoint}", "--model.predict_top_k=3", *_writer(out)])
     records = _records(out)
-    assert records and set(records[0]) == {"index", "position", "input_id", "true_id", "top_ids", "top_probs",
-                                           "true_token", "top_tokens"}
+    assert records and set(records[0]) == {
+        "index",
+        "position",
+        "input_id",
+        "true_id",
+        "top_ids",
+        "top_probs",
+        "true_token",
+        "top_tokens",
+    }
     # one record per masked position of the (deterministically masked) validation rows, with the true ids
-    dm = CodeMLMDataModule(max_files=15, max_sequences=400, val_fraction=0.2, vocab_size=512, seq_len=16,
-                           batch_size=8, cache_dir=str(workdir / ".cache" / "comera"))
+    dm = CodeMLMDataModule(
+        max_files=15,
+        max_sequences=400,
+        val_fraction=0.2,
+        vocab_size=512,
+        seq_len=16,
+        batch_size=8,
+        cache_dir=str(workdir / ".cache" / "comera"),
+    )
     expected = {}
     for batch in dm.predict_dataloader():
         for row, pos in (batch["labels"] != -100).nonzero().tolist():

@@ -24,9 +24,17 @@ def _overrides(workdir: Path) -> list[str]:
 @pytest.mark.slow
 def test_last_checkpoint_is_the_end_of_training_between_validation_checks(workdir, capsys):
     """max_steps 10 with validation every 4 steps: Lightning alone validates (and saves last.ckpt) at step 8."""
-    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=10",
-               "--trainer.limit_train_batches=null", "--trainer.max_epochs=null", "--trainer.val_check_interval=4",
-               "--trainer.check_val_every_n_epoch=null")
+    cli = _run(
+        "fit",
+        QUICKSTART,
+        *_overrides(workdir),
+        *TINY_TRAINER,
+        "--trainer.max_steps=10",
+        "--trainer.limit_train_batches=null",
+        "--trainer.max_epochs=null",
+        "--trainer.val_check_interval=4",
+        "--trainer.check_val_every_n_epoch=null",
+    )
     last = Path(cli.trainer.checkpoint_callback.last_model_path)
     assert last.name == "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 10
@@ -49,8 +57,11 @@ def test_runs_are_named_by_config_subcommand_and_time_and_evaluation_is_quiet(wo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         validate = _run("validate", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, f"--ckpt_path={checkpoint}")
-    noise = [str(w.message) for w in caught
-             if "Please add the following callbacks" in str(w.message) or "dirpath has changed" in str(w.message)]
+    noise = [
+        str(w.message)
+        for w in caught
+        if "Please add the following callbacks" in str(w.message) or "dirpath has changed" in str(w.message)
+    ]
     assert not noise, noise
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     names = [client.get_run(cli.trainer.logger.run_id).info.run_name for cli in (fit, validate)]
@@ -67,10 +78,18 @@ def test_an_explicit_run_name_is_kept(workdir):
 
 @pytest.mark.slow
 def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
-    trainer_args = [a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a
-                    and "max_epochs" not in a]
-    cli = _run("fit", QUICKSTART, *_overrides(workdir), *trainer_args, "--trainer.max_steps=9",
-               "--data.max_sequences=200", "--data.val_fraction=0.5")
+    trainer_args = [
+        a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a and "max_epochs" not in a
+    ]
+    cli = _run(
+        "fit",
+        QUICKSTART,
+        *_overrides(workdir),
+        *trainer_args,
+        "--trainer.max_steps=9",
+        "--data.max_sequences=200",
+        "--data.val_fraction=0.5",
+    )
     assert cli.trainer.current_epoch >= 1, "the run should cross an epoch boundary"
     bar = cli.trainer.progress_bar_callback
     assert isinstance(bar, StepProgressBar)
@@ -81,14 +100,23 @@ def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
 
 @pytest.mark.slow
 def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(workdir):
-    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--model.optim.warmup_steps=0",
-               "--optimizer=torch.optim.SGD", "--optimizer.momentum=0.9",
-               "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
+    cli = _run(
+        "fit",
+        QUICKSTART,
+        *_overrides(workdir),
+        *TINY_TRAINER,
+        "--model.optim.warmup_steps=0",
+        "--optimizer=torch.optim.SGD",
+        "--optimizer.momentum=0.9",
+        "--lr_scheduler=torch.optim.lr_scheduler.StepLR",
+        "--lr_scheduler.step_size=3",
+    )
     optimizer = cli.trainer.optimizers[0]
     assert type(optimizer) is torch.optim.SGD
     model = cli.model
     assert sorted(g["initial_lr"] for g in optimizer.param_groups) == sorted(
-        [model.optim.lr_cores, model.optim.lr_gates, model.optim.lr_other])
+        [model.optim.lr_cores, model.optim.lr_gates, model.optim.lr_other]
+    )
     assert all(g["momentum"] == 0.9 for g in optimizer.param_groups)
     scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 3
@@ -96,8 +124,14 @@ def test_optimizer_and_scheduler_from_the_command_line_keep_the_three_groups(wor
 
 def test_scheduler_with_builtin_warmup_is_refused(workdir):
     with pytest.raises(ValueError, match=r"warmup_steps=100.*model.optim.warmup_steps 0"):
-        _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER,
-             "--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=3")
+        _run(
+            "fit",
+            QUICKSTART,
+            *_overrides(workdir),
+            *TINY_TRAINER,
+            "--lr_scheduler=torch.optim.lr_scheduler.StepLR",
+            "--lr_scheduler.step_size=3",
+        )
 
 
 def test_runs_folder_is_ignored_by_git():
@@ -108,9 +142,16 @@ def test_runs_folder_is_ignored_by_git():
 @pytest.mark.slow
 def test_system_metrics_are_an_option_of_the_logger(workdir):
     pytest.importorskip("psutil")
-    cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, "--trainer.max_steps=12",
-               "--trainer.limit_train_batches=12", "--trainer.logger.init_args.log_system_metrics=true",
-               "--trainer.logger.init_args.system_metrics_interval_s=0.2")
+    cli = _run(
+        "fit",
+        QUICKSTART,
+        *_overrides(workdir),
+        *TINY_TRAINER,
+        "--trainer.max_steps=12",
+        "--trainer.limit_train_batches=12",
+        "--trainer.logger.init_args.log_system_metrics=true",
+        "--trainer.logger.init_args.system_metrics_interval_s=0.2",
+    )
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     keys = set(client.get_run(cli.trainer.logger.run_id).data.metrics)
     assert any(key.startswith("system/cpu_utilization") for key in keys), sorted(keys)
@@ -161,8 +202,14 @@ def test_predict_writes_a_file_per_run_by_default(workdir, capsys):
     fit = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
     checkpoint = fit.trainer.checkpoint_callback.last_model_path
     capsys.readouterr()
-    predict = _run("predict", QUICKSTART, *_overrides(workdir), *TINY_TRAINER, f"--ckpt_path={checkpoint}",
-                   "--trainer.limit_predict_batches=2")
+    predict = _run(
+        "predict",
+        QUICKSTART,
+        *_overrides(workdir),
+        *TINY_TRAINER,
+        f"--ckpt_path={checkpoint}",
+        "--trainer.limit_predict_batches=2",
+    )
     written = sorted((workdir / "runs" / "predictions").glob("quickstart-predict-*.jsonl"))
     assert len(written) == 1 and f"comera: predictions in {written[0].relative_to(workdir)}" in capsys.readouterr().out
     records = [json.loads(line) for line in written[0].read_text().splitlines()]

@@ -13,13 +13,28 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
-        "--model.vocab_size=512", "--model.layer_config.rank=4", "--model.layer_config.embedding_rank=4",
-        "--model.layer_config.min_features=16",
-        "--model.optim.warmup_steps=0", "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8",
-        "--data.max_files=10", "--data.max_sequences=200", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
-        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false"]
+TINY = [
+    "--model.d_model=32",
+    "--model.num_heads=2",
+    "--model.d_ff=64",
+    "--model.num_layers=1",
+    "--model.max_len=16",
+    "--model.vocab_size=512",
+    "--model.layer_config.rank=4",
+    "--model.layer_config.embedding_rank=4",
+    "--model.layer_config.min_features=16",
+    "--model.optim.warmup_steps=0",
+    "--data.vocab_size=512",
+    "--data.seq_len=16",
+    "--data.batch_size=8",
+    "--data.max_files=10",
+    "--data.max_sequences=200",
+    "--trainer.max_steps=3",
+    "--trainer.val_check_interval=3",
+    "--trainer.limit_val_batches=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
 
 
 #: builds and installs the wheel once, then runs from it: all of it is slow
@@ -33,19 +48,33 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("wheel")
     # build from a copy: setuptools' build/ folder in the checkout could carry stale modules into the wheel
     source = root / "source"
-    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".*", "build", "dist", "runs", "mlruns", "mlflow.db", "benchmarks", "docs", "tests", "*.egg-info"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root / "dist"), str(source)],
-                   check=True, cwd=root)
+    shutil.copytree(
+        REPO,
+        source,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".*", "build", "dist", "runs", "mlruns", "mlflow.db", "benchmarks", "docs", "tests", "*.egg-info"
+        ),
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root / "dist"), str(source)],
+        check=True,
+        cwd=root,
+    )
     wheel = next((root / "dist").glob("comera_lightning-*.whl"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(purelib, "test_env_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)], check=True
+    )
     work = root / "work"
     work.mkdir()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "PYTHONPATH": ""}
@@ -59,7 +88,9 @@ def _run(venv: Path, env: dict[str, str], *args: str) -> subprocess.CompletedPro
 
 def test_the_wheel_is_imported_not_the_checkout(installed):
     venv, env = installed
-    found = _run(venv, env, str(venv / "bin" / "python"), "-c", "import comera_lightning; print(comera_lightning.__file__)")
+    found = _run(
+        venv, env, str(venv / "bin" / "python"), "-c", "import comera_lightning; print(comera_lightning.__file__)"
+    )
     assert found.returncode == 0, found.stderr
     assert str(venv) in found.stdout and str(REPO) not in found.stdout
 
@@ -76,8 +107,16 @@ def test_configs_and_fragments_are_installed_and_listed(installed):
 
 def test_quickstart_by_name_with_a_fragment_fits_from_the_wheel(installed):
     venv, env = installed
-    fit = _run(venv, env, str(venv / "bin" / "comera"), "fit", "--config", "quickstart",
-               "--config=callbacks/divergence_guard.yaml", *TINY)
+    fit = _run(
+        venv,
+        env,
+        str(venv / "bin" / "comera"),
+        "fit",
+        "--config",
+        "quickstart",
+        "--config=callbacks/divergence_guard.yaml",
+        *TINY,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "comera: trained 3 steps" in fit.stdout and "last.ckpt" in fit.stdout
 

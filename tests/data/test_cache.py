@@ -36,12 +36,17 @@ def _damage(path: Path, how: str, source: dict, files: list[str] | None = None) 
     elif how == "no manifest":
         manifest_path(path, files).unlink()
     elif how == "damaged manifest":
-        manifest_path(path, files).write_text("{\"format\": 1, \"files\": ")
+        manifest_path(path, files).write_text('{"format": 1, "files": ')
     return source
 
 
-REASONS = {"damaged": "is damaged: the content of", "truncated": "is truncated:", "stale": r"is stale: .*\['corpus'\]",
-           "no manifest": "has no manifest", "damaged manifest": "has a damaged manifest"}
+REASONS = {
+    "damaged": "is damaged: the content of",
+    "truncated": "is truncated:",
+    "stale": r"is stale: .*\['corpus'\]",
+    "no manifest": "has no manifest",
+    "damaged manifest": "has a damaged manifest",
+}
 
 
 def _writer(payload: bytes, files: list[str] | None):
@@ -52,6 +57,7 @@ def _writer(payload: bytes, files: list[str] | None):
         else:
             for name in files:
                 (target / name).write_bytes(payload + name.encode())
+
     return build
 
 
@@ -81,8 +87,15 @@ def test_another_version_is_rebuilt_and_an_entry_that_cannot_be_rebuilt_names_th
         load_or_build(path, kind="test", version=2, source=SOURCE, build=_writer(b"new", None))
     path.write_bytes(b"nex")
     with pytest.raises(CacheError, match=rf"the cached test '{path}' is damaged.*Pass a new folder"):
-        load_or_build(path, kind="test", version=2, source=SOURCE, build=_writer(b"new", None), rebuildable=False,
-                      fix="Pass a new folder.")
+        load_or_build(
+            path,
+            kind="test",
+            version=2,
+            source=SOURCE,
+            build=_writer(b"new", None),
+            rebuildable=False,
+            fix="Pass a new folder.",
+        )
     assert path.read_bytes() == b"nex"  # untouched
 
 
@@ -91,32 +104,48 @@ def test_an_entry_that_verifies_but_does_not_load_is_rebuilt(tmp_path):
     kw = dict(kind="tensors", version=1, source=SOURCE)
     load_or_build(path, build=lambda target, progress: torch.save({"x": 1}, target), **kw)  # another layout
     with pytest.warns(UserWarning, match=r"rows.pt' does not load \(KeyError"):
-        got, built = load_or_build(path, build=lambda target, progress: torch.save({"y": torch.arange(5)}, target),
-                                   load=lambda p: torch.load(p, weights_only=True)["y"].sum(), **kw)
+        got, built = load_or_build(
+            path,
+            build=lambda target, progress: torch.save({"y": torch.arange(5)}, target),
+            load=lambda p: torch.load(p, weights_only=True)["y"].sum(),
+            **kw,
+        )
     assert built and int(got) == 10
 
 
 # ---------------------------------------------------------------------------------------------- the real kinds
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog):
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
-    path, trained = cached_bpe_tokenizer(tmp_path, "code", {"corpus": "t"}, lambda: texts, 300,
-                                         origin="50 test snippets")
-    assert trained and any("building the 'code' byte-level BPE tokenizer (vocabulary 300) from 50 test snippets "
-                           f"into {path}" in r.message for r in caplog.records)
+    path, trained = cached_bpe_tokenizer(
+        tmp_path, "code", {"corpus": "t"}, lambda: texts, 300, origin="50 test snippets"
+    )
+    assert trained and any(
+        f"building the 'code' byte-level BPE tokenizer (vocabulary 300) from 50 test snippets into {path}" in r.message
+        for r in caplog.records
+    )
     reference = path.read_text()
     path.write_text(reference[: len(reference) // 2])  # the issue's "EOF while parsing a string"
     with pytest.raises(ValueError, match=rf"tokenizer file '{path}' does not load .*copy it again"):
         load_tokenizer(path)  # as a user's own tokenizer_path: the file and the fix
-    with pytest.warns(UserWarning, match=rf"cached 'code' byte-level BPE tokenizer \(vocabulary 300\) '{path}' is "
-                                         "truncated"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"cached 'code' byte-level BPE tokenizer \(vocabulary 300\) '{path}' is "
+        "truncated",
+    ):
         again, trained = cached_bpe_tokenizer(tmp_path, "code", {"corpus": "t"}, lambda: texts, 300)
     assert again == path and trained and path.read_text() == reference
 
 
 def test_damaged_encoded_rows_are_encoded_again(tmp_path):
     write_tree(tmp_path / "src", n_files=8)
-    kw = dict(root=str(tmp_path / "src"), cache_dir=str(tmp_path / "cache"), vocab_size=300, seq_len=32,
-              val_fraction=0.25, batch_size=4)
+    kw = dict(
+        root=str(tmp_path / "src"),
+        cache_dir=str(tmp_path / "cache"),
+        vocab_size=300,
+        seq_len=32,
+        val_fraction=0.25,
+        batch_size=4,
+    )
     first = CodeMLMDataModule(**kw)
     first.prepare_data()
     first.setup("fit")
@@ -134,8 +163,14 @@ def test_a_truncated_token_store_is_written_again_not_trained_on_in_part(tmp_pat
     (tmp_path / "c").mkdir()
     for i in range(30):
         (tmp_path / "c" / f"doc{i}.txt").write_text(f"document {i} says " + "word " * (i + 5))
-    kw = dict(files=str(tmp_path / "c" / "*.txt"), vocab_size=300, seq_len=16, batch_size=4,
-              cache_dir=str(tmp_path / "cache"), val_fraction=0.0)
+    kw = dict(
+        files=str(tmp_path / "c" / "*.txt"),
+        vocab_size=300,
+        seq_len=16,
+        batch_size=4,
+        cache_dir=str(tmp_path / "cache"),
+        val_fraction=0.0,
+    )
     first = TextLMDataModule(**kw)
     first.prepare_data()
     first.setup("fit")
@@ -175,8 +210,10 @@ def test_concurrent_builders_never_leave_a_damaged_cache(tmp_path):
         if attempt % 2:  # half the tries start from a damaged entry, which both builders want to replace
             path.write_bytes(b"junk")
         barrier, results = context.Barrier(2), context.Queue()
-        workers = [context.Process(target=_build_concurrently, args=(str(path), barrier, results, bool(attempt % 2)))
-                   for _ in range(2)]
+        workers = [
+            context.Process(target=_build_concurrently, args=(str(path), barrier, results, bool(attempt % 2)))
+            for _ in range(2)
+        ]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for worker in workers:

@@ -18,8 +18,16 @@ def tree(tmp_path) -> Path:
 
 
 def _dm(tree: Path, tmp_path: Path, **kw) -> CodeLMDataModule:
-    settings = dict(root=str(tree), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.25,
-                    cache_dir=str(tmp_path / "cache"), num_prompts=3, prompt_len=5)
+    settings = dict(
+        root=str(tree),
+        vocab_size=400,
+        seq_len=32,
+        batch_size=4,
+        val_fraction=0.25,
+        cache_dir=str(tmp_path / "cache"),
+        num_prompts=3,
+        prompt_len=5,
+    )
     settings.update(kw)
     return CodeLMDataModule(**settings)
 
@@ -49,8 +57,9 @@ def test_rows_are_packed_next_token_pairs_and_split_by_file(tree, tmp_path):
     assert torch.equal(labels[:-1, -1], inputs[1:, 0])  # rows follow each other in the stream
     assert (stream == dm.eos_id).sum() == len(dm.split_files()[0]) and stream[-1] == dm.eos_id  # one per file
     # the split is CodeMLMDataModule's: same files, same tokenizer file (one cache key per corpus)
-    mlm = CodeMLMDataModule(root=str(tree), vocab_size=400, seq_len=32, val_fraction=0.25,
-                            cache_dir=str(tmp_path / "cache"))
+    mlm = CodeMLMDataModule(
+        root=str(tree), vocab_size=400, seq_len=32, val_fraction=0.25, cache_dir=str(tmp_path / "cache")
+    )
     assert mlm.split_files() == dm.split_files()
     train, val = dm.split_files()
     assert train and val and not set(train) & set(val)

@@ -106,8 +106,14 @@ def test_masking_rates_follow_bert():
     vocab = 500
     ids = torch.randint(5, vocab, (400, 128), generator=gen)
     ids[:, 0], ids[:, -1], ids[:, 100:110] = CLS_ID, SEP_ID, PAD_ID
-    out, labels = mask_tokens(ids, mask_id=MASK_ID, special_ids=[0, 1, 2, 3, 4], vocab_size=vocab,
-                              mlm_probability=0.15, generator=torch.Generator().manual_seed(1))
+    out, labels = mask_tokens(
+        ids,
+        mask_id=MASK_ID,
+        special_ids=[0, 1, 2, 3, 4],
+        vocab_size=vocab,
+        mlm_probability=0.15,
+        generator=torch.Generator().manual_seed(1),
+    )
     maskable = ids >= 5
     selected = labels != -100
     assert not (selected & ~maskable).any()  # special tokens are never selected
@@ -172,8 +178,9 @@ def _write_corpus(root: Path) -> None:
 def test_custom_root_directory(tmp_path):
     root = tmp_path / "corpus"
     _write_corpus(root)
-    dm = CodeMLMDataModule(root=str(root), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.2,
-                           cache_dir=str(tmp_path / "cache"))
+    dm = CodeMLMDataModule(
+        root=str(root), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.2, cache_dir=str(tmp_path / "cache")
+    )
     dm.prepare_data()
     dm.setup("fit")
     train, val = dm.split_files()
@@ -228,8 +235,9 @@ def test_stray_binary_file_is_skipped_with_a_warning(tmp_path):
     root = tmp_path / "corpus"
     _write_corpus(root)
     (root / "pkg" / "frozen.py").write_bytes(b"\x00\xff" * 500)
-    dm = CodeMLMDataModule(root=str(root), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.2,
-                           cache_dir=str(tmp_path / "cache"))
+    dm = CodeMLMDataModule(
+        root=str(root), vocab_size=400, seq_len=32, batch_size=4, val_fraction=0.2, cache_dir=str(tmp_path / "cache")
+    )
     with pytest.warns(UserWarning, match=r"skipping 1 of 9 file\(s\).*pkg/frozen\.py"):
         dm.prepare_data()
     dm.setup("fit")
@@ -252,8 +260,15 @@ def test_chunk_stream_layout():
 
 def test_collator_never_returns_a_batch_without_targets():
     ids = torch.tensor([[CLS_ID, 7, SEP_ID, PAD_ID]])
-    coll = MLMCollator(mask_id=MASK_ID, special_ids=[0, 1, 2, 3, 4], vocab_size=10, mlm_probability=0.01,
-                       pad_id=PAD_ID, seed=0, deterministic=True)
+    coll = MLMCollator(
+        mask_id=MASK_ID,
+        special_ids=[0, 1, 2, 3, 4],
+        vocab_size=10,
+        mlm_probability=0.01,
+        pad_id=PAD_ID,
+        seed=0,
+        deterministic=True,
+    )
     out = coll({"input_ids": ids, "index": torch.tensor([0])})
     assert out["labels"].tolist() == [[-100, 7, -100, -100]]
     assert out["attention_mask"].tolist() == [[1, 1, 1, 0]]
@@ -283,8 +298,15 @@ def test_fit_with_trainer(stdlib_cache, tmp_path, stdlib_kw):
 
     dm = CodeMLMDataModule(cache_dir=str(stdlib_cache), **stdlib_kw)
     model = TinyMLM(dm.vocab_size)  # the configured size is a safe upper bound, known before setup
-    trainer = pl.Trainer(max_steps=3, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=3,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 3
     (metrics,) = trainer.validate(model, datamodule=dm, verbose=False)

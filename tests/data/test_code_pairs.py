@@ -106,8 +106,13 @@ def test_deterministic_for_a_seed_and_different_for_another(tree, tmp_path):
     for seed, cache in ((0, "a"), (0, "b"), (1, "a")):
         dm = _dm(root, tmp_path / cache, seed=seed)
         dm.setup("fit")
-        runs.append((dm.train_dataset.tensors, dm.val_dataset.tensors,
-                     [(p.anchor.name, p.source.path, p.source.name) for p in dm.examples("train")]))
+        runs.append(
+            (
+                dm.train_dataset.tensors,
+                dm.val_dataset.tensors,
+                [(p.anchor.name, p.source.path, p.source.name) for p in dm.examples("train")],
+            )
+        )
     for name in ("input_ids", "length", "type_start", "labels"):
         assert torch.equal(runs[0][0][name], runs[1][0][name]) and torch.equal(runs[0][1][name], runs[1][1][name])
     assert runs[0][2] == runs[1][2] and runs[0][2] != runs[2][2]
@@ -229,12 +234,20 @@ def test_cli_fits_on_a_small_tree(workdir):
     """The shipped config through the real `comera fit` entry point, at tiny sizes, validating by step."""
     root = workdir / "src"
     write_tree(root, n_files=12)
-    cli = _run("fit", f"--config={CONFIGS / 'code_pairs.yaml'}", *TINY_ENCODER,
-               f"--config={_callbacks_config(workdir, target_compression=3.0)}", *TINY_TRAINER,
-               f"--data.root={root}", "--data.val_fraction=0.4", "--trainer.val_check_interval=3")
+    cli = _run(
+        "fit",
+        f"--config={CONFIGS / 'code_pairs.yaml'}",
+        *TINY_ENCODER,
+        f"--config={_callbacks_config(workdir, target_compression=3.0)}",
+        *TINY_TRAINER,
+        f"--data.root={root}",
+        "--data.val_fraction=0.4",
+        "--trainer.val_check_interval=3",
+    )
     assert isinstance(cli.datamodule, CodePairsDataModule)
     assert cli.trainer.global_step == 6
     assert 0.0 <= float(cli.trainer.callback_metrics["val/accuracy"]) <= 1.0
     history = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"]).get_metric_history(
-        cli.trainer.logger.run_id, "val/accuracy")
+        cli.trainer.logger.run_id, "val/accuracy"
+    )
     assert len(history) == 2  # after steps 3 and 6: by global step, not once per epoch

@@ -69,12 +69,26 @@ def test_stable_hash_many_hex_fast_path_and_fallback():
 
 
 def test_discover_files_skips_packages_tests_hidden_and_caches(tmp_path):
-    for rel in ["a.py", "pkg/b.py", "pkg/c.txt", "site-packages/d.py", "pkg/__pycache__/e.py", "tests/f.py",
-                "pkg/test/g.py", "idle_test/h.py", ".hidden/i.py", "sub/dist-packages/j.py"]:
+    for rel in [
+        "a.py",
+        "pkg/b.py",
+        "pkg/c.txt",
+        "site-packages/d.py",
+        "pkg/__pycache__/e.py",
+        "tests/f.py",
+        "pkg/test/g.py",
+        "idle_test/h.py",
+        ".hidden/i.py",
+        "sub/dist-packages/j.py",
+    ]:
         _touch(tmp_path / rel)
     assert discover_files(tmp_path) == ["a.py", "pkg/b.py"]
     assert discover_files(tmp_path, include_tests=True) == [
-        "a.py", "idle_test/h.py", "pkg/b.py", "pkg/test/g.py", "tests/f.py"
+        "a.py",
+        "idle_test/h.py",
+        "pkg/b.py",
+        "pkg/test/g.py",
+        "tests/f.py",
     ]
     assert discover_files(tmp_path, "*.txt") == ["pkg/c.txt"]
 
@@ -162,7 +176,12 @@ def test_split_by_hash_disjoint_stable_and_insensitive_to_other_files():
     assert 8 <= len(val) <= 35
     # pinned: the same files are held out in every process, on every machine, in every version
     assert val[:6] == [
-        "pkg3/mod17.py", "pkg4/mod25.py", "pkg6/mod48.py", "pkg1/mod57.py", "pkg0/mod84.py", "pkg6/mod104.py"
+        "pkg3/mod17.py",
+        "pkg4/mod25.py",
+        "pkg6/mod48.py",
+        "pkg1/mod57.py",
+        "pkg0/mod84.py",
+        "pkg6/mod104.py",
     ]
     assert len(val) == 21
     train_r, val_r = split_by_hash(list(reversed(files)), 0.1)  # order of the input does not matter

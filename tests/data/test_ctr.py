@@ -144,8 +144,9 @@ def test_tsv_round_trip_and_cache(tmp_path):
     first = path.read_text().splitlines()[0].split("\t")
     assert len(first) == 40 and all(len(c) in (0, 8) for c in first[14:])
     ref = synthetic_criteo(3000, SMALL, seed=4)
-    dm = CriteoDataModule(data_dir=str(tmp_path / "data"), table_sizes=SMALL, batch_size=256,
-                          cache_dir=str(tmp_path / "cache"))
+    dm = CriteoDataModule(
+        data_dir=str(tmp_path / "data"), table_sizes=SMALL, batch_size=256, cache_dir=str(tmp_path / "cache")
+    )
     dm.prepare_data()
     dm.setup("fit")
     got = {k: torch.cat([dm.train_dataset.tensors[k], dm.val_dataset.tensors[k]]) for k in ref}

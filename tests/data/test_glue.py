@@ -207,15 +207,22 @@ def test_save_to_disk_folder(tmp_path):
     # a ClassLabel in another order than ours: labels must go through the names
     names = ["contradiction", "entailment", "neutral"]
     features = datasets.Features(
-        {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"),
-         "label": datasets.ClassLabel(names=names), "idx": datasets.Value("int32")}
+        {
+            "premise": datasets.Value("string"),
+            "hypothesis": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=names),
+            "idx": datasets.Value("int32"),
+        }
     )
 
     def split(n, offset):
         return datasets.Dataset.from_dict(
-            {"premise": [f"the cat sees a dog {i}." for i in range(n)],
-             "hypothesis": [f"a dog sees the cat {i}." for i in range(n)],
-             "label": [(i + offset) % 3 for i in range(n)], "idx": list(range(n))},
+            {
+                "premise": [f"the cat sees a dog {i}." for i in range(n)],
+                "hypothesis": [f"a dog sees the cat {i}." for i in range(n)],
+                "label": [(i + offset) % 3 for i in range(n)],
+                "idx": list(range(n)),
+            },
             features=features,
         )
 

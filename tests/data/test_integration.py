@@ -57,9 +57,18 @@ class TinyMLM(pl.LightningModule):
 
 def _fit_ddp(tmp_path, cache, kw):
     dm = CodeMLMDataModule(cache_dir=str(cache), **kw)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     model = TinyMLM(dm.vocab_size)
     before = model.emb.weight.detach().clone()
     trainer.fit(model, datamodule=dm)

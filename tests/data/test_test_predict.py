@@ -140,8 +140,9 @@ def test_mnli_labelled_test_file_is_preferred_and_unlabelled_ones_are_skipped(mn
 def test_code_pairs_test_and_predict_are_the_validation_examples(tmp_path, notices):
     root = tmp_path / "src"
     write_tree(root)
-    dm = CodePairsDataModule(root=str(root), vocab_size=400, seq_len=64, batch_size=8, val_fraction=0.4,
-                             cache_dir=str(tmp_path / "cache"))
+    dm = CodePairsDataModule(
+        root=str(root), vocab_size=400, seq_len=64, batch_size=8, val_fraction=0.4, cache_dir=str(tmp_path / "cache")
+    )
     dm.setup("predict")
     val, test, predict = list(dm.val_dataloader()), list(dm.test_dataloader()), list(dm.predict_dataloader())
     assert len(val) == len(test) == len(predict) > 0
@@ -157,8 +158,9 @@ def test_code_pairs_test_and_predict_are_the_validation_examples(tmp_path, notic
 
 # ------------------------------------------------------------------------------------------------ Criteo
 def test_criteo_test_fraction_holds_out_the_last_rows():
-    dm = CriteoDataModule(synthetic=True, num_samples=1000, table_sizes=SMALL_TABLES, batch_size=64,
-                          val_fraction=0.1, test_fraction=0.2)
+    dm = CriteoDataModule(
+        synthetic=True, num_samples=1000, table_sizes=SMALL_TABLES, batch_size=64, val_fraction=0.1, test_fraction=0.2
+    )
     dm.setup("test")
     full = synthetic_criteo(1000, SMALL_TABLES, seed=0)
     assert (len(dm.train_dataset), len(dm.val_dataset), len(dm.test_dataset)) == (700, 100, 200)

@@ -19,8 +19,28 @@ from comera_lightning.data import TextLMDataModule, pack_stream
 from comera_lightning.data.text_sources import TextSource, iter_pieces
 from comera_lightning.data.token_store import ShardedShuffleSampler, TokenRows, keyed_permutation
 
-WORDS = ["alpha", "beta", "gamma", "delta", "tensor", "train", "rank", "gate", "core", "layer", "the", "of",
-         "and", "model", "data", "loss", "token", "stream", "shard", "epoch"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "tensor",
+    "train",
+    "rank",
+    "gate",
+    "core",
+    "layer",
+    "the",
+    "of",
+    "and",
+    "model",
+    "data",
+    "loss",
+    "token",
+    "stream",
+    "shard",
+    "epoch",
+]
 
 
 def _documents(n: int, seed: int = 0, words: int = 60) -> list[str]:
@@ -39,8 +59,12 @@ def _gpt2_style_tokenizer(path: Path, texts: list[str], vocab: int = 300, eos: s
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos], show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[eos],
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
@@ -103,8 +127,9 @@ def _write_corpus(folder: Path, docs: list[str], fmt: str) -> str:
 
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "jsonl.gz", "parquet"])
-def test_each_file_format_tokenises_to_the_reference_stream_with_the_tokenizers_own_eos(tmp_path, docs,
-                                                                                        tokenizer_file, fmt):
+def test_each_file_format_tokenises_to_the_reference_stream_with_the_tokenizers_own_eos(
+    tmp_path, docs, tokenizer_file, fmt
+):
     files = _write_corpus(tmp_path / "corpus", docs, fmt)
     dm = _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file))
     assert dm.eos_id == dm.tokenizer.token_to_id("<|endoftext|>")
@@ -119,8 +144,12 @@ def test_a_saved_dataset_and_a_dataset_dicts_validation_split(tmp_path, docs, to
     dm = _dm(tmp_path, dataset_path=str(tmp_path / "one"), text_field="content", tokenizer_path=str(tokenizer_file))
     np.testing.assert_array_equal(_stored(dm), _reference_stream(tokenizer_file, docs))
 
-    both = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:30]}),
-                                 "validation": datasets.Dataset.from_dict({"text": docs[30:]})})
+    both = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": docs[:30]}),
+            "validation": datasets.Dataset.from_dict({"text": docs[30:]}),
+        }
+    )
     both.save_to_disk(str(tmp_path / "dict"))
     dm = _dm(tmp_path, dataset_path=str(tmp_path / "dict"), tokenizer_path=str(tokenizer_file), val_fraction=0.5)
     np.testing.assert_array_equal(_stored(dm, "train"), _reference_stream(tokenizer_file, docs[:30]))
@@ -225,17 +254,27 @@ class _TinyLM(LightningModule):
 
 
 def _trainer(root: Path, steps: int, **kw) -> Trainer:
-    return Trainer(default_root_dir=root, max_steps=steps, accelerator="cpu", devices=1, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   limit_val_batches=0, **kw)
+    return Trainer(
+        default_root_dir=root,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_resume_mid_epoch_continues_the_token_stream_bit_for_bit(tmp_path, docs, tokenizer_file, workers):
     files = _write_corpus(tmp_path / "corpus", docs, "jsonl")
+
     def make():
-        return _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=16,
-                          num_workers=workers)
+        return _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=16, num_workers=workers)
+
     steps, cut = 40, 13  # ~30 batches an epoch: the runs cross an epoch boundary, the cut is mid-epoch
     torch.manual_seed(0)
     reference = _TinyLM()
@@ -246,7 +285,9 @@ def test_resume_mid_epoch_continues_the_token_stream_bit_for_bit(tmp_path, docs,
 
     torch.manual_seed(1)  # a different init: the checkpoint must bring everything back
     resumed = _TinyLM()
-    _trainer(tmp_path / "b", steps).fit(resumed, datamodule=make(), ckpt_path=str(tmp_path / "ckpt" / f"epoch=0-step={cut}.ckpt"))
+    _trainer(tmp_path / "b", steps).fit(
+        resumed, datamodule=make(), ckpt_path=str(tmp_path / "ckpt" / f"epoch=0-step={cut}.ckpt")
+    )
     assert len(resumed.seen) == steps - cut
     for a, b in zip(reference.seen[cut:], resumed.seen, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -271,13 +312,26 @@ def test_two_process_ddp_ranks_see_disjoint_rows_covering_the_epoch(tmp_path, to
     dm = _dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=8)
     dm.prepare_data()
     dm.setup("fit")
-    all_rows = {" ".join(map(str, r)) for r in dm.train_dataset.__getitems__(range(len(dm.train_dataset)))["input_ids"].tolist()}
+    all_rows = {
+        " ".join(map(str, r)) for r in dm.train_dataset.__getitems__(range(len(dm.train_dataset)))["input_ids"].tolist()
+    }
     rows = len(dm.train_dataset)
     out = tmp_path / "seen"
     out.mkdir()
-    trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn",
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, enable_checkpointing=False, callbacks=[_RecordRows(out)])
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        callbacks=[_RecordRows(out)],
+    )
     trainer.fit(_TinyLM(), datamodule=_dm(tmp_path, files=files, tokenizer_path=str(tokenizer_file), batch_size=8))
     shares = [(out / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
     assert len(shares[0]) == len(shares[1]) == -(-rows // 2)
@@ -303,8 +357,12 @@ def test_a_missing_text_field_names_the_fields_there(tmp_path, docs, tokenizer_f
         datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
         dm = _dm(tmp_path, dataset_path=str(tmp_path / "ds"), tokenizer_path=str(tokenizer_file))
     else:
-        dm = _dm(tmp_path, files=_write_corpus(tmp_path / "c", docs, fmt), text_field="body",
-                 tokenizer_path=str(tokenizer_file))
+        dm = _dm(
+            tmp_path,
+            files=_write_corpus(tmp_path / "c", docs, fmt),
+            text_field="body",
+            tokenizer_path=str(tokenizer_file),
+        )
     with pytest.raises(ValueError, match=r"has no text field '(body|text)' \(it has .*\); set data.text_field"):
         dm.prepare_data()
     stores = tmp_path / "cache" / "text-lm"  # nothing but the builders' lock file
@@ -312,8 +370,9 @@ def test_a_missing_text_field_names_the_fields_there(tmp_path, docs, tokenizer_f
 
 
 def test_a_tokenizer_larger_than_vocab_size_is_refused(tmp_path, docs, tokenizer_file):
-    dm = _dm(tmp_path, files=_write_corpus(tmp_path / "c", docs, "txt"), tokenizer_path=str(tokenizer_file),
-             vocab_size=100)
+    dm = _dm(
+        tmp_path, files=_write_corpus(tmp_path / "c", docs, "txt"), tokenizer_path=str(tokenizer_file), vocab_size=100
+    )
     with pytest.raises(ValueError, match=r"has 300 tokens but vocab_size=100; .*set vocab_size >= 300"):
         dm.prepare_data()
 
@@ -344,8 +403,11 @@ def test_a_token_dir_written_by_another_tokenizer_is_refused_and_kept(tmp_path, 
     before = {p.name: p.read_bytes() for p in store.iterdir()}
     other = _gpt2_style_tokenizer(tmp_path / "other" / "tokenizer.json", docs[:10], vocab=280)
     dm = _dm(tmp_path, files=files, tokenizer_path=str(other), token_dir=str(store))
-    with pytest.raises(ValueError, match=r"was written by another tokenizer .*nothing was overwritten: pass a new "
-                                         r"data.token_dir"):
+    with pytest.raises(
+        ValueError,
+        match=r"was written by another tokenizer .*nothing was overwritten: pass a new "
+        r"data.token_dir",
+    ):
         dm.prepare_data()
     assert {p.name: p.read_bytes() for p in store.iterdir()} == before
 
@@ -366,8 +428,14 @@ def test_a_json_file_that_is_not_json_lines_names_the_line(tmp_path, tokenizer_f
 
 
 def test_an_empty_validation_split_is_said(tmp_path, docs, tokenizer_file):
-    dm = _dm(tmp_path, files=_write_corpus(tmp_path / "c", docs[:2], "txt"), tokenizer_path=str(tokenizer_file),
-             val_fraction=0.01)
-    with pytest.warns(UserWarning, match=r"validation split .* is empty .*raise data.val_fraction or pass data.val_files"):
+    dm = _dm(
+        tmp_path,
+        files=_write_corpus(tmp_path / "c", docs[:2], "txt"),
+        tokenizer_path=str(tokenizer_file),
+        val_fraction=0.01,
+    )
+    with pytest.warns(
+        UserWarning, match=r"validation split .* is empty .*raise data.val_fraction or pass data.val_files"
+    ):
         dm.setup("fit")
     assert dm.val_dataloader() == []

@@ -46,4 +46,3 @@ def test_tensorize_steers_only_tensorized_blocks_and_untensorize_restores():
     assert all(m.activation_relu_or_gelu == 0 for m in model.layers) and not model.use_nested_tensor
     untensorize(model)
     assert all(m.activation_relu_or_gelu == 1 for m in model.layers) and model.use_nested_tensor
-

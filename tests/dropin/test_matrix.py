@@ -43,12 +43,20 @@ MODES = {
     "untensorize": "`untensorize()`",
     "ddp": "DDP, 2 processes",
 }
-NAMES = {"encoder": "`nn.TransformerEncoder`", "encoder_seq_first": "`nn.TransformerEncoder`, seq first",
-         "decoder": "`nn.TransformerDecoder`", "decoder_seq_first": "`nn.TransformerDecoder`, seq first",
-         "transformer": "`nn.Transformer`", "transformer_seq_first": "`nn.Transformer`, seq first",
-         "mha_block": "block around `nn.MultiheadAttention`", "mlp": "`nn.Sequential` MLP",
-         "lightning": "a user's LightningModule", "llama": "HF Llama (SDPA)", "bert": "HF BERT (SDPA)",
-         "gpt2": "HF GPT-2 (SDPA)"}
+NAMES = {
+    "encoder": "`nn.TransformerEncoder`",
+    "encoder_seq_first": "`nn.TransformerEncoder`, seq first",
+    "decoder": "`nn.TransformerDecoder`",
+    "decoder_seq_first": "`nn.TransformerDecoder`, seq first",
+    "transformer": "`nn.Transformer`",
+    "transformer_seq_first": "`nn.Transformer`, seq first",
+    "mha_block": "block around `nn.MultiheadAttention`",
+    "mlp": "`nn.Sequential` MLP",
+    "lightning": "a user's LightningModule",
+    "llama": "HF Llama (SDPA)",
+    "bert": "HF BERT (SDPA)",
+    "gpt2": "HF GPT-2 (SDPA)",
+}
 #: cells that do not work, with the reason and the error the user gets
 FAILS: dict[tuple[str, str], str] = {}
 #: cells not run: 2-process DDP runs on the LightningModule (the same layers as the other torch rows)
@@ -83,8 +91,11 @@ def check_generate(model: nn.Module, dense: nn.Module, kind: str) -> None:
 def compile_breaks_in_comera(model: nn.Module, kind: str) -> list[str]:
     dynamo.reset()
     explained = dynamo.explain(lambda *x: forward(model, kind, x))(*example(kind))
-    return [str(r.reason) for r in explained.break_reasons
-            if any("comera_lightning" in frame.filename for frame in r.user_stack)]
+    return [
+        str(r.reason)
+        for r in explained.break_reasons
+        if any("comera_lightning" in frame.filename for frame in r.user_stack)
+    ]
 
 
 # --- the modes that need no trainer ----------------------------------------------------------------------------
@@ -197,8 +208,14 @@ def _loader(kind: str):
 
 
 def _trainer(root: Path, callbacks: list[Callback], max_steps: int, **kwargs) -> Trainer:
-    options = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                   accelerator="cpu", devices=1)
+    options = dict(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+    )
     return Trainer(max_steps=max_steps, callbacks=callbacks, **{**options, **kwargs})
 
 
@@ -234,7 +251,9 @@ def _outputs(module, kind: str) -> torch.Tensor:
 def test_resume(kind, fitted, tmp_path):
     full, root = fitted(kind)
     resumed = _module(kind)
-    _trainer(tmp_path, [_tensorize_callback()], 3).fit(resumed, _loader(kind), ckpt_path=root / "ckpt" / "epoch=0-step=2.ckpt")
+    _trainer(tmp_path, [_tensorize_callback()], 3).fit(
+        resumed, _loader(kind), ckpt_path=root / "ckpt" / "epoch=0-step=2.ckpt"
+    )
     same(_outputs(resumed, kind), _outputs(full, kind), rtol=1e-6, atol=1e-8)
     dense = copy.deepcopy(full)
     untensorize(dense)
@@ -256,17 +275,23 @@ class _Snapshot(Callback):
         self.path = path
 
     def on_train_end(self, trainer, pl_module):
-        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-                   self.path / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            self.path / f"rank{trainer.global_rank}.pt",
+        )
 
 
 @pytest.mark.slow
 def test_ddp_two_processes(tmp_path):
-    callbacks = [Tensorize(rank=8, min_features=MIN_FEATURES),
-                 RankAdaptation(gamma=0.5, truncate_every_n_steps=2, min_dead_fraction=0.1), _Snapshot(tmp_path),
-                 ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)]
+    callbacks = [
+        Tensorize(rank=8, min_features=MIN_FEATURES),
+        RankAdaptation(gamma=0.5, truncate_every_n_steps=2, min_dead_fraction=0.1),
+        _Snapshot(tmp_path),
+        ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+    ]
     _trainer(tmp_path, callbacks, 4, strategy="ddp_spawn", devices=2, enable_checkpointing=True).fit(
-        TinyLM(), _loader("lightning"))
+        TinyLM(), _loader("lightning")
+    )
     first, second = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert first.keys() == second.keys() and any(".cores." in k for k in first)
     for key in first:
@@ -301,4 +326,5 @@ def test_the_docs_show_the_matrix():
     found = re.search(r"<!-- dropin-matrix -->\n(.*?)\n<!-- /dropin-matrix -->", text, re.S)
     assert found, "docs/own-model.md lacks the <!-- dropin-matrix --> block"
     assert found.group(1).strip() == render_matrix().strip(), (
-        "docs/own-model.md's matrix is out of date; paste:\n" + render_matrix())
+        "docs/own-model.md's matrix is out of date; paste:\n" + render_matrix()
+    )

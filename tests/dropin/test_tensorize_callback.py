@@ -48,13 +48,25 @@ def loader(n: int = 64) -> DataLoader:
 
 
 def trainer(tmp_path, callbacks, max_steps: int, **kwargs) -> Trainer:
-    return Trainer(max_steps=max_steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu", devices=1, **kwargs)
+    return Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        **kwargs,
+    )
 
 
 def rank_callbacks():
-    return [RankAdaptation(gamma=0.5, truncate_every_n_steps=4, min_dead_fraction=0.1), ContractionPlanner(),
-            RankMonitor(log_every_n_steps=4, save_artifacts=False)]
+    return [
+        RankAdaptation(gamma=0.5, truncate_every_n_steps=4, min_dead_fraction=0.1),
+        ContractionPlanner(),
+        RankMonitor(log_every_n_steps=4, save_artifacts=False),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +88,9 @@ def test_callback_swaps_before_the_optimiser_and_ranks_shrink(trained):
     assert all(isinstance(model.net[i], TTLinear) for i in (0, 2))
     optimised = {id(p) for group in model.trainer.optimizers[0].param_groups for p in group["params"]}
     assert all(id(c) in optimised for _, layer in tt_layers(model) for c in layer.cores)
-    assert any(layer.ranks != [1, 4, 16, 4, 1] and layer.ranks != TTLinear(32, 64, 16).ranks
-               for _, layer in tt_layers(model)), "no truncation: the reload would not test adopting ranks"
+    assert any(
+        layer.ranks != [1, 4, 16, 4, 1] and layer.ranks != TTLinear(32, 64, 16).ranks for _, layer in tt_layers(model)
+    ), "no truncation: the reload would not test adopting ranks"
 
 
 @pytest.mark.parametrize("which", ["last.ckpt", "ft"])
@@ -111,8 +124,9 @@ def test_resume_rebuilds_the_checkpoint_structure(trained, tmp_path):
             seen.append({n: layer.ranks for n, layer in tt_layers(pl_module)})
             super().on_fit_start(trainer, pl_module)
 
-    trainer(tmp_path, [Tensorize(rank=16, min_features=32), Probe(gamma=0.5, truncate_every_n_steps=None)],
-            max_steps=14).fit(resumed, loader(), ckpt_path=path)
+    trainer(
+        tmp_path, [Tensorize(rank=16, min_features=32), Probe(gamma=0.5, truncate_every_n_steps=None)], max_steps=14
+    ).fit(resumed, loader(), ckpt_path=path)
     assert resumed.trainer.global_step == 14
     state = next(v for k, v in saved_ranks.items() if k.startswith("Tensorize"))
     assert seen == [state["ranks"]]
@@ -124,8 +138,12 @@ def test_resume_rebuilds_the_checkpoint_structure(trained, tmp_path):
 
 def test_reload_when_tensorized_in_init_or_by_hand(tmp_path):
     own = TinyRegressor(rank=6)  # tensorises its own MLP in __init__
-    trainer(tmp_path, [RankAdaptation(gamma=0.5, truncate_every_n_steps=4, min_dead_fraction=0.1)], max_steps=8,
-            enable_checkpointing=False).fit(own, loader())
+    trainer(
+        tmp_path,
+        [RankAdaptation(gamma=0.5, truncate_every_n_steps=4, min_dead_fraction=0.1)],
+        max_steps=8,
+        enable_checkpointing=False,
+    ).fit(own, loader())
     own.trainer.save_checkpoint(tmp_path / "own.ckpt")
     x = torch.randn(3, 32)
     torch.testing.assert_close(load_from_checkpoint(TinyRegressor, tmp_path / "own.ckpt")(x), own(x))
@@ -151,4 +169,5 @@ def test_clear_error_without_a_record(tmp_path):
 def test_callback_warns_when_nothing_qualifies(tmp_path):
     with pytest.warns(UserWarning, match="found no nn.Linear"):
         trainer(tmp_path, [Tensorize(min_features=1000)], max_steps=1, enable_checkpointing=False).fit(
-            UserModel(), loader(16))
+            UserModel(), loader(16)
+        )

@@ -34,16 +34,18 @@ def write_tree(root: Path, n_files: int = 10, n_funcs: int = 4) -> dict[tuple[st
         parts.append(f'\nclass Box{i}:\n    {head}\n        """{SHARED_DOC}"""\n    {ret}\n')
         expected[(rel, f"Box{i}.method")] = (SHARED_DOC, _method_body(i))
         inner = f"def inner(x):\n    return x + value + {i}"
-        parts.append(f'\ndef wrapper_{i}(value):\n    """Wrap the value in a closure for module {i}."""\n'
-                     f'    def inner(x):\n        """Add module offset {i} to x."""\n        return x + value + {i}\n'
-                     '    return inner\n')
+        parts.append(
+            f'\ndef wrapper_{i}(value):\n    """Wrap the value in a closure for module {i}."""\n'
+            f'    def inner(x):\n        """Add module offset {i} to x."""\n        return x + value + {i}\n'
+            "    return inner\n"
+        )
         expected[(rel, f"wrapper_{i}")] = (
             f"Wrap the value in a closure for module {i}.",
             f'def wrapper_{i}(value):\n    def inner(x):\n        """Add module offset {i} to x."""\n'
             f"        return x + value + {i}\n    return inner",
         )
         expected[(rel, f"wrapper_{i}.<locals>.inner")] = (f"Add module offset {i} to x.", inner)
-        parts.append('\ndef undocumented(x):\n    return x + 1 + 2\n')
+        parts.append("\ndef undocumented(x):\n    return x + 1 + 2\n")
         parts.append('\ndef tiny(x):\n    """Does nothing at all, really."""\n    pass\n')
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 D, FF, VOCAB, MIN_FEATURES = 32, 64, 128, 32
-TORCH_KINDS = ["encoder", "encoder_seq_first", "decoder", "decoder_seq_first", "transformer",
-               "transformer_seq_first", "mha_block", "mlp", "lightning"]
+TORCH_KINDS = [
+    "encoder",
+    "encoder_seq_first",
+    "decoder",
+    "decoder_seq_first",
+    "transformer",
+    "transformer_seq_first",
+    "mha_block",
+    "mlp",
+    "lightning",
+]
 HF_KINDS = ["llama", "bert", "gpt2"]
 KINDS = TORCH_KINDS + HF_KINDS
 
@@ -88,17 +97,41 @@ def _hf(kind: str) -> nn.Module:
 
     common: dict[str, Any] = dict(vocab_size=VOCAB, attn_implementation="sdpa")
     if kind == "llama":
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False, **common)
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            **common,
+        )
         return transformers.LlamaForCausalLM(config)
     if kind == "bert":
-        config = transformers.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                         intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                         attention_probs_dropout_prob=0.0, **common)
+        config = transformers.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
         return transformers.BertForMaskedLM(config)
-    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    config = transformers.GPT2Config(
+        n_embd=64,
+        n_layer=1,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **common,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 

@@ -17,14 +17,29 @@ from comera_lightning.lit import CausalLM
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import OptimConfig
 
-TINY = dict(vocab_size=400, d_model=32, num_heads=4, d_ff=48, num_layers=2, max_len=32,
-            layer_config=dict(rank=8, embedding_rank=8, min_features=16))
+TINY = dict(
+    vocab_size=400,
+    d_model=32,
+    num_heads=4,
+    d_ff=48,
+    num_layers=2,
+    max_len=32,
+    layer_config=dict(rank=8, embedding_rank=8, min_features=16),
+)
 
 
 @pytest.fixture
 def datamodule(tmp_path) -> CodeLMDataModule:
-    return CodeLMDataModule(root=str(small_source_tree(tmp_path / "src")), vocab_size=400, seq_len=32, batch_size=8,
-                            val_fraction=0.25, cache_dir=str(tmp_path / "cache"), num_prompts=2, prompt_len=6)
+    return CodeLMDataModule(
+        root=str(small_source_tree(tmp_path / "src")),
+        vocab_size=400,
+        seq_len=32,
+        batch_size=8,
+        val_fraction=0.25,
+        cache_dir=str(tmp_path / "cache"),
+        num_prompts=2,
+        prompt_len=6,
+    )
 
 
 def test_loss_is_next_token_cross_entropy_and_labels_default_to_the_shift():
@@ -74,23 +89,40 @@ def test_generate_with_the_cache_samples_what_the_full_re_run_samples_float64(pr
     prompt = torch.randint(0, 400, (2, prompt_len))  # max_len is 32: within the context and past it
     greedy = task.generate(prompt, 12, temperature=0.0)
     assert torch.equal(greedy, task.generate(prompt, 12, temperature=0.0, use_cache=False))
-    sampled = [task.generate(prompt, 12, top_k=20, temperature=1.0, generator=torch.Generator().manual_seed(5),
-                             use_cache=use_cache) for use_cache in (True, False)]
+    sampled = [
+        task.generate(
+            prompt, 12, top_k=20, temperature=1.0, generator=torch.Generator().manual_seed(5), use_cache=use_cache
+        )
+        for use_cache in (True, False)
+    ]
     assert torch.equal(*sampled)
 
 
 @pytest.mark.slow
 def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_reloads(datamodule, tmp_path, capsys):
     torch.manual_seed(0)
-    task = CausalLM(**TINY, optim=OptimConfig(lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2,
-                                               schedule="cosine"),
-                    generate_max_new_tokens=4, generate_top_k=3, generate_temperature=1.0)
-    adaptation = RankAdaptation(gamma=1.0, late_start_step=6, target_compression=3.0, truncate_every_n_steps=6,
-                                min_dead_fraction=0.1)
-    trainer = Trainer(max_steps=24, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      default_root_dir=tmp_path,  # RankMonitor's picture goes there
-                      enable_model_summary=False, limit_val_batches=2, val_check_interval=12,
-                      callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=4)])
+    task = CausalLM(
+        **TINY,
+        optim=OptimConfig(lr_cores=5e-3, lr_other=5e-3, lr_gates=0.2, warmup_steps=2, schedule="cosine"),
+        generate_max_new_tokens=4,
+        generate_top_k=3,
+        generate_temperature=1.0,
+    )
+    adaptation = RankAdaptation(
+        gamma=1.0, late_start_step=6, target_compression=3.0, truncate_every_n_steps=6, min_dead_fraction=0.1
+    )
+    trainer = Trainer(
+        max_steps=24,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,  # RankMonitor's picture goes there
+        enable_model_summary=False,
+        limit_val_batches=2,
+        val_check_interval=12,
+        callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=4)],
+    )
     trainer.fit(task, datamodule=datamodule)
     assert adaptation.truncations >= 1
     metrics = trainer.callback_metrics
@@ -103,8 +135,7 @@ def test_fit_with_the_three_callbacks_truncates_validates_tests_predicts_and_rel
     assert tested["test/perplexity"] == pytest.approx(math.exp(tested["test/loss"]), rel=1e-4)
     predictions = trainer.predict(task, datamodule=datamodule)
     samples = [s for batch in predictions for s in batch]
-    assert len(samples) == 2 and all(len(s["generated_ids"]) == 4 and isinstance(s["completion"], str)
-                                     for s in samples)
+    assert len(samples) == 2 and all(len(s["generated_ids"]) == 4 and isinstance(s["completion"], str) for s in samples)
     assert "--- continuation:" in capsys.readouterr().out
 
     # a fresh full-rank task adopts the checkpoint's truncated ranks and reproduces the logits

@@ -7,8 +7,14 @@ import torch
 
 from comera_lightning.lit import ClickThrough, MaskedLM, SequenceClassification
 
-ENCODER = dict(d_model=32, num_heads=2, d_ff=48, num_layers=1, max_len=16,
-               layer_config=dict(rank=4, embedding_rank=4, min_features=16))
+ENCODER = dict(
+    d_model=32,
+    num_heads=2,
+    d_ff=48,
+    num_layers=1,
+    max_len=16,
+    layer_config=dict(rank=4, embedding_rank=4, min_features=16),
+)
 
 
 def test_masked_lm_returns_top_k_per_masked_position():
@@ -17,8 +23,12 @@ def test_masked_lm_returns_top_k_per_masked_position():
     ids = torch.randint(5, 60, (3, 10))
     labels = torch.full_like(ids, -100)
     labels[0, 2], labels[2, 7], labels[2, 9] = 11, 12, 13
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-             "index": torch.tensor([40, 41, 42])}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": labels,
+        "index": torch.tensor([40, 41, 42]),
+    }
     with torch.no_grad():
         out = task.predict_step(batch, 0)
     assert list(out) == ["index", "position", "input_id", "true_id", "top_ids", "top_probs"]  # no tokenizer here
@@ -51,8 +61,13 @@ def test_sequence_classification_predicts_unlabelled_examples():
     torch.manual_seed(0)
     task = SequenceClassification(vocab_size=60, num_classes=3, **ENCODER).eval()
     ids = torch.randint(5, 60, (4, 12))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
-             "labels": torch.tensor([0, 2, -1, -1]), "index": torch.arange(4)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "token_type_ids": torch.zeros_like(ids),
+        "labels": torch.tensor([0, 2, -1, -1]),
+        "index": torch.arange(4),
+    }
     with torch.no_grad():
         out = task.predict_step(batch, 0)
         logits = task(batch)
@@ -65,10 +80,18 @@ def test_sequence_classification_predicts_unlabelled_examples():
 def test_click_through_returns_click_probabilities():
     torch.manual_seed(0)
     sizes = [20] * 26
-    task = ClickThrough(table_sizes=sizes, bottom_mlp=[16, 8], top_mlp=[16], embedding_dim=8,
-                        layer_config=dict(rank=2, embedding_rank=2, min_features=8, min_embedding_rows=10)).eval()
-    batch = {"dense": torch.rand(5, 13), "sparse": torch.randint(0, 20, (5, 26)),
-             "labels": torch.tensor([0.0, 1, 0, 0, 1])}
+    task = ClickThrough(
+        table_sizes=sizes,
+        bottom_mlp=[16, 8],
+        top_mlp=[16],
+        embedding_dim=8,
+        layer_config=dict(rank=2, embedding_rank=2, min_features=8, min_embedding_rows=10),
+    ).eval()
+    batch = {
+        "dense": torch.rand(5, 13),
+        "sparse": torch.randint(0, 20, (5, 26)),
+        "labels": torch.tensor([0.0, 1, 0, 0, 1]),
+    }
     with torch.no_grad():
         out = task.predict_step(batch, 0)
         logits = task(batch)

@@ -20,8 +20,11 @@ DENSE = dict(LAYERS, tt_linears=False, tt_embeddings=False)
 
 
 def _kinds(model: nn.Module) -> dict[str, str]:
-    return {name: "tt" if isinstance(m, TTLayer) else "dense" for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding, TTLayer))}
+    return {
+        name: "tt" if isinstance(m, TTLayer) else "dense"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding, TTLayer))
+    }
 
 
 # --- pieces against float64 references ----------------------------------------------------------------------
@@ -131,9 +134,18 @@ def test_layer_names_kinds_and_dense_layers():
     assert kinds["embed_tokens"] == "tt" and kinds["lm_head"] == "dense"
     assert kinds["layers.1.attention.q_proj"] == "tt" and kinds["layers.0.mlp.down_proj"] == "dense"
     assert set(kinds) == {"embed_tokens", "lm_head"} | {
-        f"layers.{i}.{part}" for i in range(2) for part in (
-            "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        f"layers.{i}.{part}"
+        for i in range(2)
+        for part in (
+            "attention.q_proj",
+            "attention.k_proj",
+            "attention.v_proj",
+            "attention.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert all(getattr(m, "bias", None) is None for m in model.modules() if isinstance(m, (nn.Linear, TTLinear)))
     dense = DecoderLM(**dict(TINY_DECODER, layer_config=DENSE))
     assert set(dense.layer_kinds.values()) == {"dense"} and dense.layer_kinds.keys() == kinds.keys()
@@ -141,8 +153,9 @@ def test_layer_names_kinds_and_dense_layers():
 
 @pytest.mark.parametrize("tt", [True, False])
 def test_tied_embeddings_share_the_table_and_get_gradients(tt):
-    model = DecoderLM(**dict(TINY_DECODER, tie_embeddings=True, layer_config=dict(LAYERS, tt_linears=tt,
-                                                                                  tt_embeddings=tt)))
+    model = DecoderLM(
+        **dict(TINY_DECODER, tie_embeddings=True, layer_config=dict(LAYERS, tt_linears=tt, tt_embeddings=tt))
+    )
     assert model.lm_head is None and "lm_head" not in model.layer_kinds
     ids = torch.randint(0, 97, (2, 5))
     logits = model(ids)
@@ -201,7 +214,7 @@ def test_past_max_len_each_position_sees_the_window_of_max_len_tokens_float64():
     ids = torch.randint(0, 97, (2, 40))
     full = model(ids)
     for t in (15, 16, 27, 39):
-        window = ids[:, max(0, t - 15):t + 1]
+        window = ids[:, max(0, t - 15) : t + 1]
         torch.testing.assert_close(full[:, t], model(window)[:, -1], rtol=1e-6, atol=1e-7)
 
 
@@ -224,7 +237,7 @@ def test_cached_decoding_gives_the_logits_of_the_full_sequence_float64(prompt_le
     cache = model.new_cache()
     pieces = [model.head(model.hidden_states(ids[:, :prompt_len], cache))]
     for start in range(prompt_len, ids.shape[1], chunk):
-        pieces.append(model.head(model.hidden_states(ids[:, start:start + chunk], cache)))
+        pieces.append(model.head(model.hidden_states(ids[:, start : start + chunk], cache)))
     torch.testing.assert_close(torch.cat(pieces, dim=1), reference, rtol=1e-10, atol=1e-10)
     assert cache.seen == ids.shape[1]
     assert cache.cached == 15 and len(cache.keys) == 2  # bounded: the last max_len - 1 positions per layer

@@ -11,8 +11,13 @@ from comera_lightning.nn import TTEmbedding, TTLinear
 
 # 26 Criteo-like tables: a few large ones (TT), the rest small (dense)
 TABLES = [5000, 3, 1200, 10, 7, 2048] + [4 + t for t in range(20)]
-SMALL = dict(table_sizes=TABLES, embedding_dim=8, bottom_mlp=[64, 8], top_mlp=[64, 32],
-             layer_config=dict(rank=4, embedding_rank=4))
+SMALL = dict(
+    table_sizes=TABLES,
+    embedding_dim=8,
+    bottom_mlp=[64, 8],
+    top_mlp=[64, 32],
+    layer_config=dict(rank=4, embedding_rank=4),
+)
 
 
 def _batch(model, batch=6):
@@ -35,7 +40,9 @@ def test_output_shape_and_layer_choice():
     assert [type(m) for m in model.top_mlp] == [TTLinear, nn.Linear, nn.Linear]
     assert model.layer_kinds == {
         name: "tt" if isinstance(m, (TTLinear, TTEmbedding)) else "dense"
-        for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, TTLinear, TTEmbedding))}
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding, TTLinear, TTEmbedding))
+    }
 
 
 def test_interaction_dimension():
@@ -54,8 +61,11 @@ def test_dot_interaction_matches_a_loop():
     embedded = [torch.randn(2, 8) for _ in TABLES]
     z = model._interact(bottom, embedded)
     vectors = [bottom, *embedded]
-    expected = [bottom] + [torch.stack([(vectors[i][b] * vectors[j][b]).sum() for b in range(2)])[:, None]
-                           for i in range(27) for j in range(i + 1, 27)]
+    expected = [bottom] + [
+        torch.stack([(vectors[i][b] * vectors[j][b]).sum() for b in range(2)])[:, None]
+        for i in range(27)
+        for j in range(i + 1, 27)
+    ]
     torch.testing.assert_close(z, torch.cat(expected, dim=1))
 
 

@@ -44,11 +44,21 @@ def test_linears_and_embeddings_switch_independently():
 
 def test_dense_layers_regex_is_searched_in_the_name():
     f = LayerFactory(LayerConfig(dense_layers=r"attention\.(query|key)$|^head"))
-    kinds = {name: f.linear(name, 64, 64) for name in
-             ["layers.0.attention.query", "layers.0.attention.key", "layers.0.attention.value", "head.dense",
-              "x.head"]}
-    assert {n for n, m in kinds.items() if type(m) is nn.Linear} == {"layers.0.attention.query",
-                                                                   "layers.0.attention.key", "head.dense"}
+    kinds = {
+        name: f.linear(name, 64, 64)
+        for name in [
+            "layers.0.attention.query",
+            "layers.0.attention.key",
+            "layers.0.attention.value",
+            "head.dense",
+            "x.head",
+        ]
+    }
+    assert {n for n, m in kinds.items() if type(m) is nn.Linear} == {
+        "layers.0.attention.query",
+        "layers.0.attention.key",
+        "head.dense",
+    }
     assert f.forced_dense("head") and not f.forced_dense("x.head")
 
 
@@ -147,8 +157,16 @@ def test_low_rank_embeddings_are_a_gated_product_of_two_factors_in_float64():
 
 
 def test_cola_layers_are_a_low_rank_product_with_silu_between_the_factors_in_float64():
-    f = LayerFactory({"rank": 5, "min_features": 8, "low_rank_linears": ".", "bottleneck_activation": "silu",
-                      "activation_layers": r"(^|\.)layers\.", "learn_gates": False})
+    f = LayerFactory(
+        {
+            "rank": 5,
+            "min_features": 8,
+            "low_rank_linears": ".",
+            "bottleneck_activation": "silu",
+            "activation_layers": r"(^|\.)layers\.",
+            "learn_gates": False,
+        }
+    )
     block, head = f.linear("layers.0.fc1", 24, 40), f.linear("lm_head", 24, 40, bias=False)
     assert (block.bottleneck_activation, head.bottleneck_activation) == ("silu", None)
     assert block.ranks == [1, 5, 1] and not any(g.requires_grad for g in block.gates)
@@ -158,14 +176,18 @@ def test_cola_layers_are_a_low_rank_product_with_silu_between_the_factors_in_flo
     expected = torch.nn.functional.silu(x @ a) @ b + block.bias
     torch.testing.assert_close(block(x), expected)
     grad = torch.randn(3, 40, dtype=torch.float64)
-    for got, ref in zip(torch.autograd.grad(block(x), [x, block.cores[0]], grad),
-                        torch.autograd.grad(expected, [x, block.cores[0]], grad), strict=True):
+    for got, ref in zip(
+        torch.autograd.grad(block(x), [x, block.cores[0]], grad),
+        torch.autograd.grad(expected, [x, block.cores[0]], grad),
+        strict=True,
+    ):
         torch.testing.assert_close(got, ref)
 
 
 def test_a_list_in_layer_ranks_fixes_every_internal_rank_and_frozen_gates_stay_at_one():
-    f = LayerFactory({"rank": 8, "min_features": 8, "learn_gates": False,
-                      "layer_ranks": {r"(^|\.)fc$": [3, 5, 2], "embed": [4, 3]}})
+    f = LayerFactory(
+        {"rank": 8, "min_features": 8, "learn_gates": False, "layer_ranks": {r"(^|\.)fc$": [3, 5, 2], "embed": [4, 3]}}
+    )
     fc = f.linear("block.fc", 64, 64, in_modes=[4, 4, 4], out_modes=[64])
     embed = f.embedding("embed", 64, 16, vocab_modes=[8, 8, 1], dim_modes=[2, 2, 4])
     assert fc.ranks == [1, 3, 5, 2, 1] and embed.ranks == [1, 4, 3, 1]

@@ -27,8 +27,7 @@ def test_tt_core_counts_by_hand(counts):
     embedding = 1 * (16 * 4) * 32 + 32 * (20 * 4) * 32 + 32 * (10 * 8) * 32 + 32 * (10 * 6) * 1
     assert (fc1, fc2, attention, embedding) == (28960, 28960, 20448, 167808)
     reported = {h["layer"]: h["reported"] for h in result["hand_counts"]}
-    assert reported == {"FFN fc1": fc1, "FFN fc2": fc2, "attention q/k/v/out": attention,
-                        "word embedding": embedding}
+    assert reported == {"FFN fc1": fc1, "FFN fc2": fc2, "attention q/k/v/out": attention, "word embedding": embedding}
 
 
 def test_totals_and_compression_ratio(counts):
@@ -56,4 +55,5 @@ def test_markdown_and_json_output(counts, capsys):
     text = module.to_markdown(result)
     assert "| **total** |" in text and "28,960" in text and "167,808" in text
     import json
+
     json.dumps(result)  # JSON-serialisable

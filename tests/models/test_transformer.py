@@ -20,8 +20,11 @@ MODELS = [TransformerEncoder, SequenceClassifier, MaskedLanguageModel]
 
 def _kinds(model: nn.Module) -> dict[str, str]:
     """name -> tt/dense of every linear and embedding, read from the module tree itself."""
-    return {name: "tt" if isinstance(m, TTLayer) else "dense" for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding, TTLayer))}
+    return {
+        name: "tt" if isinstance(m, TTLayer) else "dense"
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding, TTLayer))
+    }
 
 
 def _batch(batch=3, seq=10, vocab=TINY["vocab_size"]):
@@ -31,7 +34,7 @@ def _batch(batch=3, seq=10, vocab=TINY["vocab_size"]):
     mask[1, 8:] = 0
     ids[mask == 0] = 0
     types = torch.zeros(batch, seq, dtype=torch.long)
-    types[:, seq // 2:] = 1
+    types[:, seq // 2 :] = 1
     return ids, mask, types
 
 
@@ -67,8 +70,7 @@ def test_recorded_names_are_the_qualified_names(cls):
 
 def test_tiny_model_layout():
     kinds = SequenceClassifier(**TINY).layer_kinds
-    assert {n for n, k in kinds.items() if k == "dense"} == {
-        "encoder.embeddings.token_type_embeddings", "classifier"}
+    assert {n for n, k in kinds.items() if k == "dense"} == {"encoder.embeddings.token_type_embeddings", "classifier"}
     assert len(kinds) == 3 + 2 * 6 + 2
 
 
@@ -79,9 +81,14 @@ def test_dense_layers_regex_hits_exactly_the_intended_modules(cls):
     intended = {n for n, k in tt_model.layer_kinds.items() if k == "tt" and re.search(pattern, n)}
     assert intended  # the pattern must hit something in every model
     assert {n for n, k in _kinds(model).items() if k == "dense"} == (
-        {n for n, k in tt_model.layer_kinds.items() if k == "dense"} | intended)
-    expected = {"encoder.layers.1.attention.query", "encoder.layers.1.attention.value",
-                "encoder.layers.0.fc2", "encoder.embeddings.word_embeddings"}
+        {n for n, k in tt_model.layer_kinds.items() if k == "dense"} | intended
+    )
+    expected = {
+        "encoder.layers.1.attention.query",
+        "encoder.layers.1.attention.value",
+        "encoder.layers.0.fc2",
+        "encoder.embeddings.word_embeddings",
+    }
     if cls is TransformerEncoder:
         expected = {n.removeprefix("encoder.") for n in expected}
     if cls is MaskedLanguageModel:
@@ -97,16 +104,19 @@ def test_dense_twin_has_no_tt_layer_and_the_same_layer_names():
     assert set(dense.layer_kinds.values()) == {"dense"}
     assert not any(isinstance(m, TTLayer) for m in dense.modules())
     # same non-TT structure: LayerNorms and dense layers have the same parameter names
-    assert {n for n, _ in dense.named_parameters() if "norm" in n} == {n for n, _ in tt.named_parameters()
-                                                                        if "norm" in n}
+    assert {n for n, _ in dense.named_parameters() if "norm" in n} == {
+        n for n, _ in tt.named_parameters() if "norm" in n
+    }
 
 
 def test_only_linears_or_only_embeddings():
     lin_only = _kinds(TransformerEncoder(**tiny_with(tt_embeddings=False)))
     emb_only = _kinds(TransformerEncoder(**tiny_with(tt_linears=False)))
     assert {n for n, k in lin_only.items() if k == "tt"} == {n for n in lin_only if "embeddings" not in n}
-    assert {n for n, k in emb_only.items() if k == "tt"} == {"embeddings.word_embeddings",
-                                                              "embeddings.position_embeddings"}
+    assert {n for n, k in emb_only.items() if k == "tt"} == {
+        "embeddings.word_embeddings",
+        "embeddings.position_embeddings",
+    }
 
 
 # --- padding mask ------------------------------------------------------------------------------------------------
@@ -205,10 +215,14 @@ def test_constructors_take_primitives_and_the_plain_layer_config_only(cls):
     for name, param in inspect.signature(cls).parameters.items():
         if param.kind is param.VAR_KEYWORD:
             continue  # the encoder's arguments, forwarded to TransformerEncoder (checked itself)
-        assert param.default is inspect.Parameter.empty or param.default is None or isinstance(
-            param.default, (bool, int, float, str)), f"{cls.__name__}.{name}"
+        assert (
+            param.default is inspect.Parameter.empty
+            or param.default is None
+            or isinstance(param.default, (bool, int, float, str))
+        ), f"{cls.__name__}.{name}"
         assert re.fullmatch(r"(int|float|bool|str|LayerConfig)( \| None)?", str(param.annotation)), (
-            f"{cls.__name__}.{name}: {param.annotation}")
+            f"{cls.__name__}.{name}: {param.annotation}"
+        )
     # the config itself holds only what YAML writes
     for field in dataclasses.fields(LayerConfig):
         assert re.fullmatch(r"(int|float|bool|str|dict\[str, int\])( \| None)?", str(field.type)), field
@@ -226,10 +240,16 @@ def test_paper_modes_and_ranks():
         proj = getattr(layer.attention, name)
         assert (proj.in_modes, proj.out_modes, proj.ranks) == (i, o, r)
     assert (layer.fc1.in_modes, layer.fc1.out_modes, layer.fc1.ranks) == (
-        [12, 8, 8], [12, 16, 16], [1, 12, 30, 30, 30, 16, 1])
+        [12, 8, 8],
+        [12, 16, 16],
+        [1, 12, 30, 30, 30, 16, 1],
+    )
     # METHOD.md section 2: fc2 is [16,16,12] x [8,8,12] with ranks [1,16,r,r,r,12,1]
     assert (layer.fc2.in_modes, layer.fc2.out_modes, layer.fc2.ranks) == (
-        [16, 16, 12], [8, 8, 12], [1, 16, 30, 30, 30, 12, 1])
+        [16, 16, 12],
+        [8, 8, 12],
+        [1, 16, 30, 30, 30, 12, 1],
+    )
     emb = model.encoder.embeddings.word_embeddings
     assert isinstance(emb, TTEmbedding)
     assert (emb.vocab_modes, emb.dim_modes, emb.ranks) == ([16, 20, 10, 10], [4, 4, 8, 6], [1, 32, 32, 32, 1])
@@ -243,7 +263,9 @@ def test_paper_modes_and_ranks():
 @pytest.mark.parametrize("cls", [SequenceClassifier, MaskedLanguageModel])
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_in_float64(cls, packed_dropout):
     torch.manual_seed(0)
-    plain = cls(**TINY, packed_dropout=packed_dropout).double().train()  # dropout 0.1: the recomputed masks must be the same
+    plain = (
+        cls(**TINY, packed_dropout=packed_dropout).double().train()
+    )  # dropout 0.1: the recomputed masks must be the same
     checkpointed = cls(**TINY, activation_checkpointing=True, packed_dropout=packed_dropout).double().train()
     checkpointed.load_state_dict(plain.state_dict())
     ids, mask, types = _batch()

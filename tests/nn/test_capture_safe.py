@@ -43,8 +43,16 @@ def _mlm_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _task() -> MaskedLM:
     torch.manual_seed(0)
-    return MaskedLM(vocab_size=256, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=12, dropout=0.0,
-                    layer_config=dict(rank=4, embedding_rank=4, min_features=16)).double()
+    return MaskedLM(
+        vocab_size=256,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_layers=1,
+        max_len=12,
+        dropout=0.0,
+        layer_config=dict(rank=4, embedding_rank=4, min_features=16),
+    ).double()
 
 
 def _loss_and_grads(task: MaskedLM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:

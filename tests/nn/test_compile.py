@@ -75,4 +75,3 @@ def test_compiled_embedding_skips_host_checks_and_dedup():
     for got, want in zip(_forward_backward(module, ids, compiled), _forward_backward(module, ids), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.all(compiled(ids)[ids == 0] == 0)  # the padding row
-

@@ -53,7 +53,9 @@ def test_packed_dropout_zeroes_the_mask_and_scales_the_rest_in_value_and_gradien
     weights = torch.randn_like(x)
     (out * weights).sum().backward()
     torch.testing.assert_close(x.grad, torch.where(kept, weights * scale, 0.0), rtol=0, atol=1e-15)
-    assert torch.autograd.gradcheck(lambda t: packed._KeepAndScale.apply(t, kept, scale), (x.detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda t: packed._KeepAndScale.apply(t, kept, scale), (x.detach().requires_grad_(),)
+    )
 
 
 def test_packed_dropout_is_the_identity_in_eval_or_at_zero_and_unbiased_in_training():
@@ -65,7 +67,9 @@ def test_packed_dropout_is_the_identity_in_eval_or_at_zero_and_unbiased_in_train
     ones = torch.ones(1_000_000, dtype=torch.float64)
     mean = layer.train()(ones).mean().item()
     assert abs(mean - 1.0) < 5 * math.sqrt(0.3 / 0.7 / 1_000_000)
-    assert type(dropout_layer(0.1, packed=False)) is nn.Dropout and type(dropout_layer(0.1, packed=True)) is PackedDropout
+    assert (
+        type(dropout_layer(0.1, packed=False)) is nn.Dropout and type(dropout_layer(0.1, packed=True)) is PackedDropout
+    )
 
 
 def test_packed_dropout_leaves_other_devices_to_torch(monkeypatch):
@@ -125,8 +129,16 @@ def test_attention_row_with_every_key_masked_gives_zeros_and_both_masks_are_refu
 
 def test_models_use_packed_dropout_by_default_and_compute_the_torch_dropout_model_outside_training():
     torch.manual_seed(0)
-    options = dict(vocab_size=60, d_model=24, num_heads=2, d_ff=40, num_layers=2, max_len=12, dropout=0.1,
-                   layer_config=dict(rank=4, embedding_rank=4, min_features=8))
+    options = dict(
+        vocab_size=60,
+        d_model=24,
+        num_heads=2,
+        d_ff=40,
+        num_layers=2,
+        max_len=12,
+        dropout=0.1,
+        layer_config=dict(rank=4, embedding_rank=4, min_features=8),
+    )
     packed_model = SequenceClassifier(**options).double().eval()
     torch_dropout = SequenceClassifier(**options, packed_dropout=False).double().eval()
     torch_dropout.load_state_dict(packed_model.state_dict())

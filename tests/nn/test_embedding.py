@@ -58,7 +58,9 @@ def test_lookup_matches_chain_and_dense(V, D, vocab_modes, dim_modes, rank, dedu
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("V, D, vocab_modes, dim_modes", [CONFIGS[1], CONFIGS[3], CONFIGS[5]], ids=["2c", "3c", "4c_pad"])
+@pytest.mark.parametrize(
+    "V, D, vocab_modes, dim_modes", [CONFIGS[1], CONFIGS[3], CONFIGS[5]], ids=["2c", "3c", "4c_pad"]
+)
 def test_module_gradcheck(V, D, vocab_modes, dim_modes):
     layer = make(V, D, vocab_modes, dim_modes, 2, padding_idx=1)
     names = [n for n, _ in layer.named_parameters()]
@@ -125,9 +127,7 @@ def test_vocab_30522_is_padded_and_never_exposes_padded_rows():
 def test_paper_embedding_shapes():
     layer = TTEmbedding(30522, 768, 32, vocab_modes=[16, 20, 10, 10], dim_modes=[4, 4, 8, 6])
     assert layer.ranks == [1, 32, 32, 32, 1]
-    assert [tuple(c.shape) for c in layer.cores] == [
-        (1, 16, 4, 32), (32, 20, 4, 32), (32, 10, 8, 32), (32, 10, 6, 1)
-    ]
+    assert [tuple(c.shape) for c in layer.cores] == [(1, 16, 4, 32), (32, 20, 4, 32), (32, 10, 8, 32), (32, 10, 6, 1)]
     assert layer.mode_sizes == [64, 80, 80, 60]
 
 

@@ -25,16 +25,30 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     """A tiny randomly initialised model of the kind (no download)."""
     torch.manual_seed(seed)
     if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
         return transformers.LlamaForCausalLM(config)
     if kind == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=128, max_position_embeddings=64)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        )
         return transformers.BertForMaskedLM(config)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                     bos_token_id=1, eos_token_id=2)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -89,17 +103,26 @@ def test_tensorize_train_truncate_save_reload_reproduces_logits(kind, tmp_path):
     expected = dense_shapes(model)
     records = tensorize(model, rank=RANK, min_features=MIN_FEATURES)
     assert {r.name: r.shape for r in records} == expected  # every qualifying layer, Conv1D included
-    assert all(isinstance(model.get_submodule(r.name), TTLinear if r.kind == "linear" else TTEmbedding)
-               for r in records)
+    assert all(
+        isinstance(model.get_submodule(r.name), TTLinear if r.kind == "linear" else TTEmbedding) for r in records
+    )
     initial = {name: layer.ranks for name, layer in tt_layers(model)}
 
     ids = torch.randint(4, VOCAB, (64, 12), generator=torch.Generator().manual_seed(0))
-    adaptation = RankAdaptation(gamma=1.0, late_start_step=4, target_compression=4.0, truncate_every_n_steps=4,
-                                min_dead_fraction=0.1)
-    trainer = Trainer(max_steps=12, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      default_root_dir=tmp_path,  # RankMonitor's picture goes there
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=2)])
+    adaptation = RankAdaptation(
+        gamma=1.0, late_start_step=4, target_compression=4.0, truncate_every_n_steps=4, min_dead_fraction=0.1
+    )
+    trainer = Trainer(
+        max_steps=12,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,  # RankMonitor's picture goes there
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[adaptation, ContractionPlanner(verbose=False), RankMonitor(log_every_n_steps=2)],
+    )
     wrapper = HFWrapper(model, masked=kind == "bert")
     trainer.fit(wrapper, DataLoader(TensorDataset(ids), batch_size=8))
     assert adaptation.truncations >= 1
@@ -122,8 +145,11 @@ def test_decompose_reports_per_layer_error_and_full_rank_is_exact(kind):
     reference = build(kind).double()
     ids = torch.randint(4, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
     expected = logits(reference, ids)
-    dense_weights = {name: (m.weight.detach().t() if type(m).__name__ == "Conv1D" else m.weight.detach()).clone()
-                     for name, m in reference.named_modules() if name in dense_shapes(reference)}
+    dense_weights = {
+        name: (m.weight.detach().t() if type(m).__name__ == "Conv1D" else m.weight.detach()).clone()
+        for name, m in reference.named_modules()
+        if name in dense_shapes(reference)
+    }
 
     low = build(kind).double()
     records = tensorize(low, rank=3, min_features=MIN_FEATURES, decompose=True)

@@ -139,9 +139,12 @@ def test_inference_mode_is_served_like_no_grad(monkeypatch):
 @pytest.mark.parametrize("kind", ["linear", "embedding", "low_rank", "one_core_right_half"])
 def test_kept_factors_own_their_memory(kind):
     # a kept view of a core would read freed memory once a sharded wrapper (FSDP) releases the parameter
-    layer = {"linear": _linear, "embedding": _embedding, "low_rank": lambda: _linear("low_rank"),
-             "one_core_right_half": lambda: _prepared(TTEmbedding(100, 12, rank=4, vocab_modes=[10, 10],
-                                                                   dim_modes=[3, 4]))}[kind]().eval()
+    layer = {
+        "linear": _linear,
+        "embedding": _embedding,
+        "low_rank": lambda: _linear("low_rank"),
+        "one_core_right_half": lambda: _prepared(TTEmbedding(100, 12, rank=4, vocab_modes=[10, 10], dim_modes=[3, 4])),
+    }[kind]().eval()
     _eval_forward(layer, _input(layer))
     kept = [t for t in layer._inference_entry.value if isinstance(t, torch.Tensor)]
     core_storages = {c.untyped_storage().data_ptr() for c in layer.cores}
@@ -178,17 +181,21 @@ MUTATIONS: dict[str, Callable[[TTLayer], None]] = {
     "last_core_inplace": lambda layer: layer.cores[-1].add_(0.1),
     "gate_inplace": lambda layer: layer.gates[0].mul_(0.5),
     "mask_inplace": lambda layer: layer.rank_mask_0.copy_(
-        torch.arange(layer.rank_mask_0.numel()) % 2 == 1 if layer.rank_mask_0.numel() > 1 else layer.rank_mask_0),
+        torch.arange(layer.rank_mask_0.numel()) % 2 == 1 if layer.rank_mask_0.numel() > 1 else layer.rank_mask_0
+    ),
     "mask_replaced": _set_mask,
     "remove_slices": lambda layer: layer.remove_slices_(0, [int(layer.rank_mask_0.nonzero()[-1])]),
-    "refresh_masks": lambda layer: (layer.gates[0].copy_(torch.linspace(0.0, 1.0, layer.gates[0].numel())),
-                                    layer.refresh_masks_()),
+    "refresh_masks": lambda layer: (
+        layer.gates[0].copy_(torch.linspace(0.0, 1.0, layer.gates[0].numel())),
+        layer.refresh_masks_(),
+    ),
     "sgd_step": _optimizer_step(lambda p: torch.optim.SGD(p, lr=0.05)),
     "adam_foreach_step": _optimizer_step(lambda p: torch.optim.Adam(p, lr=0.05, foreach=True)),
     "adamw_fused_step": _optimizer_step(lambda p: torch.optim.AdamW(p, lr=0.05, fused=True)),
     "load_state_dict": lambda layer: layer.load_state_dict(_other(layer).state_dict()),
     "load_truncated_state_dict": lambda layer: layer.load_state_dict(
-        (lambda o: (o.truncate_to_share_(0.5), o.state_dict())[1])(_other(layer))),
+        (lambda o: (o.truncate_to_share_(0.5), o.state_dict())[1])(_other(layer))
+    ),
     "load_state_dict_assign": lambda layer: layer.load_state_dict(_other(layer).state_dict(), assign=True),
     "truncate_to_share": lambda layer: layer.truncate_to_share_(0.5),
     "data_swapped": lambda layer: setattr(layer.cores[0], "data", layer.cores[0].data * 2),

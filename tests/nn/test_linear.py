@@ -40,7 +40,12 @@ def test_default_modes_and_ranks_paper_fc1():
     assert layer.ranks == [1, 12, 30, 30, 30, 16, 1]
     assert layer.max_ranks == [1, 12, 96, 768, 256, 16, 1]
     assert [tuple(c.shape) for c in layer.cores] == [
-        (1, 12, 12), (12, 8, 30), (30, 8, 30), (30, 12, 30), (30, 16, 16), (16, 16, 1)
+        (1, 12, 12),
+        (12, 8, 30),
+        (30, 8, 30),
+        (30, 12, 30),
+        (30, 16, 16),
+        (16, 16, 1),
     ]
     assert [g.dtype for g in layer.gates] == [torch.float32] * 5
     assert all(torch.all(g == 1) for g in layer.gates)
@@ -83,7 +88,9 @@ def test_forward_and_grads_match_dense_reference(in_f, out_f, in_modes, out_mode
 
 
 @pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("in_f, out_f, in_modes, out_modes", [SHAPES[1], SHAPES[3], SHAPES[6]], ids=["12x10", "37x20pad", "23x12pad"])
+@pytest.mark.parametrize(
+    "in_f, out_f, in_modes, out_modes", [SHAPES[1], SHAPES[3], SHAPES[6]], ids=["12x10", "37x20pad", "23x12pad"]
+)
 def test_module_gradcheck(in_f, out_f, in_modes, out_modes, plan):
     layer = make(in_f, out_f, in_modes, out_modes, 2)
     layer.set_contraction_plan(plan)

@@ -183,7 +183,9 @@ def test_size_report_hand_count_small_linear():
     assert report.allocated_parameters == 104
     assert report.dense_equivalent_parameters == 152
     assert report.compression_ratio == pytest.approx(152 / 104)
-    assert [(layer.name, layer.active_parameters, layer.dense_parameters) for layer in report.layers] == [("0", 72, 120)]
+    assert [(layer.name, layer.active_parameters, layer.dense_parameters) for layer in report.layers] == [
+        ("0", 72, 120)
+    ]
 
     # one slice of bond 2 dies: active ranks [1,3,2,3,1] -> 12 + 18 + 12 + 15 = 57
     with torch.no_grad():

@@ -108,9 +108,7 @@ def test_masked_slices_do_not_contribute(kind):
 
 
 # --- truncation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "kind, plan", [("embedding", None), *[("linear", plan) for plan in (None, *PLANS)]]
-)
+@pytest.mark.parametrize("kind, plan", [("embedding", None), *[("linear", plan) for plan in (None, *PLANS)]])
 def test_truncate_keeps_the_function_and_shrinks(kind, plan):
     make, make_input, _ = KINDS[kind]
     layer = make()
@@ -372,7 +370,7 @@ def test_truncate_to_share_keeps_leading_slices_and_the_masked_function(kind):
     before = list(layer.ranks)
     with torch.no_grad():  # the function the pruned layer must keep: trailing gates zeroed, nothing removed
         for gate in layer.gates:
-            gate[max(1, round(0.5 * gate.numel())):] = 0.0
+            gate[max(1, round(0.5 * gate.numel())) :] = 0.0
     inputs = (linear_input if kind == "linear" else embedding_input)()
     expected = layer(inputs)
     kept_gates = [g[: max(1, round(0.5 * g.numel()))].clone() for g in layer.gates]

@@ -87,8 +87,16 @@ class BeforeStepAt(Callback):
 
 
 def _trainer(tmp_path, callbacks, max_steps=10, **kwargs) -> Trainer:
-    options = dict(max_steps=max_steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                   enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    options = dict(
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -110,8 +118,10 @@ def _assert_same_parameters(a: LightningModule, b: LightningModule, **tolerance)
 
 def test_inactive_on_cpu_warns_once_and_trains_eagerly(tmp_path):
     graphs = CudaGraphs()  # backend auto
-    with (pytest.warns(UserWarning, match="CudaGraphs is inactive: .*(no CUDA|not on a CUDA).*runs eagerly"),
-          pytest.warns(UserWarning, match="experimental and unverified on a GPU.*reduce-overhead")):
+    with (
+        pytest.warns(UserWarning, match="CudaGraphs is inactive: .*(no CUDA|not on a CUDA).*runs eagerly"),
+        pytest.warns(UserWarning, match="experimental and unverified on a GPU.*reduce-overhead"),
+    ):
         model, record, _ = _fit(tmp_path, [graphs], max_steps=4)
     plain, plain_record, _ = _fit(tmp_path, [], max_steps=4)
     assert not graphs.active and graphs.captures == 0 and graphs.comera_metrics() == {}
@@ -234,8 +244,12 @@ def test_short_last_batch_runs_eagerly_or_raises(tmp_path):
     _assert_same_parameters(model, plain, rtol=1e-5, atol=1e-6)
     assert graphs.captures == 1 and graphs.eager_steps == 1 + 3  # warm-up + the short batch of each epoch
     with pytest.raises(ValueError, match="drop_last=True"):
-        _fit(tmp_path, [CudaGraphs(backend="replay", warmup_steps=1, shape_change="error")],
-             loader=regression_loader(n=80, batch_size=32), max_steps=9)
+        _fit(
+            tmp_path,
+            [CudaGraphs(backend="replay", warmup_steps=1, shape_change="error")],
+            loader=regression_loader(n=80, batch_size=32),
+            max_steps=9,
+        )
 
 
 def test_bf16_mixed_replay_equals_eager(tmp_path):
@@ -249,8 +263,13 @@ def test_bf16_mixed_replay_equals_eager(tmp_path):
 
 def test_unsupported_setups_are_refused_at_fit_start(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)gradient accumulation.*precision '16-mixed'.*bf16-mixed"):
-        _fit(tmp_path, [CudaGraphs(backend="replay")], max_steps=2, accumulate_grad_batches=2,
-             plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+        _fit(
+            tmp_path,
+            [CudaGraphs(backend="replay")],
+            max_steps=2,
+            accumulate_grad_batches=2,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        )
 
     class Manual(StaticRegressor):
         def __init__(self):
@@ -323,11 +342,18 @@ def test_checkpoints_keep_plain_float_learning_rates(tmp_path):
 def test_selectable_by_short_name_in_the_comera_cli():
     from comera_lightning.cli import ComeraCLI
 
-    args = {"model": {"class_path": "MaskedLM", "init_args": {"vocab_size": 64, "d_model": 32, "num_heads": 2,
-                                                              "d_ff": 64, "num_layers": 1, "max_len": 16}},
-            "data": {"class_path": "CodeMLMDataModule", "init_args": {"vocab_size": 64, "seq_len": 16}},
-            "trainer": {"logger": False, "enable_checkpointing": False,
-                        "callbacks": [{"class_path": "CudaGraphs", "init_args": {"backend": "replay"}}]}}
+    args = {
+        "model": {
+            "class_path": "MaskedLM",
+            "init_args": {"vocab_size": 64, "d_model": 32, "num_heads": 2, "d_ff": 64, "num_layers": 1, "max_len": 16},
+        },
+        "data": {"class_path": "CodeMLMDataModule", "init_args": {"vocab_size": 64, "seq_len": 16}},
+        "trainer": {
+            "logger": False,
+            "enable_checkpointing": False,
+            "callbacks": [{"class_path": "CudaGraphs", "init_args": {"backend": "replay"}}],
+        },
+    }
     cli = ComeraCLI(args=args, run=False)
     found = [c for c in cli.trainer.callbacks if isinstance(c, CudaGraphs)]
     assert len(found) == 1 and found[0].backend == "replay"
@@ -347,8 +373,9 @@ def test_benchmark_on_cpu_writes_a_skip_record(tmp_path, capsys):
 def test_benchmark_replay_dry_run_checks_identity(tmp_path):
     import bench_cuda_graphs
 
-    result = bench_cuda_graphs.compare_training(bench_cuda_graphs.TINY, steps=10, precision="32-true",
-                                                device="cpu", backend="replay")
+    result = bench_cuda_graphs.compare_training(
+        bench_cuda_graphs.TINY, steps=10, precision="32-true", device="cpu", backend="replay"
+    )
     # 3 warm-up steps, capture, replay, truncation at step 5, 3 warm-up steps, capture, replay
     assert result["graphs"]["captures"] == 2 and result["graphs"]["invalidations"] == 1, result["graphs"]
     # the tensor learning rate rounds differently in the 7th digit; the attention key bias (zero true gradient)
@@ -381,9 +408,11 @@ def test_cuda_backend_prepares_optimizers_without_needing_a_gpu():
 
 def test_cuda_pool_idle_bytes_count_only_the_graphs_pool_blocks_no_tensor_holds(monkeypatch):
     # a replay allocates nothing, so max_memory_allocated misses the step's intermediates in the graph pool
-    segments = [{"segment_pool_id": (0, 7), "total_size": 8 << 20, "allocated_size": 3 << 20},
-                {"segment_pool_id": (0, 7), "total_size": 2 << 20, "allocated_size": 0},
-                {"segment_pool_id": (0, 0), "total_size": 64 << 20, "allocated_size": 1 << 20}]
+    segments = [
+        {"segment_pool_id": (0, 7), "total_size": 8 << 20, "allocated_size": 3 << 20},
+        {"segment_pool_id": (0, 7), "total_size": 2 << 20, "allocated_size": 0},
+        {"segment_pool_id": (0, 0), "total_size": 64 << 20, "allocated_size": 1 << 20},
+    ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     backend = CudaGraphBackend.__new__(CudaGraphBackend)  # no stream: the pool's accounting needs none
     backend._pool = None
@@ -409,7 +438,8 @@ def test_the_fast_check_sees_what_the_full_fingerprint_sees():
     changes = [
         lambda: optimizer.param_groups[0].__setitem__("lr", 0.5),
         lambda: optimizer.state[optimizer.param_groups[0]["params"][0]].__setitem__(
-            "exp_avg", optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"].clone()),
+            "exp_avg", optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"].clone()
+        ),
         lambda: optimizer.load_state_dict(optimizer.state_dict()),
         lambda: setattr(next(model.parameters()), "data", next(model.parameters()).data.clone()),
         lambda: after_truncation(_FakeTrainer(optimizer), _truncate_half(model)),

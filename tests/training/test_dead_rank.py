@@ -51,8 +51,11 @@ def _rank_that_hangs(rank: int, port: int, log: str) -> None:
     time.sleep(600)
 
 
-@pytest.mark.parametrize("victim,target", [(1, _rank), (0, _rank), (1, _rank_that_hangs)],
-                         ids=["a worker", "the store's host", "a worker, the others stuck"])
+@pytest.mark.parametrize(
+    "victim,target",
+    [(1, _rank), (0, _rank), (1, _rank_that_hangs)],
+    ids=["a worker", "the store's host", "a worker, the others stuck"],
+)
 def test_survivors_of_a_killed_rank_exit_within_the_timeout_naming_it(tmp_path, victim, target):
     context = multiprocessing.get_context("fork")
     port = _free_port()

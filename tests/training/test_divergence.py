@@ -67,8 +67,17 @@ def loader(n=160, batch_size=16):
 
 
 def trainer(tmp_path, callbacks, max_steps=10, **kwargs):
-    options = dict(max_steps=max_steps, max_epochs=1, enable_progress_bar=False, enable_model_summary=False,
-                   logger=False, enable_checkpointing=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    options = dict(
+        max_steps=max_steps,
+        max_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+    )
     options.update(kwargs)
     return Trainer(callbacks=callbacks, **options)
 
@@ -188,7 +197,8 @@ def test_accumulation_skips_the_whole_step(tmp_path):
     model = Faulty(bad_batches={2}, fault="loss")  # micro-batch 2 of the step made of batches 2 and 3
     with pytest.warns(UserWarning, match="skipped global step 1"):
         trainer(tmp_path, [guard, RankAdaptation(), around], max_steps=4, accumulate_grad_batches=2).fit(
-            model, loader())
+            model, loader()
+        )
     assert_same(around.before[2], around.after[3])
     assert guard.skipped_steps == 1
 
@@ -218,9 +228,11 @@ def test_16_mixed_gradient_overflow_is_left_to_the_grad_scaler(tmp_path):
     model = Faulty(bad_batches={3}, fault="loss")
     guard = DivergenceGuard()
     with pytest.warns(UserWarning, match=r"skipped global step 3 .*: a non-finite loss"):
-        trainer(tmp_path, [RankAdaptation(), guard], plugins=[
-            MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))]).fit(
-            model, loader())
+        trainer(
+            tmp_path,
+            [RankAdaptation(), guard],
+            plugins=[MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))],
+        ).fit(model, loader())
     assert guard.skipped_steps == 1
     assert_finite_and_ranks_alive(model)
 
@@ -242,8 +254,13 @@ def test_ddp_processes_take_the_same_decision(tmp_path):
     model = Faulty(bad_batches={2}, fault="loss", bad_rank=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer(tmp_path, [DivergenceGuard(), RankAdaptation(gamma=1.0), _Snapshot(tmp_path)], max_steps=4,
-                strategy="ddp_spawn", devices=2).fit(model, loader())
+        trainer(
+            tmp_path,
+            [DivergenceGuard(), RankAdaptation(gamma=1.0), _Snapshot(tmp_path)],
+            max_steps=4,
+            strategy="ddp_spawn",
+            devices=2,
+        ).fit(model, loader())
     first, second = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert first["skipped"] == second["skipped"] == 1
     for key in first["state"]:
@@ -269,9 +286,23 @@ def test_cli_resolves_the_short_name(tmp_path, monkeypatch):
     from comera_lightning.cli import ComeraCLI
 
     monkeypatch.setattr("sys.argv", ["comera"])
-    cli = ComeraCLI(args=["--model=SequenceClassification", "--model.vocab_size=64", "--model.d_model=16",
-                          "--model.num_heads=2", "--model.d_ff=32", "--model.num_layers=1", "--model.max_len=8",
-                          "--data=MNLIDataModule", f"--data.data_dir={tmp_path}", "--data.vocab_size=64", "--trainer.logger=false",
-                          "--trainer.callbacks+=DivergenceGuard", "--trainer.callbacks.action=stop"], run=False)
+    cli = ComeraCLI(
+        args=[
+            "--model=SequenceClassification",
+            "--model.vocab_size=64",
+            "--model.d_model=16",
+            "--model.num_heads=2",
+            "--model.d_ff=32",
+            "--model.num_layers=1",
+            "--model.max_len=8",
+            "--data=MNLIDataModule",
+            f"--data.data_dir={tmp_path}",
+            "--data.vocab_size=64",
+            "--trainer.logger=false",
+            "--trainer.callbacks+=DivergenceGuard",
+            "--trainer.callbacks.action=stop",
+        ],
+        run=False,
+    )
     guard = next(c for c in cli.trainer.callbacks if isinstance(c, DivergenceGuard))
     assert guard.action == "stop"

@@ -39,16 +39,35 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EVERY = 5
 MAX_STEPS = 60  # the tiny corpus gives 50 batches an epoch: the runs cross an epoch boundary
 
-TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1",
-        "--model.max_len=16", "--model.vocab_size=512", "--model.layer_config.rank=4",
-        "--model.layer_config.embedding_rank=4",
-        "--model.layer_config.min_features=16", "--model.optim.lr_gates=0.2", "--model.optim.warmup_steps=0", "--model.dropout=0.1",
-        "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8", "--data.max_files=15",
-        "--data.max_sequences=400", "--data.val_fraction=0.2",
-        f"--trainer.max_steps={MAX_STEPS}", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=5", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
-        f"--fault_tolerance.every_n_steps={EVERY}"]
+TINY = [
+    "--model.d_model=32",
+    "--model.num_heads=2",
+    "--model.d_ff=64",
+    "--model.num_layers=1",
+    "--model.max_len=16",
+    "--model.vocab_size=512",
+    "--model.layer_config.rank=4",
+    "--model.layer_config.embedding_rank=4",
+    "--model.layer_config.min_features=16",
+    "--model.optim.lr_gates=0.2",
+    "--model.optim.warmup_steps=0",
+    "--model.dropout=0.1",
+    "--data.vocab_size=512",
+    "--data.seq_len=16",
+    "--data.batch_size=8",
+    "--data.max_files=15",
+    "--data.max_sequences=400",
+    "--data.val_fraction=0.2",
+    f"--trainer.max_steps={MAX_STEPS}",
+    "--trainer.val_check_interval=20",
+    "--trainer.limit_val_batches=2",
+    "--trainer.log_every_n_steps=5",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    f"--fault_tolerance.every_n_steps={EVERY}",
+]
 
 CALLBACKS = """\
 trainer:
@@ -68,10 +87,22 @@ trainer:
 def _launch(workdir: Path, *extra: str) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "callbacks.yaml").write_text(CALLBACKS)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "comera_lightning.cli", "fit", f"--config={CONFIGS / 'quickstart.yaml'}",
-            "--config=callbacks.yaml", *TINY, *extra]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "comera_lightning.cli",
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        "--config=callbacks.yaml",
+        *TINY,
+        *extra,
+    ]
     with open(workdir / "log.txt", "a") as log:
         return subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -148,8 +179,10 @@ def killed_and_resumed(tmp_path_factory):
 
     resumed = _launch(victim, "--resume=auto")
     _finish(resumed, victim)
-    print(f"killed after {outcome['killed_at'] - start:.1f} s (target step {outcome['target']}, resumed from "
-          f"{resumed_from}); resume took {time.monotonic() - outcome['killed_at']:.1f} s")
+    print(
+        f"killed after {outcome['killed_at'] - start:.1f} s (target step {outcome['target']}, resumed from "
+        f"{resumed_from}); resume took {time.monotonic() - outcome['killed_at']:.1f} s"
+    )
     return reference, victim, resumed_from, outcome["target"]
 
 
@@ -164,8 +197,10 @@ def test_sigkill_then_resume_auto_matches_uninterrupted_run(killed_and_resumed):
     log = (victim / "log.txt").read_text()
     assert re.search(rf"resuming from \S*/step={resumed_from:09d}\.ckpt", log), log[-3000:]
     assert re.search(r"skipping checkpoint \S*step=000000999\.ckpt", log)  # the truncated decoy, named
-    assert sorted(p.name for p in _ft_dir(victim).iterdir()) == [f"step={MAX_STEPS - EVERY:09d}.ckpt",
-                                                                 f"step={MAX_STEPS:09d}.ckpt"]
+    assert sorted(p.name for p in _ft_dir(victim).iterdir()) == [
+        f"step={MAX_STEPS - EVERY:09d}.ckpt",
+        f"step={MAX_STEPS:09d}.ckpt",
+    ]
     ref, res = _final(reference), _final(victim)
     assert ref["global_step"] == res["global_step"] == MAX_STEPS
     assert ref["epoch"] == res["epoch"] == 1
@@ -227,8 +262,13 @@ def test_partial_temporary_and_unsafe_files_are_never_picked(tmp_path):
 
 
 def _draws() -> tuple:
-    return (torch.rand(4).tolist(), np.random.rand(3).tolist(), np.random.randn(1).tolist(),
-            [random.random() for _ in range(3)], random.gauss(0, 1))
+    return (
+        torch.rand(4).tolist(),
+        np.random.rand(3).tolist(),
+        np.random.randn(1).tolist(),
+        [random.random() for _ in range(3)],
+        random.gauss(0, 1),
+    )
 
 
 class _Strategy:
@@ -260,8 +300,9 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
 
 
 def _collator(rank: int = 0) -> MLMCollator:
-    return MLMCollator(mask_id=3, special_ids=[0, 1, 2, 3], vocab_size=50, mlm_probability=0.3, pad_id=0,
-                       seed=7, rank=rank)
+    return MLMCollator(
+        mask_id=3, special_ids=[0, 1, 2, 3], vocab_size=50, mlm_probability=0.3, pad_id=0, seed=7, rank=rank
+    )
 
 
 def test_training_loader_resumes_mid_epoch_and_at_epoch_end():
@@ -368,10 +409,19 @@ def test_atomic_write_leaves_the_target_whole_on_failure_and_never_overwrites_wh
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["file.bin", "fresh.bin", "sub"]  # no temporary left
 
 
-def _fit(root: Path, callbacks: list, max_steps: int, ckpt_path: Path | None = None, model=None, loader=None,
-         **trainer_kw) -> Trainer:
-    trainer = Trainer(max_steps=max_steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", default_root_dir=root, **trainer_kw)
+def _fit(
+    root: Path, callbacks: list, max_steps: int, ckpt_path: Path | None = None, model=None, loader=None, **trainer_kw
+) -> Trainer:
+    trainer = Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=root,
+        **trainer_kw,
+    )
     trainer.fit(model or TinyRegressor(), loader, ckpt_path=ckpt_path, weights_only=True)
     return trainer
 
@@ -383,8 +433,12 @@ def _names(folder: Path) -> list[str]:
 def test_step_checkpoints_beside_a_user_model_checkpoint_and_pruning_on_resume(tmp_path):
     steps, user_dir = tmp_path / "ft", tmp_path / "user"
     user = ModelCheckpoint(dirpath=user_dir, save_last=True)
-    trainer = _fit(tmp_path, [user, FaultTolerance(every_n_steps=2, dirpath=str(steps), keep=2)], max_steps=6,
-                   loader=regression_loader())
+    trainer = _fit(
+        tmp_path,
+        [user, FaultTolerance(every_n_steps=2, dirpath=str(steps), keep=2)],
+        max_steps=6,
+        loader=regression_loader(),
+    )
     assert trainer.checkpoint_callback is user  # the first checkpoint callback stays the user's
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert _names(steps) == ["step=000000004.ckpt", "step=000000006.ckpt"]
@@ -401,8 +455,9 @@ def test_step_checkpoints_beside_a_user_model_checkpoint_and_pruning_on_resume(t
     assert _names(steps) == ["step=000000008.ckpt", "step=000000010.ckpt"]
 
     # a fresh run clears the folder's old step checkpoints
-    _fit(tmp_path, [FaultTolerance(every_n_steps=3, dirpath=str(steps), keep=2)], max_steps=3,
-         loader=regression_loader())
+    _fit(
+        tmp_path, [FaultTolerance(every_n_steps=3, dirpath=str(steps), keep=2)], max_steps=3, loader=regression_loader()
+    )
     assert _names(steps) == ["step=000000003.ckpt"]
 
 
@@ -432,8 +487,13 @@ def test_resume_under_ddp_spawn_restores_every_ranks_random_stream(tmp_path):
     assert rng["world_size"] == 2 and not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
     # 2 batches a rank per epoch, the same every epoch: a checkpoint at an epoch's end resumes exactly
     kw["model"] = NoisyRegressor()
-    _fit(tmp_path, [FaultTolerance(every_n_steps=2, dirpath=str(resumed))], max_steps=6,
-         ckpt_path=full / "step=000000004.ckpt", **kw)
+    _fit(
+        tmp_path,
+        [FaultTolerance(every_n_steps=2, dirpath=str(resumed))],
+        max_steps=6,
+        ckpt_path=full / "step=000000004.ckpt",
+        **kw,
+    )
     ref, res = (torch.load(d / "step=000000006.ckpt", weights_only=True) for d in (full, resumed))
     _assert_same(res["state_dict"], ref["state_dict"])
     _assert_same(res["optimizer_states"], ref["optimizer_states"])
@@ -445,9 +505,17 @@ def test_atomic_checkpoint_io_from_the_cli_plugins(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    cli = ComeraCLI(args=["fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY, "--trainer.max_steps=2",
-                          "--fault_tolerance.every_n_steps=1", "--fault_tolerance.atomic_io=false",
-                          "--trainer.plugins=comera_lightning.training.checkpoint_io.AtomicCheckpointIO"])
+    cli = ComeraCLI(
+        args=[
+            "fit",
+            f"--config={CONFIGS / 'quickstart.yaml'}",
+            *TINY,
+            "--trainer.max_steps=2",
+            "--fault_tolerance.every_n_steps=1",
+            "--fault_tolerance.atomic_io=false",
+            "--trainer.plugins=comera_lightning.training.checkpoint_io.AtomicCheckpointIO",
+        ]
+    )
     assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO  # the plugin, not FaultTolerance
     ft = [c for c in cli.trainer.callbacks if isinstance(c, FaultTolerance)]
     assert len(ft) == 1 and cli.trainer.checkpoint_callback is not ft[0]

@@ -14,8 +14,9 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning.training import KeepFreedMemory, host_memory
 from comera_lightning.training.host_memory import keep_freed_memory
 
-glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                           reason="mallopt is glibc's")
+glibc = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
+)
 # 40 MiB of float32: above glibc's largest mmap threshold (32 MiB) and below the 64 MiB heaps of its per-thread
 # arenas, which serve larger blocks by mmap whatever the settings (in a busy process this thread may be on one)
 BLOCK = 40 * 2**20 // 4
@@ -72,8 +73,16 @@ def test_callback_applies_for_the_run_and_restores_at_teardown(tmp_path, monkeyp
             self.calls_at_start = list(calls)
 
     seen, keep = SeesIt(), KeepFreedMemory()
-    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu", callbacks=[keep, seen])
+    trainer = Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        callbacks=[keep, seen],
+    )
     trainer.fit(TinyRegressor(), regression_loader())
     kept = [(host_memory._M_MMAP_MAX, 0), (host_memory._M_TRIM_THRESHOLD, 2**31 - 1)]
     assert seen.calls_at_start == kept

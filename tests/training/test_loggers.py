@@ -37,25 +37,56 @@ from comera_lightning.cli import ComeraCLI
 from comera_lightning.training.loggers import ResilientMLFlowLogger, TrackingDegradedWarning, upload_fallback
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-SERVER_START_TIMEOUT_S = 120.0  # a cold start imports mlflow twice (CLI, then the uvicorn worker): ~15 s on 2 busy cores
+SERVER_START_TIMEOUT_S = (
+    120.0  # a cold start imports mlflow twice (CLI, then the uvicorn worker): ~15 s on 2 busy cores
+)
 
-TINY = ["--model.d_model=32", "--model.num_heads=2", "--model.d_ff=64", "--model.num_layers=1", "--model.max_len=16",
-        "--model.vocab_size=512", "--model.layer_config.rank=4", "--model.layer_config.embedding_rank=4",
-        "--model.layer_config.min_features=16",
-        "--model.optim.lr_gates=0.2", "--model.optim.warmup_steps=0",
-        "--data.vocab_size=512", "--data.seq_len=16", "--data.batch_size=8", "--data.max_files=15",
-        "--data.max_sequences=400", "--data.val_fraction=0.2",
-        "--trainer.max_steps=8", "--trainer.max_epochs=1", "--trainer.limit_train_batches=8",
-        "--trainer.limit_val_batches=2", "--trainer.val_check_interval=null", "--trainer.log_every_n_steps=2",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.accelerator=cpu", "--trainer.devices=1"]
-CALLBACKS = {"callbacks": [
-    {"class_path": "RankAdaptation", "init_args": {"gamma": 1.0, "late_start_step": 4, "truncate_every_n_steps": 4,
-                                                   "min_dead_fraction": 0.1, "target_compression": 3.0}},
-    {"class_path": "ContractionPlanner"},
-    {"class_path": "RankMonitor", "init_args": {"log_every_n_steps": 2}},
-    {"class_path": "ModelCheckpoint", "init_args": {"save_last": True}},
-]}
+TINY = [
+    "--model.d_model=32",
+    "--model.num_heads=2",
+    "--model.d_ff=64",
+    "--model.num_layers=1",
+    "--model.max_len=16",
+    "--model.vocab_size=512",
+    "--model.layer_config.rank=4",
+    "--model.layer_config.embedding_rank=4",
+    "--model.layer_config.min_features=16",
+    "--model.optim.lr_gates=0.2",
+    "--model.optim.warmup_steps=0",
+    "--data.vocab_size=512",
+    "--data.seq_len=16",
+    "--data.batch_size=8",
+    "--data.max_files=15",
+    "--data.max_sequences=400",
+    "--data.val_fraction=0.2",
+    "--trainer.max_steps=8",
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=8",
+    "--trainer.limit_val_batches=2",
+    "--trainer.val_check_interval=null",
+    "--trainer.log_every_n_steps=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+]
+CALLBACKS = {
+    "callbacks": [
+        {
+            "class_path": "RankAdaptation",
+            "init_args": {
+                "gamma": 1.0,
+                "late_start_step": 4,
+                "truncate_every_n_steps": 4,
+                "min_dead_fraction": 0.1,
+                "target_compression": 3.0,
+            },
+        },
+        {"class_path": "ContractionPlanner"},
+        {"class_path": "RankMonitor", "init_args": {"log_every_n_steps": 2}},
+        {"class_path": "ModelCheckpoint", "init_args": {"save_last": True}},
+    ]
+}
 
 
 # --- the server ---------------------------------------------------------------------------------------
@@ -96,12 +127,33 @@ def mlflow_server(tmp_path_factory):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         log_path = root / f"server{attempt}.log"
-        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--serve-artifacts",
-               "--artifacts-destination", str(root / "artifacts"), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--serve-artifacts",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=root,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
             deadline = time.monotonic() + SERVER_START_TIMEOUT_S
             while proc.poll() is None and time.monotonic() < deadline and not _answers(url):
@@ -111,8 +163,10 @@ def mlflow_server(tmp_path_factory):
             _stop_group(proc)
             text = log_path.read_text(errors="replace")
             if "address already in use" not in text.lower() or attempt == 2:
-                pytest.fail(f"mlflow server did not answer at {url} within {SERVER_START_TIMEOUT_S:.0f} s "
-                            f"(exit code {proc.returncode}); its log ends:\n{text[-3000:]}")
+                pytest.fail(
+                    f"mlflow server did not answer at {url} within {SERVER_START_TIMEOUT_S:.0f} s "
+                    f"(exit code {proc.returncode}); its log ends:\n{text[-3000:]}"
+                )
         except BaseException:
             _stop_group(proc)
             raise
@@ -139,10 +193,20 @@ def workdir(tmp_path, monkeypatch):
 
 def _fit(workdir: Path, tracking_uri: str) -> ComeraCLI:
     """A tiny quickstart fit whose logger is a ResilientMLFlowLogger on ``tracking_uri``."""
-    config = {"trainer": {**CALLBACKS, "logger": {
-        "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
-        "init_args": {"experiment_name": "comera", "tracking_uri": tracking_uri, "local_dir": str(workdir / "runs"),
-                      "flush_interval_s": 0.5}}}}
+    config = {
+        "trainer": {
+            **CALLBACKS,
+            "logger": {
+                "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
+                "init_args": {
+                    "experiment_name": "comera",
+                    "tracking_uri": tracking_uri,
+                    "local_dir": str(workdir / "runs"),
+                    "flush_interval_s": 0.5,
+                },
+            },
+        }
+    }
     path = workdir / "tracking.yaml"
     path.write_text(yaml.safe_dump(config))
     return ComeraCLI(args=["fit", f"--config={CONFIGS / 'quickstart.yaml'}", *TINY, f"--config={path}"])
@@ -176,16 +240,23 @@ def test_fit_logs_rank_history_to_a_real_tracking_server(mlflow_server, workdir)
     assert len(ratio) == 5 and all(m.value >= 1.0 for m in ratio)
     assert run.data.params  # the hyperparameters
     assert {a.path for a in client.list_artifacts(logger.run_id)} >= {"config.yaml", "comera"}
-    assert {a.path for a in client.list_artifacts(logger.run_id, "comera")} >= {"comera/rank_evolution.png",
-                                                                                   "comera/rank_history.json"}
+    assert {a.path for a in client.list_artifacts(logger.run_id, "comera")} >= {
+        "comera/rank_evolution.png",
+        "comera/rank_history.json",
+    }
     config = yaml.safe_load(Path(client.download_artifacts(logger.run_id, "config.yaml", str(workdir))).read_text())
     assert config["trainer"]["logger"]["class_path"].endswith("ResilientMLFlowLogger")
-    saved = json.loads(Path(client.download_artifacts(logger.run_id, "comera/rank_history.json", str(workdir))).read_text())
+    saved = json.loads(
+        Path(client.download_artifacts(logger.run_id, "comera/rank_history.json", str(workdir))).read_text()
+    )
     assert saved["history"]["steps"] == [0, 2, 4, 6, 8]
     # the server stored the artifacts in its --artifacts-destination (proxied upload, not a client-side path)
     assert list(server_root.joinpath("artifacts").rglob("rank_history.json"))
     checkpoint = Path(cli.trainer.checkpoint_callback.last_model_path).resolve()
-    assert checkpoint.is_file() and checkpoint.parent == workdir / "runs" / logger.experiment_id / logger.run_id / "checkpoints"
+    assert (
+        checkpoint.is_file()
+        and checkpoint.parent == workdir / "runs" / logger.experiment_id / logger.run_id / "checkpoints"
+    )
 
 
 @pytest.mark.slow
@@ -236,8 +307,14 @@ def test_fit_survives_an_unreachable_tracking_server(workdir, capfd):
 
 def test_outage_mid_run_is_kept_and_caught_up(workdir):
     store = f"sqlite:///{workdir / 'mlflow.db'}"
-    logger = ResilientMLFlowLogger(experiment_name="outage", tracking_uri=store, local_dir=str(workdir / "runs"),
-                                   sender="inline", flush_interval_s=0, retry_interval_s=0.05)
+    logger = ResilientMLFlowLogger(
+        experiment_name="outage",
+        tracking_uri=store,
+        local_dir=str(workdir / "runs"),
+        sender="inline",
+        flush_interval_s=0,
+        retry_interval_s=0.05,
+    )
     pickle.loads(pickle.dumps(logger))  # ddp_spawn sends loggers to its processes
     logger.log_hyperparams({"lr": 0.1})
     client = logger.experiment.client
@@ -272,14 +349,18 @@ def test_outage_mid_run_is_kept_and_caught_up(workdir):
     assert reader.get_run(logger.run_id).info.status == "FINISHED"
 
 
-
-
 def test_values_past_max_buffered_wait_on_disk_and_go_first(workdir):
     """The sender's buffer is bounded: the oldest values spill to the fallback store's metrics.csv, and the next
     flush sends them before the buffered ones (no outage needed)."""
     store = f"sqlite:///{workdir / 'mlflow.db'}"
-    logger = ResilientMLFlowLogger(experiment_name="spill", tracking_uri=store, local_dir=str(workdir / "runs"),
-                                   sender="inline", flush_interval_s=3600, max_buffered=3)
+    logger = ResilientMLFlowLogger(
+        experiment_name="spill",
+        tracking_uri=store,
+        local_dir=str(workdir / "runs"),
+        sender="inline",
+        flush_interval_s=3600,
+        max_buffered=3,
+    )
     for step in range(10):
         logger.log_metrics({"x": float(step)}, step=step)
     spilled = [int(r["step"]) for r in _read_csv(logger.fallback_dir / "metrics.csv")]

@@ -31,13 +31,25 @@ class _Scores(LightningModule):
         probs = torch.stack([x / 100, 1 - x / 100], dim=1)
         if self.nan:
             probs[0, 0] = math.nan
-        return {"index": batch, "probs": probs, "name": [f"row{int(i)}" for i in batch],
-                "batch": torch.tensor(batch_idx)}
+        return {
+            "index": batch,
+            "probs": probs,
+            "name": [f"row{int(i)}" for i in batch],
+            "batch": torch.tensor(batch_idx),
+        }
 
 
 def _trainer(tmp_path: Path, writer: PredictionWriter) -> Trainer:
-    return Trainer(default_root_dir=str(tmp_path), callbacks=[writer], accelerator="cpu", devices=1, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return Trainer(
+        default_root_dir=str(tmp_path),
+        callbacks=[writer],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
 
 def _loader(n: int = 10) -> DataLoader:
@@ -49,10 +61,19 @@ def _read(path: Path) -> list[dict]:
 
 
 def test_prediction_records_split_per_example():
-    records = prediction_records({"a": torch.tensor([1, 2]), "b": torch.tensor([[0.5, 0.25], [1.0, 0.0]]),
-                                  "c": ["x", "y"], "d": torch.tensor(7), "e": "same"})
-    assert records == [{"a": 1, "b": [0.5, 0.25], "c": "x", "d": 7, "e": "same"},
-                       {"a": 2, "b": [1.0, 0.0], "c": "y", "d": 7, "e": "same"}]
+    records = prediction_records(
+        {
+            "a": torch.tensor([1, 2]),
+            "b": torch.tensor([[0.5, 0.25], [1.0, 0.0]]),
+            "c": ["x", "y"],
+            "d": torch.tensor(7),
+            "e": "same",
+        }
+    )
+    assert records == [
+        {"a": 1, "b": [0.5, 0.25], "c": "x", "d": 7, "e": "same"},
+        {"a": 2, "b": [1.0, 0.0], "c": "y", "d": 7, "e": "same"},
+    ]
     assert prediction_records(torch.tensor([3, 4])) == [{"prediction": 3}, {"prediction": 4}]
     assert prediction_records(None) == []
     assert prediction_records({"p": torch.tensor([0.5], dtype=torch.bfloat16)}) == [{"p": 0.5}]
@@ -87,8 +108,7 @@ def test_existing_file_is_refused_before_predicting_unless_overwrite(tmp_path):
 def test_a_failed_run_leaves_no_file_and_no_temporary(tmp_path):
     path = tmp_path / "preds.jsonl"
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer(tmp_path, PredictionWriter(str(path))).predict(_Scores(fail_at=1), _loader(),
-                                                                 return_predictions=False)
+        _trainer(tmp_path, PredictionWriter(str(path))).predict(_Scores(fail_at=1), _loader(), return_predictions=False)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -48,8 +48,15 @@ def _loader():
 def _fit(root: Path, callbacks: list, max_steps: int, ckpt_path: Path | None = None) -> NoisyRegressor:
     torch.manual_seed(1)
     model = NoisyRegressor()
-    trainer = Trainer(max_steps=max_steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", default_root_dir=root)
+    trainer = Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=root,
+    )
     trainer.fit(model, _loader(), ckpt_path=ckpt_path, weights_only=True)
     return model
 
@@ -73,8 +80,7 @@ def test_signal_mid_fit_saves_exits_nonzero_and_resumes_exactly(tmp_path, monkey
     folder = tmp_path / "ft"
     previous = signal.getsignal(signum)
     with pytest.raises(SystemExit) as stopped:
-        _fit(tmp_path / "run", [sender, FaultTolerance(every_n_steps=3, dirpath=str(folder))],
-             max_steps=10)
+        _fit(tmp_path / "run", [sender, FaultTolerance(every_n_steps=3, dirpath=str(folder))], max_steps=10)
     assert stopped.value.code == 128 + signum  # 143 for SIGTERM: the scheduler sees a run that did not finish
     assert signal.getsignal(signum) == previous  # handlers put back
     # the step in flight (step 5) finished and was saved; the periodic step 3 is still there
@@ -83,8 +89,12 @@ def test_signal_mid_fit_saves_exits_nonzero_and_resumes_exactly(tmp_path, monkey
     assert find_resume_checkpoint(folder) == folder / "step=000000005.ckpt"
     monkeypatch.setattr(checkpoint_io, "atomic_torch_save", original)
 
-    resumed = _fit(tmp_path / "run", [FaultTolerance(every_n_steps=3, dirpath=str(folder))], max_steps=10,
-                   ckpt_path=folder / "step=000000005.ckpt")
+    resumed = _fit(
+        tmp_path / "run",
+        [FaultTolerance(every_n_steps=3, dirpath=str(folder))],
+        max_steps=10,
+        ckpt_path=folder / "step=000000005.ckpt",
+    )
     assert resumed.losses == reference.losses[5:]  # bit for bit, from the next step on
 
 
@@ -122,12 +132,16 @@ def test_disk_full_during_an_export_names_the_path(tmp_path, monkeypatch):
 
     def full(state, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 10)
-        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
-                           "\"No space left on device\" })")  # what safetensors' Rust writer raises
+        raise RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )  # what safetensors' Rust writer raises
 
     monkeypatch.setattr(export, "save_file", full)
-    with pytest.raises(OSError, match=r"no space left on device while writing .*model\.safetensors.* earlier file "
-                                      r"is intact"):
+    with pytest.raises(
+        OSError,
+        match=r"no space left on device while writing .*model\.safetensors.* earlier file "
+        r"is intact",
+    ):
         export.export_model(TinyRegressor(), out, overwrite=True)
     assert out.read_bytes() == b"earlier" and [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
@@ -139,8 +153,9 @@ def test_sigterm_during_comera_fit_saves_and_exits_143(tmp_path):
 
     from tests.training.test_fault_tolerance import _ft_dir, _launch
 
-    proc = _launch(tmp_path, "--trainer.max_steps=100000", "--fault_tolerance.every_n_steps=5",
-                   "--fault_tolerance.keep=5")
+    proc = _launch(
+        tmp_path, "--trainer.max_steps=100000", "--fault_tolerance.every_n_steps=5", "--fault_tolerance.keep=5"
+    )
     log = tmp_path / "log.txt"
     try:
         deadline = time.monotonic() + 180
@@ -156,5 +171,7 @@ def test_sigterm_during_comera_fit_saves_and_exits_143(tmp_path):
     assert code == 143, text[-3000:]
     newest = checkpoint_files(_ft_dir(tmp_path))[0]
     step = int(newest.name[5:14])
-    assert step > 5 and f"received SIGTERM; finished step {step}, wrote the step checkpoint {newest}" in text, text[-3000:]
+    assert step > 5 and f"received SIGTERM; finished step {step}, wrote the step checkpoint {newest}" in text, text[
+        -3000:
+    ]
     assert find_resume_checkpoint(newest.parent) == newest

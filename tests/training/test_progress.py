@@ -7,6 +7,7 @@ import re
 import time
 
 import pytest
+import rich
 from lightning.pytorch import Trainer
 from tiny import TinyRegressor, regression_loader
 
@@ -40,11 +41,22 @@ class _Paced(TinyRegressor):
 def test_a_non_interactive_log_shows_the_true_rate_across_epochs(tmp_path):
     out = io.StringIO()
     bar = StepProgressBar(console_kwargs={"file": out, "force_terminal": False, "width": 200})
-    trainer = Trainer(max_steps=24, limit_train_batches=8, limit_val_batches=2, callbacks=[bar], logger=False,
-                      enable_checkpointing=False, enable_model_summary=False, accelerator="cpu",
-                      default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=24,
+        limit_train_batches=8,
+        limit_val_batches=2,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
     start = time.monotonic()
-    trainer.fit(_Paced(), regression_loader(), regression_loader())
+    try:
+        trainer.fit(_Paced(), regression_loader(), regression_loader())
+    finally:
+        rich.reconfigure()  # the bar pointed rich's global console at `out`: back to the default one
     true_rate = 24 / (time.monotonic() - start)
     assert trainer.current_epoch >= 2, "the run should cross epoch boundaries, where Lightning restarts its bar"
 

@@ -35,8 +35,16 @@ def _loader() -> DataLoader:
 
 def _time_limited_trainer(tmp_path, **kwargs) -> Trainer:
     # max_epochs=-1: no epoch or step limit, only the clock (what Trainer(max_time=...) users run)
-    return Trainer(max_time={"seconds": 2}, max_epochs=-1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+    return Trainer(
+        max_time={"seconds": 2},
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
 
 
 def test_constant_schedule_with_warmup_trains_under_a_time_limit(tmp_path):
@@ -63,8 +71,15 @@ class _SwitchAtStep3(RankAdaptation):
 def test_overridden_switch_policy_reaches_the_late_stage(tmp_path):
     torch.manual_seed(0)
     callback = _SwitchAtStep3(target_compression=2.0)
-    trainer = Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback])
+    trainer = Trainer(
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
+    )
     trainer.fit(TinyRegressor(), regression_loader())
     assert callback.switch_step == 3
     assert callback.loss_ema is not None

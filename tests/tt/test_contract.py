@@ -64,7 +64,7 @@ def test_plan_matches_dense_reference_values_and_grads(plan, rank, in_modes, out
         assert g.shape == g_ref.shape, name
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
     # masked slices receive no gate gradient
-    for gate_grad, mask in zip(grads[2 + len(cores):], masks, strict=True):
+    for gate_grad, mask in zip(grads[2 + len(cores) :], masks, strict=True):
         assert torch.all(gate_grad[~mask] == 0)
 
 
@@ -332,14 +332,30 @@ def test_tt_linear_function_direct_apply():
 def test_bottleneck_padding_rule():
     from comera_lightning.tt.contract import bottleneck_padding
 
-    assert [bottleneck_padding(r, "cpu") for r in (1, 2, 8, 11, 15, 16, 17, 24, 25, 26, 30, 31, 32, 46, 63)] == \
-        [0, 14, 8, 5, 1, 0, 0, 0, 0, 6, 2, 1, 0, 2, 1]
+    assert [bottleneck_padding(r, "cpu") for r in (1, 2, 8, 11, 15, 16, 17, 24, 25, 26, 30, 31, 32, 46, 63)] == [
+        0,
+        14,
+        8,
+        5,
+        1,
+        0,
+        0,
+        0,
+        0,
+        6,
+        2,
+        1,
+        0,
+        2,
+        1,
+    ]
     assert bottleneck_padding(30, "cuda") == 0
 
 
 @pytest.mark.parametrize("in_modes, out_modes, rank, padding", [((6, 8), (8, 6), 30, 2), ((4, 4), (4, 4), 5, 11)])
-def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(monkeypatch, in_modes, out_modes, rank,
-                                                                             padding):
+def test_padded_half_merge_matches_the_dense_reference_and_the_unpadded_path(
+    monkeypatch, in_modes, out_modes, rank, padding
+):
     import comera_lightning.tt.contract as contract
 
     cores, ranks = random_train(in_modes, out_modes, rank)

@@ -108,7 +108,10 @@ def test_tt_to_dense_does_not_change_tensorly_backend():
 def test_ttm_to_dense_matches_definition(row_modes, col_modes):
     sizes = [v * e for v, e in zip(row_modes, col_modes, strict=True)]
     ranks = resolve_ranks(sizes, 3)
-    cores = [torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))]
+    cores = [
+        torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64)
+        for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))
+    ]
     dense = ttm_to_dense(cores)
     V, D = math.prod(row_modes), math.prod(col_modes)
     assert dense.shape == (V, D)

@@ -94,13 +94,16 @@ def test_merges_in_the_cores_dtype_and_casts_once_even_under_autocast():
 
 # --- TT-matrix halves ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("deduplicate", [False, True])
-@pytest.mark.parametrize("row_modes, col_modes", [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3])],
-                         ids=["1core", "2cores", "3cores"])
+@pytest.mark.parametrize(
+    "row_modes, col_modes", [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3])], ids=["1core", "2cores", "3cores"]
+)
 def test_lookup_from_kept_halves_matches_the_chain(row_modes, col_modes, deduplicate):
     sizes = [v * e for v, e in zip(row_modes, col_modes, strict=True)]
     ranks = resolve_ranks(sizes, FULL_RANK)
-    cores = [torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) / math.sqrt(ranks[k])
-             for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))]
+    cores = [
+        torch.randn(ranks[k], v, e, ranks[k + 1], dtype=F64) / math.sqrt(ranks[k])
+        for k, (v, e) in enumerate(zip(row_modes, col_modes, strict=True))
+    ]
     V = math.prod(row_modes)
     left, right = ttm_halves(cores)
     for ids in (torch.tensor([V - 1]), torch.tensor([0, 5 % V, 0, V - 1, 5 % V]), torch.tensor([], dtype=torch.long)):

@@ -75,7 +75,7 @@ def test_padded_modes_vocab_30522():
     assert len(modes) == 4
     size = math.prod(modes)
     assert 30522 <= size <= 1.25 * 30522
-    limit = math.ceil(2.0 * 30522 ** 0.25)  # balanced: no mode above twice the geometric mean
+    limit = math.ceil(2.0 * 30522**0.25)  # balanced: no mode above twice the geometric mean
     assert max(modes) <= limit
     assert modes == sorted(modes, reverse=True)
     # smallest padded size that is balanced: nothing in [30522, size) factors with modes <= limit

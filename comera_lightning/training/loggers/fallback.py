@@ -29,8 +29,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FALLBACK_FOLDER", "MAX_BATCH", "MAX_PARAMS", "METRICS_CSV", "FallbackStore", "main", "metric_rows",
-           "upload_fallback"]
+__all__ = [
+    "FALLBACK_FOLDER",
+    "MAX_BATCH",
+    "MAX_PARAMS",
+    "METRICS_CSV",
+    "FallbackStore",
+    "main",
+    "metric_rows",
+    "upload_fallback",
+]
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +151,9 @@ class FallbackStore:
                 target = artifacts / (arguments.get("artifact_path") or "")
                 target.mkdir(parents=True, exist_ok=True)
                 if source.is_dir():
-                    shutil.copytree(source, target if name == "log_artifacts" else target / source.name,
-                                    dirs_exist_ok=True)
+                    shutil.copytree(
+                        source, target if name == "log_artifacts" else target / source.name, dirs_exist_ok=True
+                    )
                 else:
                     shutil.copy2(source, target / source.name)
                 self._refresh_pending_artifacts()
@@ -160,8 +169,10 @@ class FallbackStore:
                 self._refresh_pending_artifacts()
             elif name not in self._not_kept:
                 self._not_kept.append(name)
-                log.warning(f"ResilientMLFlowLogger: {name}(...) could not be sent to "
-                            f"{self._run_info()['tracking_uri']} and is not kept locally.")
+                log.warning(
+                    f"ResilientMLFlowLogger: {name}(...) could not be sent to "
+                    f"{self._run_info()['tracking_uri']} and is not kept locally."
+                )
 
     def _keep_mapping(self, kind: str, values: dict[str, str]) -> None:
         if not values:
@@ -255,11 +266,13 @@ class FallbackStore:
         not_sent = self._csv_bytes - self._csv_sent_bytes
         folder = self.open()
         other = f"; not kept: {', '.join(sorted(self._not_kept))}" if self._not_kept else ""
-        return (f"ResilientMLFlowLogger: the MLflow tracking store at {self._run_info()['tracking_uri']} was still "
-                f"failing at the end; {self._kept_metrics} metric values ({not_sent} bytes of "
-                f"{folder / METRICS_CSV} not uploaded), {len(self._pending_artifacts)} artifacts and the "
-                f"params are kept in {folder}{other}. Upload them later with: "
-                f"python -m comera_lightning.training.loggers upload {folder}")
+        return (
+            f"ResilientMLFlowLogger: the MLflow tracking store at {self._run_info()['tracking_uri']} was still "
+            f"failing at the end; {self._kept_metrics} metric values ({not_sent} bytes of "
+            f"{folder / METRICS_CSV} not uploaded), {len(self._pending_artifacts)} artifacts and the "
+            f"params are kept in {folder}{other}. Upload them later with: "
+            f"python -m comera_lightning.training.loggers upload {folder}"
+        )
 
 
 def _csv_field(key: str) -> str:
@@ -276,8 +289,7 @@ def _parse_csv_line(line: bytes) -> Row | None:
 
 
 # --- the upload after the fact ---------------------------------------------------------------------------
-def upload_fallback(folder: str | Path, tracking_uri: str | None = None,
-                    experiment_name: str | None = None) -> str:
+def upload_fallback(folder: str | Path, tracking_uri: str | None = None, experiment_name: str | None = None) -> str:
     """Upload a :class:`~comera_lightning.training.loggers.ResilientMLFlowLogger` fallback folder to MLflow.
 
     The run recorded in ``run.json`` gets the values not uploaded yet if it exists on the target store;
@@ -317,6 +329,7 @@ def upload_fallback(folder: str | Path, tracking_uri: str | None = None,
         if info.get("run_name"):
             tags["mlflow.runName"] = info["run_name"]
         run_id = client.create_run(experiment_id, tags=tags).info.run_id
+
     def stored(kind: str) -> dict[str, Any]:
         path = folder / f"{kind}.json"
         return json.loads(path.read_text()) if path.exists() else {}
@@ -354,8 +367,10 @@ def upload_fallback(folder: str | Path, tracking_uri: str | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m comera_lightning.training.loggers upload <folder> [--tracking-uri U] [--experiment-name E]``."""
-    parser = argparse.ArgumentParser(prog="python -m comera_lightning.training.loggers",
-                                     description="Upload a ResilientMLFlowLogger fallback folder to MLflow.")
+    parser = argparse.ArgumentParser(
+        prog="python -m comera_lightning.training.loggers",
+        description="Upload a ResilientMLFlowLogger fallback folder to MLflow.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     upload = sub.add_parser("upload", help="upload an mlflow_fallback folder")
     upload.add_argument("folder")

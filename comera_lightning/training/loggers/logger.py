@@ -130,15 +130,26 @@ class ResilientMLFlowLogger(MLFlowLogger):
             raise ValueError(f"sender must be 'thread' or 'inline', got {sender!r}")
         if tracking_uri.startswith(("http://", "https://")):
             _bound_http_requests(http_timeout_s, http_max_retries)
-        super().__init__(experiment_name=experiment_name, run_name=run_name, tracking_uri=tracking_uri, tags=tags,
-                         save_dir=save_dir, log_model=log_model, prefix=prefix, artifact_location=artifact_location,
-                         run_id=run_id, synchronous=synchronous)
+        super().__init__(
+            experiment_name=experiment_name,
+            run_name=run_name,
+            tracking_uri=tracking_uri,
+            tags=tags,
+            save_dir=save_dir,
+            log_model=log_model,
+            prefix=prefix,
+            artifact_location=artifact_location,
+            run_id=run_id,
+            synchronous=synchronous,
+        )
         if log_system_metrics:
             try:
                 import psutil  # noqa: F401  (MLflow's system metrics monitor needs it)
             except ImportError as missing:
-                raise ImportError("log_system_metrics=True needs psutil: pip install psutil (or "
-                                  "comera_lightning[system]), or leave log_system_metrics off") from missing
+                raise ImportError(
+                    "log_system_metrics=True needs psutil: pip install psutil (or "
+                    "comera_lightning[system]), or leave log_system_metrics off"
+                ) from missing
         if system_metrics_interval_s <= 0:
             raise ValueError(f"system_metrics_interval_s must be > 0, got {system_metrics_interval_s}")
         # what MLFlowLogger was given, kept here: its own copies are private
@@ -163,8 +174,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self._next_retry = 0.0
         self._key_cache: dict[str, str] = {}
         self._store = FallbackStore(self._fallback_location, self._run_info)
-        self._sender = MetricSender(self._flush_now, self._store.append_metrics, self.flush_interval_s, sender,
-                                    self.max_buffered, MAX_BATCH)
+        self._sender = MetricSender(
+            self._flush_now, self._store.append_metrics, self.flush_interval_s, sender, self.max_buffered, MAX_BATCH
+        )
         self._init_runtime()
 
     # --- runtime objects (not pickled: ddp_spawn sends the logger to its processes) --------------------
@@ -207,8 +219,9 @@ class ResilientMLFlowLogger(MLFlowLogger):
         if self.log_system_metrics and self.run_id is not None and self._system_monitor is None:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self._system_monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.system_metrics_interval_s,
-                                                         tracking_uri=self._uri)
+            self._system_monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=self.system_metrics_interval_s, tracking_uri=self._uri
+            )
             self._system_monitor.start()
 
     def _mlflow(self) -> Any:
@@ -393,8 +406,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
             return
         self._degraded = False
         self._retry_delay = self.retry_interval_s
-        log.warning(f"ResilientMLFlowLogger: the MLflow tracking store at {self._uri} answers again; "
-                    f"run {self.run_id} has everything kept in {self._store.folder} (the local copy stays).")
+        log.warning(
+            f"ResilientMLFlowLogger: the MLflow tracking store at {self._uri} answers again; "
+            f"run {self.run_id} has everything kept in {self._store.folder} (the local copy stays)."
+        )
 
     # --- what the fallback store needs to know -------------------------------------------------------
     def _fallback_location(self) -> Path:
@@ -402,8 +417,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
         (the logger is then connected or degraded, so the ids are read without a request)."""
         experiment, run = self.experiment_id, self.run_id
         root = Path(self._local_dir or os.path.abspath("runs"))
-        return (root / str(experiment if experiment is not None else "offline")
-                / str(run if run is not None else self._local_run_id) / FALLBACK_FOLDER)
+        return (
+            root
+            / str(experiment if experiment is not None else "offline")
+            / str(run if run is not None else self._local_run_id)
+            / FALLBACK_FOLDER
+        )
 
     def _run_info(self) -> dict[str, Any]:
         """The identity fields of the fallback folder's ``run.json``."""
@@ -422,8 +441,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
         if safe is None:
             safe = _UNSAFE_KEY.sub("", key)
             if safe != key:
-                warnings.warn(f"MLFlow only allows '_', '/', '.' and ' ' special characters in metric name. "
-                              f"Replacing {key} with {safe}.", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"MLFlow only allows '_', '/', '.' and ' ' special characters in metric name. "
+                    f"Replacing {key} with {safe}.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             self._key_cache[key] = safe
         return safe
 

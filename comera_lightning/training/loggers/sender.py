@@ -38,8 +38,15 @@ class MetricSender:
         batch_size: rows that make a full request: reaching it flushes at once.
     """
 
-    def __init__(self, flush: Callable[[], None], spill: Callable[[Sequence[Row]], None], interval_s: float,
-                 mode: Literal["thread", "inline"], max_buffered: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        flush: Callable[[], None],
+        spill: Callable[[Sequence[Row]], None],
+        interval_s: float,
+        mode: Literal["thread", "inline"],
+        max_buffered: int,
+        batch_size: int,
+    ) -> None:
         self._flush = flush
         self._spill = spill
         self.interval_s = float(interval_s)
@@ -100,8 +107,9 @@ class MetricSender:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=_sender_loop, args=(weakref.ref(self),), daemon=True,
-                                        name="comera-mlflow-sender")
+        self._thread = threading.Thread(
+            target=_sender_loop, args=(weakref.ref(self),), daemon=True, name="comera-mlflow-sender"
+        )
         self._thread.start()
         if not self._atexit_registered:  # a logger never finalised still flushes at interpreter exit
             atexit.register(_flush_at_exit, weakref.ref(self))
@@ -118,8 +126,10 @@ class MetricSender:
         self._thread = None
         self._stop.clear()
         if thread.is_alive():
-            log.warning("ResilientMLFlowLogger: the MLflow sender thread did not finish within 60 s; "
-                        "values it is sending may be missing.")
+            log.warning(
+                "ResilientMLFlowLogger: the MLflow sender thread did not finish within 60 s; "
+                "values it is sending may be missing."
+            )
 
 
 def _sender_loop(ref: weakref.ref) -> None:
