@@ -26,8 +26,9 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data"
@@ -35,10 +36,25 @@ RESULTS = REPO / "docs" / "results.md"
 IMAGES = REPO / "docs" / "img"
 ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera")
 RIVALS = ("narrow", "lowrank", "cola", "tt")
-LABELS = {"dense": "dense (full width)", "galore": "dense + GaLore", "narrow": "dense-narrowed",
-          "lowrank": "low-rank A B", "cola": "CoLA (B silu(A x))", "tt": "fixed-rank TT", "comera": "CoMERA"}
-REQUIRED = {"family": str, "size": (int, float), "seed": int, "lr": (int, float), "tokens": int,
-            "params_active": int, "val_loss": (int, float), "curve": list}
+LABELS = {
+    "dense": "dense (full width)",
+    "galore": "dense + GaLore",
+    "narrow": "dense-narrowed",
+    "lowrank": "low-rank A B",
+    "cola": "CoLA (B silu(A x))",
+    "tt": "fixed-rank TT",
+    "comera": "CoMERA",
+}
+REQUIRED = {
+    "family": str,
+    "size": (int, float),
+    "seed": int,
+    "lr": (int, float),
+    "tokens": int,
+    "params_active": int,
+    "val_loss": (int, float),
+    "curve": list,
+}
 FREE_TOLERANCE = 0.05  # "free compression": within 5 % of the full dense model's perplexity
 SPIKE_TOLERANCE = 0.05
 
@@ -59,17 +75,23 @@ def validate(study: Any, where: str) -> dict[str, Any]:
             if key not in run:
                 raise StudyFileError(f"{where}: runs[{i}] has no '{key}' {fix}")
             if isinstance(run[key], bool) or not isinstance(run[key], kind):
-                raise StudyFileError(f"{where}: runs[{i}]['{key}'] is {run[key]!r}, which is not a "
-                                     f"{getattr(kind, '__name__', 'number')} {fix}")
+                raise StudyFileError(
+                    f"{where}: runs[{i}]['{key}'] is {run[key]!r}, which is not a "
+                    f"{getattr(kind, '__name__', 'number')} {fix}"
+                )
         if "error" in run:
             continue
         if not math.isfinite(run["val_loss"]) and run.get("phase") == "final":
             raise StudyFileError(f"{where}: runs[{i}] (a final run) has val_loss {run['val_loss']} {fix}")
         for point in run["curve"]:
-            if not (isinstance(point, list) and len(point) == 2
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)):
-                raise StudyFileError(f"{where}: runs[{i}]['curve'] holds {point!r}; each point is [tokens, val_loss] "
-                                     f"{fix}")
+            if not (
+                isinstance(point, list)
+                and len(point) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)
+            ):
+                raise StudyFileError(
+                    f"{where}: runs[{i}]['curve'] holds {point!r}; each point is [tokens, val_loss] {fix}"
+                )
     return study
 
 
@@ -124,7 +146,8 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
         if family != "comera":
             continue
         mine = perplexities(runs)
-        row: dict[str, Any] = {"size": size, "comera": mine, "params": statistics.fmean(r["params_active"] for r in runs)}
+        params = statistics.fmean(r["params_active"] for r in runs)
+        row: dict[str, Any] = {"size": size, "comera": mine, "params": params}
         for rival in RIVALS:
             theirs = by.get((rival, size))
             if not theirs:
@@ -132,8 +155,11 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
             ppl = perplexities(theirs)
             seeds = {r["seed"]: r["val_loss"] for r in theirs}
             wins = [r["val_loss"] < seeds[r["seed"]] for r in runs if r["seed"] in seeds]
-            row[rival] = {"ratio": ppl["mean"] / mine["mean"] - 1.0, "won": f"{sum(wins)}/{len(wins)}",
-                          "params": statistics.fmean(r["params_active"] for r in theirs)}
+            row[rival] = {
+                "ratio": ppl["mean"] / mine["mean"] - 1.0,
+                "won": f"{sum(wins)}/{len(wins)}",
+                "params": statistics.fmean(r["params_active"] for r in theirs),
+            }
         rows.append(row)
     return rows
 
@@ -166,8 +192,11 @@ def free_compression(study: dict[str, Any]) -> float | None:
     reference = full_dense(study)
     if reference is None:
         return None
-    sizes = [size for (family, size), runs in finals(study).items()
-             if family == "comera" and perplexities(runs)["mean"] <= (1 + FREE_TOLERANCE) * reference["mean"]]
+    sizes = [
+        size
+        for (family, size), runs in finals(study).items()
+        if family == "comera" and perplexities(runs)["mean"] <= (1 + FREE_TOLERANCE) * reference["mean"]
+    ]
     return max(sizes, default=None)
 
 
@@ -185,30 +214,50 @@ def markdown(study: dict[str, Any], name: str) -> str:
     by = finals(study)
     tokens = next((r["tokens"] for runs in by.values() for r in runs), None)
     full = study.get("full_dense_params")
-    lines = [f"Generated by `python benchmarks/quality_report.py --write` from `docs/data/{name}.json` "
-             f"({len(study['runs'])} runs); the figure is `docs/img/quality_{name}.png`.", ""]
+    lines = [
+        f"Generated by `python benchmarks/quality_report.py --write` from `docs/data/{name}.json` "
+        f"({len(study['runs'])} runs); the figure is `docs/img/quality_{name}.png`.",
+        "",
+    ]
     if tokens is not None:
         per_param = f", {tokens / full:.1f} tokens per parameter of the full dense model" if full else ""
-        lines += [f"Final runs: {protocol.get('steps')} steps, {tokens / 1e6:.2f} M tokens each{per_param}; seeds "
-                  f"{protocol.get('seeds')}. Sweeps and checks: {protocol.get('sweep_steps')} steps. Every run: "
-                  f"AdamW, one rate for all weights (gates {protocol.get('gate_lr')}), warm-up, cosine to "
-                  f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}.", ""]
+        lines += [
+            f"Final runs: {protocol.get('steps')} steps, {tokens / 1e6:.2f} M tokens each{per_param}; seeds "
+            f"{protocol.get('seeds')}. Sweeps and checks: {protocol.get('sweep_steps')} steps. Every run: "
+            f"AdamW, one rate for all weights (gates {protocol.get('gate_lr')}), warm-up, cosine to "
+            f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}.",
+            "",
+        ]
     rows = []
     for (family, size), runs in by.items():
         mem = runs[0].get("peak_memory", {}).get("total")
         flops = statistics.fmean(r.get("train_flops", math.nan) for r in runs)
-        rows.append([f"{size:g}x" if family not in ("dense", "galore") else "1x", LABELS.get(family, family),
-                     _k(statistics.fmean(r["params_active"] for r in runs)), f"{runs[0]['lr']:.3g}",
-                     cell(perplexities(runs)), len(runs), f"{flops / 1e12:.2f}",
-                     "-" if mem is None else f"{mem / 2**20:.1f}"])
-    lines += ["| size | model | active params | lr | val perplexity, mean (min .. max) | seeds | training TFLOPs | "
-              "peak step memory, MiB |", "|---|---|---|---|---|---|---|---|"]
+        rows.append(
+            [
+                f"{size:g}x" if family not in ("dense", "galore") else "1x",
+                LABELS.get(family, family),
+                _k(statistics.fmean(r["params_active"] for r in runs)),
+                f"{runs[0]['lr']:.3g}",
+                cell(perplexities(runs)),
+                len(runs),
+                f"{flops / 1e12:.2f}",
+                "-" if mem is None else f"{mem / 2**20:.1f}",
+            ]
+        )
+    lines += [
+        "| size | model | active params | lr | val perplexity, mean (min .. max) | seeds | training TFLOPs | "
+        "peak step memory, MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     lines.append("")
     compare = comparisons(study)
     if compare:
-        lines += ["CoMERA against each rival at the same target size (rival perplexity / CoMERA's - 1: positive means "
-                  "CoMERA is better; seeds won: seeds where CoMERA's loss is lower than the same seed's rival):", ""]
+        lines += [
+            "CoMERA against each rival at the same target size (rival perplexity / CoMERA's - 1: positive means "
+            "CoMERA is better; seeds won: seeds where CoMERA's loss is lower than the same seed's rival):",
+            "",
+        ]
         header = ["size", "CoMERA active params", "CoMERA perplexity"] + [LABELS[r] for r in RIVALS]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in compare:
@@ -221,19 +270,28 @@ def markdown(study: dict[str, Any], name: str) -> str:
     reference = full_dense(study)
     free = free_compression(study)
     if reference is not None:
-        lines.append(f"Full dense model: perplexity {cell(reference)}. Free compression (CoMERA within "
-                     f"{FREE_TOLERANCE:.0%} of it): " + ("none of the sizes" if free is None else f"{free:g}x") + ".")
+        lines.append(
+            f"Full dense model: perplexity {cell(reference)}. Free compression (CoMERA within "
+            f"{FREE_TOLERANCE:.0%} of it): " + ("none of the sizes" if free is None else f"{free:g}x") + "."
+        )
         changes = [(r["seed"], last_fifth_change(r)) for r in by.get(("dense", 1.0), [])]
         shown = ", ".join(f"seed {s}: {c:.1%}" for s, c in changes if c is not None)
-        lines += [f"Convergence: the full dense model's validation loss fell by {shown} over the last fifth of its "
-                  "run (the protocol asks for less than 1 %).", ""]
-    spikes = [(size, r["seed"], late_spike(r)) for (family, size), runs in by.items() if family == "comera"
-              for r in runs]
+        lines += [
+            f"Convergence: the full dense model's validation loss fell by {shown} over the last fifth of its "
+            "run (the protocol asks for less than 1 %).",
+            "",
+        ]
+    spikes = [
+        (size, r["seed"], late_spike(r)) for (family, size), runs in by.items() if family == "comera" for r in runs
+    ]
     spikes = [s for s in spikes if s[2] is not None]
     if spikes:
         worst = max(spikes, key=lambda s: s[2])
-        lines += [f"Late-stage spike (worst perplexity after the switch over the value at the switch): at most "
-                  f"{worst[2]:+.1%} ({worst[0]:g}x, seed {worst[1]}); target at most +{SPIKE_TOLERANCE:.0%}.", ""]
+        lines += [
+            f"Late-stage spike (worst perplexity after the switch over the value at the switch): at most "
+            f"{worst[2]:+.1%} ({worst[0]:g}x, seed {worst[1]}); target at most +{SPIKE_TOLERANCE:.0%}.",
+            "",
+        ]
     lines += sweep_table(study)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -249,21 +307,29 @@ def sweep_table(study: dict[str, Any]) -> list[str]:
         return []
     chosen = {key: runs[0]["lr"] for key, runs in finals(study).items()}
     rates = sorted({lr for row in cells.values() for lr in row})
-    lines = [f"Learning-rate sweeps and checks ({study.get('protocol', {}).get('sweep_steps')} steps, final "
-             "validation loss; bold: the rate the finals use):", "",
-             "| model | size | " + " | ".join(f"{lr:.3g}" for lr in rates) + " |", "|---|---|" + "---|" * len(rates)]
-    for (family, size), row in sorted(cells.items(), key=lambda kv: (ORDER.index(kv[0][0]) if kv[0][0] in ORDER
-                                                                      else 99, kv[0][1])):
+    lines = [
+        f"Learning-rate sweeps and checks ({study.get('protocol', {}).get('sweep_steps')} steps, final "
+        "validation loss; bold: the rate the finals use):",
+        "",
+        "| model | size | " + " | ".join(f"{lr:.3g}" for lr in rates) + " |",
+        "|---|---|" + "---|" * len(rates),
+    ]
+    for (family, size), row in sorted(
+        cells.items(), key=lambda kv: (ORDER.index(kv[0][0]) if kv[0][0] in ORDER else 99, kv[0][1])
+    ):
         out = []
         for lr in rates:
             if lr not in row:
                 out.append("")
                 continue
             text = "diverged" if not math.isfinite(row[lr]) else f"{row[lr]:.3f}"
-            out.append(f"**{text}**" if chosen.get((family, size)) is not None and math.isclose(
-                chosen[(family, size)], lr) else text)
+            out.append(
+                f"**{text}**"
+                if chosen.get((family, size)) is not None and math.isclose(chosen[(family, size)], lr)
+                else text
+            )
         lines.append(f"| {LABELS.get(family, family)} | {size:g}x | " + " | ".join(out) + " |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -294,11 +360,18 @@ def figure(study: dict[str, Any], name: str):
                 errs[1].append(ppl["max"] - ppl["mean"])
             if xs:
                 order = sorted(range(len(xs)), key=xs.__getitem__)
-                ax.errorbar([xs[j] for j in order], [ys[j] for j in order],
-                            yerr=[[errs[0][j] for j in order], [errs[1][j] for j in order]], marker="o", capsize=3,
-                            label=LABELS[family], color=f"C{i}")
-    for ax, xlabel in zip(axes[:3], ("active parameters at the end", "training FLOPs", "peak step memory, bytes"),
-                          strict=True):
+                ax.errorbar(
+                    [xs[j] for j in order],
+                    [ys[j] for j in order],
+                    yerr=[[errs[0][j] for j in order], [errs[1][j] for j in order]],
+                    marker="o",
+                    capsize=3,
+                    label=LABELS[family],
+                    color=f"C{i}",
+                )
+    for ax, xlabel in zip(
+        axes[:3], ("active parameters at the end", "training FLOPs", "peak step memory, bytes"), strict=True
+    ):
         harness.label_axes(ax, xlabel, "validation perplexity", xlog=True, ylog=True)
     for run in by.get(("dense", 1.0), []):
         axes[3].plot([t for t, _ in run["curve"]], [math.exp(v) for _, v in run["curve"]], label=f"seed {run['seed']}")
@@ -319,8 +392,10 @@ def replace_block(page: str, name: str, block: str) -> str:
     """``page`` with the text between ``name``'s markers replaced by ``block``."""
     begin, end = markers(name)
     if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
-        raise StudyFileError(f"docs/results.md needs exactly one '{begin}' line followed by one '{end}' line where "
-                             f"the {name} tables go; add them and run again")
+        raise StudyFileError(
+            f"docs/results.md needs exactly one '{begin}' line followed by one '{end}' line where "
+            f"the {name} tables go; add them and run again"
+        )
     head, rest = page.split(begin)
     _, tail = rest.split(end)
     return f"{head}{begin}\n{block}{end}{tail}"
@@ -353,8 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.check and updated != page:
-        print(f"{args.results} differs from what docs/data gives: run python benchmarks/quality_report.py --write",
-              file=sys.stderr)
+        print(
+            f"{args.results} differs from what docs/data gives: run python benchmarks/quality_report.py --write",
+            file=sys.stderr,
+        )
         return 1
     if args.write and updated != page:
         args.results.write_text(updated)

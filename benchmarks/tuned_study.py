@@ -40,11 +40,12 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,8 +99,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def sweep_rates(done: dict[float, float], grid: Sequence[float] = GRID, max_extensions: int = MAX_EXTENSIONS
-                ) -> tuple[list[float], float | None]:
+def sweep_rates(
+    done: dict[float, float], grid: Sequence[float] = GRID, max_extensions: int = MAX_EXTENSIONS
+) -> tuple[list[float], float | None]:
     """(rates still to run, the chosen rate or None) of a sweep whose finished runs map rate -> final loss.
 
     The grid runs first; when its best rate is at an edge, the next rate past that edge (a factor of 2) is added,
@@ -129,8 +131,15 @@ def check_rates(chosen: float) -> list[float]:
 class Plan:
     """Which runs the study still needs, given the finished ones: the sweep, the checks and the finals in order."""
 
-    def __init__(self, families: Sequence[str], sizes: Sequence[float], seeds: Sequence[int], steps: int,
-                 sweep_steps: int, grid: Sequence[float] = GRID) -> None:
+    def __init__(
+        self,
+        families: Sequence[str],
+        sizes: Sequence[float],
+        seeds: Sequence[int],
+        steps: int,
+        sweep_steps: int,
+        grid: Sequence[float] = GRID,
+    ) -> None:
         unknown = sorted(set(families) - set(FAMILIES))
         if unknown:
             raise ValueError(f"unknown families {unknown}; use some of {FAMILIES}")
@@ -149,8 +158,11 @@ class Plan:
     def chosen(self, runs: Sequence[dict[str, Any]], family: str, size: float) -> float | None:
         """The rate a (family, size) trains its finals at, or None while its sweep or check is unfinished."""
         sweep_size = self.sweep_size(family)
-        sweep = {r["lr"]: r["val_loss"] for r in runs
-                 if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size}
+        sweep = {
+            r["lr"]: r["val_loss"]
+            for r in runs
+            if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size
+        }
         _, best = sweep_rates(sweep, self.grid)
         if best is None or size == sweep_size:
             return best
@@ -167,8 +179,11 @@ class Plan:
             if family == "tt" and not self._comera_ranks_known(runs, self.sweep_size("comera")):
                 continue  # the tt sweep trains at CoMERA's ranks of the middle size
             sweep_size = self.sweep_size(family)
-            sweep = {r["lr"]: r["val_loss"] for r in runs
-                     if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size}
+            sweep = {
+                r["lr"]: r["val_loss"]
+                for r in runs
+                if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size
+            }
             missing, best = sweep_rates(sweep, self.grid)
             jobs += [Job("sweep", family, sweep_size, self.seeds[0], lr, self.sweep_steps) for lr in missing]
             if best is None:
@@ -177,12 +192,15 @@ class Plan:
                 if family == "tt" and not self._comera_ranks_known(runs, size):
                     continue
                 if size != sweep_size:
-                    jobs += [Job("check", family, size, self.seeds[0], lr, self.sweep_steps) for lr in check_rates(best)]
+                    jobs += [
+                        Job("check", family, size, self.seeds[0], lr, self.sweep_steps) for lr in check_rates(best)
+                    ]
                 lr = self.chosen(runs, family, size)
                 if lr is not None:
                     jobs += [Job("final", family, size, seed, lr, self.steps) for seed in self.seeds]
         done = {job_of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
+
         # the sweeps, then every seed of the sweep size (one whole comparison), then the checks and the other sizes'
         # finals; finals seed by seed, CoMERA and its tt twin first, so a study cut short still compares whole seeds
         def priority(job: Job) -> tuple:
@@ -199,8 +217,9 @@ class Plan:
 
 def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict[str, list[int]] | None:
     """The final ranks of CoMERA's seed-``seed`` final run at ``size`` (what the tt family trains at)."""
-    found = [r for r in runs if r["phase"] == "final" and r["family"] == "comera" and r["size"] == size
-             and r["seed"] == seed]
+    found = [
+        r for r in runs if r["phase"] == "final" and r["family"] == "comera" and r["size"] == size and r["seed"] == seed
+    ]
     return found[0]["ranks_final"] if found else None
 
 
@@ -214,15 +233,26 @@ def base_spec(task: str, corpus: str, seed: int, steps: int, quick: bool):
 
     spec = pareto_study.study_spec(task, corpus, seed, steps, quick)
     val_every = max(1, steps // 12)
-    return replace(spec, grad_clip=GRAD_CLIP, val_every=val_every,
-                   limit_val_batches=None if spec.limit_val_batches is None else 2 * spec.limit_val_batches)
+    return replace(
+        spec,
+        grad_clip=GRAD_CLIP,
+        val_every=val_every,
+        limit_val_batches=None if spec.limit_val_batches is None else 2 * spec.limit_val_batches,
+    )
 
 
 def with_optim(kwargs: dict[str, Any], lr: float, steps: int) -> dict[str, Any]:
     """``kwargs`` with the protocol's optimiser settings at learning rate ``lr``."""
     warmup = max(1, min(100, steps // 10))
-    optim = {**(kwargs.get("optim") or {}), "lr_cores": lr, "lr_other": lr, "lr_gates": GATE_LR,
-             "warmup_steps": warmup, "schedule": "cosine", "final_lr_ratio": FINAL_LR_RATIO}
+    optim = {
+        **(kwargs.get("optim") or {}),
+        "lr_cores": lr,
+        "lr_other": lr,
+        "lr_gates": GATE_LR,
+        "warmup_steps": warmup,
+        "schedule": "cosine",
+        "final_lr_ratio": FINAL_LR_RATIO,
+    }
     return {**kwargs, "optim": optim}
 
 
@@ -230,8 +260,7 @@ def _layers(kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
     return {**kwargs, "layer_config": {**(kwargs.get("layer_config") or {}), **options}}
 
 
-def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[int]] | None = None
-                  ) -> dict[str, Any]:
+def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The model arguments of ``family`` at width, rank or start rank ``knob`` (None: the spec's own)."""
     import study
 
@@ -242,8 +271,16 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
         return _layers(study.at_width(kwargs, int(knob)), tt_linears=False, tt_embeddings=False)
     if family in ("lowrank", "cola"):
         rank = int(knob)
-        low = dict(tt_linears=True, tt_embeddings=True, rank=rank, embedding_rank=rank, layer_ranks=None,
-                   low_rank_linears=".", low_rank_embeddings=".", learn_gates=False)
+        low = dict(
+            tt_linears=True,
+            tt_embeddings=True,
+            rank=rank,
+            embedding_rank=rank,
+            layer_ranks=None,
+            low_rank_linears=".",
+            low_rank_embeddings=".",
+            learn_gates=False,
+        )
         if family == "cola":
             low.update(bottleneck_activation="silu", activation_layers=r"(^|\.)layers\.")
         return _layers(kwargs, **low)
@@ -253,8 +290,14 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
             return _layers(kwargs, tt_linears=True, tt_embeddings=True)
         # a larger start rank for the sizes the default start is already below; the head keeps its 2x share
         head = {k: 2 * int(knob) for k in (layer.get("layer_ranks") or {})}
-        return _layers(kwargs, tt_linears=True, tt_embeddings=True, rank=int(knob), embedding_rank=int(knob),
-                       layer_ranks=head or None)
+        return _layers(
+            kwargs,
+            tt_linears=True,
+            tt_embeddings=True,
+            rank=int(knob),
+            embedding_rank=int(knob),
+            layer_ranks=head or None,
+        )
     if family == "tt":
         if ranks is None:
             raise ValueError("the tt family needs CoMERA's final ranks")
@@ -265,9 +308,9 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
 
 
 def active_parameters(spec, kwargs: dict[str, Any]) -> int:
+    import study
     import torch
 
-    import study
     from comera_lightning.nn import size_report
 
     torch.manual_seed(0)
@@ -306,12 +349,12 @@ def knob_for(spec, family: str, size: float, full: int) -> float | None:
     target = full / size
     if family == "narrow":
         widths = narrow_widths(spec)
-        index = smallest_at_least(lambda i: active_parameters(spec, family_kwargs(spec, "narrow", widths[i])), target,
-                                  0, len(widths) - 1)
+        index = smallest_at_least(
+            lambda i: active_parameters(spec, family_kwargs(spec, "narrow", widths[i])), target, 0, len(widths) - 1
+        )
         return widths[index]
     if family in ("lowrank", "cola"):
-        return smallest_at_least(lambda r: active_parameters(spec, family_kwargs(spec, "lowrank", r)), target, 1,
-                                 width)
+        return smallest_at_least(lambda r: active_parameters(spec, family_kwargs(spec, "lowrank", r)), target, 1, width)
     if family in ("comera", "tt"):
         # start above the target: the default rank when its model is at least 1.2x the target, else larger
         rank = int(spec.task_kwargs["layer_config"]["rank"])
@@ -335,7 +378,6 @@ def _worker_init(threads: int) -> None:
 
 def step_flops(task, batch) -> int:
     """FLOPs of one training step's forward and backward on ``batch`` (torch's FlopCounterMode)."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     task.train()
@@ -349,9 +391,8 @@ def step_flops(task, batch) -> int:
 def step_memory(task, batch, galore: bool) -> dict[str, int]:
     """Peak bytes of one steady training step (forward, backward, optimiser) of ``task`` (harness.peak_memory);
     float32 weights and AdamW state (GaLore's projected state for ``galore``)."""
-    import torch
-
     import harness
+    import torch
 
     task.train()
     if galore:
@@ -359,8 +400,13 @@ def step_memory(task, batch, galore: bool) -> dict[str, int]:
         import llm_study
 
         o = task.optim
-        optimizer = bts.galore_optimizer(list(task.parameters()), llm_study.galore_targets(task.model), o.lr_other,
-                                         o.weight_decay, llm_study.galore_settings(task.model.d_model))
+        optimizer = bts.galore_optimizer(
+            list(task.parameters()),
+            llm_study.galore_targets(task.model),
+            o.lr_other,
+            o.weight_decay,
+            llm_study.galore_settings(task.model.d_model),
+        )
     else:
         from comera_lightning.optim import comera_parameter_groups
 
@@ -383,13 +429,20 @@ def step_memory(task, batch, galore: bool) -> dict[str, int]:
     return {k: int(peak[k]) for k in keys if k in peak}
 
 
-def run_job(job: dict[str, Any], task_name: str, corpus: str, quick: bool, knob: float | None,
-            ranks: dict[str, list[int]] | None, cache_dir: str) -> dict[str, Any]:
+def run_job(
+    job: dict[str, Any],
+    task_name: str,
+    corpus: str,
+    quick: bool,
+    knob: float | None,
+    ranks: dict[str, list[int]] | None,
+    cache_dir: str,
+) -> dict[str, Any]:
     """Train one job and return its record (the fields of a ``runs`` entry)."""
-    import torch
-
     import llm_study
     import study
+    import torch
+
     from comera_lightning.callbacks import ScheduledLateStage
 
     job = Job(**job)
@@ -422,11 +475,19 @@ def run_job(job: dict[str, Any], task_name: str, corpus: str, quick: bool, knob:
     curve = [[v["step"] * tokens_per_step, v["metrics"]["val/loss"]] for v in run["validations"]]
     final = run["final"]
     record = {
-        **asdict(job), "knob": knob, "tokens": job.steps * tokens_per_step,
-        "params_active": int(final["params_active"]), "params_trainable": int(run["size_final"]["params_trainable"]),
-        "val_loss": float(final["metrics"]["val/loss"]), "val_perplexity": float(final["metrics"]["val/perplexity"]),
-        "curve": curve, "flops_per_step_start": flops_start, "flops_per_step_end": flops_end,
-        "train_flops": train_flops, "train_s": run["train_s"], "median_step_s": run["median_step_s"],
+        **asdict(job),
+        "knob": knob,
+        "tokens": job.steps * tokens_per_step,
+        "params_active": int(final["params_active"]),
+        "params_trainable": int(run["size_final"]["params_trainable"]),
+        "val_loss": float(final["metrics"]["val/loss"]),
+        "val_perplexity": float(final["metrics"]["val/perplexity"]),
+        "curve": curve,
+        "flops_per_step_start": flops_start,
+        "flops_per_step_end": flops_end,
+        "train_flops": train_flops,
+        "train_s": run["train_s"],
+        "median_step_s": run["median_step_s"],
         "ranks_final": run["ranks_final"] if job.family in ("comera", "tt") else None,
         "late_start_step": spec.late_start_step if job.family == "comera" else None,
         "first_batch_hash": run["first_batch_hash"],
@@ -446,17 +507,29 @@ class Study:
     def __init__(self, path: Path, task: str, corpus: str, plan: Plan, quick: bool, cache_dir: Path) -> None:
         import harness
 
-        self.path, self.task, self.corpus, self.plan, self.quick, self.cache_dir = path, task, corpus, plan, quick, cache_dir
-        protocol = {"families": plan.families, "sizes": plan.sizes, "seeds": plan.seeds, "steps": plan.steps,
-                    "sweep_steps": plan.sweep_steps, "grid": plan.grid, "gate_lr": GATE_LR,
-                    "final_lr_ratio": FINAL_LR_RATIO, "grad_clip": GRAD_CLIP, "quick": quick}
+        self.path, self.task, self.corpus, self.plan = path, task, corpus, plan
+        self.quick, self.cache_dir = quick, cache_dir
+        protocol = {
+            "families": plan.families,
+            "sizes": plan.sizes,
+            "seeds": plan.seeds,
+            "steps": plan.steps,
+            "sweep_steps": plan.sweep_steps,
+            "grid": plan.grid,
+            "gate_lr": GATE_LR,
+            "final_lr_ratio": FINAL_LR_RATIO,
+            "grad_clip": GRAD_CLIP,
+            "quick": quick,
+        }
         if path.exists():
             state = harness.read_json(path)
             old = state.get("protocol", {})
             # the final runs' length may change (each final records its steps); the sweeps' may not
             if any(old.get(k) != protocol[k] for k in ("sweep_steps", "grid", "quick")):
-                raise ValueError(f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
-                                 " give another --out, or move that file away")
+                raise ValueError(
+                    f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
+                    " give another --out, or move that file away"
+                )
             self.state = {**state, "protocol": {**old, **protocol}}
         else:
             self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
@@ -497,10 +570,16 @@ class Study:
                     job = pending.pop(0)
                     ranks = comera_ranks(self.runs, job.size, self.plan.seeds[0]) if job.family == "tt" else None
                     knob = self.knob(job.family, job.size)
-                    print(f"[{time.strftime('%H:%M:%S')}] start {job.phase} {job.family} x{job.size:g} seed "
-                          f"{job.seed} lr {job.lr:.3g} ({job.steps} steps, knob {knob})", flush=True)
-                    running[pool.submit(run_job, asdict(job), self.task, self.corpus, self.quick, knob, ranks,
-                                        str(self.cache_dir))] = job
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] start {job.phase} {job.family} x{job.size:g} seed "
+                        f"{job.seed} lr {job.lr:.3g} ({job.steps} steps, knob {knob})",
+                        flush=True,
+                    )
+                    running[
+                        pool.submit(
+                            run_job, asdict(job), self.task, self.corpus, self.quick, knob, ranks, str(self.cache_dir)
+                        )
+                    ] = job
                 if not running:
                     break
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -509,24 +588,42 @@ class Study:
                     try:
                         record = future.result()
                     except Exception as err:  # a failed run is recorded as such: it must not stop the others
-                        record = {**asdict(job), "knob": self.knob(job.family, job.size), "error": repr(err),
-                                  "val_loss": math.nan, "tokens": 0, "params_active": 0, "curve": []}
+                        record = {
+                            **asdict(job),
+                            "knob": self.knob(job.family, job.size),
+                            "error": repr(err),
+                            "val_loss": math.nan,
+                            "tokens": 0,
+                            "params_active": 0,
+                            "curve": [],
+                        }
                         print(f"    FAILED {job}: {err!r}", flush=True)
                     self.runs.append(record)
                     self.save()
-                    print(f"[{time.strftime('%H:%M:%S')}] done  {job.phase} {job.family} x{job.size:g} seed {job.seed}"
-                          f" lr {job.lr:.3g}: val loss {record['val_loss']:.4f}, {record['params_active']:,} params",
-                          flush=True)
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] done  {job.phase} {job.family} x{job.size:g} seed {job.seed}"
+                        f" lr {job.lr:.3g}: val loss {record['val_loss']:.4f}, {record['params_active']:,} params",
+                        flush=True,
+                    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="lm", choices=("lm",),
-                        help="the decoder LM (the masked-LM task's FLOP and memory probes are not written yet)")
+    parser.add_argument(
+        "--task",
+        default="lm",
+        choices=("lm",),
+        help="the decoder LM (the masked-LM task's FLOP and memory probes are not written yet)",
+    )
     parser.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--sizes", nargs="+", type=float, default=list(SIZES),
-                        help="compressions of the full dense model's active parameters")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=float,
+        default=list(SIZES),
+        help="compressions of the full dense model's active parameters",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1500, help="optimiser steps of a final run")
     parser.add_argument("--sweep-steps", type=int, default=500, help="steps of a sweep or check run")

@@ -7,9 +7,8 @@ import json
 import math
 
 import pytest
-import torch
-
 import quality_report as qr
+import torch
 import tuned_study as ts
 
 from comera_lightning.nn import tt_layers
@@ -62,11 +61,15 @@ def finished(job: ts.Job, loss: float, **extra) -> dict:
 
 
 def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
-    plan = ts.Plan(["dense", "narrow", "comera", "tt"], [2.0, 5.0], [0, 1], steps=100, sweep_steps=20,
-                   grid=(1e-3, 2e-3, 4e-3))
+    plan = ts.Plan(
+        ["dense", "narrow", "comera", "tt"], [2.0, 5.0], [0, 1], steps=100, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3)
+    )
     first = plan.pending([])
-    assert {(j.phase, j.family, j.size) for j in first} == {("sweep", "dense", 1.0), ("sweep", "narrow", 5.0),
-                                                           ("sweep", "comera", 5.0)}
+    assert {(j.phase, j.family, j.size) for j in first} == {
+        ("sweep", "dense", 1.0),
+        ("sweep", "narrow", 5.0),
+        ("sweep", "comera", 5.0),
+    }
     assert all(j.steps == 20 and j.seed == 0 for j in first)
     # every sweep's best is its middle rate
     runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in first]
@@ -75,14 +78,19 @@ def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
     assert {(j.family, j.size) for j in checks} == {("narrow", 2.0), ("comera", 2.0)}
     assert sorted(j.lr for j in checks if j.family == "narrow") == pytest.approx([1e-3, 2e-3, 4e-3])
     finals = [j for j in second if j.phase == "final"]
-    assert {(j.family, j.size, j.seed) for j in finals} == {(f, s, seed) for f, s in [("dense", 1.0), ("narrow", 5.0),
-                                                                                       ("comera", 5.0)]
-                                                            for seed in (0, 1)}
+    assert {(j.family, j.size, j.seed) for j in finals} == {
+        (f, s, seed) for f, s in [("dense", 1.0), ("narrow", 5.0), ("comera", 5.0)] for seed in (0, 1)
+    }
     assert all(j.lr == 2e-3 and j.steps == 100 for j in finals)
     # every seed at the sweep size first (one whole comparison), seed by seed, CoMERA early; then the checks
     assert [(j.phase, j.family, j.seed) for j in second][:6] == [
-        ("final", "dense", 0), ("final", "comera", 0), ("final", "narrow", 0),
-        ("final", "dense", 1), ("final", "comera", 1), ("final", "narrow", 1)]
+        ("final", "dense", 0),
+        ("final", "comera", 0),
+        ("final", "narrow", 0),
+        ("final", "dense", 1),
+        ("final", "comera", 1),
+        ("final", "narrow", 1),
+    ]
     assert {j.phase for j in second[6:]} == {"check"}
     assert not any(j.family == "tt" for j in second)
     # the checks prefer x2 at 2x; CoMERA's seed-0 final at 5x unlocks the tt sweep
@@ -91,7 +99,9 @@ def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
     runs.append(finished(comera_final, 2.9, ranks_final={"model.fc": [1, 3, 1]}))
     third = plan.pending(runs)
     assert {(j.family, j.size, j.lr) for j in third if j.phase == "final" and j.size == 2.0} == {
-        ("narrow", 2.0, 4e-3), ("comera", 2.0, 4e-3)}
+        ("narrow", 2.0, 4e-3),
+        ("comera", 2.0, 4e-3),
+    }
     assert {(j.phase, j.family, j.size) for j in third if j.family == "tt"} == {("sweep", "tt", 5.0)}
     assert comera_final.key not in {j.key for j in third}
 
@@ -144,8 +154,15 @@ def test_the_families_build_what_they_claim(quick_spec):
 
 def test_optimiser_settings_follow_the_protocol():
     kwargs = ts.with_optim({"optim": {"lr_gates": 1.0, "weight_decay": 0.1}}, 3e-3, 1500)
-    assert kwargs["optim"] == {"lr_gates": ts.GATE_LR, "weight_decay": 0.1, "lr_cores": 3e-3, "lr_other": 3e-3,
-                               "warmup_steps": 100, "schedule": "cosine", "final_lr_ratio": 0.1}
+    assert kwargs["optim"] == {
+        "lr_gates": ts.GATE_LR,
+        "weight_decay": 0.1,
+        "lr_cores": 3e-3,
+        "lr_other": 3e-3,
+        "warmup_steps": 100,
+        "schedule": "cosine",
+        "final_lr_ratio": 0.1,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -154,23 +171,54 @@ def test_optimiser_settings_follow_the_protocol():
 
 def study_file(tmp_path, runs, name="lm_test"):
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({"task": "lm", "protocol": {"steps": 10, "seeds": [0, 1], "sweep_steps": 5},
-                                "full_dense_params": 1000, "runs": runs}))
+    path.write_text(
+        json.dumps(
+            {
+                "task": "lm",
+                "protocol": {"steps": 10, "seeds": [0, 1], "sweep_steps": 5},
+                "full_dense_params": 1000,
+                "runs": runs,
+            }
+        )
+    )
     return path
 
 
 def final_run(family, size, seed, loss, params, lr=1e-3, curve=None, **extra):
-    return {"phase": "final", "family": family, "size": size, "seed": seed, "lr": lr, "tokens": 1000, "steps": 10,
-            "params_active": params, "val_loss": loss, "curve": curve or [[500, loss + 0.5], [1000, loss]], **extra}
+    return {
+        "phase": "final",
+        "family": family,
+        "size": size,
+        "seed": seed,
+        "lr": lr,
+        "tokens": 1000,
+        "steps": 10,
+        "params_active": params,
+        "val_loss": loss,
+        "curve": curve or [[500, loss + 0.5], [1000, loss]],
+        **extra,
+    }
 
 
 def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_path):
     runs = [final_run("dense", 1.0, s, 3.0, 1000, curve=[[200, 4.0], [800, 3.02], [1000, 3.0]]) for s in (0, 1)]
-    runs += [final_run("comera", 5.0, s, 3.0 + 0.01 * s, 200, late_start_step=4,
-                       curve=[[400, 3.5], [600, 3.6], [1000, 3.0 + 0.01 * s]]) for s in (0, 1)]
+    runs += [
+        final_run(
+            "comera",
+            5.0,
+            s,
+            3.0 + 0.01 * s,
+            200,
+            late_start_step=4,
+            curve=[[400, 3.5], [600, 3.6], [1000, 3.0 + 0.01 * s]],
+        )
+        for s in (0, 1)
+    ]
     runs += [final_run("narrow", 5.0, 0, 3.2, 210), final_run("narrow", 5.0, 1, 2.9, 210)]
-    runs += [{**final_run("lowrank", 5.0, 0, 3.5, 205, lr=2e-3), "phase": "sweep"},
-             {**final_run("lowrank", 5.0, 0, 3.4, 205, lr=4e-3), "phase": "sweep"}]
+    runs += [
+        {**final_run("lowrank", 5.0, 0, 3.5, 205, lr=2e-3), "phase": "sweep"},
+        {**final_run("lowrank", 5.0, 0, 3.4, 205, lr=4e-3), "phase": "sweep"},
+    ]
     study = qr.load(study_file(tmp_path, runs))
     [row] = qr.comparisons(study)
     expected = (math.exp(3.2) + math.exp(2.9)) / (math.exp(3.0) + math.exp(3.01)) - 1
@@ -184,13 +232,16 @@ def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_pat
     assert "| model | size | 0.002 | 0.004 |" in text and "| low-rank A B | 5x | 3.500 | 3.400 |" in text
 
 
-@pytest.mark.parametrize("corrupt, match", [
-    (lambda s: s.pop("runs"), "expected a JSON object with a list 'runs'"),
-    (lambda s: s["runs"][0].pop("curve"), r"runs\[0\] has no 'curve'"),
-    (lambda s: s["runs"][0].update(seed="0"), r"runs\[0\]\['seed'\] is '0', which is not a int"),
-    (lambda s: s["runs"][0].update(val_loss=float("nan")), "a final run\\) has val_loss nan"),
-    (lambda s: s["runs"][0].update(curve=[[1, 2, 3]]), r"each point is \[tokens, val_loss\]"),
-])
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda s: s.pop("runs"), "expected a JSON object with a list 'runs'"),
+        (lambda s: s["runs"][0].pop("curve"), r"runs\[0\] has no 'curve'"),
+        (lambda s: s["runs"][0].update(seed="0"), r"runs\[0\]\['seed'\] is '0', which is not a int"),
+        (lambda s: s["runs"][0].update(val_loss=float("nan")), "a final run\\) has val_loss nan"),
+        (lambda s: s["runs"][0].update(curve=[[1, 2, 3]]), r"each point is \[tokens, val_loss\]"),
+    ],
+)
 def test_a_malformed_results_file_is_refused_with_the_run_and_field(tmp_path, corrupt, match):
     study = {"runs": [final_run("dense", 1.0, 0, 3.0, 1000)]}
     corrupt(study)

@@ -12,13 +12,18 @@ from comera_lightning.nn import TTLinear
 # (in, out, in_modes, out_modes): one mode per side (CoLA), 2 + 2, padded sides, 3 + 1
 SHAPES = [(12, 10, [12], [10]), (12, 10, [4, 3], [2, 5]), (37, 20, [5, 8], [3, 7]), (16, 6, [2, 2, 4], [6])]
 IDS = ["cola", "2+2", "padded", "3+1"]
-ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "relu": torch.relu,
-               "tanh": torch.tanh}
+ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "relu": torch.relu,
+    "tanh": torch.tanh,
+}
 
 
 def make(in_f, out_f, in_modes, out_modes, rank=3, activation="silu"):
-    layer = TTLinear(in_f, out_f, rank, in_modes=in_modes, out_modes=out_modes, dtype=F64,
-                     bottleneck_activation=activation)
+    layer = TTLinear(
+        in_f, out_f, rank, in_modes=in_modes, out_modes=out_modes, dtype=F64, bottleneck_activation=activation
+    )
     randomize_gates_(layer)
     with torch.no_grad():
         layer.bias.normal_()
