@@ -23,8 +23,9 @@ __all__ = ["load_from_checkpoint"]
 M = TypeVar("M", bound=nn.Module)
 
 
-def load_from_checkpoint(module_class: type[M], path: str | Path, *, map_location: Any = "cpu",
-                         strict: bool = True, **init_kwargs: Any) -> M:
+def load_from_checkpoint(
+    module_class: type[M], path: str | Path, *, map_location: Any = "cpu", strict: bool = True, **init_kwargs: Any
+) -> M:
     """An instance of ``module_class`` with the checkpoint's comera layers, ranks and weights.
 
     Works for a Lightning checkpoint (``fit``, ``ModelCheckpoint``) or a plain ``torch.save(model.state_dict())``, of
@@ -33,7 +34,7 @@ def load_from_checkpoint(module_class: type[M], path: str | Path, *, map_locatio
 
     Args:
         module_class: the class to build, e.g. the user's LightningModule.
-        path: the checkpoint (local or any fsspec URL).
+        path: the checkpoint (local or any fsspec URL), or a sharded run's distributed checkpoint folder.
         map_location: where the tensors go (as ``torch.load``).
         strict: as ``load_state_dict``.
         init_kwargs: arguments for ``module_class``; a LightningModule's saved hyperparameters fill the rest
@@ -44,8 +45,13 @@ def load_from_checkpoint(module_class: type[M], path: str | Path, *, map_locatio
     """
     import fsspec
 
-    with fsspec.open(str(path), "rb") as handle:
-        checkpoint = torch.load(handle, map_location=map_location, weights_only=True)
+    if Path(path).expanduser().is_dir():  # a sharded run's distributed checkpoint (FSDP2)
+        from .training.checkpoint_io import read_checkpoint
+
+        checkpoint = read_checkpoint(path, map_location=map_location)
+    else:
+        with fsspec.open(str(path), "rb") as handle:
+            checkpoint = torch.load(handle, map_location=map_location, weights_only=True)
     lightning_checkpoint = isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict)
     state_dict = checkpoint["state_dict"] if lightning_checkpoint else checkpoint
     if not isinstance(state_dict, dict):

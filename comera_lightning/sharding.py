@@ -42,7 +42,7 @@ from .training.fsdp import (
 )
 from .tt.rank import CoreSelection, select_rank_slices
 
-__all__ = ["FSDP2Strategy", "data_parallel_mesh", "shard_model", "sharded_checkpoint_shapes"]
+__all__ = ["FSDP2Strategy", "checkpoint_shapes", "data_parallel_mesh", "shard_model"]
 
 
 def data_parallel_mesh(module: LightningModule) -> Any | None:
@@ -80,11 +80,15 @@ def shard_model(module: LightningModule, units: Iterable[str] | None = None) -> 
     return fully_shard_model(module, mesh, units)
 
 
-def sharded_checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the model state in a distributed checkpoint folder (no tensor is read)."""
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model state in a checkpoint: a distributed checkpoint folder (its metadata;
+    no tensor is read) or a ``.ckpt`` file (memory-mapped)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if not Path(path).is_dir():
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("state_dict", {})
+        return {key: tuple(value.shape) for key, value in state.items() if torch.is_tensor(value)}
     prefix = "state_dict."
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return {
@@ -101,7 +105,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     Args:
         data_parallel_size: processes that shard the model; ``"auto"``: all of them (nodes x devices).
         tensor_parallel_size: must stay 1 (CoMERA's TT layers have no tensor-parallel plan).
-        save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
+        save_distributed_checkpoint: must stay True (checkpoints are folders: every process writes its shards).
+        process_group_backend, timeout: as ``ModelParallelStrategy``.
 
     The LightningModule must shard itself in ``configure_model`` (:func:`shard_model`; the project's tasks do).
     """
@@ -116,6 +121,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if not save_distributed_checkpoint:
+            raise ValueError(
+                "FSDP2Strategy saves distributed checkpoints (a folder per checkpoint, each process writing its "
+                "shards); for one file, consolidate one with comera_lightning.training.checkpoint_io.read_checkpoint "
+                "or export the model with `comera export`"
+            )
         if tensor_parallel_size not in (1, "auto"):
             raise ValueError(
                 f"FSDP2Strategy shards data parallel only: tensor_parallel_size must be 1, got {tensor_parallel_size}"
@@ -166,10 +177,53 @@ class FSDP2Strategy(ModelParallelStrategy):
     # --- checkpoints ---------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # the model was sharded at its initial ranks; a checkpoint saved after cuts (sharded, or a .ckpt file of a
+        # DDP or one-process run) has smaller cores
         path = Path(self.broadcast(checkpoint_path))
+        self.adopt_checkpoint_ranks_(checkpoint_shapes(path))
         if path.is_dir():
-            self.adopt_checkpoint_ranks_(sharded_checkpoint_shapes(path))
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return self._load_full_checkpoint(path, weights_only)
+
+    def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """A ``.ckpt`` file of a DDP or one-process run into the sharded model and optimisers.
+
+        Such a file numbers the optimiser state by the optimiser's parameter groups (CoMERA's: cores, gates, the
+        rest); Lightning's own loader would number it by ``model.parameters()`` and give moments to the wrong
+        parameters, so the state is keyed by parameter names here, in the groups' order.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(
+            self.model, checkpoint.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            set_optimizer_state_dict(
+                self.model,
+                optimizer,
+                optim_state_dict=self._named(optimizer, state),
+                options=StateDictOptions(full_state_dict=True, strict=strict),
+            )
+        return checkpoint
+
+    def _named(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimiser state dict numbered by ``optimizer``'s parameter groups, keyed by parameter names instead."""
+        assert self.model is not None
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return {
+            "state": {ordered[i]: value for i, value in state["state"].items()},
+            "param_groups": [
+                {**group, "params": [ordered[i] for i in group["params"]]} for group in state["param_groups"]
+            ],
+        }
 
     def adopt_checkpoint_ranks_(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Resize (and reshard) every TT layer whose cores have other shapes in ``shapes`` (a checkpoint's), so the

@@ -15,19 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from comera_lightning import load_from_checkpoint
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.export import export_checkpoint, load_exported
 from comera_lightning.nn import TTLinear
 from comera_lightning.nn.distributed import full_tensor, is_sharded, write_full_
 from comera_lightning.nn.tensorize import tt_layers
-from comera_lightning.sharding import FSDP2Strategy, shard_model, sharded_checkpoint_shapes
+from comera_lightning.sharding import FSDP2Strategy, checkpoint_shapes, shard_model
 from comera_lightning.training.checkpoint_io import read_checkpoint
 from comera_lightning.training.fsdp import default_shard_units, fully_shard_model
 from tests.helpers.sharding_cases import (
     BATCH,
+    DenseRegressor,
     ShardedRegressor,
     parity_callbacks,
     parity_loader,
@@ -38,8 +41,14 @@ from tests.helpers.sharding_cases import (
 WORKER = Path(__file__).parent / "helpers" / "fsdp_worker.py"
 
 
-def _fit_one_process(callbacks: list, max_steps: int, loader) -> ShardedRegressor:
+def _fit_one_process(callbacks: list, max_steps: int, loader, folder: Path | None = None) -> ShardedRegressor:
+    """The one-process reference; with ``folder``, checkpoints after 8 steps to ``folder/single-step=8.ckpt``."""
     model = ShardedRegressor()
+    if folder is not None:
+        callbacks = [
+            *callbacks,
+            ModelCheckpoint(dirpath=folder, filename="single-{step}", every_n_train_steps=8, save_top_k=-1),
+        ]
     Trainer(
         accelerator="cpu",
         devices=1,
@@ -47,7 +56,7 @@ def _fit_one_process(callbacks: list, max_steps: int, loader) -> ShardedRegresso
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=folder is not None,
         limit_val_batches=0,
         callbacks=callbacks,
     ).fit(model, loader)
@@ -58,6 +67,8 @@ def _fit_one_process(callbacks: list, max_steps: int, loader) -> ShardedRegresso
 def two_processes(tmp_path_factory) -> Path:
     """Runs every two-process scenario once; returns the folder with their results and checkpoints."""
     out = tmp_path_factory.mktemp("fsdp2")
+    single = _fit_one_process(truncation_callbacks(), 16, truncation_loader(2 * BATCH), folder=out)
+    (out / "single.json").write_text(json.dumps({"losses": single.losses}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(WORKER), str(out)], cwd=out, env=env, capture_output=True, text=True, timeout=600
@@ -103,12 +114,21 @@ def test_truncation_gives_the_ranks_of_one_process_and_shrinks_the_shards(two_pr
 def test_resume_from_the_sharded_checkpoint_equals_the_uninterrupted_run(two_processes):
     folder = two_processes / "ckpt" / "step=8.ckpt"
     assert folder.is_dir()
-    shapes = sharded_checkpoint_shapes(folder)
+    shapes = checkpoint_shapes(folder)
     initial = {name: tuple(p.shape) for name, p in ShardedRegressor().named_parameters()}
     assert any(shapes[name] != shape for name, shape in initial.items()), "the checkpoint holds the initial ranks"
     uninterrupted, resumed = _results(two_processes, "truncation"), _results(two_processes, "resume")
     assert _global_losses(resumed) == _global_losses(uninterrupted)[8:]
     assert resumed[0]["ranks"] == uninterrupted[0]["ranks"]
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_after_cuts_resumes_under_fsdp2(two_processes):
+    single = json.loads((two_processes / "single.json").read_text())["losses"]
+    resumed = _results(two_processes, "resume_from_file")
+    assert resumed[0]["ranks"] == _results(two_processes, "truncation")[0]["ranks"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(_global_losses(resumed), single[8:], strict=True))
+    assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
@@ -137,6 +157,9 @@ def test_tensorize_callback_under_fsdp2(two_processes):
     assert any(ranks != [1, 8, 8, 1] for ranks in results[0]["ranks"].values()), "nothing was cut"
     losses = _global_losses(results)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    # the user's dense class, rebuilt with the TT layers and cut ranks of the sharded checkpoint
+    model = load_from_checkpoint(DenseRegressor, two_processes / "tensorize" / "step=16.ckpt")
+    assert {name: layer.ranks for name, layer in tt_layers(model)} == results[0]["ranks"]
 
 
 # --- single-process pieces -------------------------------------------------------------------------------------
@@ -186,6 +209,8 @@ def test_tensor_parallel_mesh_is_refused():
         shard_model(model)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         FSDP2Strategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="distributed checkpoints"):
+        FSDP2Strategy(save_distributed_checkpoint=False)
 
 
 def test_truncation_under_plain_model_parallel_strategy_names_the_fix(tmp_path):

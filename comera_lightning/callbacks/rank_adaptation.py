@@ -5,7 +5,8 @@ The callback never touches the user's loss. Once per optimiser step, in ``on_bef
 gradient of ``penalty_weight * R(gates)`` to the gates and scales the task gradients by ``task_weight``
 (see :mod:`comera_lightning.objectives` for the two stages). After each step it masks rank slices whose
 gate fell below the threshold and, on a schedule, removes dead slices physically, slicing the optimiser
-state and re-wrapping DDP so training continues exactly. Every decision depends only on gate values and
+state and re-wrapping DDP (under FSDP2, :class:`~comera_lightning.sharding.FSDP2Strategy` reshards the resized
+parameters and their optimiser state) so training continues exactly. Every decision depends only on gate values and
 all-reduced losses, identical on every process.
 
 A diverged step never reaches the ranks: a step whose gradients were dropped (``DivergenceGuard``) or whose

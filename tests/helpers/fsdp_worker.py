@@ -78,10 +78,18 @@ def resume(out: Path) -> None:
     _write(out, "resume", model, trainer)
 
 
+def resume_from_file(out: Path) -> None:
+    model = ShardedRegressor()  # a one-process run's .ckpt file, saved after cuts, continued under FSDP2
+    trainer = _trainer(out, truncation_callbacks(), max_steps=16, enable_checkpointing=False)
+    trainer.fit(model, truncation_loader(BATCH), ckpt_path=out / "single-step=8.ckpt")
+    _write(out, "resume_from_file", model, trainer)
+
+
 def tensorize(out: Path) -> None:
     model = DenseRegressor()
-    callbacks = [Tensorize(rank=8, min_features=16), *truncation_callbacks()]
-    trainer = _trainer(out, callbacks, max_steps=16, enable_checkpointing=False)
+    checkpoint = ModelCheckpoint(dirpath=out / "tensorize", filename="{step}")
+    callbacks = [Tensorize(rank=8, min_features=16), *truncation_callbacks(), checkpoint]
+    trainer = _trainer(out, callbacks, max_steps=16)
     trainer.fit(model, truncation_loader(BATCH))
     _write(out, "tensorize", model, trainer, sharded=all(type(p).__name__ == "DTensor" for p in model.parameters()))
 
@@ -89,6 +97,6 @@ def tensorize(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     folder = Path(sys.argv[1])
-    for scenario in sys.argv[2:] or ["parity", "truncation", "resume", "tensorize"]:
+    for scenario in sys.argv[2:] or ["parity", "truncation", "resume", "resume_from_file", "tensorize"]:
         globals()[scenario](folder)
     os.environ.pop("LOCAL_RANK", None)
