@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data"
 RESULTS = REPO / "docs" / "results.md"
 IMAGES = REPO / "docs" / "img"
-ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera")
-RIVALS = ("narrow", "lowrank", "cola", "tt")
+ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera", "comera_act")
+RIVALS = ("narrow", "lowrank", "cola", "tt", "comera_act")
 LABELS = {
     "dense": "dense (full width)",
     "galore": "dense + GaLore",
@@ -44,6 +44,7 @@ LABELS = {
     "cola": "CoLA (B silu(A x))",
     "tt": "fixed-rank TT",
     "comera": "CoMERA",
+    "comera_act": "CoMERA + SiLU bottleneck",
 }
 REQUIRED = {
     "family": str,
@@ -282,7 +283,10 @@ def markdown(study: dict[str, Any], name: str) -> str:
             "",
         ]
     spikes = [
-        (size, r["seed"], late_spike(r)) for (family, size), runs in by.items() if family == "comera" for r in runs
+        (size, r["seed"], late_spike(r))
+        for (family, size), runs in by.items()
+        if family.startswith("comera")
+        for r in runs
     ]
     spikes = [s for s in spikes if s[2] is not None]
     if spikes:

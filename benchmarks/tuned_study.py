@@ -18,7 +18,8 @@ own 5e-3), linear warm-up, cosine decay to a tenth, gradient clipping at 1.0, th
 - ``lowrank``: every linear and embedding a plain ``A B`` (frozen gates); ``cola``: the same with SiLU between the
   factors of every block linear (CoLA, Liu et al. 2025: ``B silu(A x)``);
 - ``tt``: a TT with CoMERA's final ranks (seed 0, same size) trained from scratch without gates: what rank
-  adaptation adds; ``comera``: the full-width TT cut by the scheduled late stage to ``size``;
+  adaptation adds; ``comera``: the full-width TT cut by the scheduled late stage to ``size``; ``comera_act``: the
+  same with SiLU on the middle bond of every block linear (CoLA's idea inside CoMERA);
 - ``galore``: the full-width model trained with GaLore (the memory reference: its parameters are not reduced).
 
 Rivals are sized to at least CoMERA's target (the closest width or rank at or above it), so a CoMERA win is at
@@ -50,9 +51,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "galore")
+FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "galore")
+COMERA = ("comera", "comera_act")  # trained with the rank callbacks
 FULL_WIDTH = ("dense", "galore")  # trained at the full model's size only
-FINAL_ORDER = ("dense", "comera", "tt", "narrow", "lowrank", "cola", "galore")
+FINAL_ORDER = ("dense", "comera", "tt", "comera_act", "narrow", "lowrank", "cola", "galore")
 SIZES = (2.0, 5.0, 20.0)
 MIDDLE = 5.0
 GRID = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2)
@@ -284,6 +286,10 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
         if family == "cola":
             low.update(bottleneck_activation="silu", activation_layers=r"(^|\.)layers\.")
         return _layers(kwargs, **low)
+    if family == "comera_act":
+        return _layers(
+            family_kwargs(spec, "comera", knob), bottleneck_activation="silu", activation_layers=r"(^|\.)layers\."
+        )
     if family == "comera":
         layer = kwargs.get("layer_config") or {}
         if knob is None:
@@ -355,7 +361,7 @@ def knob_for(spec, family: str, size: float, full: int) -> float | None:
         return widths[index]
     if family in ("lowrank", "cola"):
         return smallest_at_least(lambda r: active_parameters(spec, family_kwargs(spec, "lowrank", r)), target, 1, width)
-    if family in ("comera", "tt"):
+    if family in (*COMERA, "tt"):
         # start above the target: the default rank when its model is at least 1.2x the target, else larger
         rank = int(spec.task_kwargs["layer_config"]["rank"])
         while active_parameters(spec, family_kwargs(spec, "comera", rank)) < 1.2 * target and rank < width:
@@ -459,7 +465,7 @@ def run_job(
     else:
         torch.manual_seed(job.seed)
         task = study.task_class(spec.name)(**kwargs)
-    if job.family == "comera":
+    if job.family in COMERA:
         method = "comera"
         rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
         rank.update(target_compression=job.size, late_stage=ScheduledLateStage())
@@ -468,7 +474,7 @@ def run_job(
     flops_start = step_flops(task, batch)
     run = study.run_one(spec, method, "steps", dm, task=task, max_other_load=1.0)
     flops_end = step_flops(task, batch)
-    late = spec.late_start_step if job.family == "comera" else job.steps
+    late = spec.late_start_step if job.family in COMERA else job.steps
     # FLOPs: the start model's until the late stage, then the mean of start and end while ranks shrink
     train_flops = late * flops_start + (job.steps - late) * (flops_start + flops_end) / 2
     tokens_per_step = int(batch["input_ids"].numel())
@@ -488,8 +494,8 @@ def run_job(
         "train_flops": train_flops,
         "train_s": run["train_s"],
         "median_step_s": run["median_step_s"],
-        "ranks_final": run["ranks_final"] if job.family in ("comera", "tt") else None,
-        "late_start_step": spec.late_start_step if job.family == "comera" else None,
+        "ranks_final": run["ranks_final"] if job.family in (*COMERA, "tt") else None,
+        "late_start_step": spec.late_start_step if job.family in COMERA else None,
         "first_batch_hash": run["first_batch_hash"],
     }
     if job.phase == "final" and job.seed == 0:

@@ -148,6 +148,13 @@ def test_the_families_build_what_they_claim(quick_spec):
     assert {name: layer.ranks for name, layer in tt_layers(fixed)} == ranks
     assert not any(g.requires_grad for _, layer in tt_layers(fixed) for g in layer.gates)
     assert all(g.requires_grad for _, layer in tt_layers(comera) for g in layer.gates)
+    inside = build("comera_act", 8)  # CoLA's activation inside CoMERA: gated, so the rank callbacks can cut it
+    assert {n: getattr(la, "bottleneck_activation", None) for n, la in tt_layers(inside)} == {
+        n: ("silu" if ".layers." in n and hasattr(la, "in_modes") else None) for n, la in tt_layers(inside)
+    }
+    assert all(g.requires_grad for _, layer in tt_layers(inside) for g in layer.gates)
+    for width in ts.narrow_widths(quick_spec):  # every narrowed width builds (even head widths, for rotary)
+        build("narrow", width)
     with pytest.raises(ValueError, match="needs CoMERA's final ranks"):
         ts.family_kwargs(quick_spec, "tt", 8)
 
