@@ -25,6 +25,7 @@ FAST_CUTS = """trainer:
         late_stage:
           class_path: comera_lightning.callbacks.ScheduledLateStage
           init_args: {ramp_steps: 4, cut_every_n_steps: 2, max_cut_fraction: 0.5, loss_tolerance: 100.0}
+    - class_path: ContractionPlanner
     - class_path: ModelCheckpoint
       init_args:
         dirpath: ckpt
@@ -43,12 +44,13 @@ def _comera_fit(workdir, *args: str) -> str:
         f"--config={workdir / 'cuts.yaml'}",
         f"--config={CONFIGS / 'callbacks' / 'fsdp2.yaml'}",
         *TINY_ENCODER,
-        "--data.max_files=15",
-        "--data.max_sequences=400",
+        "--data.max_files=4",
+        "--data.max_sequences=120",
         "--data.val_fraction=0.2",
         "--trainer.limit_val_batches=0",
         "--trainer.logger=false",
         "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         *args,
