@@ -97,19 +97,31 @@ class RankAdaptation(Callback):
             raise ValueError(f"penalty must be 'weighted' or 'mean', got {penalty!r}")
         for name, value, ok, rule in (
             ("gamma", gamma, math.isfinite(gamma) and gamma >= 0, ">= 0 and finite"),
-            ("target_compression", target_compression, target_compression is None or (
-                math.isfinite(target_compression) and target_compression > 1.0), "> 1 (dense / compressed) and finite"),
+            (
+                "target_compression",
+                target_compression,
+                target_compression is None or (math.isfinite(target_compression) and target_compression > 1.0),
+                "> 1 (dense / compressed) and finite",
+            ),
             ("late_start_epoch", late_start_epoch, late_start_epoch is None or late_start_epoch >= 0, ">= 0 or None"),
             ("late_start_step", late_start_step, late_start_step is None or late_start_step >= 0, ">= 0 or None"),
-            ("late_start_loss", late_start_loss, late_start_loss is None or math.isfinite(late_start_loss),
-             "a finite number or None"),
+            (
+                "late_start_loss",
+                late_start_loss,
+                late_start_loss is None or math.isfinite(late_start_loss),
+                "a finite number or None",
+            ),
             ("target_loss", target_loss, target_loss is None or math.isfinite(target_loss), "a finite number or None"),
             ("target_size", target_size, target_size is None or target_size >= 1, "a positive parameter count"),
             ("target_size_ratio", target_size_ratio, 0.0 < target_size_ratio < 1.0, "in (0, 1)"),
             ("threshold", threshold, threshold is None or 0.0 <= threshold < 1.0, "in [0, 1) (gates start at 1)"),
             ("mask_every_n_steps", mask_every_n_steps, mask_every_n_steps >= 1, ">= 1"),
-            ("truncate_every_n_steps", truncate_every_n_steps,
-             truncate_every_n_steps is None or truncate_every_n_steps >= 1, ">= 1 or None"),
+            (
+                "truncate_every_n_steps",
+                truncate_every_n_steps,
+                truncate_every_n_steps is None or truncate_every_n_steps >= 1,
+                ">= 1 or None",
+            ),
             ("min_dead_fraction", min_dead_fraction, 0.0 < min_dead_fraction <= 1.0, "in (0, 1]"),
             ("loss_smoothing", loss_smoothing, 0.0 <= loss_smoothing < 1.0, "in [0, 1)"),
         ):
@@ -177,11 +189,14 @@ class RankAdaptation(Callback):
         # FSDP1 and DeepSpeed flatten parameters into fixed-size buffers (DeepSpeed is a DDPStrategy subclass);
         # FSDP2 keeps them apart, and FSDP2Strategy reshards them after a cut
         resizable = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy)) and not isinstance(
-            strategy, DeepSpeedStrategy)
+            strategy, DeepSpeedStrategy
+        )
         if stage == "fit" and self.truncate_every_n_steps is not None and not resizable:
-            fix = ("use comera_lightning.sharding.FSDP2Strategy, which reshards after a cut"
-                   if isinstance(strategy, ModelParallelStrategy) else "use a DDP strategy or "
-                   "comera_lightning.sharding.FSDP2Strategy (FSDP2)")
+            fix = (
+                "use comera_lightning.sharding.FSDP2Strategy, which reshards after a cut"
+                if isinstance(strategy, ModelParallelStrategy)
+                else "use a DDP strategy or comera_lightning.sharding.FSDP2Strategy (FSDP2)"
+            )
             raise ValueError(
                 f"physical rank truncation is not supported under {type(strategy).__name__} (a cut changes parameter "
                 f"shapes, which this strategy cannot reshard); {fix}, or keep masking only with "
@@ -228,7 +243,9 @@ class RankAdaptation(Callback):
         return None
 
     @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if all(p.grad is None for p in params):
             return  # the step was dropped (e.g. by DivergenceGuard): a penalty gradient alone would move the gates
@@ -244,11 +261,14 @@ class RankAdaptation(Callback):
         if self.stage == LATE:
             self.late_stage.observe(layers)
         self._last_weights = weights = self.objective_weights(self.model_size(pl_module))
-        self._last_penalty = add_rank_objective_(params, gates, masks, weights,
-                                                 slice_parameters if self.penalty == "weighted" else None)
+        self._last_penalty = add_rank_objective_(
+            params, gates, masks, weights, slice_parameters if self.penalty == "weighted" else None
+        )
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._last_step:  # accumulating: no optimiser step happened
             return
@@ -262,7 +282,8 @@ class RankAdaptation(Callback):
                 rank_zero_warn(
                     f"RankAdaptation: rank gates are not finite after step {step}; masks and truncation are "
                     "left unchanged. Training has diverged: add comera_lightning.training.DivergenceGuard, "
-                    "lower the learning rates or enable gradient clipping", category=UserWarning,
+                    "lower the learning rates or enable gradient clipping",
+                    category=UserWarning,
                 )
                 self._warned_nonfinite = True
             return
@@ -322,15 +343,20 @@ class RankAdaptation(Callback):
             rank_zero_warn(
                 f"RankAdaptation: the size target of {requested:,.0f} parameters is below what rank 1 everywhere "
                 f"allows ({self._floor:,}); aiming for that floor instead (compression {dense / self._floor:.1f}x). "
-                "Raise target_size / target_size_ratio or lower target_compression", category=UserWarning,
+                "Raise target_size / target_size_ratio or lower target_compression",
+                category=UserWarning,
             )
         self.target_size = max(requested, float(self._floor))
         self.target_loss = self.target_loss_arg if self.target_loss_arg is not None else self.loss_ema
         self.stage = LATE
         self.switch_step = trainer.global_step
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self.late_stage.start(trainer.global_step, size, self.target_size,
-                              int(total) if total is not None and math.isfinite(total) else None)
+        self.late_stage.start(
+            trainer.global_step,
+            size,
+            self.target_size,
+            int(total) if total is not None and math.isfinite(total) else None,
+        )
         rank_zero_info(
             f"RankAdaptation: late stage from step {trainer.global_step}: size {size:,} -> target "
             f"{self.target_size:,.0f} parameters, loss target {self.target_loss:.4g}"
