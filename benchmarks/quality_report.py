@@ -344,7 +344,7 @@ def figure(study: dict[str, Any], name: str):
     """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves."""
     import harness
 
-    fig, axes = harness.new_figure(4, width=18.0, height=4.2)
+    fig, axes = harness.new_figure(4, width=4.6, height=4.0)
     by = finals(study)
     families = [f for f in ORDER if any(family == f for family, _ in by)]
     for i, family in enumerate(families):
