@@ -5,6 +5,7 @@ refused with the fix; concurrent builders never leave a damaged entry."""
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import warnings
@@ -114,7 +115,11 @@ def test_an_entry_that_verifies_but_does_not_load_is_rebuilt(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the real kinds
-def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog):
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog, monkeypatch):
+    # Lightning's logger stops propagating once it has its own console handler (which depends on what ran
+    # before in the process): let caplog see the build message either way
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    caplog.set_level(logging.INFO)
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
     path, trained = cached_bpe_tokenizer(
         tmp_path, "code", {"corpus": "t"}, lambda: texts, 300, origin="50 test snippets"
