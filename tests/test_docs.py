@@ -78,6 +78,8 @@ def _commands(page: Path) -> list[list[str]]:
 
 def _comera_args(words: list[str]) -> list[str] | None:
     """The arguments after ``comera`` (or ``python -m comera_lightning``) in ``words``, else None."""
+    if words[:1] == ["python"] and words[1:2] != ["-m"]:
+        return None  # a script (benchmarks/...), whose arguments may name a family "comera"
     for i, word in enumerate(words):
         if word in ("comera", "comera)"):  # "comera", "srun ... comera", "torchrun ... $(which comera)"
             return words[i + 1 :]
