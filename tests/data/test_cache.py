@@ -116,10 +116,12 @@ def test_an_entry_that_verifies_but_does_not_load_is_rebuilt(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the real kinds
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog, monkeypatch):
-    # Lightning's logger stops propagating once it has its own console handler (which depends on what ran
-    # before in the process): let caplog see the build message either way
+    # what ran before in the process decides whether Lightning's logger propagates (it stops once it has its own
+    # console handler) and its level (the benchmark scripts, run in-process by their tests, set it to WARNING):
+    # let caplog see the build message either way
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]
     path, trained = cached_bpe_tokenizer(
         tmp_path, "code", {"corpus": "t"}, lambda: texts, 300, origin="50 test snippets"
