@@ -203,13 +203,17 @@ class Plan:
         done = {job_of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
 
-        # the sweeps, then every seed of the sweep size (one whole comparison), then the checks and the other sizes'
-        # finals; finals seed by seed, CoMERA and its tt twin first, so a study cut short still compares whole seeds
+        # the sweeps, then every seed of the sweep size (one whole comparison), then each other size in the order
+        # asked for, its checks before its finals; finals seed by seed, CoMERA and its tt twin first, so a study cut
+        # short still compares whole seeds at whole sizes
         def priority(job: Job) -> tuple:
             if job.phase == "sweep":
-                return (0, 0, self.families.index(job.family), job.size)
-            stage = 2 if job.phase == "check" else 1 if job.size == self.sweep_size(job.family) else 3
-            return (stage, self.seeds.index(job.seed), FINAL_ORDER.index(job.family), job.size)
+                return (0, 0, 0, self.families.index(job.family))
+            family_rank = FINAL_ORDER.index(job.family)
+            if job.size == self.sweep_size(job.family):
+                return (1, 0, self.seeds.index(job.seed), family_rank)
+            after_check = 0 if job.phase == "check" else 1
+            return (2, self.sizes.index(job.size), after_check, self.seeds.index(job.seed), family_rank)
 
         return sorted(todo, key=priority)
 

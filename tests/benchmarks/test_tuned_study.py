@@ -106,6 +106,23 @@ def test_the_plan_runs_sweeps_then_checks_then_finals_and_tt_waits_for_comera():
     assert comera_final.key not in {j.key for j in third}
 
 
+def test_other_sizes_go_in_the_order_asked_for_checks_before_finals():
+    plan = ts.Plan(["narrow"], [5.0, 20.0, 2.0], [0, 1], steps=100, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3))
+    runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in plan.pending([])]
+    runs += [finished(j, 3.0) for j in plan.pending(runs) if j.phase == "final"]
+    checks = plan.pending(runs)
+    assert [j.size for j in checks] == [20.0] * 3 + [2.0] * 3
+    runs += [finished(j, 3.0) for j in checks if j.size == 20.0]
+    # 20x whole (both seeds) before anything at 2x
+    assert [(j.phase, j.size, j.seed) for j in plan.pending(runs)] == [
+        ("final", 20.0, 0),
+        ("final", 20.0, 1),
+        ("check", 2.0, 0),
+        ("check", 2.0, 0),
+        ("check", 2.0, 0),
+    ]
+
+
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="unknown families"):
         ts.Plan(["dense", "sparse"], [5.0], [0], 10, 5)
