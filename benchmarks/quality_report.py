@@ -82,8 +82,6 @@ def validate(study: Any, where: str) -> dict[str, Any]:
                 )
         if "error" in run:
             continue
-        if not math.isfinite(run["val_loss"]) and run.get("phase") == "final":
-            raise StudyFileError(f"{where}: runs[{i}] (a final run) has val_loss {run['val_loss']} {fix}")
         for point in run["curve"]:
             if not (
                 isinstance(point, list)
@@ -109,11 +107,22 @@ def load(path: Path) -> dict[str, Any]:
 # summaries
 
 
+def _final(run: dict[str, Any]) -> bool:
+    return run.get("phase", "final") == "final" and "error" not in run
+
+
+def diverged(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """The final runs that diverged (no finite validation loss): the study drops their rate for that size and runs
+    the finals again at a lower one (``tuned_study.Plan.chosen``)."""
+    return [r for r in study["runs"] if _final(r) and not math.isfinite(r["val_loss"])]
+
+
 def finals(study: dict[str, Any]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-    """The finished final runs by (family, size), seeds in order."""
+    """The finished final runs by (family, size), seeds in order, at the rates that did not diverge."""
+    dropped = {(r["family"], float(r["size"]), r["lr"]) for r in diverged(study)}
     out: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for run in study["runs"]:
-        if run.get("phase", "final") == "final" and "error" not in run:
+        if _final(run) and (run["family"], float(run["size"]), run["lr"]) not in dropped:
             out.setdefault((run["family"], float(run["size"])), []).append(run)
     for runs in out.values():
         runs.sort(key=lambda r: r["seed"])
@@ -296,8 +305,24 @@ def markdown(study: dict[str, Any], name: str) -> str:
             f"{worst[2]:+.1%} ({worst[0]:g}x, seed {worst[1]}); target at most +{SPIKE_TOLERANCE:.0%}.",
             "",
         ]
+    lost = diverged(study)
+    if lost:
+        described = "; ".join(
+            f"{LABELS.get(r['family'], r['family'])} {float(r['size']):g}x seed {r['seed']} at lr {r['lr']:.3g}"
+            + (f" (first non-finite validation at {first:,} tokens)" if (first := _first_nan(r)) is not None else "")
+            for r in lost
+        )
+        lines += [
+            f"Diverged finals, whose rate the study then dropped for that size (the finals ran again at the best "
+            f"short-run rate below it): {described}.",
+            "",
+        ]
     lines += sweep_table(study)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _first_nan(run: dict[str, Any]) -> int | None:
+    return next((int(tokens) for tokens, loss in run["curve"] if not math.isfinite(loss)), None)
 
 
 def sweep_table(study: dict[str, Any]) -> list[str]:

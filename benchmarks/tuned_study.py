@@ -8,7 +8,9 @@ of that size learns. This study gives each family its own rate and only then com
    that edge (at most :data:`MAX_EXTENSIONS` times).
 2. **Check.** At every other size the chosen rate is checked at best, x2 and /2 (short runs); the best of the three
    is that size's rate.
-3. **Final.** Each (family, size) trains ``--steps`` at its rate for every seed of ``--seeds``.
+3. **Final.** Each (family, size) trains ``--steps`` at its rate for every seed of ``--seeds``. A rate whose final
+   diverges (no finite validation loss, any seed) is dropped for that size, and every seed runs again at the best
+   short-run rate below it; the diverged run stays in the data and the report names it.
 
 Every run: AdamW, one learning rate for every weight (cores and other parameters alike; CoMERA's gates keep their
 own 5e-3), linear warm-up, cosine decay to a tenth, gradient clipping at 1.0, the same batches for every method
@@ -158,7 +160,11 @@ class Plan:
         return 1.0 if family in FULL_WIDTH else self.middle
 
     def chosen(self, runs: Sequence[dict[str, Any]], family: str, size: float) -> float | None:
-        """The rate a (family, size) trains its finals at, or None while its sweep or check is unfinished."""
+        """The rate a (family, size) trains its finals at, or None while its sweep or check is unfinished.
+
+        A rate whose final diverged (any seed: no finite validation loss) is dropped for that size: the finals run
+        at the best short-run rate below it, or at half of it when none below was run (a short run can pass at a
+        rate that a run twice as long, whose late stage cuts later, does not survive)."""
         sweep_size = self.sweep_size(family)
         sweep = {
             r["lr"]: r["val_loss"]
@@ -166,12 +172,23 @@ class Plan:
             if r["phase"] == "sweep" and r["family"] == family and r["size"] == sweep_size
         }
         _, best = sweep_rates(sweep, self.grid)
-        if best is None or size == sweep_size:
+        if best is None:
+            return None
+        if size == sweep_size:
+            short = [r for r in runs if r["phase"] == "sweep" and r["family"] == family and r["size"] == size]
+        else:
+            checks = [r for r in runs if r["phase"] == "check" and r["family"] == family and r["size"] == size]
+            wanted = check_rates(best)
+            short = [r for r in checks if any(math.isclose(r["lr"], lr) for lr in wanted)]
+            if len(short) != len(wanted):
+                return None
+            best = best_rate(short)
+        diverged = diverged_rates(runs, family, size)
+        if not diverged:
             return best
-        checks = [r for r in runs if r["phase"] == "check" and r["family"] == family and r["size"] == size]
-        wanted = check_rates(best)
-        found = [r for r in checks if any(math.isclose(r["lr"], lr) for lr in wanted)]
-        return best_rate(found) if len(found) == len(wanted) else None
+        ceiling = min(diverged)
+        below = [r for r in short if r["lr"] < ceiling and not any(math.isclose(r["lr"], d) for d in diverged)]
+        return best_rate(below) if below else ceiling / 2
 
     def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
         """Every job whose inputs exist and that has not run, in priority order: sweeps, the finals at the sweep
@@ -221,10 +238,28 @@ class Plan:
         return comera_ranks(runs, size, self.seeds[0]) is not None
 
 
+def diverged_rates(runs: Sequence[dict[str, Any]], family: str, size: float) -> list[float]:
+    """The rates at which a final run of (family, size) diverged (no finite validation loss)."""
+    return sorted(
+        {
+            r["lr"]
+            for r in runs
+            if r["phase"] == "final" and r["family"] == family and r["size"] == size and not _finite(r["val_loss"])
+        }
+    )
+
+
 def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict[str, list[int]] | None:
-    """The final ranks of CoMERA's seed-``seed`` final run at ``size`` (what the tt family trains at)."""
+    """The final ranks of CoMERA's seed-``seed`` final run at ``size`` (what the tt family trains at); a diverged
+    run's ranks (its late stage stopped cutting) never count."""
     found = [
-        r for r in runs if r["phase"] == "final" and r["family"] == "comera" and r["size"] == size and r["seed"] == seed
+        r
+        for r in runs
+        if r["phase"] == "final"
+        and r["family"] == "comera"
+        and r["size"] == size
+        and r["seed"] == seed
+        and _finite(r["val_loss"])
     ]
     return found[0]["ranks_final"] if found else None
 

@@ -69,10 +69,12 @@ class _KeepAndScale(torch.autograd.Function):
 
 
 def packed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout of ``x`` with packed masks on a CPU (see the module docstring); ``F.dropout`` elsewhere."""
+    """Dropout of ``x`` with packed masks on a CPU (see the module docstring); ``F.dropout`` elsewhere, and while
+    ``torch.compile`` traces (it fuses torch's own dropout into the neighbouring kernels, and the packed draw,
+    an in-place ``random_``, would break the graph)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True)
     keep, scale = keep_mask(x.shape, p, device=x.device)
     return _KeepAndScale.apply(x, keep, scale)
@@ -105,9 +107,9 @@ def attention(
     Attention dropout already sends SDPA to its unfused math path (scores, softmax, dropout, product); this is
     that path with :func:`packed_dropout` on the probabilities. Without dropout, or elsewhere, it is SDPA itself.
     ``attn_mask`` is a boolean mask (True = attend) broadcastable to ``(..., L, S)``; a query whose keys are all
-    masked gets zeros, as in SDPA.
+    masked gets zeros, as in SDPA. While ``torch.compile`` traces it is SDPA too (see :func:`packed_dropout`).
     """
-    if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu":
+    if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu" or torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if is_causal and attn_mask is not None:
         raise ValueError("attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")

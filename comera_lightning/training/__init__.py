@@ -3,6 +3,7 @@
 Any Lightning project can use these; CoMERA's own callbacks live in :mod:`comera_lightning.callbacks`.
 """
 
+from .compile import Compile
 from .cuda_graphs import CudaGraphs
 from .dead_rank import DeadRankWatchdog
 from .divergence import DivergenceError, DivergenceGuard
@@ -16,6 +17,7 @@ from .progress import StepProgressBar
 
 __all__ = [
     "CompactModelSummary",
+    "Compile",
     "CudaGraphs",
     "DeadRankWatchdog",
     "DivergenceError",

@@ -287,53 +287,49 @@ def _sweep_in_backward(grad: torch.Tensor, cores, modes, saved, need_input: bool
     return grads, grad.reshape(batch, rest)
 
 
-class TTLinearFunction(torch.autograd.Function):
-    """``y = x W`` for a CoMERA train, evaluated by a plan from :data:`PLANS`.
+def _tt_linear_forward(
+    x: torch.Tensor, bias: torch.Tensor | None, plan: str, in_modes: tuple, cores: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], bool, tuple[int, int]]:
+    """``y = x W + bias`` by ``plan``; returns ``y`` and what the backward needs: the tensors to save, whether the
+    bias rides in a padding slot of the bottleneck, and the counts of saved input- and output-side tensors."""
+    p = len(in_modes)
+    in_cores, out_cores = cores[:p], cores[p:]
+    compute = x.dtype
+    if plan == "dense":
+        in_prefixes, out_prefixes = chain_merge(in_cores), chain_merge(out_cores)
+        left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
+        weight = (left @ right).to(compute)
+        return (
+            _matmul_bias(x, weight, bias),
+            (x, weight, *in_cores, *out_cores, *in_prefixes, *out_prefixes),
+            False,
+            (0, 0),
+        )
 
-    ``x`` is 2-d ``(B, M)`` in the compute dtype; the cores may be in a wider dtype (fp32 masters under
-    bf16), in which case merges run in the cores' dtype and batch GEMMs in ``x.dtype``.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, x: torch.Tensor, bias: torch.Tensor | None, plan: str, in_modes: tuple, *cores: torch.Tensor
-    ) -> torch.Tensor:
-        p = len(in_modes)
-        in_cores, out_cores = cores[:p], cores[p:]
-        compute = x.dtype
-        ctx.plan, ctx.in_modes, ctx.num_in, ctx.bias_slot = plan, in_modes, p, False
-        if plan == "dense":
-            in_prefixes, out_prefixes = chain_merge(in_cores), chain_merge(out_cores)
-            left, right = in_prefixes[-1], out_prefixes[-1].reshape(in_prefixes[-1].shape[1], -1)
-            weight = (left @ right).to(compute)
-            ctx.save_for_backward(x, weight, *in_cores, *out_cores, *in_prefixes, *out_prefixes)
-            return _matmul_bias(x, weight, bias)
-
-        merge_in = plan in ("half_merge", "merge_in_sweep_out")
-        merge_out = plan in ("half_merge", "sweep_in_merge_out")
-        saved_in: list[torch.Tensor]
-        if plan == "half_merge":
-            saved_in, saved_out = chain_merge(in_cores), chain_merge(out_cores)
-            rank = saved_in[-1].shape[1]
-            pad = bottleneck_padding(rank, x.device.type)
-            # zero columns of L and rows of R: the same product, in GEMMs the BLAS runs faster
-            left = torch.nn.functional.pad(saved_in[-1].to(compute), (0, pad))
-            right = torch.nn.functional.pad(saved_out[-1].reshape(rank, -1).to(compute), (0, 0, 0, pad))
-            hidden = x @ left
-            ctx.bias_slot = bias is not None and pad > 0
-            if bias is not None and ctx.bias_slot:
-                # the first zero slice carries the bias: a column of ones in the hidden state and the bias as
-                # that row of R. The GEMM adds it without addmm's broadcast copy of the bias into the (B, N)
-                # output, and the backward GEMM for R sums grad_y into that row: the bias gradient for free.
-                hidden[:, rank] = 1
-                right[rank] = bias
-                y = hidden @ right
-            else:
-                y = _matmul_bias(hidden, right, bias)
-            saved_in, saved_out = [*saved_in, left], [*saved_out, right]
-            ctx.counts = (len(saved_in), len(saved_out))
-            ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
-            return y
+    merge_in = plan in ("half_merge", "merge_in_sweep_out")
+    merge_out = plan in ("half_merge", "sweep_in_merge_out")
+    saved_in: list[torch.Tensor]
+    bias_slot = False
+    if plan == "half_merge":
+        saved_in, saved_out = chain_merge(in_cores), chain_merge(out_cores)
+        rank = saved_in[-1].shape[1]
+        pad = bottleneck_padding(rank, x.device.type)
+        # zero columns of L and rows of R: the same product, in GEMMs the BLAS runs faster
+        left = torch.nn.functional.pad(saved_in[-1].to(compute), (0, pad))
+        right = torch.nn.functional.pad(saved_out[-1].reshape(rank, -1).to(compute), (0, 0, 0, pad))
+        hidden = x @ left
+        bias_slot = bias is not None and pad > 0
+        if bias is not None and bias_slot:
+            # the first zero slice carries the bias: a column of ones in the hidden state and the bias as
+            # that row of R. The GEMM adds it without addmm's broadcast copy of the bias into the (B, N)
+            # output, and the backward GEMM for R sums grad_y into that row: the bias gradient for free.
+            hidden[:, rank] = 1
+            right[rank] = bias
+            y = hidden @ right
+        else:
+            y = _matmul_bias(hidden, right, bias)
+        saved_in, saved_out = [*saved_in, left], [*saved_out, right]
+    else:
         if merge_in:
             saved_in = chain_merge(in_cores)
             left = saved_in[-1].to(compute)
@@ -351,8 +347,24 @@ class TTLinearFunction(torch.autograd.Function):
             y = saved_out[-1].reshape(x.shape[0], math.prod([c.shape[1] for c in out_cores]))
             if bias is not None:
                 y = y + bias
-        ctx.counts = (len(saved_in), len(saved_out))
-        ctx.save_for_backward(x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
+    saved = (x, hidden, *in_cores, *out_cores, *saved_in, *saved_out)
+    return y, saved, bias_slot, (len(saved_in), len(saved_out))
+
+
+class TTLinearFunction(torch.autograd.Function):
+    """``y = x W`` for a CoMERA train, evaluated by a plan from :data:`PLANS`.
+
+    ``x`` is 2-d ``(B, M)`` in the compute dtype; the cores may be in a wider dtype (fp32 masters under
+    bf16), in which case merges run in the cores' dtype and batch GEMMs in ``x.dtype``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, bias: torch.Tensor | None, plan: str, in_modes: tuple, *cores: torch.Tensor
+    ) -> torch.Tensor:
+        y, saved, ctx.bias_slot, ctx.counts = _tt_linear_forward(x, bias, plan, in_modes, cores)
+        ctx.plan, ctx.in_modes, ctx.num_in = plan, in_modes, len(in_modes)
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
@@ -447,6 +459,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _records_grad(x: torch.Tensor, bias: torch.Tensor | None, cores: Sequence[torch.Tensor]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or (bias is not None and bias.requires_grad) or any(c.requires_grad for c in cores)
+
+
 def tt_linear(
     x: torch.Tensor,
     cores: Sequence[torch.Tensor],
@@ -477,7 +495,12 @@ def tt_linear(
     if bias is not None:
         bias = bias.to(compute)
     with torch.autocast(device_type, enabled=False):
-        y = TTLinearFunction.apply(x2d, bias, plan, in_modes, *cores)
+        if _records_grad(x2d, bias, cores):
+            y = TTLinearFunction.apply(x2d, bias, plan, in_modes, *cores)
+        else:
+            # nothing to differentiate: the same contraction without the Function (which keeps nothing for a
+            # backward, and which torch.compile fails to trace without grad for a two-core train)
+            y = _tt_linear_forward(x2d, bias, plan, in_modes, cores)[0]
     return y.reshape(*leading, y.shape[-1])
 
 

@@ -123,6 +123,28 @@ def test_other_sizes_go_in_the_order_asked_for_checks_before_finals():
     ]
 
 
+def test_a_rate_whose_final_diverges_is_dropped_for_that_size():
+    plan = ts.Plan(["comera", "tt"], [5.0, 20.0], [0, 1], steps=100, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3))
+    runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in plan.pending([])]
+    runs += [finished(j, 3.0, ranks_final={"fc": [1, 3, 1]}) for j in plan.pending(runs) if j.phase == "final"]
+    checks = [j for j in plan.pending(runs) if j.phase == "check" and j.family == "comera"]
+    # at 20x the short runs prefer x2 (4e-3), best below it is 1e-3
+    runs += [finished(j, {1e-3: 3.2, 2e-3: 3.3, 4e-3: 3.1}[j.lr]) for j in checks]
+    assert plan.chosen(runs, "comera", 20.0) == 4e-3
+    diverged = ts.Job("final", "comera", 20.0, 0, 4e-3, 100)
+    runs.append(finished(diverged, math.nan, ranks_final={"fc": [1, 9, 1]}))
+    # the best short run below the diverged rate, for every seed; the diverged run's ranks never reach tt
+    assert plan.chosen(runs, "comera", 20.0) == 1e-3
+    finals = {(j.seed, j.lr) for j in plan.pending(runs) if j.phase == "final" and j.family == "comera"}
+    assert finals == {(0, 1e-3), (1, 1e-3)}
+    assert ts.comera_ranks(runs, 20.0, 0) is None
+    assert not any(j.family == "tt" and j.size == 20.0 for j in plan.pending(runs))
+    # when nothing below was run, half the diverged rate
+    runs.append(finished(ts.Job("final", "comera", 20.0, 0, 1e-3, 100), math.inf))
+    assert plan.chosen(runs, "comera", 20.0) == 5e-4
+    assert ts.diverged_rates(runs, "comera", 20.0) == [1e-3, 4e-3]
+
+
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="unknown families"):
         ts.Plan(["dense", "sparse"], [5.0], [0], 10, 5)
@@ -256,13 +278,25 @@ def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_pat
     assert "| model | size | 0.002 | 0.004 |" in text and "| low-rank A B | 5x | 3.500 | 3.400 |" in text
 
 
+def test_a_diverged_final_is_reported_and_left_out_of_the_tables():
+    study = {
+        "runs": [
+            final_run("comera", 20.0, 0, math.nan, 1000) | {"lr": 4e-2, "curve": [[10, 4.0], [20, math.nan]]},
+            final_run("comera", 20.0, 0, 3.1, 1000) | {"lr": 1e-2},
+        ]
+    }
+    assert [r["lr"] for r in qr.finals(study)[("comera", 20.0)]] == [1e-2]
+    text = qr.markdown(study, "lm_test")
+    assert "Diverged finals" in text
+    assert "CoMERA 20x seed 0 at lr 0.04 (first non-finite validation at 20 tokens)" in text
+
+
 @pytest.mark.parametrize(
     "corrupt, match",
     [
         (lambda s: s.pop("runs"), "expected a JSON object with a list 'runs'"),
         (lambda s: s["runs"][0].pop("curve"), r"runs\[0\] has no 'curve'"),
         (lambda s: s["runs"][0].update(seed="0"), r"runs\[0\]\['seed'\] is '0', which is not a int"),
-        (lambda s: s["runs"][0].update(val_loss=float("nan")), "a final run\\) has val_loss nan"),
         (lambda s: s["runs"][0].update(curve=[[1, 2, 3]]), r"each point is \[tokens, val_loss\]"),
     ],
 )

@@ -75,3 +75,17 @@ def test_compiled_embedding_skips_host_checks_and_dedup():
     for got, want in zip(_forward_backward(module, ids, compiled), _forward_backward(module, ids), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.all(compiled(ids)[ids == 0] == 0)  # the padding row
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("plan", [None, *PLANS])
+def test_a_two_core_train_compiles_whole_without_grad(no_grad, plan):
+    # one input and one output core (a low-rank head): torch.compile could not trace TTLinearFunction for it
+    # without grad (a validation batch of a compiled model fell back to eager)
+    layer = TTLinear(24, 40, rank=5, in_modes=[24], out_modes=[40]).to(F64).eval()
+    layer.set_contraction_plan(plan)
+    x = torch.randn(6, 24, dtype=F64)
+    dynamo.reset()
+    with no_grad():
+        got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+        torch.testing.assert_close(got, x @ layer.weight_dense().T, rtol=1e-12, atol=1e-12)

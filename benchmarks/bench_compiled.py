@@ -1,0 +1,111 @@
+"""The compiled path: the six-encoder training step of dense and CoMERA, eager and under ``torch.compile``.
+
+Four candidates timed interleaved in one process (ratios of medians): dense + AdamW and CoMERA (TT layers,
+AdamW over its parameter groups, RankAdaptation's per-step work), each eager and compiled in place with
+``nn.Module.compile`` as the ``Compile`` callback does (inductor by default). The compiled candidates are
+compiled and primed before timing, and their graph breaks and frames are counted while they compile. The
+verdict: CoMERA compiled against dense compiled (issue 41's target is 6x at batch 8).
+
+    python benchmarks/bench_compiled.py --wait-quiet 60            # batch 8, 6 layers (inductor compiles for minutes)
+    python benchmarks/bench_compiled.py --quick --backend aot_eager  # the plumbing in seconds
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+
+import harness
+import torch
+from bench_training_step import comera, dense_adamw, make_batch, paper_shape, scaling_shape
+from torch._dynamo.utils import counters
+
+DENSE, COMERA = "dense", "CoMERA"
+TARGET = 6.0
+
+
+def compiled(cand, backend: str, mode: str | None):
+    """``cand`` with its model compiled in place and primed (the compilation happens there); records the graph
+    breaks, the frames that fell back to eager and the seconds the compilation took."""
+    counters.clear()
+    torch.compiler.reset()
+    cand.model.compile(backend=backend, **({"mode": mode} if mode else {}))
+    started = time.perf_counter()
+    cand.prime()
+    cand.step()  # the second step: the optimiser's state exists, nothing new to trace
+    cand.info["compile_s"] = time.perf_counter() - started
+    cand.info["graph_breaks"] = sum(counters["graph_break"].values())
+    cand.info["frames"] = dict(counters["frames"])
+    cand.info["graphs"] = counters["stats"].get("unique_graphs", 0)
+    return cand
+
+
+def build_parser():
+    parser = harness.bench_parser(__doc__, repeats=(2, 5))
+    parser.add_argument("--batch", type=harness.positive_int, default=harness.Quick(2, 8))
+    parser.add_argument("--layers", type=harness.positive_int, default=harness.Quick(1, 6))
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument("--mode", default=None, help="torch.compile mode (default: torch's)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parse(build_parser(), argv)
+    shape = replace(paper_shape(), num_layers=args.layers)
+    if args.quick:
+        shape = replace(scaling_shape(64, 1, shape), vocab_size=512, seq_len=16, rank=4, embedding_rank=4)
+    ids, labels = make_batch(shape, args.batch)
+    print(
+        f"## compiled step: {shape.num_layers} layers, d_model {shape.d_model}, batch {args.batch} x {shape.seq_len}, "
+        f"backend {args.backend}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    cands = [
+        replace(dense_adamw(shape, ids, labels), name=DENSE),
+        replace(compiled(dense_adamw(shape, ids, labels), args.backend, args.mode), name=f"{DENSE} compiled"),
+        replace(comera(shape, ids, labels), name=COMERA),
+        replace(compiled(comera(shape, ids, labels), args.backend, args.mode), name=f"{COMERA} compiled"),
+    ]
+    timing = harness.interleave({c.name: c.step for c in cands}, **harness.timing_options(args))
+    median = {c.name: timing.median(c.name) for c in cands}
+    rows = [
+        [
+            c.name,
+            f"{c.parameters:,}",
+            harness.ms(median[c.name]),
+            harness.times(harness.ratio(median[f"{DENSE} compiled"], median[c.name])),
+            harness.times(harness.ratio(median[c.name.removesuffix(" compiled")], median[c.name])),
+            c.info.get("graph_breaks", "-"),
+            f"{c.info['compile_s']:.0f}" if "compile_s" in c.info else "-",
+        ]
+        for c in cands
+    ]
+    table = harness.table(
+        ["candidate", "parameters", "step ms", "vs dense compiled", "vs its eager self", "graph breaks", "compile s"],
+        rows,
+    )
+    speedup = harness.ratio(median[f"{DENSE} compiled"], median[f"{COMERA} compiled"])
+    verdict = (
+        f"CoMERA compiled is {harness.times(speedup)} dense compiled at batch {args.batch} "
+        f"(target {TARGET:.0f}x: {'met' if speedup is not None and speedup >= TARGET else 'missed'})"
+    )
+    print("\n" + table + "\n\n" + verdict)
+    harness.emit(
+        args.out_dir / f"compiled_step{'_quick' if args.quick else ''}.json",
+        {
+            "machine": harness.machine_info(),
+            "settings": {**harness.settings(args), "shape": shape.__dict__},
+            "median_s": median,
+            "min_s": {c.name: timing.minimum(c.name) for c in cands},
+            "info": {c.name: c.info for c in cands},
+            "speedup_compiled": speedup,
+            "target": TARGET,
+        },
+        markdown=table + "\n\n" + verdict,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Compile: ``torch.compile`` any LightningModule's networks from the trainer side (``--trainer.callbacks+=``).
+
+The callback compiles submodules in place with :meth:`torch.nn.Module.compile`: parameters, state-dict keys,
+checkpoints and the optimiser stay those of the eager module, so it composes with every other callback and
+with resuming. It compiles once the strategy has set the model up (after FSDP2 sharding and the DDP wrapper),
+at the start of whichever of fit, validate, test or predict comes first. Only ``forward`` is compiled: the
+task's own step, its host-side checks and a ``generate`` loop stay eager.
+
+The project's TT layers trace without graph breaks in training and in evaluation (``tests/training``), and
+the compiled step equals the eager one. Physical rank truncation changes parameter shapes, which torch
+answers with a recompilation; the callback forgets torch's compiled code when that happens, so that a long
+run with many truncations does not reach torch's recompile limit and silently fall back to eager. Rank
+adaptation in mask mode (``truncate_every_n_steps: null``) never recompiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torchmetrics import Metric
+from typing_extensions import override
+
+__all__ = ["Compile"]
+
+
+class Compile(Callback):
+    """``torch.compile`` the LightningModule's networks in place, once the strategy has set them up.
+
+    Args:
+        modules: attribute names of the submodules to compile (``"model"``, ``"encoder.layers.0"``); ``None``:
+            every direct child that holds parameters and is not a torchmetrics ``Metric`` (for the comera tasks,
+            ``model``).
+        backend, mode, fullgraph, dynamic, options: passed to :func:`torch.compile`.
+    """
+
+    def __init__(
+        self,
+        modules: str | Sequence[str] | None = None,
+        backend: str = "inductor",
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.modules = [modules] if isinstance(modules, str) else None if modules is None else list(modules)
+        self.compile_kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+        if mode is not None:
+            self.compile_kwargs["mode"] = mode
+        if options is not None:
+            self.compile_kwargs["options"] = options
+        self.compiled: list[str] = []
+        self.resets = 0  # times torch's compiled code was forgotten because parameter shapes changed
+        self._shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def targets(self, pl_module: LightningModule) -> dict[str, nn.Module]:
+        """The submodules to compile by name: the policy a subclass may override."""
+        if self.modules is None:
+            return {
+                name: child
+                for name, child in pl_module.named_children()
+                if not isinstance(child, Metric) and any(True for _ in child.parameters())
+            }
+        found: dict[str, nn.Module] = {}
+        for name in self.modules:
+            try:
+                found[name] = pl_module.get_submodule(name)
+            except AttributeError:
+                children = [n for n, _ in pl_module.named_children()]
+                raise ValueError(
+                    f"Compile(modules=...) names {name!r}, which {type(pl_module).__name__} does not have; its "
+                    f"submodules are {children}: name one of them (dotted paths reach deeper), or leave modules "
+                    "unset to compile every child that holds parameters"
+                ) from None
+        return found
+
+    def _compile(self, pl_module: LightningModule) -> None:
+        if self.compiled:
+            return
+        targets = self.targets(pl_module)
+        if not targets:
+            raise ValueError(
+                f"Compile found nothing to compile in {type(pl_module).__name__}: it has no child module with "
+                "parameters; name the modules to compile with Compile(modules=[...])"
+            )
+        for name, module in targets.items():
+            module.compile(**self.compile_kwargs)
+            self.compiled.append(name)
+        self._shapes = self._parameter_shapes(pl_module)
+
+    @staticmethod
+    def _parameter_shapes(pl_module: LightningModule) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p.shape) for p in pl_module.parameters())
+
+    def _forget_stale_code(self, pl_module: LightningModule) -> None:
+        shapes = self._parameter_shapes(pl_module)
+        if shapes != self._shapes:
+            # graphs specialised on the old shapes can never run again: drop them instead of letting each
+            # truncation use up one of torch's recompiles per code object
+            torch.compiler.reset()
+            self._shapes = shapes
+            self.resets += 1
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._compile(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._compile(pl_module)
+        self._forget_stale_code(pl_module)
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._compile(pl_module)
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._compile(pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._forget_stale_code(pl_module)
