@@ -11,6 +11,7 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from ..models import DecoderLM, LayerConfig
+from ..nn import reusing_inference_factors
 from ..optim import OptimConfig
 from .base import ComeraTask
 from .checks import check_id_ranges
@@ -186,26 +187,28 @@ class CausalLM(ComeraTask):
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         cache = self.model.new_cache() if use_cache else None
         try:
-            for step in range(max_new_tokens):
-                if cache is None:
-                    hidden = self.model.hidden_states(ids)
-                else:
-                    hidden = self.model.hidden_states(ids if step == 0 else ids[:, -1:], cache)
-                logits = self.model.head(hidden[:, -1]).float()
-                if temperature == 0 or top_k == 1:
-                    token = logits.argmax(dim=-1)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None and top_k < logits.shape[-1]:
-                        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
-                if eos_id is not None:
-                    token = torch.where(finished, torch.full_like(token, eos_id), token)
-                    finished |= token == eos_id
-                ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
-                if eos_id is not None and bool(finished.all()):
-                    break
+            # the weights cannot change between tokens: each TT layer checks its merged factors once per call
+            with reusing_inference_factors(self.model):
+                for step in range(max_new_tokens):
+                    if cache is None:
+                        hidden = self.model.hidden_states(ids)
+                    else:
+                        hidden = self.model.hidden_states(ids if step == 0 else ids[:, -1:], cache)
+                    logits = self.model.head(hidden[:, -1]).float()
+                    if temperature == 0 or top_k == 1:
+                        token = logits.argmax(dim=-1)
+                    else:
+                        logits = logits / temperature
+                        if top_k is not None and top_k < logits.shape[-1]:
+                            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                            logits = logits.masked_fill(logits < kth, float("-inf"))
+                        token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+                    if eos_id is not None:
+                        token = torch.where(finished, torch.full_like(token, eos_id), token)
+                        finished |= token == eos_id
+                    ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
+                    if eos_id is not None and bool(finished.all()):
+                        break
         finally:
             self.model.train(was_training)
         return ids

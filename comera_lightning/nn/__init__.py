@@ -1,6 +1,6 @@
 """Torch modules built on :mod:`comera_lightning.tt`: TT layers, ``tensorize()`` and size reports."""
 
-from .base import TruncationRecord, TTLayer
+from .base import TruncationRecord, TTLayer, reusing_inference_factors
 from .embedding import TTEmbedding
 from .linear import TTLinear
 from .tensorize import (
@@ -23,6 +23,7 @@ __all__ = [
     "TTLinear",
     "TensorizeRecord",
     "TruncationRecord",
+    "reusing_inference_factors",
     "size_report",
     "tensorize",
     "tensorize_like",

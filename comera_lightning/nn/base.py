@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -24,7 +25,13 @@ from ..tt.rank import (
 )
 from .distributed import full_tensor, is_sharded, write_full_
 
-__all__ = ["TTLayer", "TruncationRecord", "capturing_graph", "cuda_graph_capturing"]
+__all__ = [
+    "TTLayer",
+    "TruncationRecord",
+    "capturing_graph",
+    "cuda_graph_capturing",
+    "reusing_inference_factors",
+]
 
 T = TypeVar("T")
 
@@ -95,6 +102,9 @@ class TTLayer(nn.Module):
     #: reuse the merged, gated factors across eval-mode forwards without autograd (see the class docstring)
     inference_cache: bool = True
     _inference_entry: _InferenceEntry | None = None  # a class default: layers pickled before it existed load
+    # inside reusing_inference_factors: the (key, value) checked on the layer's first call, served unchecked
+    _reusing_factors: bool = False
+    _trusted_entry: tuple[Hashable, Any] | None = None
 
     def _init_train(self, cores: Sequence[torch.Tensor], threshold: float, max_ranks: Sequence[int]) -> None:
         if not 0.0 <= threshold < 1.0:
@@ -175,7 +185,7 @@ class TTLayer(nn.Module):
         """
         if torch.is_grad_enabled():
             if self._inference_entry is not None and not capturing_graph():
-                self._inference_entry = None
+                self._inference_entry = self._trusted_entry = None
             return False
         return self.inference_cache and not self.training and not capturing_graph()
 
@@ -197,6 +207,9 @@ class TTLayer(nn.Module):
         :meth:`clear_inference_cache` after such a change. ``train()``, ``.to()``, loading, truncation and any
         forward with autograd on also clear it.
         """
+        trusted = self._trusted_entry
+        if trusted is not None and trusted[0] == key:
+            return trusted[1]
         # the registries, not the ParameterList / property views: this runs on every cached call
         tensors = tuple(
             t
@@ -209,15 +222,19 @@ class TTLayer(nn.Module):
             return build()
         entry = self._inference_entry
         if entry is not None and entry.stamp == stamp:
-            return entry.value
-        self._inference_entry = None  # the old value is garbage before the new one is built
-        value = build()
-        self._inference_entry = _InferenceEntry(stamp, value, (tensors, tuple(t.detach() for t in tensors)))
+            value = entry.value
+        else:
+            self._inference_entry = None  # the old value is garbage before the new one is built
+            value = build()
+            self._inference_entry = _InferenceEntry(stamp, value, (tensors, tuple(t.detach() for t in tensors)))
+        if self._reusing_factors:
+            self._trusted_entry = (key, value)
         return value
 
     def clear_inference_cache(self) -> None:
         """Drop the merged factors kept for inference; the next eval forward without autograd merges again."""
         self._inference_entry = None
+        self._trusted_entry = None
 
     def train(self, mode: bool = True) -> TTLayer:
         if mode:
@@ -234,6 +251,7 @@ class TTLayer(nn.Module):
         # deepcopy and pickling: the copy merges afresh rather than carrying tensors stamped for the original
         state = super().__getstate__()
         state.pop("_inference_entry", None)
+        state.pop("_trusted_entry", None)
         return state
 
     # --- rank adaptation -----------------------------------------------------------------------------
@@ -409,3 +427,22 @@ def _torch_factors(tt: Any, ndim: int, where: str, expected: str) -> list[torch.
             f"{[tuple(f.shape) for f in factors]}"
         )
     return factors
+
+
+@contextmanager
+def reusing_inference_factors(model: nn.Module) -> Iterator[None]:
+    """Within the block, each TT layer of ``model`` checks its inference cache once (on its first cached call)
+    and then serves the merged factors without checking again.
+
+    For loops that call an unchanged model many times without autograd, token-by-token generation above all:
+    the per-call check (a stamp over the layer's cores, gates and masks) is then paid once per layer per loop
+    instead of once per layer per token. Do not change the model's weights inside the block.
+    """
+    layers = [m for m in model.modules() if isinstance(m, TTLayer)]
+    for layer in layers:
+        layer._reusing_factors, layer._trusted_entry = True, None
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._reusing_factors, layer._trusted_entry = False, None

@@ -375,3 +375,46 @@ def test_torch_compile_in_eval_without_grad_traces_the_uncached_path(kind):
     with torch.no_grad():
         layer.cores[0].mul_(2.0)
         _close(compiled(x), _reference(layer, x))
+
+
+# --- reusing_inference_factors: one check per layer per loop ------------------------------------------------
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_reusing_factors_checks_once_per_block_and_checks_again_after_it(monkeypatch, kind):
+    from comera_lightning.nn import reusing_inference_factors
+
+    layer = _layer(kind).eval()
+    x = _input(layer)
+    stamps: list[int] = []
+    original = layer._inference_cached
+
+    def stamped(key, build):
+        if layer._trusted_entry is None or layer._trusted_entry[0] != key:
+            stamps.append(1)  # the stamped path: the trusted value is only served when it exists for this key
+        return original(key, build)
+
+    monkeypatch.setattr(layer, "_inference_cached", stamped)
+    before = _eval_forward(layer, x)
+    with reusing_inference_factors(layer):
+        outputs = [_eval_forward(layer, x) for _ in range(4)]
+        assert len(stamps) == 2  # one before the block, one on the block's first call
+        with torch.no_grad():  # inside the block a weight change goes unseen: the documented contract
+            layer.cores[0].mul_(2.0)
+        _close(_eval_forward(layer, x), before)
+    for out in outputs:
+        _close(out, before)
+    after = _eval_forward(layer, x)  # outside, the stamp sees the change again
+    _close(after, _reference(layer, x))
+    assert not torch.allclose(after, before)
+    assert layer._trusted_entry is None and not layer._reusing_factors
+
+
+def test_reusing_factors_keys_on_the_compute_dtype():
+    from comera_lightning.nn import reusing_inference_factors
+
+    layer = _linear().eval()
+    x = _input(layer)
+    with reusing_inference_factors(layer):
+        wide = _eval_forward(layer, x)
+        narrow = _eval_forward(layer.float(), x.float())  # .float() clears; a float32 call is served float32
+    assert wide.dtype == F64 and narrow.dtype == torch.float32
+    torch.testing.assert_close(narrow, wide.float(), rtol=1e-5, atol=1e-5)
