@@ -88,11 +88,13 @@ def build(kind: str) -> nn.Module:
     elif kind == "lightning":
         model = TinyLM()
     else:
-        model = _hf(kind)
+        model = hf_model(kind)
     return model.double()
 
 
-def _hf(kind: str) -> nn.Module:
+def hf_model(kind: str, num_layers: int = 1) -> nn.Module:
+    """A tiny randomly initialised Hugging Face model of the kind (``llama``, ``bert``, ``gpt2``; no download),
+    dropout off, SDPA attention, ``num_layers`` blocks."""
     import transformers
 
     common: dict[str, Any] = dict(vocab_size=VOCAB, attn_implementation="sdpa")
@@ -100,7 +102,7 @@ def _hf(kind: str) -> nn.Module:
         config = transformers.LlamaConfig(
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=1,
+            num_hidden_layers=num_layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
@@ -111,7 +113,7 @@ def _hf(kind: str) -> nn.Module:
     if kind == "bert":
         config = transformers.BertConfig(
             hidden_size=64,
-            num_hidden_layers=1,
+            num_hidden_layers=num_layers,
             num_attention_heads=4,
             intermediate_size=128,
             max_position_embeddings=64,
@@ -120,9 +122,11 @@ def _hf(kind: str) -> nn.Module:
             **common,
         )
         return transformers.BertForMaskedLM(config)
+    if kind != "gpt2":
+        raise ValueError(f"unknown Hugging Face kind {kind!r}; use one of {HF_KINDS}")
     config = transformers.GPT2Config(
         n_embd=64,
-        n_layer=1,
+        n_layer=num_layers,
         n_head=4,
         n_positions=64,
         bos_token_id=1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.dropin_models import VOCAB, hf_model
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -17,39 +18,14 @@ from comera_lightning.optim import comera_parameter_groups
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, RANK, MIN_FEATURES = 128, 8, 32
+RANK, MIN_FEATURES = 8, 32
 MODELS = ["llama", "bert", "gpt2"]
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
-    """A tiny randomly initialised model of the kind (no download)."""
+    """A tiny randomly initialised two-block model of the kind (no download)."""
     torch.manual_seed(seed)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-        return transformers.LlamaForCausalLM(config)
-    if kind == "bert":
-        config = transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-        )
-        return transformers.BertForMaskedLM(config)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return hf_model(kind, num_layers=2)
 
 
 def dense_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
