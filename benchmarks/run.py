@@ -98,6 +98,12 @@ COMPARISONS: dict[str, Comparison] = {
             "without activation checkpointing, dense vs CoMERA, batch 32 x 128",
         ),
         "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
+        "compiled": (
+            "bench_compiled",
+            (),
+            "six-encoder training step under torch.compile (in place, as the Compile callback does) vs eager, "
+            "dense vs CoMERA, batch 8: time, graph breaks, compile time",
+        ),
         "inference": (
             "bench_inference",
             (),
