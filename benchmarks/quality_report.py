@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data"
 RESULTS = REPO / "docs" / "results.md"
 IMAGES = REPO / "docs" / "img"
-ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera", "comera_act")
-RIVALS = ("narrow", "lowrank", "cola", "tt", "comera_act")
+ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "comera_early")
+RIVALS = ("narrow", "lowrank", "cola", "tt", "comera_act", "comera_early")
 LABELS = {
     "dense": "dense (full width)",
     "galore": "dense + GaLore",
@@ -45,6 +45,7 @@ LABELS = {
     "tt": "fixed-rank TT",
     "comera": "CoMERA",
     "comera_act": "CoMERA + SiLU bottleneck",
+    "comera_early": "CoMERA, early late stage",
 }
 REQUIRED = {
     "family": str,

@@ -21,7 +21,9 @@ own 5e-3), linear warm-up, cosine decay to a tenth, gradient clipping at 1.0, th
   factors of every block linear (CoLA, Liu et al. 2025: ``B silu(A x)``);
 - ``tt``: a TT with CoMERA's final ranks (seed 0, same size) trained from scratch without gates: what rank
   adaptation adds; ``comera``: the full-width TT cut by the scheduled late stage to ``size``; ``comera_act``: the
-  same with SiLU on the middle bond of every block linear (CoLA's idea inside CoMERA);
+  same with SiLU on the middle bond of every block linear (CoLA's idea inside CoMERA); ``comera_early``: CoMERA
+  whose late stage starts at 10 % of the steps and reaches the size by 50 %, so half the run trains at the final
+  ranks (the default schedule cuts until nearly the end);
 - ``galore``: the full-width model trained with GaLore (the memory reference: its parameters are not reduced).
 
 Rivals are sized to at least CoMERA's target (the closest width or rank at or above it), so a CoMERA win is at
@@ -53,10 +55,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "galore")
-COMERA = ("comera", "comera_act")  # trained with the rank callbacks
+FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "comera_early", "galore")
+COMERA = ("comera", "comera_act", "comera_early")  # trained with the rank callbacks
 FULL_WIDTH = ("dense", "galore")  # trained at the full model's size only
-FINAL_ORDER = ("dense", "comera", "tt", "comera_act", "narrow", "lowrank", "cola", "galore")
+FINAL_ORDER = ("dense", "comera", "tt", "comera_act", "comera_early", "narrow", "lowrank", "cola", "galore")
+# comera_early: the late stage starts at this share of the steps and reaches the target this share later, so the
+# model trains the second half at its final ranks (what the tt family does from the start)
+EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION = 0.1, 0.4
 SIZES = (2.0, 5.0, 20.0)
 MIDDLE = 5.0
 GRID = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2)
@@ -325,6 +330,8 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
         if family == "cola":
             low.update(bottleneck_activation="silu", activation_layers=r"(^|\.)layers\.")
         return _layers(kwargs, **low)
+    if family == "comera_early":
+        return family_kwargs(spec, "comera", knob)
     if family == "comera_act":
         return _layers(
             family_kwargs(spec, "comera", knob), bottleneck_activation="silu", activation_layers=r"(^|\.)layers\."
@@ -507,7 +514,12 @@ def run_job(
     if job.family in COMERA:
         method = "comera"
         rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
-        rank.update(target_compression=job.size, late_stage=ScheduledLateStage())
+        if job.family == "comera_early":
+            late_stage = ScheduledLateStage(ramp_steps=max(1, round(EARLY_RAMP_FRACTION * job.steps)))
+            spec = replace(spec, late_fraction=EARLY_LATE_FRACTION)
+        else:
+            late_stage = ScheduledLateStage()
+        rank.update(target_compression=job.size, late_stage=late_stage)
         spec = replace(spec, rank_kwargs=rank)
     batch = next(iter(dm.val_dataloader()))  # the same shape as a training batch; leaves the training order alone
     flops_start = step_flops(task, batch)
