@@ -9,8 +9,10 @@ task's own step, its host-side checks and a ``generate`` loop stay eager.
 The project's TT layers trace without graph breaks in training and in evaluation (``tests/training``), and
 the compiled step equals the eager one. Physical rank truncation changes parameter shapes, which torch
 answers with a recompilation; the callback forgets torch's compiled code when that happens, so that a long
-run with many truncations does not reach torch's recompile limit and silently fall back to eager. Rank
-adaptation in mask mode (``truncate_every_n_steps: null``) never recompiles.
+run with many truncations does not reach torch's recompile limit and silently fall back to eager. Each cut then
+costs one compilation (with inductor on a CPU, tens of seconds to minutes: ``benchmarks/bench_compiled.py``
+reports it), so compile runs that cut rarely, or rank adaptation in mask mode (``truncate_every_n_steps:
+null``), which never recompiles.
 """
 
 from __future__ import annotations
