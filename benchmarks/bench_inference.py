@@ -19,7 +19,9 @@ Two parts, each with all its candidates interleaved in one process (ratios of me
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -128,6 +130,22 @@ def cut_to_compression(task: CausalLM, target: float) -> float:
     return size_report(task.model).compression_ratio
 
 
+CHECKED = "comera cache, checked per call"
+
+
+def generate_checking_every_call(task: CausalLM, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy ``generate`` as before issue 41: each TT layer checks its merged factors' stamp on every call (per layer
+    per token) instead of once per ``generate`` (``reusing_inference_factors`` made a no-op)."""
+    import comera_lightning.lit.causal_lm as causal_lm
+
+    reusing = causal_lm.reusing_inference_factors
+    causal_lm.reusing_inference_factors = lambda model: contextlib.nullcontext()  # type: ignore[assignment]
+    try:
+        return task.generate(prompt, new_tokens, temperature=0.0, use_cache=True)
+    finally:
+        causal_lm.reusing_inference_factors = reusing
+
+
 def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
     results = {}
     for d_model in d_models:
@@ -145,7 +163,9 @@ def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
                             prompt, args.new_tokens, temperature=0.0, use_cache=cached
                         )
                     )
+            steps[CHECKED] = functools.partial(generate_checking_every_call, comera, prompt, args.new_tokens)
             same = torch.equal(steps["comera cache"](), steps["comera no cache"]())
+            same = same and torch.equal(steps["comera cache"](), steps[CHECKED]())
             timing = harness.interleave(steps, warmup=0, min_sample_s=0.0, **harness.timing_options(args))
             memory = {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()}
             tokens = batch * args.new_tokens
@@ -178,6 +198,7 @@ def decode_table(results: dict) -> str:
                 *(f"{tps[n]:.0f}" for n in ("comera cache", "dense cache", "comera no cache", "dense no cache")),
                 harness.times(tps["comera cache"] / tps["comera no cache"]),
                 harness.times(tps["comera cache"] / tps["dense cache"]),
+                harness.times(tps["comera cache"] / tps[CHECKED]),
                 *(harness.mib(r["peak_bytes"][n]) for n in ("comera cache", "dense cache")),
                 "yes" if r["cache_equals_rerun"] else "NO",
                 r["noise"],
@@ -193,6 +214,7 @@ def decode_table(results: dict) -> str:
             "dense no cache",
             "cache vs none (CoMERA)",
             "CoMERA vs dense (cache)",
+            "checked once vs per call (CoMERA)",
             "CoMERA peak MiB",
             "dense peak MiB",
             "same tokens",
