@@ -47,6 +47,18 @@ def keep_mask(
     return lanes >= drop_levels - _LANE_LEVELS // 2, _LANE_LEVELS / (_LANE_LEVELS - drop_levels)
 
 
+@torch.library.custom_op("comera::packed_keep_mask", mutates_args=())
+def _compiled_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """:func:`keep_mask` for ``x``'s shape and device as one opaque operator: ``torch.compile`` keeps it as a node of
+    the graph (its in-place draw would break the graph), and it draws from the same generator as eager code."""
+    return keep_mask(x.shape, p, device=x.device)[0]
+
+
+@_compiled_keep_mask.register_fake
+def _(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
 def _mask_and_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     # ``where`` reads the bool mask as it is; arithmetic with it (addcmul, mul) first copies it to x's dtype,
     # a full extra pass: 20-30 ms against 12 ms for the attention probabilities at batch 32 x 128
@@ -69,13 +81,17 @@ class _KeepAndScale(torch.autograd.Function):
 
 
 def packed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout of ``x`` with packed masks on a CPU (see the module docstring); ``F.dropout`` elsewhere, and while
-    ``torch.compile`` traces (it fuses torch's own dropout into the neighbouring kernels, and the packed draw,
-    an in-place ``random_``, would break the graph)."""
+    """Dropout of ``x`` with packed masks on a CPU (see the module docstring); ``F.dropout`` elsewhere. While
+    ``torch.compile`` traces, the mask comes from one opaque operator (the same draws as eager, no graph break)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
+    if torch.compiler.is_compiling():
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        scale = _LANE_LEVELS / (_LANE_LEVELS - round(p * _LANE_LEVELS))
+        return _KeepAndScale.apply(x, _compiled_keep_mask(x, p), scale)
     keep, scale = keep_mask(x.shape, p, device=x.device)
     return _KeepAndScale.apply(x, keep, scale)
 
@@ -107,9 +123,11 @@ def attention(
     Attention dropout already sends SDPA to its unfused math path (scores, softmax, dropout, product); this is
     that path with :func:`packed_dropout` on the probabilities. Without dropout, or elsewhere, it is SDPA itself.
     ``attn_mask`` is a boolean mask (True = attend) broadcastable to ``(..., L, S)``; a query whose keys are all
-    masked gets zeros, as in SDPA. While ``torch.compile`` traces it is SDPA too (see :func:`packed_dropout`).
+    masked gets zeros, as in SDPA. While ``torch.compile`` traces, a call with ``attn_mask`` is SDPA (its check for
+    queries without keys would break the graph).
     """
-    if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu" or torch.compiler.is_compiling():
+    compiling_with_mask = torch.compiler.is_compiling() and attn_mask is not None
+    if dropout_p == 0.0 or not packed_masks or q.device.type != "cpu" or compiling_with_mask:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if is_causal and attn_mask is not None:
         raise ValueError("attention: pass either attn_mask or is_causal=True, not both (as in SDPA)")

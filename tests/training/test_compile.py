@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.lit import CausalLM
-from comera_lightning.models import LayerConfig
+from comera_lightning.models import LayerConfig, SequenceClassifier
 from comera_lightning.nn import tt_layers
 from comera_lightning.training import Compile
 
@@ -140,9 +140,41 @@ def test_the_encoder_models_compile_whole_with_dropout_in_training_and_evaluatio
     torch.compiler.reset()
     model.compile(backend="eager")
     model.train()
-    model(ids).float().sum().backward()  # packed CPU dropout becomes torch's, which compiled code fuses
+    model(ids).float().sum().backward()  # packed CPU dropout: its mask is one opaque operator in the graph
     model.eval()
     with torch.no_grad():
         model(ids)
     assert dict(counters["graph_break"]) == {}
     assert counters["frames"]["ok"] == counters["frames"]["total"]
+
+
+def test_compiled_dropout_draws_the_eager_masks():
+    # the packed mask is drawn by the same generator inside the compiled graph: same seed, same training step
+    torch.manual_seed(0)
+    layers = dict(rank=4, embedding_rank=4, min_features=16)
+    model = SequenceClassifier(
+        vocab_size=VOCAB,
+        num_classes=3,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_layers=1,
+        max_len=SEQ,
+        dropout=0.1,
+        layer_config=layers,
+    ).double()
+    ids = torch.randint(1, VOCAB, (2, SEQ))
+
+    def step(forward) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        out = forward(ids)
+        out.sum().backward()
+        return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    eager = step(model)
+    torch.compiler.reset()
+    compiled = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert len(compiled) == len(eager) > 10
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
