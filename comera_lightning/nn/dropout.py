@@ -18,7 +18,7 @@ The masks differ from ``nn.Dropout``'s for the same seed (a different stream), t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,16 +47,21 @@ def keep_mask(
     return lanes >= drop_levels - _LANE_LEVELS // 2, _LANE_LEVELS / (_LANE_LEVELS - drop_levels)
 
 
-@torch.library.custom_op("comera::packed_keep_mask", mutates_args=())
-def _compiled_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
-    """:func:`keep_mask` for ``x``'s shape and device as one opaque operator: ``torch.compile`` keeps it as a node of
-    the graph (its in-place draw would break the graph), and it draws from the same generator as eager code."""
+def _keep_mask_of(x: torch.Tensor, p: float) -> torch.Tensor:
+    """:func:`keep_mask` for ``x``'s shape and device."""
     return keep_mask(x.shape, p, device=x.device)[0]
 
 
-@_compiled_keep_mask.register_fake
-def _(x: torch.Tensor, p: float) -> torch.Tensor:
+def _keep_mask_like(x: torch.Tensor, p: float) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
+# the mask as one opaque operator: torch.compile keeps it as a node of the graph (the in-place draw would break the
+# graph) and it draws from the same generator as eager code; torch.library.custom_op exists from torch 2.4
+_compiled_keep_mask: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+if hasattr(torch.library, "custom_op"):
+    _compiled_keep_mask = torch.library.custom_op("comera::packed_keep_mask", _keep_mask_of, mutates_args=())
+    _compiled_keep_mask.register_fake(_keep_mask_like)
 
 
 def _mask_and_scale(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
@@ -85,9 +90,9 @@ def packed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Te
     ``torch.compile`` traces, the mask comes from one opaque operator (the same draws as eager, no graph break)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or (torch.compiler.is_compiling() and _compiled_keep_mask is None):
         return F.dropout(x, p, training=True)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and _compiled_keep_mask is not None:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         scale = _LANE_LEVELS / (_LANE_LEVELS - round(p * _LANE_LEVELS))
