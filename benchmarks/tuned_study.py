@@ -34,6 +34,7 @@ a rerun resumes. Two worker processes of one torch thread each train at once.
 
     python benchmarks/tuned_study.py                         # the decoder LM on the standard library
     python benchmarks/tuned_study.py --corpus site:sqlalchemy --seeds 0
+    python benchmarks/tuned_study.py --task mlm --sizes 5 20   # the masked LM (docs/data/mlm_stdlib.json)
     python benchmarks/tuned_study.py --quick --out /tmp/q.json
     python benchmarks/quality_report.py                      # tables and plots into docs/results.md
 """
@@ -428,13 +429,21 @@ def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def training_loss(task, batch):
+    """The loss a training step of ``task`` backpropagates: the masked LM's over its masked positions, the decoder's
+    over every next token (the tasks' own loss code, without their logging)."""
+    if hasattr(task, "_loss"):  # MaskedLM
+        return task._loss(batch)[0]
+    return task._cross_entropy(*task._logits_and_labels(batch))
+
+
 def step_flops(task, batch) -> int:
     """FLOPs of one training step's forward and backward on ``batch`` (torch's FlopCounterMode)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     task.train()
     with FlopCounterMode(display=False) as counter:
-        loss = task._cross_entropy(*task._logits_and_labels(batch))
+        loss = training_loss(task, batch)
         loss.backward()
     task.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
@@ -466,7 +475,7 @@ def step_memory(task, batch, galore: bool) -> dict[str, int]:
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        task._cross_entropy(*task._logits_and_labels(batch)).backward()
+        training_loss(task, batch).backward()
         optimizer.step()
 
     # MemTracker hooks every parameter's gradient: frozen gates (a few hundred floats) get one for the measurement
@@ -669,11 +678,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--task",
         default="lm",
-        choices=("lm",),
-        help="the decoder LM (the masked-LM task's FLOP and memory probes are not written yet)",
+        choices=("lm", "mlm"),
+        help="lm: the decoder LM of configs/llm_cpu.yaml; mlm: the masked LM of the quality study (GaLore: lm only)",
     )
     parser.add_argument("--corpus", default="stdlib", help="stdlib, site:PACKAGE (installed sources) or a folder")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument(
+        "--families", nargs="+", default=None, choices=FAMILIES, help="default: all (without galore for mlm)"
+    )
     parser.add_argument(
         "--sizes",
         nargs="+",
@@ -691,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default docs/data/<task>_<corpus>.json")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "comera")
     args = parser.parse_args(argv)
+    if args.families is None:
+        args.families = [f for f in FAMILIES if args.task == "lm" or f != "galore"]
+    if args.task == "mlm" and "galore" in args.families:
+        parser.error("the galore family is built for the decoder (--task lm) only: leave it out of --families")
     corpus = args.corpus.replace("site:", "").replace("/", "_").strip("_") or "corpus"
     out = args.out or REPO / "docs" / "data" / f"{args.task}_{corpus}.json"
     try:

@@ -324,3 +324,20 @@ def test_a_file_that_is_not_json_and_missing_markers_name_the_fix(tmp_path):
 def test_docs_results_are_what_docs_data_gives():
     # the committed tables are generated: a hand edit or a stale table fails here
     assert qr.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("task", ["lm", "mlm"])
+def test_a_quick_run_of_each_task_records_what_the_report_reads(task, tmp_path):
+    spec = ts.base_spec(task, "stdlib", 0, 12, quick=True)
+    full = ts.active_parameters(spec, ts.family_kwargs(spec, "dense", None))
+    knob = ts.knob_for(spec, "comera", 5.0, full)
+    job = ts.Job("final", "comera", 5.0, 0, 1e-2, 12)
+    record = ts.run_job(job.__dict__, task, "stdlib", True, knob, None, str(ts.REPO / ".cache" / "comera"))
+    assert math.isfinite(record["val_loss"]) and record["curve"] and record["tokens"] > 0
+    assert record["flops_per_step_start"] > 0 and record["peak_memory"]["total"] > 0
+    qr.validate({"runs": [record]}, "a quick run")  # what the report checks
+
+
+def test_galore_is_refused_for_the_masked_lm():
+    with pytest.raises(SystemExit):
+        ts.main(["--task", "mlm", "--families", "galore", "--quick", "--out", "/nonexistent/x.json"])
