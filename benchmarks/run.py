@@ -98,6 +98,12 @@ COMPARISONS: dict[str, Comparison] = {
             "without activation checkpointing, dense vs CoMERA, batch 32 x 128",
         ),
         "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
+        "gemm-layouts": (
+            "bench_gemm_layouts",
+            (),
+            "the six skinny GEMMs of a half_merge TT step in each operand layout vs one dense GEMM: what the TT "
+            "layer's GEMMs alone could reach",
+        ),
         "compiled": (
             "bench_compiled",
             (),
