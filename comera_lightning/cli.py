@@ -86,7 +86,7 @@ from .training.dead_rank import DeadRankWatchdog
 from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
 from .training.final_validation import FinalValidation
 from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
-from .training.internals import trainer_callbacks
+from .training.internals import rename_logged_hparams, trainer_callbacks
 from .training.loggers import ResilientMLFlowLogger
 from .training.model_summary import CompactModelSummary
 from .training.predictions import PredictionWriter
@@ -288,8 +288,7 @@ def gpu_config_warning(config_paths: Any, cuda_available: bool) -> str | None:
 
 def _link_vocab_sizes(config: Any, args: Any, parser: LightningArgumentParser) -> None:
     """``data.vocab_size`` sets ``model.vocab_size``, unless the command line gives the model's, which must then
-    be at least the data's. (Lightning logs the model's and the data's hyperparameters as one set and refuses
-    two values for one key, so a model vocabulary kept larger than a changed data vocabulary would stop the run.)"""
+    be at least the data's (a larger one is logged next to the data's: :func:`_log_data_hparams_apart`)."""
     model = (config.get("model") or {}).get("init_args") or {}
     data = (config.get("data") or {}).get("init_args") or {}
     model_vocab, data_vocab = model.get("vocab_size"), data.get("vocab_size")
@@ -305,6 +304,25 @@ def _link_vocab_sizes(config: Any, args: Any, parser: LightningArgumentParser) -
             f"would produce ids the embedding has no rows for; set model.vocab_size to at least "
             f"{data_vocab}, or leave it out (it follows data.vocab_size)"
         )
+
+
+def _differ(first: Any, second: Any) -> bool:
+    """Lightning's test for two values of one hyperparameter: another type, another tensor, or unequal."""
+    if type(first) is not type(second):
+        return True
+    return first is not second if isinstance(first, torch.Tensor) else bool(first != second)
+
+
+def _log_data_hparams_apart(model: LightningModule, datamodule: LightningDataModule | None) -> None:
+    """Lightning logs the model's and the data's hyperparameters as one set and stops the run on a key the two
+    give different values (a model vocabulary kept larger than the data's): the data's go under ``data.<key>``."""
+    if datamodule is None or not (model._log_hyperparams and datamodule._log_hyperparams):
+        return
+    model_hparams, data_hparams = model.hparams_initial, datamodule.hparams_initial
+    shared = (model_hparams.keys() & data_hparams.keys()) - {"_class_path"}
+    differing = [key for key in shared if _differ(model_hparams[key], data_hparams[key])]
+    if differing:
+        rename_logged_hparams(datamodule, {key: f"data.{key}" for key in differing})
 
 
 class ComeraCLI(LightningCLI):
@@ -350,6 +368,11 @@ class ComeraCLI(LightningCLI):
         self.run_name = run_name(config.get("config"), self.subcommand)
         if init_args is not None and "run_name" in init_args and init_args.get("run_name") is None:
             init_args["run_name"] = self.run_name
+
+    @override
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        _log_data_hparams_apart(self.model, self.datamodule)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -13,6 +13,8 @@ breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: noth
 * ``ModelCheckpoint._monitor_candidates``, ``_save_topk_checkpoint`` and ``_last_global_step_saved`` (Lightning):
   :meth:`RemovalPolicyCheckpoint.save_now`, the pre-emption save of ``training.fault_tolerance``;
 * ``DataLoader._index_sampler`` (torch.utils.data): :class:`IndexSamplerHook`, for ``data.common``;
+* ``_hparams_initial`` of a module or datamodule (Lightning; ``HyperparametersMixin``, read only to log them):
+  :func:`rename_logged_hparams`, for ``cli``;
 * ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
 * ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
   ``training.cuda_graphs``;
@@ -38,6 +40,7 @@ __all__ = [
     "buffer_slots",
     "carry_scheduler_mark",
     "record_optimizer_step",
+    "rename_logged_hparams",
     "reshard_fsdp_parameters_",
 ]
 
@@ -97,6 +100,14 @@ class IndexSamplerHook(DataLoader):
 def trainer_callbacks(trainer: Trainer) -> list[Callback]:
     """``trainer.callbacks``: Lightning sets it in its callback connector, where type checkers do not see it."""
     return trainer.callbacks  # type: ignore[attr-defined]
+
+
+def rename_logged_hparams(owner: Any, renames: dict[str, str]) -> None:
+    """Log ``owner``'s hyperparameters ``renames`` under new keys. Lightning reads ``_hparams_initial`` only to log
+    the model's and the data's hyperparameters as one set (checkpoints keep ``hparams``, which is untouched)."""
+    logged = owner._hparams_initial
+    for old, new in renames.items():
+        logged[new] = logged.pop(old)
 
 
 def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
