@@ -15,6 +15,8 @@ breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: noth
 * ``DataLoader._index_sampler`` (torch.utils.data): :class:`IndexSamplerHook`, for ``data.common``;
 * ``_hparams_initial`` of a module or datamodule (Lightning; ``HyperparametersMixin``, read only to log them):
   :func:`rename_logged_hparams`, for ``cli``;
+* ``MLFlowLogger.__init__`` making its MlflowClient through ``mlflow.tracking.MlflowClient`` and storing it as
+  ``_mlflow_client`` (Lightning): :func:`mlflow_logger_without_client`, for ``training.loggers``;
 * ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
 * ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
   ``training.cuda_graphs``;
@@ -25,7 +27,8 @@ breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: noth
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ __all__ = [
     "RemovalPolicyCheckpoint",
     "buffer_slots",
     "carry_scheduler_mark",
+    "mlflow_logger_without_client",
     "record_optimizer_step",
     "rename_logged_hparams",
     "reshard_fsdp_parameters_",
@@ -108,6 +112,25 @@ def rename_logged_hparams(owner: Any, renames: dict[str, str]) -> None:
     logged = owner._hparams_initial
     for old, new in renames.items():
         logged[new] = logged.pop(old)
+
+
+@contextmanager
+def mlflow_logger_without_client() -> Iterator[None]:
+    """``MLFlowLogger`` built inside gets no MlflowClient (``_mlflow_client`` is None; set it before the first
+    ``experiment``). Its ``__init__`` makes one at once, and MLflow 3's client opens its store, so a sqlite URI
+    created the database file in every process, on every node, though only rank 0 logs.
+
+    ``mlflow.tracking`` is imported whole first, so no MLflow module imported inside sees the stand-in; MLFlowLogger
+    imports the name inside ``__init__``. Upgrade check: ``MLFlowLogger.__init__`` still ends with
+    ``self._mlflow_client = MlflowClient(tracking_uri)`` and uses it nowhere else."""
+    import mlflow.tracking
+
+    made_by_init = mlflow.tracking.MlflowClient
+    mlflow.tracking.MlflowClient = lambda *args, **kwargs: None  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        mlflow.tracking.MlflowClient = made_by_init  # type: ignore[misc]
 
 
 def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:

@@ -368,3 +368,26 @@ def test_values_past_max_buffered_wait_on_disk_and_go_first(workdir):
     logger.finalize("success")
     history = MlflowClient(store).get_metric_history(logger.run_id, "x")
     assert sorted(m.step for m in history) == list(range(10))
+
+
+def test_a_logger_creates_its_store_on_first_use_only(workdir, monkeypatch):
+    """Was: MLFlowLogger makes its MlflowClient in ``__init__`` and MLflow 3's client opens a sqlite store at
+    once, so every process (every node's working directory) got an ``mlflow.db``, though only rank 0 logs."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    database = workdir / "mlflow.db"
+    store = f"sqlite:///{database}"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    logger = ResilientMLFlowLogger(experiment_name="lazy", tracking_uri=store, sender="inline", flush_interval_s=0)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.finalize("success")
+    assert not database.exists()
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    logger = ResilientMLFlowLogger(experiment_name="lazy", tracking_uri=store, sender="inline", flush_interval_s=0)
+    assert not database.exists()
+    logger.log_metrics({"x": 2.0}, step=0)
+    logger.finalize("success")
+    assert [m.value for m in MlflowClient(store).get_metric_history(logger.run_id, "x")] == [2.0]
+    assert MlflowClient(store).get_run(logger.run_id).info.status == "FINISHED"

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from ..internals import mlflow_logger_without_client
 from .fallback import FALLBACK_FOLDER, MAX_BATCH, METRICS_CSV, FallbackStore, Row, metric_rows
 from .sender import MetricSender
 
@@ -130,18 +131,19 @@ class ResilientMLFlowLogger(MLFlowLogger):
             raise ValueError(f"sender must be 'thread' or 'inline', got {sender!r}")
         if tracking_uri.startswith(("http://", "https://")):
             _bound_http_requests(http_timeout_s, http_max_retries)
-        super().__init__(
-            experiment_name=experiment_name,
-            run_name=run_name,
-            tracking_uri=tracking_uri,
-            tags=tags,
-            save_dir=save_dir,
-            log_model=log_model,
-            prefix=prefix,
-            artifact_location=artifact_location,
-            run_id=run_id,
-            synchronous=synchronous,
-        )
+        with mlflow_logger_without_client():  # the store is opened on first use, by rank 0 only
+            super().__init__(
+                experiment_name=experiment_name,
+                run_name=run_name,
+                tracking_uri=tracking_uri,
+                tags=tags,
+                save_dir=save_dir,
+                log_model=log_model,
+                prefix=prefix,
+                artifact_location=artifact_location,
+                run_id=run_id,
+                synchronous=synchronous,
+            )
         if log_system_metrics:
             try:
                 import psutil  # noqa: F401  (MLflow's system metrics monitor needs it)
@@ -214,6 +216,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def _connect(self) -> None:
         # MLFlowLogger's own experiment property finds or creates the experiment and creates the run (or gets
         # run_id's); it returns its MlflowClient. Its run_id/experiment_id properties then read what it set.
+        self._mlflow_client = self._mlflow()
         self._client = super().experiment
         self._connected = True
         if self.log_system_metrics and self.run_id is not None and self._system_monitor is None:
