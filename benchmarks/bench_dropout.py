@@ -5,7 +5,9 @@ torch's CPU dropout draws a float per element and keeps a float mask. Timed inte
 (``harness.interleave``) at the shapes where the six-encoder (``configs/mnli_6enc.yaml``, batch 32 x 128) drops:
 ``hidden`` (``nn.Dropout`` vs ``PackedDropout`` on (32, 128, 768)) and ``attention`` (SDPA with ``dropout_p``,
 its math path on a CPU, vs ``attention(packed_masks=True)``, 12 heads of 64, a key mask; and SDPA without
-dropout for scale). Writes ``dropout.json``.
+dropout for scale). Then the masking op alone at both shapes, the one pass packed dropout makes over its input in
+each direction: ``where(keep, x, 0)`` against ``x * keep`` (both then scaled in place), which decides which one
+``nn.dropout`` uses. Writes ``dropout.json``.
 
     python benchmarks/bench_dropout.py                 # batch 32, run alone
     python benchmarks/bench_dropout.py --quick         # smoke run
@@ -47,6 +49,17 @@ def attention_candidates(batch: int, seq_len: int, heads: int, head_dim: int, p:
     }
 
 
+def masking_candidates(shape: tuple[int, ...], p: float) -> dict:
+    """The two ways to apply a ``bool`` keep mask and its scale to a tensor of ``shape``."""
+    x = torch.randn(shape)
+    keep = torch.rand(shape) >= p
+    scale = 1.0 / (1.0 - p)
+    return {
+        "where": lambda: torch.where(keep, x, 0.0).mul_(scale),
+        "mul": lambda: x.mul(keep).mul_(scale),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time both sites, print the table, write ``dropout.json``."""
     parser = harness.bench_parser(__doc__, repeats=(1, 8))
@@ -74,9 +87,33 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"### dropout p={args.p}, batch {batch} x {seq_len}, forward + backward\n")
     print(harness.table(["site", "torch ms", "packed ms", "without dropout ms", "torch / packed"], rows))
+    masking, masking_rows = [], []
+    for shape in ((batch, 12, seq_len, seq_len), (batch, seq_len, 768)):
+        timing = harness.interleave(
+            masking_candidates(shape, args.p), min_sample_s=0.05, **harness.timing_options(args)
+        )
+        med = {name: timing.median(name) for name in ("where", "mul")}
+        masking.append({"shape": list(shape), "median_s": med, "timing": timing.summary()})
+        masking_rows.append(
+            [
+                str(tuple(shape)),
+                harness.ms(med["where"]),
+                harness.ms(med["mul"]),
+                harness.times(med["where"] / med["mul"]),
+            ]
+        )
+    print("\n### the masking op alone (one direction)\n")
+    print(harness.table(["shape", "where ms", "mul ms", "where / mul"], masking_rows))
     harness.emit(
         args.out_dir / "dropout.json",
-        {"p": args.p, "batch": batch, "seq_len": seq_len, "results": results, "machine": harness.machine_info()},
+        {
+            "p": args.p,
+            "batch": batch,
+            "seq_len": seq_len,
+            "results": results,
+            "masking": masking,
+            "machine": harness.machine_info(),
+        },
     )
     return 0
 

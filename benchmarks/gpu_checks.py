@@ -1,25 +1,37 @@
-"""The GPU checks (issue 29) in one run: CUDA graphs, the six-encoder training step in bf16, a bf16 ``comera fit``
-that truncates and resumes, and ``llm_60m`` dense against CoMERA at equal wall-clock.
+"""The GPU checks (issues 29 and 42) in one run: CUDA graphs, the six-encoder training step in bf16, a bf16
+``comera fit`` that truncates and resumes (plain, and under FSDP2 on one GPU), the ``Compile`` callback, and
+``llm_60m`` dense against CoMERA at equal wall-clock.
 
-Each check runs in its own process under a time limit, in this order (cheapest and most certain first), and the
-summary is rewritten after every check, so a run cut off by the device's limit still returns what it finished:
+Each check runs in its own process under a time limit, in this order (cheapest and most certain first, the long
+llm check last), and the summary is rewritten after every check, so a run cut off by the device's limit still
+returns what it finished:
 
-1. ``bench_cuda_graphs.py --quick``: captured against eager at the quickstart size, fp32 and bf16-mixed, identity
-   and speed-up (batch 1 and 32);
-2. ``bench_training_step.py --part step``: dense + AdamW, dense + GaLore, CoMERA r30 at batch 1 and 32 x 128,
-   bf16-mixed, with ``torch.cuda.max_memory_allocated`` and profiles;
-3. ``comera fit`` of the quickstart on CUDA in bf16-mixed with an early late stage: ranks shrink, truncations
-   happen, and the last checkpoint (written after them) resumes;
-4. ``llm_study.py`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer trained on it):
-   dense and CoMERA, each ``--llm-budget-s`` seconds of training by the ``matched`` protocol.
+1. ``cuda_graphs``: ``bench_cuda_graphs.py --quick``, captured against eager at the quickstart size, fp32 and
+   bf16-mixed, identity and speed-up (batch 1 and 32);
+2. ``training_step``: ``bench_training_step.py --part step``, dense + AdamW, dense + GaLore, CoMERA r30 at batch 1
+   and 32 x 128, bf16-mixed, with ``torch.cuda.max_memory_allocated`` and profiles;
+3. ``fit_resume``: ``comera fit`` of the quickstart on CUDA in bf16-mixed with the quality study's early late-stage
+   schedule (``tuned_study``'s ``comera_early``: the late stage from 10 % of the steps, the size target reached by
+   50 %, ``ScheduledLateStage(ramp_steps=...)``): ranks shrink, truncations happen, the final validation loss is
+   finite, and the last checkpoint (written after the cuts) resumes;
+4. ``fsdp2``: the same fit and resume with ``callbacks/fsdp2.yaml`` (FSDP2 through ``FSDP2Strategy``, one GPU):
+   the cuts are resharded and the distributed checkpoint folder resumes;
+5. ``compile``: short quickstart fits (rank callbacks in mask mode, no validation) eager, with the ``Compile``
+   callback (``callbacks/compile.yaml``) and with ``Compile(mode="reduce-overhead")``, one after the other:
+   whether each finishes, its median steps/s as a ratio to the eager fit's, torch's graph, graph-break and
+   CUDA-graph-skip counts;
+6. ``llm_60m``: ``llm_study.py`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
+   trained on it): dense and CoMERA, each ``--llm-budget-s`` seconds of training by the ``matched`` protocol, or
+   what the deadline leaves.
 
 Output in ``--out`` (the device tool brings back at most 8 files): ``summary.md`` and ``summary.json`` (targets and
-verdicts), ``checks.log`` (this driver's log), ``results.tar.gz`` (every check's JSON, markdown, PNG and log).
-Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs tiny versions of all four on the CPU to test
-the plumbing. ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
+verdicts; a check that failed or timed out shows as FAILED), ``checks.log`` (this driver's log), ``results.tar.gz``
+(every check's JSON, markdown, PNG and log). Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs
+tiny versions of all six on the CPU to test the plumbing (32-true; FSDP2 over gloo; ``Compile`` with the
+``aot_eager`` backend). ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
 
     python benchmarks/gpu_checks.py --out /tmp/gpu_checks                 # on a GPU machine
-    python benchmarks/gpu_checks.py --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (a few minutes)
+    python benchmarks/gpu_checks.py --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 20 minutes)
 """
 
 from __future__ import annotations
@@ -27,18 +39,23 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import harness
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from tuned_study import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -48,6 +65,14 @@ TARGET_MEMORY_VS_GALORE = 9.0  # dense + GaLore's peak memory over CoMERA's at b
 TARGET_GRAPHS_SPEEDUP = 1.3  # CUDA graphs vs eager at batch 1
 # the llm check besides its two training budgets: corpus, tokenizer, step timing, validations, imports
 LLM_OVERHEAD_S = 120.0
+# the fit checks: the first fit's steps, then the resume's (both end on a validation, every 50 steps)
+FIT_STEPS, RESUME_STEPS = 200, 250
+# the fits under the checks that end with FAILED when they did not finish
+FIT_CHECKS = ("fit_resume", "fsdp2")
+# the compile check's fits, in order: None is the eager reference, else Compile's mode ("default": torch's)
+COMPILE_VARIANTS: dict[str, str | None] = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
+COMPILE_STEPS, COMPILE_WARMUP = 150, 30  # dry: 40 and 10
+CHECK_FAILED = ("failed", "timed out")
 
 
 @dataclass
@@ -63,8 +88,18 @@ def _python(script: str, *args: str) -> list[str]:
     return [sys.executable, str(BENCH / script), *args]
 
 
+def _env() -> dict[str, str]:
+    """The checks' environment: unbuffered logs, and the benchmarks and the repository importable (the fits'
+    ``gpu_checks.FitProbe`` callback is imported by ``comera fit``)."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+
+
 def checks(work: Path, dry: bool) -> list[Check]:
-    """The first three checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the fourth."""
+    """The first five checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the sixth."""
     cuda_graphs = _python("bench_cuda_graphs.py", "--out-dir", str(work / "cuda_graphs"))
     step = _python(
         "bench_training_step.py",
@@ -77,20 +112,29 @@ def checks(work: Path, dry: bool) -> list[Check]:
         "--out-dir",
         str(work / "training_step"),
     )
-    fit = [sys.executable, str(Path(__file__).resolve()), "--fit-check", str(work / "fit_resume")]
+    me = [sys.executable, str(Path(__file__).resolve())]
+    fit = [*me, "--fit-check", str(work / "fit_resume")]
+    fsdp2 = [*me, "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2"]
+    compiled = [*me, "--compile-check", str(work / "compile")]
     # on the GPU the CUDA-graph check takes the quickstart size only (launch-bound, where graphs matter): the base
     # size would double its minutes, which the llm check needs more
     cuda_graphs += ["--quick"] + (["--backend", "replay"] if dry else ["--repeats", "3"])
     if dry:
         step += ["--quick"]
-        fit += ["--cpu-dry-run"]
+        for command in (fit, fsdp2, compiled):
+            command += ["--cpu-dry-run"]
     else:
         step += ["--device", "cuda", "--min-total-s", "5"]
+    # GPU limits (seconds): the five short checks' 540 are a cap each, the run's deadline (540) holds them all,
+    # and the llm check trains for what they leave. A fit costs about 10-15 s of start-up (imports, CUDA, data
+    # cache); fsdp2 two fits (the tokenizer cached by fit_resume); compile three fits and two compilations.
     # dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
     return [
         Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
         Check("training_step", [step], 600 if dry else 150),
-        Check("fit_resume", [fit], 300 if dry else 120),
+        Check("fit_resume", [fit], 300 if dry else 90),
+        Check("fsdp2", [fsdp2], 300 if dry else 75),
+        Check("compile", [compiled], 300 if dry else 105),
     ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import bench_dropout as bench
+import torch
 
 
 def test_quick_run_writes_both_sites(tmp_path, capsys):
@@ -13,3 +14,10 @@ def test_quick_run_writes_both_sites(tmp_path, capsys):
     assert [r["site"].split()[0] for r in res["results"]] == ["hidden", "attention"]
     assert set(res["results"][1]["median_s"]) == {"torch", "packed", "no dropout"}
     assert "torch / packed" in capsys.readouterr().out
+    assert [m["shape"][1:] for m in res["masking"]] == [[12, 16, 16], [16, 768]]
+    assert all(set(m["median_s"]) == {"where", "mul"} for m in res["masking"])
+
+
+def test_both_masking_ops_give_the_same_values():
+    ops = bench.masking_candidates((3, 5, 7), 0.3)
+    assert torch.equal(ops["where"](), ops["mul"]())
