@@ -17,9 +17,10 @@ returns what it finished:
 4. ``fsdp2``: the same fit and resume with ``callbacks/fsdp2.yaml`` (FSDP2 through ``FSDP2Strategy``, one GPU):
    the cuts are resharded and the distributed checkpoint folder resumes;
 5. ``compile``: short quickstart fits (rank callbacks in mask mode, no validation) eager, with the ``Compile``
-   callback (``callbacks/compile.yaml``) and with ``Compile(mode="reduce-overhead")``, one after the other:
-   whether each finishes, its median steps/s as a ratio to the eager fit's, torch's graph, graph-break and
-   CUDA-graph-skip counts;
+   callback (``callbacks/compile.yaml``, given ``modules: [model.encoder, model.head]``, as its default ``model``
+   is never called through its ``forward`` by MaskedLM) and with ``mode: reduce-overhead``, one after the other:
+   whether each finishes and compiles graphs, its median steps/s as a ratio to the eager fit's, torch's graph,
+   graph-break and CUDA-graph-skip counts;
 6. ``llm_60m``: ``llm_study.py`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
    trained on it): dense and CoMERA, each ``--llm-budget-s`` seconds of training by the ``matched`` protocol, or
    what the deadline leaves.
@@ -31,7 +32,8 @@ tiny versions of all six on the CPU to test the plumbing (32-true; FSDP2 over gl
 ``aot_eager`` backend). ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
 
     python benchmarks/gpu_checks.py --out /tmp/gpu_checks                 # on a GPU machine
-    python benchmarks/gpu_checks.py --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 20 minutes)
+    python benchmarks/gpu_checks.py --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 10 minutes)
+    python benchmarks/gpu_checks.py --only llm_60m --out /tmp/gpu_llm     # some checks only (here the whole deadline)
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ import tarfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import harness
 import torch
+import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 from tuned_study import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
@@ -69,9 +73,12 @@ LLM_OVERHEAD_S = 120.0
 FIT_STEPS, RESUME_STEPS = 200, 250
 # the fits under the checks that end with FAILED when they did not finish
 FIT_CHECKS = ("fit_resume", "fsdp2")
+# every check, in the order they run (--only picks some)
+CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "llm_60m")
 # the compile check's fits, in order: None is the eager reference, else Compile's mode ("default": torch's)
 COMPILE_VARIANTS: dict[str, str | None] = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
-COMPILE_STEPS, COMPILE_WARMUP = 150, 30  # dry: 40 and 10
+COMPILE_STEPS, COMPILE_WARMUP = 120, 30  # dry: 40 and 10
+COMPILE_MODULES = ("model.encoder", "model.head")  # what MaskedLM's steps call (never ``model`` itself)
 CHECK_FAILED = ("failed", "timed out")
 
 
@@ -125,16 +132,18 @@ def checks(work: Path, dry: bool) -> list[Check]:
             command += ["--cpu-dry-run"]
     else:
         step += ["--device", "cuda", "--min-total-s", "5"]
-    # GPU limits (seconds): the five short checks' 540 are a cap each, the run's deadline (540) holds them all,
-    # and the llm check trains for what they leave. A fit costs about 10-15 s of start-up (imports, CUDA, data
-    # cache); fsdp2 two fits (the tokenizer cached by fit_resume); compile three fits and two compilations.
+    # GPU limits (seconds): the five short checks' caps add up to the run's deadline (540), which also holds every
+    # check to what is left of it; the llm check trains for what they leave (it needs 150 s to run: --only
+    # llm_60m gives it a run of its own). A fit costs 10-20 s of start-up (imports, CUDA, the data cache: one
+    # tokenizer, built by fit_resume's first fit in about 5 s) and seconds of steps: fit_resume and fsdp2 two
+    # fits each (about 50-60 s), compile three fits and inductor's compilations (about 100-130 s).
     # dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
     return [
         Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
         Check("training_step", [step], 600 if dry else 150),
-        Check("fit_resume", [fit], 300 if dry else 90),
-        Check("fsdp2", [fsdp2], 300 if dry else 75),
-        Check("compile", [compiled], 300 if dry else 105),
+        Check("fit_resume", [fit], 300 if dry else 75),
+        Check("fsdp2", [fsdp2], 300 if dry else 70),
+        Check("compile", [compiled], 300 if dry else 125),
     ]
 
 
@@ -180,32 +189,118 @@ def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
 
 
 # ------------------------------------------------------------------------------------------------------
-# check 3: a bf16 comera fit that truncates, and its resume
+# checks 3-5: comera fits of the quickstart (plain, FSDP2, compiled)
 
 
-def fit_check(folder: Path, dry: bool) -> dict[str, Any]:
-    """``comera fit`` of the quickstart in bf16-mixed (``dry``: 32-true on the CPU) with the late stage from step 60
-    and truncations every 20 steps, 200 steps; then a resume from its last checkpoint (written after the
-    truncations) to step 240; returns :func:`inspect_fit` of both checkpoints."""
-    folder.mkdir(parents=True, exist_ok=True)
-    callbacks = folder / "early_late_stage.yaml"
-    callbacks.write_text(
-        "trainer:\n  callbacks:\n"
-        "    - class_path: RankAdaptation\n      init_args: {gamma: 0.005, late_start_step: 60,"
-        " target_compression: 20.0, truncate_every_n_steps: 20, min_dead_fraction: 0.2}\n"
-        "    - class_path: ContractionPlanner\n      init_args: {verbose: false}\n"
-        "    - class_path: RankMonitor\n      init_args: {log_every_n_steps: 10}\n"
-        "    - class_path: ModelCheckpoint\n      init_args: {save_last: true}\n"
-    )
-    cli = [
-        sys.executable,
-        "-m",
-        "comera_lightning",
-        "fit",
-        "--config",
-        "quickstart",
-        "--config",
-        str(callbacks),
+class FitProbe(Callback):
+    """What a check's ``comera fit`` did, as one JSON line appended to ``path`` at the end of the fit (rank 0): steps,
+    the median step time after ``warmup_steps`` (CUDA synchronised at every step end, so the time is the device's),
+    the last validation's and training's losses, the strategy, precision and peak CUDA memory, and what the
+    ``Compile`` callback and torch's compiler did. The checks name it in their callbacks (``gpu_checks.FitProbe``)."""
+
+    def __init__(self, path: str, warmup_steps: int = 20) -> None:
+        self.path = Path(path)
+        self.warmup_steps = warmup_steps
+        self._ends: list[float] = []
+        self._val: dict[str, float] = {}
+        self._val_step: int | None = None
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._ends.append(time.perf_counter())
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self._val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        self._val_step = trainer.global_step
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        steps = [b - a for a, b in pairwise(self._ends[self.warmup_steps :])]
+        median = statistics.median(steps) if steps else None
+        record: dict[str, Any] = {
+            "global_step": trainer.global_step,
+            "max_steps": trainer.max_steps,
+            "steps_run": len(self._ends),
+            "timed_steps": len(steps),
+            "median_step_s": median,
+            "steps_per_s": 1.0 / median if median else None,
+            "val": self._val,
+            "val_step": self._val_step,
+            "val_loss": self._val.get("val/loss"),
+            "train_losses": {
+                k: float(v) for k, v in trainer.callback_metrics.items() if "loss" in k and not k.startswith("val/")
+            },
+            "strategy": type(trainer.strategy).__name__,
+            "precision": str(trainer.precision),
+            "device": str(pl_module.device),
+        }
+        if pl_module.device.type == "cuda":
+            record["peak_cuda_mb"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
+        compiler = next((c for c in trainer.callbacks if type(c).__name__ == "Compile"), None)
+        if compiler is not None:
+            from torch._dynamo.utils import counters
+
+            record["compile"] = {
+                "compiled": list(compiler.compiled),
+                "kwargs": {k: v for k, v in compiler.compile_kwargs.items() if k != "options"},
+                "resets": compiler.resets,
+                "graphs": counters["stats"]["unique_graphs"],
+                "graph_breaks": sum(counters["graph_break"].values()),
+                "graph_break_reasons": list(counters["graph_break"])[:5],
+                "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            }
+        with open(self.path, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def read_probes(path: Path) -> list[dict[str, Any]]:
+    """The :class:`FitProbe` records of ``path``, one per finished fit, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def rank_callbacks(
+    steps: int, probe: Path, *, truncate: bool = True, checkpoint: bool = True, warmup_steps: int = 20
+) -> str:
+    """The fits' callbacks (a config replacing the quickstart's list): ``RankAdaptation`` with the quality study's
+    early schedule (``tuned_study``'s ``comera_early``: the late stage from ``EARLY_LATE_FRACTION`` of ``steps``,
+    the 20x target reached ``EARLY_RAMP_FRACTION`` of them later), physical truncations every 20 steps (``truncate``;
+    else mask mode, which never changes a shape), the contraction planner, the :class:`FitProbe` writing to
+    ``probe`` (timing after ``warmup_steps``) and (``checkpoint``) the last checkpoint."""
+    rank = {
+        "gamma": 0.005,
+        "late_start_step": round(EARLY_LATE_FRACTION * steps),
+        "target_compression": 20.0,
+        "truncate_every_n_steps": 20 if truncate else None,
+        "min_dead_fraction": 0.2,
+        "late_stage": {
+            "class_path": "comera_lightning.callbacks.ScheduledLateStage",
+            "init_args": {"ramp_steps": max(1, round(EARLY_RAMP_FRACTION * steps))},
+        },
+    }
+    callbacks: list[dict[str, Any]] = [
+        {"class_path": "RankAdaptation", "init_args": rank},
+        {"class_path": "ContractionPlanner", "init_args": {"verbose": False}},
+        {"class_path": "RankMonitor", "init_args": {"log_every_n_steps": 10}},
+        {"class_path": "gpu_checks.FitProbe", "init_args": {"path": str(probe), "warmup_steps": warmup_steps}},
+    ]
+    if checkpoint:
+        callbacks.append({"class_path": "ModelCheckpoint", "init_args": {"save_last": True}})
+    return yaml.safe_dump({"trainer": {"callbacks": callbacks}}, sort_keys=False)
+
+
+def fit_command(folder: Path, dry: bool, configs: Sequence[str | Path], *args: str) -> list[str]:
+    """``comera fit`` of the quickstart with ``configs`` after it, bf16-mixed on CUDA (``dry``: 32-true on the CPU,
+    40 files), its data cached in the work folder's ``cache`` (one tokenizer for all the fits), then ``args``."""
+    cli = [sys.executable, "-m", "comera_lightning", "fit", "--config", "quickstart"]
+    for config in configs:
+        cli += ["--config", str(config)]
+    cli += [
         # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
         "--trainer.precision",
         "32-true" if dry else "bf16-mixed",
@@ -213,38 +308,75 @@ def fit_check(folder: Path, dry: bool) -> dict[str, Any]:
         "cpu" if dry else "cuda",
         "--trainer.default_root_dir",
         str(folder),
-        "--trainer.val_check_interval",
-        "50",
-        "--trainer.limit_val_batches",
-        "2",
+        "--data.cache_dir",
+        str(folder.parent / "cache" / "quickstart"),
     ]
     if dry:
         cli += ["--data.max_files", "40", "--data.max_sequences", "2000"]
-    subprocess.run([*cli, "--trainer.max_steps", "200"], cwd=folder, check=True)
-    first = inspect_fit(folder)
-    subprocess.run([*cli, "--trainer.max_steps", "240", "--ckpt_path", first["checkpoint"]], cwd=folder, check=True)
-    resumed = inspect_fit(folder)
+    return cli + list(args)
+
+
+def _fit(command: list[str], folder: Path) -> float:
+    """Run one fit in ``folder``; returns its wall seconds (``CalledProcessError`` when it fails)."""
+    print("fit:", " ".join(command), flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=folder, env=_env(), check=True)
+    return time.perf_counter() - started
+
+
+def fit_check(folder: Path, dry: bool, configs: Sequence[str] = ()) -> dict[str, Any]:
+    """``comera fit`` of the quickstart in bf16-mixed (``dry``: 32-true on the CPU) with :func:`rank_callbacks` (the
+    early schedule: late stage from step 20, target by step 100) and ``configs`` after them (``callbacks/fsdp2``:
+    FSDP2 on the one device), ``FIT_STEPS`` steps validated every 50; then a resume from its last checkpoint
+    (written after the truncations; a folder under FSDP2) to ``RESUME_STEPS``. Returns :func:`inspect_fit` of both
+    checkpoints with each fit's :class:`FitProbe` record and wall time; writes it to ``fit_check.json`` only when
+    both fits ran."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in ("fit_check.json", "fit_probe.jsonl"):
+        (folder / stale).unlink(missing_ok=True)
+    callbacks = folder / "early_late_stage.yaml"
+    callbacks.write_text(rank_callbacks(FIT_STEPS, folder / "fit_probe.jsonl"))
+    cli = fit_command(
+        folder, dry, [callbacks, *configs], "--trainer.val_check_interval", "50", "--trainer.limit_val_batches", "2"
+    )
+    wall = _fit([*cli, "--trainer.max_steps", str(FIT_STEPS)], folder)
+    first = {**inspect_fit(folder), "wall_s": wall}
+    resume = ["--trainer.max_steps", str(RESUME_STEPS), "--ckpt_path", first["checkpoint"]]
+    wall = _fit([*cli, *resume], folder)
+    resumed = {**inspect_fit(folder), "wall_s": wall}
     if resumed["checkpoint"] == first["checkpoint"] and resumed["global_step"] == first["global_step"]:
         raise RuntimeError(f"the resumed fit wrote no new last checkpoint under {folder}")
-    return {"first": first, "resumed": resumed}
+    probes = read_probes(folder / "fit_probe.jsonl")
+    if len(probes) != 2:
+        raise RuntimeError(f"expected a FitProbe record of each of the 2 fits, found {len(probes)} under {folder}")
+    result = {
+        "configs": list(configs),
+        "first": {**first, "probe": probes[0]},
+        "resumed": {**resumed, "probe": probes[1]},
+    }
+    harness.write_json(folder / "fit_check.json", result)
+    return result
 
 
 def inspect_fit(folder: Path) -> dict[str, Any]:
-    """Ranks, truncations and steps of the fit's last checkpoint against a fresh model of the same config."""
-    import torch
-
+    """Ranks, truncations and steps of the fit's last checkpoint (a ``.ckpt`` file, or a distributed checkpoint
+    folder under FSDP2) against a fresh model of the same config."""
     from comera_lightning.lit import MaskedLM
     from comera_lightning.nn import tt_layers
+    from comera_lightning.training.checkpoint_io import read_checkpoint
 
     found = sorted(folder.rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise FileNotFoundError(f"no last.ckpt under {folder}: the fit wrote no checkpoint")
-    ckpt = torch.load(found[-1], map_location="cpu", weights_only=True)
-    model = MaskedLM.load_from_checkpoint(found[-1], map_location="cpu")
+    ckpt = read_checkpoint(found[-1])
     fresh = MaskedLM(**{k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")})
+    state = ckpt["state_dict"]
     rank_state = next((v for k, v in ckpt.get("callbacks", {}).items() if "RankAdaptation" in k), {})
-    ranks_now = {n: list(layer.ranks) for n, layer in tt_layers(model)}
     ranks_start = {n: list(layer.ranks) for n, layer in tt_layers(fresh)}
+    ranks_now = {
+        n: layer.check_core_shapes([state[f"{n}.cores.{k}"].shape for k in range(len(layer.cores))], f"{n}.")
+        for n, layer in tt_layers(fresh)
+    }
     return {
         "checkpoint": str(found[-1]),
         "global_step": int(ckpt["global_step"]),
@@ -254,6 +386,65 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
         "rank_sum_end": sum(map(sum, ranks_now.values())),
         "ranks_end": ranks_now,
     }
+
+
+def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
+    """Quickstart fits of ``COMPILE_STEPS`` steps (``dry``: 40), one per :data:`COMPILE_VARIANTS` entry, one after the
+    other in this check: eager, then the ``Compile`` callback of ``callbacks/compile.yaml`` (inductor; ``dry``: the
+    ``aot_eager`` backend, as inductor would compile C++ for minutes), then the same with ``mode: reduce-overhead``
+    (CUDA graphs). The callback is given ``modules: [model.encoder, model.head]`` (:data:`COMPILE_MODULES`): the
+    fragment's default compiles ``model``, whose ``forward`` MaskedLM never calls (its steps call the encoder and the
+    head), so it would compile nothing. The rank callbacks run in mask mode (no shape changes, so no recompilation
+    for them) and nothing is validated, so the median step after ``COMPILE_WARMUP`` steps measures the step itself.
+    Each fit's :class:`FitProbe` record and wall time go to ``compile_check.json`` as they finish; a fit that fails
+    is recorded and the next runs, and the check fails at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "compile_check.json").unlink(missing_ok=True)
+    steps, warmup = (40, 10) if dry else (COMPILE_STEPS, COMPILE_WARMUP)
+    results: dict[str, Any] = {}
+    for variant, mode in COMPILE_VARIANTS.items():
+        sub = folder / variant
+        sub.mkdir(exist_ok=True)
+        probe = sub / "fit_probe.jsonl"
+        probe.unlink(missing_ok=True)
+        callbacks = sub / "callbacks.yaml"
+        callbacks.write_text(rank_callbacks(steps, probe, truncate=False, checkpoint=False, warmup_steps=warmup))
+        configs: list[str | Path] = [callbacks]
+        if mode is not None:
+            init = {
+                "modules": list(COMPILE_MODULES),
+                "backend": "aot_eager" if dry else "inductor",
+                "mode": None if mode == "default" else mode,
+            }
+            compile_callback = {"class_path": "comera_lightning.training.Compile", "init_args": init}
+            fragment = sub / "compile.yaml"  # callbacks/compile.yaml with these init_args
+            fragment.write_text(yaml.safe_dump({"trainer": {"callbacks+": [compile_callback]}}, sort_keys=False))
+            configs.append(fragment)
+        command = fit_command(
+            sub,
+            dry,
+            configs,
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.logger",
+            "false",
+        )
+        try:
+            wall = _fit(command, sub)
+        except subprocess.CalledProcessError as failure:
+            results[variant] = {"mode": mode, "error": f"exit {failure.returncode}"}
+        else:
+            found = read_probes(probe)
+            results[variant] = {"mode": mode, "wall_s": wall, **(found[-1] if found else {"error": "no FitProbe"})}
+        harness.write_json(folder / "compile_check.json", results)
+    failed = [v for v, r in results.items() if "error" in r]
+    if failed:
+        raise RuntimeError(f"compile check: {failed} did not finish: {[results[v]['error'] for v in failed]}")
+    return results
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -297,9 +488,13 @@ def read_results(work: Path) -> dict[str, Any]:
             galore, comera = peak.get("dense+GaLore"), peak.get("CoMERA r30")
             out["memory_galore_over_comera_batch1"] = galore / comera if galore and comera else None
         out["step_profiles"] = {b: p.get("why") for b, p in step.get("profiles", {}).items()}
-    fit = work / "fit_resume" / "fit_check.json"
-    if fit.exists():
-        out["fit_resume"] = json.loads(fit.read_text())
+    for name in FIT_CHECKS:
+        fit = work / name / "fit_check.json"
+        if fit.exists():
+            out[name] = json.loads(fit.read_text())
+    compiled = work / "compile" / "compile_check.json"
+    if compiled.exists():
+        out["compile"] = json.loads(compiled.read_text())
     llm = _load(str(work / "llm_60m" / "llm_study*.json"))
     if llm:
         runs = {r["method"]: r for r in llm.get("runs", [])}
@@ -311,8 +506,75 @@ def read_results(work: Path) -> dict[str, Any]:
     return out
 
 
+def _judged(verdict_: str, check: str, status: dict[str, dict]) -> str:
+    """``verdict_``, or FAILED when ``check`` failed or timed out in this run (n/a when it did not run): a row never
+    passes on what a failed check, or an earlier run in the same folder, left behind."""
+    state = status.get(check, {}).get("status")
+    if state in CHECK_FAILED:
+        return f"FAILED ({state})"
+    return "n/a" if state is not None and state.startswith("not run") else verdict_
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def fit_row(fit: dict[str, Any]) -> tuple[str, str]:
+    """Measured and verdict of a fit check's ``fit_check.json``: ranks shrank, truncations happened, both fits'
+    final validation losses are finite, and the resume went on past the first fit's steps."""
+    if not fit:
+        return "-", "n/a"
+    first, resumed = fit["first"], fit["resumed"]
+    losses = [(part.get("probe") or {}).get("val_loss") for part in (first, resumed)]
+    ok = (
+        (first.get("truncations") or 0) > 0
+        and first["rank_sum_end"] < first["rank_sum_start"]
+        and resumed["global_step"] > first["global_step"]
+        and all(_finite(v) for v in losses)
+    )
+    shown = ", ".join(f"{v:.3f}" if _finite(v) else str(v) for v in losses)
+    measured = (
+        f"rank sum {first['rank_sum_start']} -> {first['rank_sum_end']}, {first['truncations']} truncations by "
+        f"step {first['global_step']}, val loss {shown}, resumed to step {resumed['global_step']}"
+    )
+    return measured, "met" if ok else "MISSED"
+
+
+def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list[str]]:
+    """A row per compiled variant of the compile check: it finished its steps and torch compiled graphs (the
+    verdict), and its median steps/s as a ratio to the eager fit's of the same run, with torch's graph, break and
+    CUDA-graph-skip counts."""
+    eager = compiled.get("eager") or {}
+    rows = []
+    for variant, mode in COMPILE_VARIANTS.items():
+        if mode is None:
+            continue
+        run = compiled.get(variant)
+        label = f"Compile ({variant} mode): the bf16 fit finishes; steps/s against eager"
+        if not run:
+            rows.append([label, "-", _judged("n/a", "compile", status)])
+            continue
+        if "error" in run:
+            rows.append([label, run["error"], "FAILED"])
+            continue
+        finished = run.get("global_step") == run.get("max_steps")
+        ratio = (
+            run["steps_per_s"] / eager["steps_per_s"] if run.get("steps_per_s") and eager.get("steps_per_s") else None
+        )
+        info = run.get("compile") or {}
+        measured = (
+            f"{harness.times(ratio)} eager's steps/s ({run.get('steps_per_s') or 0:.1f} vs "
+            f"{eager.get('steps_per_s') or 0:.1f}), {run.get('global_step')} steps, {info.get('graphs')} graphs, "
+            f"{info.get('graph_breaks')} breaks, {info.get('cudagraph_skips')} CUDA-graph skips, "
+            f"{info.get('resets')} resets"
+        )
+        # graphs: what torch compiled; 0 means the compiled modules never ran through their forward (eager in effect)
+        rows.append([label, measured, "met" if finished and info.get("graphs") else "MISSED"])
+    return rows
+
+
 def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: dict) -> str:
-    """The summary: what ran, then the issue's targets with verdicts."""
+    """The summary: what ran, then the issues' targets with verdicts (FAILED where the check failed)."""
     rows = [[name, s["status"], f"{s['wall_s']:.0f} s", s.get("detail", "")] for name, s in status.items()]
     lines = [
         f"## GPU checks on {machine.get('cuda') or 'no GPU (' + machine.get('cpu', '') + ')'}",
@@ -320,48 +582,53 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
         harness.table(["check", "status", "wall", "detail"], rows),
         "",
     ]
-    fit = results.get("fit_resume") or {}
     ppl = results.get("llm_perplexity") or {}
-    first, resumed = fit.get("first") or {}, fit.get("resumed") or {}
-    fit_ok = (
-        bool(fit)
-        and (first.get("truncations") or 0) > 0
-        and first["rank_sum_end"] < first["rank_sum_start"]
-        and resumed.get("global_step", 0) > first["global_step"]
-    )
+    fit_measured, fit_verdict = fit_row(results.get("fit_resume") or {})
+    fsdp2_measured, fsdp2_verdict = fit_row(results.get("fsdp2") or {})
     targets = [
         [
             f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})",
             harness.times(results.get("step_speedup_dense_over_comera")),
-            verdict(results.get("step_speedup_dense_over_comera"), TARGET_STEP_SPEEDUP),
+            _judged(
+                verdict(results.get("step_speedup_dense_over_comera"), TARGET_STEP_SPEEDUP), "training_step", status
+            ),
         ],
         [
             "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)",
             harness.times(results.get("memory_galore_over_comera_batch1")),
-            verdict(results.get("memory_galore_over_comera_batch1"), TARGET_MEMORY_VS_GALORE),
+            _judged(
+                verdict(results.get("memory_galore_over_comera_batch1"), TARGET_MEMORY_VS_GALORE),
+                "training_step",
+                status,
+            ),
         ],
         [
             "CUDA graphs >= 1.3x faster than eager (batch 1)",
             harness.times(results.get("cuda_graphs_speedup_batch1")),
-            verdict(results.get("cuda_graphs_speedup_batch1"), TARGET_GRAPHS_SPEEDUP),
+            _judged(verdict(results.get("cuda_graphs_speedup_batch1"), TARGET_GRAPHS_SPEEDUP), "cuda_graphs", status),
         ],
         [
-            "bf16 fit: ranks shrink, truncations, the checkpoint resumes",
-            (
-                f"rank sum {first['rank_sum_start']} -> {first['rank_sum_end']}, {first['truncations']} truncations by "
-                f"step {first['global_step']}, resumed to step {resumed['global_step']}"
-            )
-            if fit
-            else "-",
-            "met" if fit_ok else ("n/a" if not fit else "MISSED"),
+            "bf16 fit, early late stage: ranks shrink, truncations, val loss finite, the checkpoint resumes",
+            fit_measured,
+            _judged(fit_verdict, "fit_resume", status),
         ],
+        [
+            "FSDP2 on one GPU (bf16): ranks shrink, truncations, val loss finite, the checkpoint folder resumes",
+            fsdp2_measured,
+            _judged(fsdp2_verdict, "fsdp2", status),
+        ],
+        *compile_rows(results.get("compile") or {}, status),
         [
             "llm_60m at equal wall-clock: CoMERA perplexity <= dense",
             " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-",
-            verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a",
+            _judged(
+                verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a",
+                "llm_60m",
+                status,
+            ),
         ],
     ]
-    lines += [harness.table(["target (issue 29)", "measured", "verdict"], targets)]
+    lines += [harness.table(["target (issues 29, 42)", "measured", "verdict"], targets)]
     if results.get("llm_tokens_per_s"):
         lines += ["", "llm_60m tokens/s: " + ", ".join(f"{m} {v:,.0f}" for m, v in results["llm_tokens_per_s"].items())]
     for batch, why in (results.get("step_profiles") or {}).items():
@@ -374,20 +641,24 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
 
 
 def run_checks(
-    out: Path, dry: bool, llm_budget_s: float, deadline_s: float, log: Callable[[str], None]
+    out: Path,
+    dry: bool,
+    llm_budget_s: float,
+    deadline_s: float,
+    log: Callable[[str], None],
+    only: Sequence[str] | None = None,
 ) -> dict[str, dict]:
-    """Run every check in order within ``deadline_s``, rewriting the summary after each; returns their status."""
+    """Run every check (or those named in ``only``) in order within ``deadline_s``, rewriting the summary after
+    each; returns their status."""
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     status: dict[str, dict] = {}
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    env = _env()
     machine = harness.machine_info()
     for check in [*checks(work, dry), None]:
+        if only is not None and (check.name if check else "llm_60m") not in only:
+            continue
         left = deadline_s - (time.perf_counter() - started)
         if check is None:  # the llm check trains for what the deadline leaves, at most llm_budget_s per method
             budget = min(llm_budget_s, 5.0 if dry else (left - LLM_OVERHEAD_S) / 2)
@@ -458,6 +729,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
     parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=CHECK_NAMES,
+        default=None,
+        help="run these checks only, in the usual order (e.g. --only llm_60m: the llm check with the whole deadline)",
+    )
+    parser.add_argument(
         "--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method (default 75)"
     )
     parser.add_argument(
@@ -466,19 +744,23 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="every check ends within this many seconds of the start; the llm check trains for what "
         "the others leave (default 540: the device's 10-minute command less the install; "
-        "1200 with --cpu-dry-run, where bf16 is emulated)",
+        "2100 with --cpu-dry-run, where bf16 is emulated)",
     )
+    # the fit checks (3: plain, 4: --fit-config callbacks/fsdp2) and the compile check (5), each in its own process
     parser.add_argument("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fit-config", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--compile-check", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.fit_check is not None:  # check 3, in its own process
-        harness.write_json(args.fit_check / "fit_check.json", fit_check(args.fit_check, args.cpu_dry_run))
+    if args.fit_check is not None:
+        fit_check(args.fit_check, args.cpu_dry_run, args.fit_config)
+        return 0
+    if args.compile_check is not None:
+        compile_check(args.compile_check, args.cpu_dry_run)
         return 0
     if args.deadline_s is None:
-        args.deadline_s = 1200.0 if args.cpu_dry_run else 540.0
+        args.deadline_s = 2100.0 if args.cpu_dry_run else 540.0
     if args.llm_budget_s <= 0 or args.deadline_s <= 0:
         parser.error("--llm-budget-s and --deadline-s must be positive seconds")
-    import torch
-
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "checks.log", "a") as log_file:
 
@@ -492,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             log("no CUDA device: skipped (torch.cuda.is_available() is False); --cpu-dry-run tests the plumbing")
             harness.write_json(args.out / "summary.json", {"skipped": True, "machine": harness.machine_info()})
             return 0
-        status = run_checks(args.out, args.cpu_dry_run, args.llm_budget_s, args.deadline_s, log)
+        status = run_checks(args.out, args.cpu_dry_run, args.llm_budget_s, args.deadline_s, log, args.only)
     print("\n" + (args.out / "summary.md").read_text())
     return 0 if all(s["status"] == "ok" for s in status.values()) else 1
 

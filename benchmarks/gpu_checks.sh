@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 29, in two steps (benchmarks/gpu_checks.py says what they check):
+# The GPU checks of issues 29 and 42, in two steps (benchmarks/gpu_checks.py says what they check: CUDA graphs,
+# the bf16 training step, a bf16 fit that truncates and resumes, the same under FSDP2, Compile, llm_60m):
 #   bash benchmarks/gpu_checks.sh wheels   # here, with network: the packages the GPU machine lacks, as Python 3.12
 #                                          # wheels in .whl/ (about 30 MiB; .git/info/exclude should list /.whl/)
 #   bash benchmarks/gpu_checks.sh [ARGS]   # on the GPU machine (carry .whl): installs .whl/ into /tmp/site, then
-#                                          # runs benchmarks/gpu_checks.py --out "$OUT" ARGS (about 8 minutes)
+#                                          # runs benchmarks/gpu_checks.py --out "$OUT" ARGS (its deadline
+#                                          # is 540 s, plus the install)
 #   bash benchmarks/gpu_checks.sh rehearse [VENV]   # here, before device time: the GPU image's Python and packages
 #                                          # (IMAGE below; torch's CUDA build, about 5 GB, runs on the CPU) in VENV
 #                                          # (default /tmp/gpu_image), then this script with --cpu-dry-run in it
