@@ -234,12 +234,13 @@ class ScheduledLateStage(LateStagePolicy):
         if self.importance != "taylor":
             return
         a = self.saliency_smoothing
+        # ids of the gates alive now only: a cut under FSDP2 replaces parameter objects, and a freed id is reused
+        self._gate_keys = {id(gate): f"{i}.{k}" for i, layer in enumerate(layers) for k, gate in enumerate(layer.gates)}
         for i, layer in enumerate(layers):
             for k, gate in enumerate(layer.gates):
                 if gate.grad is None:
                     continue
                 key = f"{i}.{k}"
-                self._gate_keys[id(gate)] = key
                 value = (full_tensor(gate.detach()) * full_tensor(gate.grad)).abs().float()
                 previous = self.saliency.get(key)
                 if previous is None or previous.shape != value.shape:

@@ -385,6 +385,19 @@ def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_tr
     policy.after_truncation(record)
     kept = [j for j in range(before.numel()) if j != lowest]
     torch.testing.assert_close(policy.saliency[f"0.{bond}"], before[kept])
+    # only the gates of the last observation are known: under FSDP2 a cut makes new parameter objects, and a
+    # core that reused a replaced gate's id had the saliency of that gate sliced (an IndexError)
+    replaced = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    for gate in replaced.gates:
+        gate.grad = torch.ones_like(gate)
+    policy.observe([replaced])
+    for gate in layer.gates:
+        gate.grad = torch.ones_like(gate)
+    policy.observe([layer])
+    stale = replaced.gates[bond]
+    now = {key: value.clone() for key, value in policy.saliency.items()}
+    policy.after_truncation([(stale, type(record[0][1])(None, torch.tensor([0])))])
+    assert all(torch.equal(policy.saliency[key], value) for key, value in now.items())
     # without observations there is nothing to rank by: a clear error, not a silent fallback
     with pytest.raises(RuntimeError, match=r"no gradient saliency .* use importance='norm'"):
         ScheduledLateStage(ramp_steps=4)._importances([TTLinear(16, 16, 4, in_modes=[4, 4], out_modes=[4, 4])])
