@@ -17,8 +17,8 @@ returns what it finished:
 4. ``fsdp2``: the same fit and resume with ``callbacks/fsdp2.yaml`` (FSDP2 through ``FSDP2Strategy``, one GPU):
    the cuts are resharded and the distributed checkpoint folder resumes;
 5. ``compile``: short quickstart fits (rank callbacks in mask mode, no validation) eager, with the ``Compile``
-   callback (``callbacks/compile.yaml``, given ``modules: [model.encoder, model.head]``, as its default ``model``
-   is never called through its ``forward`` by MaskedLM) and with ``mode: reduce-overhead``, one after the other:
+   callback (``callbacks/compile.yaml`` with its default modules: MaskedLM's ``model.encoder`` and ``model.head``)
+   and with ``mode: reduce-overhead``, one after the other:
    whether each finishes and compiles graphs, its median steps/s as a ratio to the eager fit's, torch's graph,
    graph-break and CUDA-graph-skip counts;
 6. ``llm_60m``: ``llm_study.py`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
@@ -78,7 +78,6 @@ CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile",
 # the compile check's fits, in order: None is the eager reference, else Compile's mode ("default": torch's)
 COMPILE_VARIANTS: dict[str, str | None] = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
 COMPILE_STEPS, COMPILE_WARMUP = 120, 30  # dry: 40 and 10
-COMPILE_MODULES = ("model.encoder", "model.head")  # what MaskedLM's steps call (never ``model`` itself)
 CHECK_FAILED = ("failed", "timed out")
 
 
@@ -392,12 +391,11 @@ def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
     """Quickstart fits of ``COMPILE_STEPS`` steps (``dry``: 40), one per :data:`COMPILE_VARIANTS` entry, one after the
     other in this check: eager, then the ``Compile`` callback of ``callbacks/compile.yaml`` (inductor; ``dry``: the
     ``aot_eager`` backend, as inductor would compile C++ for minutes), then the same with ``mode: reduce-overhead``
-    (CUDA graphs). The callback is given ``modules: [model.encoder, model.head]`` (:data:`COMPILE_MODULES`): the
-    fragment's default compiles ``model``, whose ``forward`` MaskedLM never calls (its steps call the encoder and the
-    head), so it would compile nothing. The rank callbacks run in mask mode (no shape changes, so no recompilation
-    for them) and nothing is validated, so the median step after ``COMPILE_WARMUP`` steps measures the step itself.
-    Each fit's :class:`FitProbe` record and wall time go to ``compile_check.json`` as they finish; a fit that fails
-    is recorded and the next runs, and the check fails at the end."""
+    (CUDA graphs). The callback compiles its default modules, what MaskedLM's steps call (``model.encoder`` and
+    ``model.head``, its ``compiled_modules``). The rank callbacks run in mask mode (no shape changes, so no
+    recompilation for them) and nothing is validated, so the median step after ``COMPILE_WARMUP`` steps measures the
+    step itself. Each fit's :class:`FitProbe` record and wall time go to ``compile_check.json`` as they finish; a fit
+    that fails is recorded and the next runs, and the check fails at the end."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "compile_check.json").unlink(missing_ok=True)
     steps, warmup = (40, 10) if dry else (COMPILE_STEPS, COMPILE_WARMUP)
@@ -412,7 +410,6 @@ def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
         configs: list[str | Path] = [callbacks]
         if mode is not None:
             init = {
-                "modules": list(COMPILE_MODULES),
                 "backend": "aot_eager" if dry else "inductor",
                 "mode": None if mode == "default" else mode,
             }

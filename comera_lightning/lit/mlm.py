@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.nn import functional as F
@@ -33,6 +33,10 @@ class MaskedLM(ComeraTask):
         predict_top_k: how many of the most likely tokens :meth:`predict_step` returns per masked position.
         model_kwargs: the encoder's architecture, see :class:`comera_lightning.models.MaskedLanguageModel`.
     """
+
+    # what training.Compile compiles by default: the step calls these apart (the head on masked positions only),
+    # never ``model`` itself
+    compiled_modules: ClassVar[tuple[str, ...]] = ("model.encoder", "model.head")
 
     def __init__(
         self,

@@ -34,8 +34,10 @@ class Compile(Callback):
 
     Args:
         modules: attribute names of the submodules to compile (``"model"``, ``"encoder.layers.0"``); ``None``:
-            every direct child that holds parameters and is not a torchmetrics ``Metric`` (for the comera tasks,
-            ``model``).
+            the task's ``compiled_modules`` where it names them (MaskedLM: ``model.encoder`` and ``model.head``,
+            which its step calls apart), else every direct child that holds parameters and is not a torchmetrics
+            ``Metric`` (for the other comera tasks, ``model``). Only a compiled module's own forward runs
+            compiled: name the modules the task calls.
         backend, mode, fullgraph, dynamic, options: passed to :func:`torch.compile`.
     """
 
@@ -60,14 +62,15 @@ class Compile(Callback):
 
     def targets(self, pl_module: LightningModule) -> dict[str, nn.Module]:
         """The submodules to compile by name: the policy a subclass may override."""
-        if self.modules is None:
+        names = self.modules if self.modules is not None else getattr(pl_module, "compiled_modules", None)
+        if names is None:
             return {
                 name: child
                 for name, child in pl_module.named_children()
                 if not isinstance(child, Metric) and any(True for _ in child.parameters())
             }
         found: dict[str, nn.Module] = {}
-        for name in self.modules:
+        for name in names:
             try:
                 found[name] = pl_module.get_submodule(name)
             except AttributeError:

@@ -178,3 +178,32 @@ def test_compiled_dropout_draws_the_eager_masks():
     assert len(compiled) == len(eager) > 10
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_default_compiles_what_the_masked_lm_calls(tmp_path):
+    """Was: the default compiled ``model``, whose forward MaskedLM never calls (its step runs the encoder, then
+    the head on the masked positions only), so a run with the callback built no graph and stayed eager."""
+    from comera_lightning.lit import MaskedLM
+
+    torch.manual_seed(0)
+    task = MaskedLM(
+        vocab_size=VOCAB,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_layers=1,
+        max_len=SEQ,
+        layer_config=LayerConfig(rank=4, embedding_rank=4, min_features=16),
+    )
+    ids = torch.randint(1, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    batches = DataLoader(
+        [{"input_ids": i, "labels": label} for i, label in zip(ids, labels, strict=True)], batch_size=4
+    )
+    callback = Compile(backend="eager")
+    counters.clear()
+    torch.compiler.reset()
+    _trainer(tmp_path, [callback], max_steps=2).fit(task, batches)
+    assert callback.compiled == ["model.encoder", "model.head"]
+    assert counters["frames"]["ok"] >= 2 and dict(counters["graph_break"]) == {}
