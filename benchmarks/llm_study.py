@@ -16,6 +16,7 @@ interleaved with peak memory, at the config's width, at batch 1 and at ``--width
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from collections.abc import Callable
@@ -47,6 +48,9 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
     trainer = config["trainer"]
     steps = int(trainer["max_steps"])
     late_fraction = rank.pop("late_start_step", int(0.4 * steps)) / steps
+    if isinstance(rank.get("late_stage"), dict):  # a policy object in the config: build it as the CLI would
+        module, _, name = rank["late_stage"]["class_path"].rpartition(".")
+        rank["late_stage"] = getattr(importlib.import_module(module), name)(**rank["late_stage"].get("init_args", {}))
     datamodule = config["data"]["class_path"].rsplit(".", 1)[-1]
     spec = StudySpec(
         "lm",

@@ -63,6 +63,7 @@ FINAL_ORDER = ("dense", "comera", "tt", "comera_act", "comera_early", "narrow", 
 # comera_early: the late stage starts at this share of the steps and reaches the target this share later, so the
 # model trains the second half at its final ranks (what the tt family does from the start)
 EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION = 0.1, 0.4
+DEFAULT_LATE_FRACTION = 0.4  # comera and comera_act: the late stage at 40 % of the run, ScheduledLateStage's ramp
 SIZES = (2.0, 5.0, 20.0)
 MIDDLE = 5.0
 GRID = (1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2)
@@ -526,8 +527,9 @@ def run_job(
         if job.family == "comera_early":
             late_stage = ScheduledLateStage(ramp_steps=max(1, round(EARLY_RAMP_FRACTION * job.steps)))
             spec = replace(spec, late_fraction=EARLY_LATE_FRACTION)
-        else:
+        else:  # the library's default schedule, whatever the config's
             late_stage = ScheduledLateStage()
+            spec = replace(spec, late_fraction=DEFAULT_LATE_FRACTION)
         rank.update(target_compression=job.size, late_stage=late_stage)
         spec = replace(spec, rank_kwargs=rank)
     batch = next(iter(dm.val_dataloader()))  # the same shape as a training batch; leaves the training order alone
