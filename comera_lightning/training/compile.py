@@ -4,7 +4,8 @@ The callback compiles submodules in place with :meth:`torch.nn.Module.compile`: 
 checkpoints and the optimiser stay those of the eager module, so it composes with every other callback and
 with resuming. It compiles once the strategy has set the model up (after FSDP2 sharding and the DDP wrapper),
 at the start of whichever of fit, validate, test or predict comes first. Only ``forward`` is compiled: the
-task's own step, its host-side checks and a ``generate`` loop stay eager.
+task's own step, its host-side checks and a ``generate`` loop stay eager. A task that calls the submodules of a
+compiled module directly runs eager: the callback warns after the first batch when no compiled forward ran.
 
 The project's TT layers trace without graph breaks in training and in evaluation (``tests/training``), and
 the compiled step equals the eager one. Physical rank truncation changes parameter shapes, which torch
@@ -22,9 +23,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import Metric
 from typing_extensions import override
+
+from .internals import compiled_before, compiled_frame_count
 
 __all__ = ["Compile"]
 
@@ -59,6 +63,7 @@ class Compile(Callback):
         self.compiled: list[str] = []
         self.resets = 0  # times torch's compiled code was forgotten because parameter shapes changed
         self._shapes: tuple[tuple[int, ...], ...] | None = None
+        self._frames_at_compile: int | None = None  # until the first batch after compiling has been checked
 
     def targets(self, pl_module: LightningModule) -> dict[str, nn.Module]:
         """The submodules to compile by name: the policy a subclass may override."""
@@ -91,10 +96,26 @@ class Compile(Callback):
                 f"Compile found nothing to compile in {type(pl_module).__name__}: it has no child module with "
                 "parameters; name the modules to compile with Compile(modules=[...])"
             )
+        first_compile = not any(compiled_before(module) for module in targets.values())
         for name, module in targets.items():
             module.compile(**self.compile_kwargs)
             self.compiled.append(name)
         self._shapes = self._parameter_shapes(pl_module)
+        # modules compiled before may run from torch's cache without compiling a frame: nothing to check then
+        self._frames_at_compile = compiled_frame_count() if first_compile else None
+
+    def _check_something_ran_compiled(self, pl_module: LightningModule) -> None:
+        """After the first batch: warn when no compiled module's forward ran (the task calls their submodules
+        directly, so the run is eager) instead of leaving the user to find out from the step time."""
+        if self._frames_at_compile is None:
+            return
+        if compiled_frame_count() == self._frames_at_compile:
+            rank_zero_warn(
+                f"Compile: {type(pl_module).__name__} ran a batch without calling the forward of any compiled "
+                f"module ({', '.join(self.compiled)}), so nothing ran compiled; name the modules its steps call "
+                "with Compile(modules=[...]) (a task can also list them in its compiled_modules)"
+            )
+        self._frames_at_compile = None
 
     @staticmethod
     def _parameter_shapes(pl_module: LightningModule) -> tuple[tuple[int, ...], ...]:
@@ -125,6 +146,48 @@ class Compile(Callback):
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._compile(pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._check_something_ran_compiled(pl_module)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_something_ran_compiled(pl_module)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_something_ran_compiled(pl_module)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_something_ran_compiled(pl_module)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

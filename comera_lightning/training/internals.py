@@ -17,6 +17,9 @@ breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: noth
   :func:`rename_logged_hparams`, for ``cli``;
 * ``MLFlowLogger.__init__`` making its MlflowClient through ``mlflow.tracking.MlflowClient`` and storing it as
   ``_mlflow_client`` (Lightning): :func:`mlflow_logger_without_client`, for ``training.loggers``;
+* ``torch._dynamo.utils.counters["frames"]`` (torch; the counter torch's own tests read) and
+  ``Module._compiled_call_impl`` (torch.nn, set by ``Module.compile``): :func:`compiled_frame_count` and
+  :func:`compiled_before`, for ``training.compile``;
 * ``Module._buffers`` (torch.nn): :func:`buffer_slots`, for ``training.cuda_graphs``;
 * ``_wrapped_by_lr_sched`` on ``optimizer.step`` (torch.optim.lr_scheduler): :func:`carry_scheduler_mark`, for
   ``training.cuda_graphs``;
@@ -42,6 +45,8 @@ __all__ = [
     "RemovalPolicyCheckpoint",
     "buffer_slots",
     "carry_scheduler_mark",
+    "compiled_before",
+    "compiled_frame_count",
     "mlflow_logger_without_client",
     "record_optimizer_step",
     "rename_logged_hparams",
@@ -131,6 +136,20 @@ def mlflow_logger_without_client() -> Iterator[None]:
         yield
     finally:
         mlflow.tracking.MlflowClient = made_by_init  # type: ignore[misc]
+
+
+def compiled_frame_count() -> int:
+    """How many Python frames ``torch.compile`` has compiled in this process: it grows on a compiled module's first
+    call, so an unchanged count after a step means its forward never ran (torch has no public count)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def compiled_before(module: torch.nn.Module) -> bool:
+    """Whether ``Module.compile`` was already called on ``module`` (torch may then run it from its cache, compiling
+    no new frame)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def buffer_slots(module: torch.nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:

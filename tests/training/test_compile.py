@@ -207,3 +207,29 @@ def test_the_default_compiles_what_the_masked_lm_calls(tmp_path):
     _trainer(tmp_path, [callback], max_steps=2).fit(task, batches)
     assert callback.compiled == ["model.encoder", "model.head"]
     assert counters["frames"]["ok"] >= 2 and dict(counters["graph_break"]) == {}
+
+
+def test_a_run_that_calls_no_compiled_forward_is_told(tmp_path):
+    """MaskedLM's steps call ``model.encoder`` and ``model.head``, never ``model``: compiling ``model`` leaves the run
+    eager, which the callback now says after the first batch (and only then, once)."""
+    from comera_lightning.lit import MaskedLM
+
+    torch.manual_seed(0)
+    task = MaskedLM(
+        vocab_size=VOCAB,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_layers=1,
+        max_len=SEQ,
+        layer_config=LayerConfig(rank=4, embedding_rank=4, min_features=16),
+    )
+    ids = torch.randint(1, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    batches = DataLoader(
+        [{"input_ids": i, "labels": label} for i, label in zip(ids, labels, strict=True)], batch_size=4
+    )
+    with pytest.warns(UserWarning, match=r"without calling the forward of any compiled module \(model\)") as caught:
+        _trainer(tmp_path, [Compile(modules="model", backend="eager")], max_steps=2).fit(task, batches)
+    assert sum("Compile:" in str(w.message) for w in caught) == 1
