@@ -163,7 +163,8 @@ def test_a_missed_target_is_explained_by_a_profile(tmp_path, capsys):
         pytest.skip("the tiny table met the targets on this machine: nothing to explain")
     profile = data["cases"][0]["profile_train"]
     assert set(profile) == {"ttm+dedup", "ttm", "chain"}
-    assert all(p["top"] and p["top"][0]["op"].startswith(("aten::", "autograd")) for p in profile.values())
+    # the first op may be one of the project's autograd Functions (a tiny shape: _KeepGradLayout), named as its class
+    assert all(p["top"] and any(op["op"].startswith("aten::") for op in p["top"]) for p in profile.values())
     assert "## Profiles" in out
 
 
