@@ -318,7 +318,11 @@ def markdown(study: dict[str, Any], name: str) -> str:
             f"short-run rate below it): {described}.",
             "",
         ]
-    lines += sweep_table(study)
+    source = study.get("rates_from")
+    if source:  # its short runs are copies: the source's section shows them
+        lines.append(f"Rates: the sweeps and checks of `docs/data/{source}`; only the finals ran here.")
+    else:
+        lines += sweep_table(study)
     return "\n".join(lines).rstrip() + "\n"
 
 

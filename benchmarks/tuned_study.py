@@ -36,6 +36,8 @@ a rerun resumes. Two worker processes of one torch thread each train at once.
     python benchmarks/tuned_study.py --corpus site:sqlalchemy --seeds 0
     python benchmarks/tuned_study.py --task mlm --sizes 5 20   # the masked LM (docs/data/mlm_stdlib.json)
     python benchmarks/tuned_study.py --quick --out /tmp/q.json
+    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --steps 4520 --seeds 0 --sizes 5 \
+        --out docs/data/lm_stdlib_long.json                  # the same rates at 10 tokens per parameter
     python benchmarks/quality_report.py                      # tables and plots into docs/results.md
 """
 
@@ -569,10 +571,49 @@ def run_job(
 # the driver
 
 
+def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sweep and check runs of the study in ``source``, which a new study at ``out`` starts from.
+
+    They fix every (family, size)'s rate, so the new study runs only finals: the same rates at another budget
+    (``--steps``) or other seeds. The source must be the same task, corpus and short-run protocol."""
+    import harness
+
+    if source.resolve() == out.resolve():
+        raise ValueError(f"--rates-from {source} is the --out file itself; give the finished study another --out")
+    if not source.exists():
+        raise ValueError(f"--rates-from {source} does not exist; give a study written by this script")
+    state = harness.read_json(source)
+    old = state.get("protocol", {})
+    mismatched = {
+        key: (state.get(key), value) for key, value in (("task", task), ("corpus", corpus)) if state.get(key) != value
+    }
+    mismatched |= {
+        key: (old.get(key), protocol[key]) for key in ("sweep_steps", "grid", "quick") if old.get(key) != protocol[key]
+    }
+    if mismatched:
+        raise ValueError(
+            f"--rates-from {source} is another study (theirs, this one's: {mismatched}); its rates hold only for the"
+            " same task, corpus, --sweep-steps and --quick"
+        )
+    short = [{**run, "copied_from": source.name} for run in state.get("runs", []) if run.get("phase") != "final"]
+    if not short:
+        raise ValueError(f"--rates-from {source} holds no sweep or check runs to take the rates from")
+    return short
+
+
 class Study:
     """The study's JSON (``runs`` plus the protocol) and the plan that extends it, two runs at a time."""
 
-    def __init__(self, path: Path, task: str, corpus: str, plan: Plan, quick: bool, cache_dir: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        task: str,
+        corpus: str,
+        plan: Plan,
+        quick: bool,
+        cache_dir: Path,
+        rates_from: Path | None = None,
+    ) -> None:
         import harness
 
         self.path, self.task, self.corpus, self.plan = path, task, corpus, plan
@@ -601,6 +642,9 @@ class Study:
             self.state = {**state, "protocol": {**old, **protocol}}
         else:
             self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
+            if rates_from is not None:
+                self.state["rates_from"] = rates_from.name
+                self.state["runs"] = short_runs_of(rates_from, path, task, corpus, protocol)
         self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick)
         self.full = active_parameters(self.spec, family_kwargs(self.spec, "dense", None))
         self.state["full_dense_params"] = self.full
@@ -703,6 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model and data: a smoke run")
     parser.add_argument("--out", type=Path, default=None, help="default docs/data/<task>_<corpus>.json")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "comera")
+    parser.add_argument(
+        "--rates-from",
+        type=Path,
+        default=None,
+        help="start a new --out from this study's sweeps and checks, so only finals run (e.g. a longer --steps)",
+    )
     args = parser.parse_args(argv)
     if args.families is None:
         args.families = [f for f in FAMILIES if args.task == "lm" or f != "galore"]
@@ -712,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "docs" / "data" / f"{args.task}_{corpus}.json"
     try:
         plan = Plan(args.families, args.sizes, args.seeds, args.steps, args.sweep_steps)
-        study = Study(out, args.task, args.corpus, plan, args.quick, args.cache_dir)
+        study = Study(out, args.task, args.corpus, plan, args.quick, args.cache_dir, args.rates_from)
     except ValueError as err:
         parser.error(str(err))
     deadline = None if args.hours is None else time.time() + 3600 * args.hours

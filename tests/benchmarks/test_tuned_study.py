@@ -145,6 +145,49 @@ def test_a_rate_whose_final_diverges_is_dropped_for_that_size():
     assert ts.diverged_rates(runs, "comera", 20.0) == [1e-3, 4e-3]
 
 
+def test_a_study_at_another_budget_takes_the_rates_and_runs_only_finals(tmp_path):
+    plan = ts.Plan(["narrow", "comera"], [5.0, 20.0], [0], steps=100, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3))
+    runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in plan.pending([])]
+    runs += [finished(j, 3.0 if math.isclose(j.lr, 4e-3) else 3.2) for j in plan.pending(runs) if j.phase == "check"]
+    runs += [finished(j, 2.9) for j in plan.pending(runs) if j.phase == "final"]
+    protocol = {"sweep_steps": 20, "grid": [1e-3, 2e-3, 4e-3], "quick": False}
+    source = tmp_path / "lm_stdlib.json"
+    source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": runs}))
+
+    short = ts.short_runs_of(source, tmp_path / "lm_stdlib_long.json", "lm", "stdlib", protocol)
+    assert {r["phase"] for r in short} == {"sweep", "check"} and len(short) == len(runs) - 4
+    assert all(r["copied_from"] == "lm_stdlib.json" for r in short)
+    longer = ts.Plan(["narrow", "comera"], [5.0, 20.0], [0], steps=400, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3))
+    todo = longer.pending(short)
+    assert {(j.phase, j.family, j.size, j.lr, j.steps) for j in todo} == {
+        ("final", family, size, lr, 400) for family in ("narrow", "comera") for size, lr in ((5.0, 2e-3), (20.0, 4e-3))
+    }
+    # the report names the source instead of repeating its sweeps
+    text = qr.markdown({"rates_from": source.name, "protocol": protocol, "runs": short}, "lm_stdlib_long")
+    assert "the sweeps and checks of `docs/data/lm_stdlib.json`" in text and "Learning-rate sweeps" not in text
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"corpus": "site:sqlalchemy"}, "another study"),
+        ({"protocol": {"sweep_steps": 50, "grid": [1e-3], "quick": False}}, "another study"),
+        ({"runs": []}, "no sweep or check runs"),
+    ],
+)
+def test_rates_from_another_kind_of_study_is_refused(tmp_path, change, match):
+    protocol = {"sweep_steps": 20, "grid": [1e-3], "quick": False}
+    sweep = finished(ts.Job("sweep", "narrow", 5.0, 0, 1e-3, 20), 3.0)
+    source = tmp_path / "src.json"
+    source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": [sweep], **change}))
+    with pytest.raises(ValueError, match=match):
+        ts.short_runs_of(source, tmp_path / "out.json", "lm", "stdlib", protocol)
+    with pytest.raises(ValueError, match="the --out file itself"):
+        ts.short_runs_of(source, source, "lm", "stdlib", protocol)
+    with pytest.raises(ValueError, match="does not exist"):
+        ts.short_runs_of(tmp_path / "missing.json", source, "lm", "stdlib", protocol)
+
+
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="unknown families"):
         ts.Plan(["dense", "sparse"], [5.0], [0], 10, 5)
