@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import harness
 import torch
-from bench_training_step import comera, dense_adamw, make_batch, paper_shape, scaling_shape
+from bench_training_step import comera, dense_adamw, explain, make_batch, paper_shape, scaling_shape
 from torch._dynamo.utils import counters
 
 DENSE, COMERA = "dense", "CoMERA"
@@ -47,6 +47,12 @@ def build_parser():
     parser.add_argument("--layers", type=harness.positive_int, default=harness.Quick(1, 6))
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--mode", default=None, help="torch.compile mode (default: torch's)")
+    parser.add_argument(
+        "--profile",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="profile compiled CoMERA against compiled dense (auto: when the target is missed)",
+    )
     return parser
 
 
@@ -90,6 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         f"CoMERA compiled is {harness.times(speedup)} dense compiled at batch {args.batch} "
         f"(target {TARGET:.0f}x: {'met' if speedup is not None and speedup >= TARGET else 'missed'})"
     )
+    profile = None
+    missed = speedup is None or speedup < TARGET
+    if args.profile == "always" or (args.profile == "auto" and missed):
+        by_name = {c.name: c for c in cands}
+        profile = {
+            "comera": harness.profile_ops(by_name[f"{COMERA} compiled"].step),
+            "other": harness.profile_ops(by_name[f"{DENSE} compiled"].step),
+        }
+        profile["why"] = explain(profile["comera"], profile["other"], f"{DENSE} compiled")
+        verdict += f"\n\nwhy (profile of the compiled steps): {profile['why']}"
     print("\n" + table + "\n\n" + verdict)
     harness.emit(
         args.out_dir / f"compiled_step{'_quick' if args.quick else ''}.json",
@@ -101,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "info": {c.name: c.info for c in cands},
             "speedup_compiled": speedup,
             "target": TARGET,
+            "profile": profile,
         },
         markdown=table + "\n\n" + verdict,
     )
