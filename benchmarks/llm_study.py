@@ -47,7 +47,11 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
     rank = next(c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("RankAdaptation"))
     trainer = config["trainer"]
     steps = int(trainer["max_steps"])
-    late_fraction = rank.pop("late_start_step", int(0.4 * steps)) / steps
+    # the study places the switch (spec.late_fraction); a config gives it as a share or as a step
+    late_step = rank.pop("late_start_step", None)
+    late_fraction = rank.pop("late_start_fraction", None)
+    if late_fraction is None:
+        late_fraction = (int(0.4 * steps) if late_step is None else late_step) / steps
     if isinstance(rank.get("late_stage"), dict):  # a policy object in the config: build it as the CLI would
         module, _, name = rank["late_stage"]["class_path"].rpartition(".")
         rank["late_stage"] = getattr(importlib.import_module(module), name)(**rank["late_stage"].get("init_args", {}))

@@ -31,9 +31,9 @@ Defaults that differ from plain LightningCLI:
   (:class:`~comera_lightning.training.KeepFreedMemory`) unless the config lists the callback itself: a step
   stops page-faulting its activations in again;
 * ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
-  ``target_size``, ``late_start_step``, ``gamma`` and ``truncate_every_n_steps``, written into the config's
-  RankAdaptation callback (LightningCLI cannot reach into a callback of a config's list); a config without
-  one refuses them.
+  ``target_size``, ``late_start_step``, ``late_start_fraction``, ``gamma`` and ``truncate_every_n_steps``,
+  written into the config's RankAdaptation callback (LightningCLI cannot reach into a callback of a config's
+  list); a config without one refuses them.
 """
 
 from __future__ import annotations
@@ -153,11 +153,21 @@ class ConfigArtifact(SaveConfigCallback):
 RANK_ADAPTATION_KNOBS: dict[str, tuple[type, str]] = {
     "target_compression": (float, "late-stage size target as a compression ratio (replaces target_size)"),
     "target_size": (int, "late-stage size target in parameters (replaces target_compression)"),
-    "late_start_step": (int, "optimiser step at which the late stage starts"),
+    "late_start_step": (int, "optimiser step at which the late stage starts (replaces late_start_fraction)"),
+    "late_start_fraction": (
+        float,
+        "share of the run's steps after which the late stage starts (replaces late_start_step)",
+    ),
     "gamma": (float, "weight of the rank penalty in the early stage"),
     "truncate_every_n_steps": (int, "how often (optimiser steps) layers are physically truncated"),
 }
-_EXCLUSIVE_TARGETS = {"target_compression": "target_size", "target_size": "target_compression"}
+# a knob given replaces its partner from the config (both set would mean two rules, the first to fire wins)
+_EXCLUSIVE_KNOBS = {
+    "target_compression": "target_size",
+    "target_size": "target_compression",
+    "late_start_step": "late_start_fraction",
+    "late_start_fraction": "late_start_step",
+}
 
 
 def apply_rank_adaptation_knobs(config: Namespace, knobs: Namespace | None) -> None:
@@ -184,8 +194,8 @@ def apply_rank_adaptation_knobs(config: Namespace, knobs: Namespace | None) -> N
             init_args = callback["init_args"] = Namespace()
         for key, value in given.items():
             init_args[key] = value
-            if key in _EXCLUSIVE_TARGETS and _EXCLUSIVE_TARGETS[key] not in given:
-                init_args[_EXCLUSIVE_TARGETS[key]] = None
+            if key in _EXCLUSIVE_KNOBS and _EXCLUSIVE_KNOBS[key] not in given:
+                init_args[_EXCLUSIVE_KNOBS[key]] = None
 
 
 def _is_rank_adaptation(class_path: Any) -> bool:

@@ -47,6 +47,13 @@ __all__ = ["RankAdaptation", "after_truncation"]
 EARLY, LATE = 0, 1
 
 
+def planned_steps(trainer: Trainer) -> int | None:
+    """The run's optimiser steps: ``trainer.max_steps`` when set, else Lightning's estimate from the epochs and the
+    training dataloader; None when the run has no finite length."""
+    total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+    return int(total) if total is not None and math.isfinite(total) else None
+
+
 class RankAdaptation(Callback):
     """Learn the ranks of every comera layer while training, towards a target model size.
 
@@ -57,7 +64,9 @@ class RankAdaptation(Callback):
         late_start_epoch: enter the late stage at this epoch.
         late_start_step: enter the late stage at this optimiser step.
         late_start_loss: enter the late stage once the smoothed training loss is at or below this.
-            With none of the three set, training stays in the early stage.
+        late_start_fraction: enter the late stage after this share of the run's planned optimiser steps
+            (``trainer.max_steps``, else ``trainer.estimated_stepping_batches``), so the schedule keeps its shape
+            when the run's length changes. With none of the four set, training stays in the early stage.
         target_compression: late-stage size target as a compression ratio (dense-equivalent / active).
         target_size: late-stage size target in parameters (takes precedence over the ratio).
         target_size_ratio: without either target, the tensorised part shrinks to this share of its size at
@@ -81,6 +90,7 @@ class RankAdaptation(Callback):
         late_start_epoch: int | None = None,
         late_start_step: int | None = None,
         late_start_loss: float | None = None,
+        late_start_fraction: float | None = None,
         target_compression: float | None = None,
         target_size: int | None = None,
         target_size_ratio: float = 0.2,
@@ -111,6 +121,12 @@ class RankAdaptation(Callback):
                 late_start_loss is None or math.isfinite(late_start_loss),
                 "a finite number or None",
             ),
+            (
+                "late_start_fraction",
+                late_start_fraction,
+                late_start_fraction is None or 0.0 <= late_start_fraction < 1.0,
+                "in [0, 1) (a share of the run's optimiser steps) or None",
+            ),
             ("target_loss", target_loss, target_loss is None or math.isfinite(target_loss), "a finite number or None"),
             ("target_size", target_size, target_size is None or target_size >= 1, "a positive parameter count"),
             ("target_size_ratio", target_size_ratio, 0.0 < target_size_ratio < 1.0, "in (0, 1)"),
@@ -130,7 +146,7 @@ class RankAdaptation(Callback):
         self.penalty, self.gamma, self.threshold = penalty, gamma, threshold
         self.late_stage = late_stage_policy(late_stage)
         self.late_start_epoch, self.late_start_step = late_start_epoch, late_start_step
-        self.late_start_loss = late_start_loss
+        self.late_start_loss, self.late_start_fraction = late_start_loss, late_start_fraction
         self.target_compression, self.target_size_arg = target_compression, target_size
         self.target_size_ratio, self.target_loss_arg = target_size_ratio, target_loss
         self.mask_every_n_steps, self.truncate_every_n_steps = mask_every_n_steps, truncate_every_n_steps
@@ -149,6 +165,7 @@ class RankAdaptation(Callback):
         self._floor = 0
         self._nonfinite_steps = 0  # optimiser steps whose gate gradients were not finite (penalty not added)
         self._warned_nonfinite = False
+        self._late_start_from_fraction: int | None = None  # late_start_fraction in steps, known at train start
 
     # --- policy (override to change the schedule) ----------------------------------------------------
     def should_enter_late_stage(self, trainer: Trainer) -> bool:
@@ -157,13 +174,15 @@ class RankAdaptation(Callback):
             return True
         if self.late_start_epoch is not None and trainer.current_epoch >= self.late_start_epoch:
             return True
+        if self._late_start_from_fraction is not None and trainer.global_step >= self._late_start_from_fraction:
+            return True
         return self.late_start_loss is not None and self.loss_ema is not None and self.loss_ema <= self.late_start_loss
 
     def needs_loss(self) -> bool:
         """Whether to track ``loss_ema`` after this step (a host sync and, under DDP, an all-reduce per step):
         in the late stage, and before it with a switch rule. Override it with :meth:`should_enter_late_stage`
         when a custom rule reads ``loss_ema``; otherwise the loss is first read at the switch."""
-        switch_rule = (self.late_start_epoch, self.late_start_step, self.late_start_loss)
+        switch_rule = (self.late_start_epoch, self.late_start_step, self.late_start_loss, self.late_start_fraction)
         return self.stage == LATE or any(v is not None for v in switch_rule)
 
     def objective_weights(self, size: float) -> ObjectiveWeights:
@@ -234,6 +253,15 @@ class RankAdaptation(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # here, unlike at fit start, a resumed run's global_step is already restored
         self._last_step = trainer.global_step
+        if self.late_start_fraction is not None:
+            total = planned_steps(trainer)
+            if total is None:
+                raise ValueError(
+                    "RankAdaptation(late_start_fraction=...) needs the run's length, but this run has no finite "
+                    "number of optimiser steps; set trainer.max_steps (or max_epochs with a sized training "
+                    "dataloader), or give late_start_step instead"
+                )
+            self._late_start_from_fraction = round(self.late_start_fraction * total)
 
     def _requested_target_size(self, dense: float) -> float | None:
         if self.target_size_arg is not None:
@@ -350,13 +378,7 @@ class RankAdaptation(Callback):
         self.target_loss = self.target_loss_arg if self.target_loss_arg is not None else self.loss_ema
         self.stage = LATE
         self.switch_step = trainer.global_step
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self.late_stage.start(
-            trainer.global_step,
-            size,
-            self.target_size,
-            int(total) if total is not None and math.isfinite(total) else None,
-        )
+        self.late_stage.start(trainer.global_step, size, self.target_size, planned_steps(trainer))
         rank_zero_info(
             f"RankAdaptation: late stage from step {trainer.global_step}: size {size:,} -> target "
             f"{self.target_size:,.0f} parameters, loss target {self.target_loss:.4g}"

@@ -21,6 +21,17 @@ def test_spec_from_a_text_config_keeps_its_datamodule_and_recipe():
     assert spec.late_fraction == pytest.approx(0.5)
 
 
+def test_a_config_that_starts_the_late_stage_at_a_share_of_the_run(tmp_path):
+    # the study places the switch itself (spec.late_fraction), so the share leaves the callback's arguments
+    config = tmp_path / "llm.yaml"
+    config.write_text(
+        LLM_60M.read_text().replace("late_start_step: 5000", "late_start_fraction: 0.1"), encoding="utf-8"
+    )
+    spec = llm_study.spec_from_config(config)
+    assert spec.late_fraction == pytest.approx(0.1) and spec.late_start_step == 1000
+    assert "late_start_fraction" not in spec.rank_kwargs and "late_start_step" not in spec.rank_kwargs
+
+
 def test_overrides_set_nested_values_as_yaml():
     spec = llm_study.spec_from_config(LLM_60M)
     llm_study.apply_overrides(

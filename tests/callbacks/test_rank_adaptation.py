@@ -105,6 +105,23 @@ def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path, polic
     )
 
 
+@pytest.mark.parametrize(("limits", "switch"), [({"max_steps": 40}, 10), ({"max_steps": -1, "max_epochs": 2}, 4)])
+def test_late_start_fraction_is_a_share_of_the_planned_steps(tmp_path, limits, switch):
+    # regression_loader has 8 batches: 2 epochs are 16 steps, whose quarter is step 4
+    callback = RankAdaptation(late_start_fraction=0.25, target_compression=2.0, truncate_every_n_steps=None)
+    _trainer(tmp_path, [callback], **limits).fit(TinyRegressor(), regression_loader())
+    assert callback.stage == 1 and callback.switch_step == switch
+
+
+def test_late_start_fraction_needs_a_run_of_known_length(tmp_path):
+    with pytest.raises(ValueError, match=r"late_start_fraction must be in \[0, 1\)"):
+        RankAdaptation(late_start_fraction=1.0)
+    callback = RankAdaptation(late_start_fraction=0.5)
+    trainer = _trainer(tmp_path, [callback], max_steps=-1, max_epochs=-1, max_time={"seconds": 30})
+    with pytest.raises(ValueError, match=r"needs the run's length.*set trainer\.max_steps"):
+        trainer.fit(TinyRegressor(), regression_loader())
+
+
 def test_accumulation_adds_penalty_once_per_optimizer_step(tmp_path):
     calls = []
 

@@ -86,6 +86,26 @@ def test_a_size_target_replaces_the_configs_ratio_and_the_ratio_a_size():
     assert (init_args.target_size, init_args.target_compression) == (None, 8.0)
 
 
+def test_a_start_fraction_replaces_the_configs_start_step_and_the_step_a_fraction():
+    with pytest.raises(_Parsed) as parsed:
+        _ParseOnly(args=["fit", f"--config={CONFIGS / 'llm_cpu.yaml'}", "--rank_adaptation.late_start_fraction=0.2"])
+    (init_args,) = _rank_adaptation_args(parsed.value.config)
+    assert (init_args.late_start_fraction, init_args.get("late_start_step")) == (0.2, None)
+    config = Namespace(
+        trainer=Namespace(
+            callbacks=[
+                Namespace(
+                    class_path="comera_lightning.callbacks.RankAdaptation",
+                    init_args=Namespace(late_start_fraction=0.1, late_start_step=None),
+                )
+            ]
+        )
+    )
+    apply_rank_adaptation_knobs(config, Namespace(late_start_step=300))
+    init_args = config.trainer.callbacks[0].init_args
+    assert (init_args.late_start_step, init_args.late_start_fraction) == (300, None)
+
+
 def test_a_config_without_rank_adaptation_refuses_the_knobs_and_says_why(capsys):
     with pytest.raises(SystemExit):
         _ParseOnly(args=["fit", f"--config={CONFIGS / 'mnli_6enc_dense.yaml'}", "--rank_adaptation.gamma=0.1"])
