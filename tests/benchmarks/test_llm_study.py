@@ -18,17 +18,19 @@ def test_spec_from_a_text_config_keeps_its_datamodule_and_recipe():
     assert spec.datamodule == "TextLMDataModule"
     assert spec.task_kwargs["layer_config"]["low_rank_linears"] == "lm_head"
     assert spec.task_kwargs["optim"]["schedule"] == "cosine"
-    assert spec.late_fraction == pytest.approx(0.5)
+    assert spec.late_fraction == pytest.approx(0.1)  # late_start_fraction
+    assert "late_start_fraction" not in spec.rank_kwargs
+    assert spec.rank_kwargs["late_stage"].ramp_fraction == 0.45  # the config's policy, built as the CLI would
 
 
-def test_a_config_that_starts_the_late_stage_at_a_share_of_the_run(tmp_path):
-    # the study places the switch itself (spec.late_fraction), so the share leaves the callback's arguments
+def test_a_config_that_starts_the_late_stage_at_a_step(tmp_path):
+    # the study places the switch itself (spec.late_fraction), so the step leaves the callback's arguments
     config = tmp_path / "llm.yaml"
     config.write_text(
-        LLM_60M.read_text().replace("late_start_step: 5000", "late_start_fraction: 0.1"), encoding="utf-8"
+        LLM_60M.read_text().replace("late_start_fraction: 0.1", "late_start_step: 2500"), encoding="utf-8"
     )
     spec = llm_study.spec_from_config(config)
-    assert spec.late_fraction == pytest.approx(0.1) and spec.late_start_step == 1000
+    assert spec.late_fraction == pytest.approx(0.25) and spec.late_start_step == 2500
     assert "late_start_fraction" not in spec.rank_kwargs and "late_start_step" not in spec.rank_kwargs
 
 
@@ -60,7 +62,7 @@ def test_overrides_refuse_what_they_cannot_place(item):
 def test_run_length_keeps_every_interval_share_of_the_run():
     spec = llm_study.spec_from_config(LLM_60M)  # 10000 steps, warmup 1000, truncation every 500, validation 1000
     short = llm_study.run_length(spec, 1000)
-    assert short.steps == 1000 and short.late_start_step == 500
+    assert short.steps == 1000 and short.late_start_step == 100
     assert short.task_kwargs["optim"]["warmup_steps"] == 100
     assert short.rank_kwargs["truncate_every_n_steps"] == 50 and short.val_every == 100
     assert spec.task_kwargs["optim"]["warmup_steps"] == 1000  # the original is left as it was
