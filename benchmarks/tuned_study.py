@@ -37,7 +37,7 @@ a rerun resumes. Two worker processes of one torch thread each train at once.
     python benchmarks/tuned_study.py --task mlm --sizes 5 20   # the masked LM (docs/data/mlm_stdlib.json)
     python benchmarks/tuned_study.py --quick --out /tmp/q.json
     python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --steps 4520 --seeds 0 --sizes 5 \
-        --out docs/data/lm_stdlib_long.json                  # the same rates at 10 tokens per parameter
+        --out docs/data/lm_stdlib_long.json                  # the same rates, finals only, 4.5x the budget
     python benchmarks/quality_report.py                      # tables and plots into docs/results.md
 """
 
