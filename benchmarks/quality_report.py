@@ -236,7 +236,8 @@ def markdown(study: dict[str, Any], name: str) -> str:
             f"Final runs: {protocol.get('steps')} steps, {tokens / 1e6:.2f} M tokens each{per_param}; seeds "
             f"{protocol.get('seeds')}. Sweeps and checks: {protocol.get('sweep_steps')} steps. Every run: "
             f"AdamW, one rate for all weights (gates {protocol.get('gate_lr')}), warm-up, cosine to "
-            f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}.",
+            f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}."
+            + (f" Settings changed from the config: `{' '.join(protocol['set'])}`." if protocol.get("set") else ""),
             "",
         ]
     rows = []
@@ -319,7 +320,14 @@ def markdown(study: dict[str, Any], name: str) -> str:
             "",
         ]
     source = study.get("rates_from")
-    if source:  # its short runs are copies: the source's section shows them
+    if source and protocol.get("recheck"):  # the copied sweeps are in the source's section
+        lines += [
+            f"Rates: each family's sweep in `docs/data/{source}` chose its rate; this study checked it at every size "
+            "on its own data (best, x2, /2):",
+            "",
+            *sweep_table({**study, "runs": [r for r in study["runs"] if "copied_from" not in r]}),
+        ]
+    elif source:  # its short runs are copies: the source's section shows them
         lines.append(f"Rates: the sweeps and checks of `docs/data/{source}`; only the finals ran here.")
     else:
         lines += sweep_table(study)

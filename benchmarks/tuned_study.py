@@ -152,6 +152,7 @@ class Plan:
         steps: int,
         sweep_steps: int,
         grid: Sequence[float] = GRID,
+        recheck: bool = False,
     ) -> None:
         unknown = sorted(set(families) - set(FAMILIES))
         if unknown:
@@ -161,6 +162,9 @@ class Plan:
         self.families, self.sizes, self.seeds = list(families), [float(s) for s in sizes], list(seeds)
         self.steps, self.sweep_steps, self.grid = steps, sweep_steps, list(grid)
         self.middle = MIDDLE if MIDDLE in self.sizes else self.sizes[len(self.sizes) // 2]
+        # the sweeps ran on other data (--rates-from a study without this one's --set): every size, the sweep's
+        # own included, checks the swept rate on this study's data
+        self.recheck = recheck
 
     def sizes_of(self, family: str) -> list[float]:
         return [1.0] if family in FULL_WIDTH else self.sizes
@@ -183,7 +187,7 @@ class Plan:
         _, best = sweep_rates(sweep, self.grid)
         if best is None:
             return None
-        if size == sweep_size:
+        if size == sweep_size and not self.recheck:
             short = [r for r in runs if r["phase"] == "sweep" and r["family"] == family and r["size"] == size]
         else:
             checks = [r for r in runs if r["phase"] == "check" and r["family"] == family and r["size"] == size]
@@ -219,7 +223,7 @@ class Plan:
             for size in self.sizes_of(family):
                 if family == "tt" and not self._comera_ranks_known(runs, size):
                     continue
-                if size != sweep_size:
+                if size != sweep_size or self.recheck:
                     jobs += [
                         Job("check", family, size, self.seeds[0], lr, self.sweep_steps) for lr in check_rates(best)
                     ]
@@ -235,6 +239,8 @@ class Plan:
         def priority(job: Job) -> tuple:
             if job.phase == "sweep":
                 return (0, 0, 0, self.families.index(job.family))
+            if job.phase == "check" and job.size == self.sweep_size(job.family):  # a recheck gates its finals
+                return (0, 1, 0, self.families.index(job.family))
             family_rank = FINAL_ORDER.index(job.family)
             if job.size == self.sweep_size(job.family):
                 return (1, 0, self.seeds.index(job.seed), family_rank)
@@ -277,11 +283,14 @@ def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict
 # models
 
 
-def base_spec(task: str, corpus: str, seed: int, steps: int, quick: bool):
-    """The study spec of ``task`` on ``corpus`` with the protocol's clipping (models come from :func:`task_kwargs`)."""
+def base_spec(task: str, corpus: str, seed: int, steps: int, quick: bool, overrides: Sequence[str] = ()):
+    """The study spec of ``task`` on ``corpus`` with the protocol's clipping and ``--set`` ``overrides``
+    (``SECTION.KEY=VALUE``; models come from :func:`task_kwargs`)."""
+    import llm_study
     import pareto_study
 
     spec = pareto_study.study_spec(task, corpus, seed, steps, quick)
+    llm_study.apply_overrides(spec, list(overrides))
     val_every = max(1, steps // 12)
     return replace(
         spec,
@@ -501,6 +510,7 @@ def run_job(
     knob: float | None,
     ranks: dict[str, list[int]] | None,
     cache_dir: str,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train one job and return its record (the fields of a ``runs`` entry)."""
     import llm_study
@@ -510,8 +520,8 @@ def run_job(
     from comera_lightning.callbacks import ScheduledLateStage
 
     job = Job(**job)
-    spec = base_spec(task_name, corpus, job.seed, job.steps, quick)
-    key = (task_name, corpus, job.seed, quick)
+    spec = base_spec(task_name, corpus, job.seed, job.steps, quick, overrides)
+    key = (task_name, corpus, job.seed, quick, tuple(overrides))
     if key not in _DATAMODULES:
         _DATAMODULES.clear()
         _DATAMODULES[key] = study.build_datamodule(spec, Path(cache_dir))
@@ -574,8 +584,10 @@ def run_job(
 def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dict[str, Any]) -> list[dict[str, Any]]:
     """The sweep and check runs of the study in ``source``, which a new study at ``out`` starts from.
 
-    They fix every (family, size)'s rate, so the new study runs only finals: the same rates at another budget
-    (``--steps``) or other seeds. The source must be the same task, corpus and short-run protocol."""
+    With the same ``--set`` they fix every (family, size)'s rate, so the new study runs only finals: the same rates
+    at another budget (``--steps``) or other seeds. With another ``--set`` (say more data) only the sweeps are
+    taken: they choose each family's rate, which the new study checks at every size on its own data
+    (``Plan(recheck=True)``). The source must be the same task, corpus and short-run protocol."""
     import harness
 
     if source.resolve() == out.resolve():
@@ -595,7 +607,8 @@ def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dic
             f"--rates-from {source} is another study (theirs, this one's: {mismatched}); its rates hold only for the"
             " same task, corpus, --sweep-steps and --quick"
         )
-    short = [{**run, "copied_from": source.name} for run in state.get("runs", []) if run.get("phase") != "final"]
+    phases = ("sweep", "check") if list(old.get("set", [])) == list(protocol.get("set", [])) else ("sweep",)
+    short = [{**run, "copied_from": source.name} for run in state.get("runs", []) if run.get("phase") in phases]
     if not short:
         raise ValueError(f"--rates-from {source} holds no sweep or check runs to take the rates from")
     return short
@@ -613,10 +626,13 @@ class Study:
         quick: bool,
         cache_dir: Path,
         rates_from: Path | None = None,
+        overrides: Sequence[str] = (),
     ) -> None:
+        """``plan.recheck`` is set here: it holds when the study's sweeps were copied from another ``--set``."""
         import harness
 
         self.path, self.task, self.corpus, self.plan = path, task, corpus, plan
+        self.overrides = list(overrides)
         self.quick, self.cache_dir = quick, cache_dir
         protocol = {
             "families": plan.families,
@@ -629,12 +645,13 @@ class Study:
             "final_lr_ratio": FINAL_LR_RATIO,
             "grad_clip": GRAD_CLIP,
             "quick": quick,
+            "set": self.overrides,
         }
         if path.exists():
             state = harness.read_json(path)
             old = state.get("protocol", {})
             # the final runs' length may change (each final records its steps); the sweeps' may not
-            if any(old.get(k) != protocol[k] for k in ("sweep_steps", "grid", "quick")):
+            if any({"set": [], **old}.get(k) != protocol[k] for k in ("sweep_steps", "grid", "quick", "set")):
                 raise ValueError(
                     f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
                     " give another --out, or move that file away"
@@ -645,7 +662,9 @@ class Study:
             if rates_from is not None:
                 self.state["rates_from"] = rates_from.name
                 self.state["runs"] = short_runs_of(rates_from, path, task, corpus, protocol)
-        self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick)
+                self.state["protocol"]["recheck"] = not any(r["phase"] == "check" for r in self.runs)
+        plan.recheck = bool(self.state["protocol"].get("recheck", False))
+        self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick, self.overrides)
         self.full = active_parameters(self.spec, family_kwargs(self.spec, "dense", None))
         self.state["full_dense_params"] = self.full
         self._knobs: dict[tuple[str, float], float | None] = {}
@@ -689,7 +708,15 @@ class Study:
                     )
                     running[
                         pool.submit(
-                            run_job, asdict(job), self.task, self.corpus, self.quick, knob, ranks, str(self.cache_dir)
+                            run_job,
+                            asdict(job),
+                            self.task,
+                            self.corpus,
+                            self.quick,
+                            knob,
+                            ranks,
+                            str(self.cache_dir),
+                            self.overrides,
                         )
                     ] = job
                 if not running:
@@ -745,6 +772,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--hours", type=float, default=None, help="start no run after this many hours")
     parser.add_argument("--quick", action="store_true", help="a tiny model and data: a smoke run")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="change the study's model, data or rank settings (values read as YAML), e.g. data.max_files=null",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default docs/data/<task>_<corpus>.json")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "comera")
     parser.add_argument(
@@ -762,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "docs" / "data" / f"{args.task}_{corpus}.json"
     try:
         plan = Plan(args.families, args.sizes, args.seeds, args.steps, args.sweep_steps)
-        study = Study(out, args.task, args.corpus, plan, args.quick, args.cache_dir, args.rates_from)
+        study = Study(out, args.task, args.corpus, plan, args.quick, args.cache_dir, args.rates_from, args.overrides)
     except ValueError as err:
         parser.error(str(err))
     deadline = None if args.hours is None else time.time() + 3600 * args.hours

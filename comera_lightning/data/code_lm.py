@@ -141,6 +141,9 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         batch_size: rows per batch.
         max_sequences: keep at most this many training rows (a seeded random subset) and proportionally many
             validation rows (at least one); the cache always holds the whole streams.
+        max_val_sequences: keep at most this many validation rows (a seeded random subset of the whole split, in
+            stream order), whatever ``max_sequences`` is: validation on a large corpus stays cheap and still samples
+            every part of it, where ``limit_val_batches`` alone reads only the first files.
         prompt_len: tokens per prediction prompt.
         num_prompts: how many prompts ``predict`` samples from.
         num_workers: DataLoader worker processes.
@@ -157,6 +160,7 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         val_fraction: float = 0.05,
         max_files: int | None = None,
         max_sequences: int | None = None,
+        max_val_sequences: int | None = None,
         cache_dir: str = ".cache/comera",
         tokenizer_path: str | None = None,
         include_tests: bool = False,
@@ -174,12 +178,15 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_sequences is not None and max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
+        if max_val_sequences is not None and max_val_sequences < 1:
+            raise ValueError(f"max_val_sequences must be >= 1 or None, got {max_val_sequences}")
         if prompt_len < 1 or num_prompts < 1:
             raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
         self.save_hyperparameters()
         self.root, self.pattern, self.include_tests = root, pattern, include_tests
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
         self.val_fraction, self.max_files, self.max_sequences = val_fraction, max_files, max_sequences
+        self.max_val_sequences = max_val_sequences
         self.cache_dir, self.tokenizer_path = cache_dir, tokenizer_path
         self.prompt_len, self.num_prompts = prompt_len, num_prompts
         self.num_workers, self.seed = num_workers, seed
@@ -242,15 +249,16 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
             raise ValueError(
                 f"the training files under {str(self.corpus_root)!r} contain fewer than two tokens; add non-empty files"
             )
-        if self.max_sequences is not None:
-            g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(self.seed)
+        n_val = self.max_val_sequences
+        if n_val is None and self.max_sequences is not None:
             n_val = max(1, round(self.max_sequences * self.val_fraction / (1.0 - self.val_fraction)))
-            for name, keep in (("train", self.max_sequences), ("val", n_val)):
-                rows = len(splits[name][0])
-                if rows > keep:
-                    chosen = torch.randperm(rows, generator=g)[:keep].sort().values
-                    inputs, labels = splits[name]
-                    splits[name] = inputs[chosen], labels[chosen]
+        for name, keep in (("train", self.max_sequences), ("val", n_val)):
+            rows = len(splits[name][0])
+            if keep is not None and rows > keep:
+                chosen = torch.randperm(rows, generator=g)[:keep].sort().values
+                inputs, labels = splits[name]
+                splits[name] = inputs[chosen], labels[chosen]
         self.train_dataset = TensorDictDataset(input_ids=splits["train"][0], labels=splits["train"][1])
         self.val_dataset = TensorDictDataset(input_ids=splits["val"][0], labels=splits["val"][1])
 

@@ -167,6 +167,67 @@ def test_a_study_at_another_budget_takes_the_rates_and_runs_only_finals(tmp_path
     assert "the sweeps and checks of `docs/data/lm_stdlib.json`" in text and "Learning-rate sweeps" not in text
 
 
+def test_a_study_on_other_data_takes_only_the_sweeps_and_checks_every_size(tmp_path):
+    grid = (1e-3, 2e-3, 4e-3)
+    plan = ts.Plan(["dense", "narrow"], [5.0, 20.0], [0], steps=100, sweep_steps=20, grid=grid)
+    runs = [finished(j, 3.0 if math.isclose(j.lr, 2e-3) else 3.5) for j in plan.pending([])]
+    runs += [finished(j, 3.0) for j in plan.pending(runs)]  # the checks at 20x and the finals at 1x and 5x
+    protocol = {"sweep_steps": 20, "grid": list(grid), "quick": False}
+    source = tmp_path / "lm_stdlib.json"
+    source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": runs}))
+
+    more_data = {**protocol, "set": ["data.max_files=null"]}
+    short = ts.short_runs_of(source, tmp_path / "lm_stdlib_all.json", "lm", "stdlib", more_data)
+    assert {r["phase"] for r in short} == {"sweep"}  # the source's checks ran on its own data
+    longer = ts.Plan(["dense", "narrow"], [5.0, 20.0], [0], steps=400, sweep_steps=20, grid=grid, recheck=True)
+    todo = longer.pending(short)
+    # the swept rate is checked at every size, the sweep's own included, before any final
+    assert {(j.phase, j.family, j.size) for j in todo} == {
+        ("check", "dense", 1.0),
+        ("check", "narrow", 5.0),
+        ("check", "narrow", 20.0),
+    }
+    assert sorted(j.lr for j in todo if j.family == "dense") == pytest.approx([1e-3, 2e-3, 4e-3])
+    # on the new data the narrow model prefers /2 at 5x: its finals there follow the check, not the sweep
+    preferred = {("narrow", 1e-3), ("dense", 2e-3)}
+    checked = short + [finished(j, 2.0 if (j.family, j.lr) in preferred else 2.5) for j in todo]
+    finals = longer.pending(checked)
+    assert {(j.family, j.size, j.lr, j.steps) for j in finals} == {
+        ("dense", 1.0, 2e-3, 400),
+        ("narrow", 5.0, 1e-3, 400),
+        ("narrow", 20.0, 1e-3, 400),
+    }
+    # a recheck at the sweep size comes before the finals there; other sizes follow as before
+    half = short + [finished(j, 2.5) for j in todo if j.family == "dense"]
+    assert [(j.phase, j.size) for j in longer.pending(half)] == [("check", 5.0)] * 3 + [("final", 1.0)] + [
+        ("check", 20.0)
+    ] * 3
+    text = qr.markdown(
+        {"rates_from": source.name, "protocol": {**more_data, "recheck": True, "steps": 400}, "runs": checked},
+        "lm_stdlib_all",
+    )
+    assert "checked it at every size on its own data" in text and "| dense-narrowed | 5x | 2.000 |" in text
+    assert "3.500" not in text  # the copied sweeps are the source's section's
+
+
+def test_a_resumed_study_with_other_settings_is_refused(tmp_path):
+    out = tmp_path / "lm_stdlib.json"
+    plan = ts.Plan(["narrow"], [5.0], [0], steps=12, sweep_steps=6)
+    ts.Study(out, "lm", "stdlib", plan, True, tmp_path, overrides=["data.max_sequences=300"]).save()
+    ts.Study(out, "lm", "stdlib", plan, True, tmp_path, overrides=["data.max_sequences=300"])  # the same: resumes
+    with pytest.raises(ValueError, match="another protocol"):
+        ts.Study(out, "lm", "stdlib", plan, True, tmp_path)
+    before = out.read_text()
+    with pytest.raises(ValueError, match=r"SECTION\.KEY=VALUE"):
+        ts.Study(tmp_path / "other.json", "lm", "stdlib", plan, True, tmp_path, overrides=["max_files=3"])
+    assert out.read_text() == before and not (tmp_path / "other.json").exists()
+
+
+def test_overrides_reach_the_spec():
+    spec = ts.base_spec("lm", "stdlib", 0, 20, quick=True, overrides=["data.max_sequences=123", "data.root=/x"])
+    assert spec.data_kwargs["max_sequences"] == 123 and spec.data_kwargs["root"] == "/x"
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

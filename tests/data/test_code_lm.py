@@ -99,10 +99,32 @@ def test_loaders_prompts_and_decode(tree, tmp_path):
     assert dm.decode(dm.tokenizer.encode(text, add_special_tokens=False).ids) == text
 
 
+def test_max_val_sequences_caps_validation_alone_with_rows_from_the_whole_split(tree, tmp_path):
+    every = _dm(tree, tmp_path)
+    every.setup("fit")
+    all_val = every.val_dataset.tensors["input_ids"]
+    assert len(all_val) >= 6
+    capped = _dm(tree, tmp_path, max_val_sequences=4, seed=1)
+    capped.setup("fit")
+    kept = capped.val_dataset.tensors["input_ids"]
+    assert len(kept) == 4 and len(capped.train_dataset) == len(every.train_dataset)  # training rows untouched
+    rows = [next(i for i, row in enumerate(all_val) if torch.equal(row, k)) for k in kept]
+    assert rows == sorted(rows)  # stream order kept: a loader's first batches are not a shuffled sample
+    # it wins over the share that max_sequences implies, and a cap above the split keeps every row
+    both = _dm(tree, tmp_path, max_sequences=6, max_val_sequences=3)
+    both.setup("fit")
+    assert (len(both.train_dataset), len(both.val_dataset)) == (6, 3)
+    loose = _dm(tree, tmp_path, max_val_sequences=10_000)
+    loose.setup("fit")
+    assert torch.equal(loose.val_dataset.tensors["input_ids"], all_val)
+
+
 def test_bad_settings_are_refused(tree, tmp_path):
     with pytest.raises(ValueError, match="seq_len"):
         _dm(tree, tmp_path, seq_len=1)
     with pytest.raises(ValueError, match="max_sequences"):
         _dm(tree, tmp_path, max_sequences=0)
+    with pytest.raises(ValueError, match="max_val_sequences must be >= 1"):
+        _dm(tree, tmp_path, max_val_sequences=0)
     with pytest.raises(ValueError, match="prompt_len"):
         _dm(tree, tmp_path, prompt_len=0)
