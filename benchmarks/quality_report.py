@@ -234,7 +234,8 @@ def markdown(study: dict[str, Any], name: str) -> str:
         per_param = f", {tokens / full:.1f} tokens per parameter of the full dense model" if full else ""
         lines += [
             f"Final runs: {protocol.get('steps')} steps, {tokens / 1e6:.2f} M tokens each{per_param}; seeds "
-            f"{protocol.get('seeds')}. Sweeps and checks: {protocol.get('sweep_steps')} steps. Every run: "
+            f"{protocol.get('seeds')}. {'Checks' if protocol.get('recheck') else 'Sweeps and checks'}: "
+            f"{protocol.get('sweep_steps')} steps. Every run: "
             f"AdamW, one rate for all weights (gates {protocol.get('gate_lr')}), warm-up, cosine to "
             f"{protocol.get('final_lr_ratio')} of the peak, clipping at {protocol.get('grad_clip')}."
             + (f" Settings changed from the config: `{' '.join(protocol['set'])}`." if protocol.get("set") else ""),

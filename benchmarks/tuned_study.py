@@ -587,7 +587,8 @@ def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dic
     With the same ``--set`` they fix every (family, size)'s rate, so the new study runs only finals: the same rates
     at another budget (``--steps``) or other seeds. With another ``--set`` (say more data) only the sweeps are
     taken: they choose each family's rate, which the new study checks at every size on its own data
-    (``Plan(recheck=True)``). The source must be the same task, corpus and short-run protocol."""
+    (``Plan(recheck=True)``), in runs of its own ``--sweep-steps``. The source must be the same task, corpus and
+    learning-rate grid."""
     import harness
 
     if source.resolve() == out.resolve():
@@ -599,15 +600,16 @@ def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dic
     mismatched = {
         key: (state.get(key), value) for key, value in (("task", task), ("corpus", corpus)) if state.get(key) != value
     }
-    mismatched |= {
-        key: (old.get(key), protocol[key]) for key in ("sweep_steps", "grid", "quick") if old.get(key) != protocol[key]
-    }
+    same_data = list(old.get("set", [])) == list(protocol.get("set", []))
+    # on other data every rate is checked again, so the checks may be longer than the source's sweeps
+    keys = ("sweep_steps", "grid", "quick") if same_data else ("grid", "quick")
+    mismatched |= {key: (old.get(key), protocol[key]) for key in keys if old.get(key) != protocol[key]}
     if mismatched:
         raise ValueError(
             f"--rates-from {source} is another study (theirs, this one's: {mismatched}); its rates hold only for the"
-            " same task, corpus, --sweep-steps and --quick"
+            " same task, corpus, --quick and learning-rate grid (and --sweep-steps unless --set differs)"
         )
-    phases = ("sweep", "check") if list(old.get("set", [])) == list(protocol.get("set", [])) else ("sweep",)
+    phases = ("sweep", "check") if same_data else ("sweep",)
     short = [{**run, "copied_from": source.name} for run in state.get("runs", []) if run.get("phase") in phases]
     if not short:
         raise ValueError(f"--rates-from {source} holds no sweep or check runs to take the rates from")

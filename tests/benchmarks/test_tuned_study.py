@@ -176,10 +176,10 @@ def test_a_study_on_other_data_takes_only_the_sweeps_and_checks_every_size(tmp_p
     source = tmp_path / "lm_stdlib.json"
     source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": runs}))
 
-    more_data = {**protocol, "set": ["data.max_files=null"]}
+    more_data = {**protocol, "sweep_steps": 40, "set": ["data.max_files=null"]}  # longer checks are allowed
     short = ts.short_runs_of(source, tmp_path / "lm_stdlib_all.json", "lm", "stdlib", more_data)
     assert {r["phase"] for r in short} == {"sweep"}  # the source's checks ran on its own data
-    longer = ts.Plan(["dense", "narrow"], [5.0, 20.0], [0], steps=400, sweep_steps=20, grid=grid, recheck=True)
+    longer = ts.Plan(["dense", "narrow"], [5.0, 20.0], [0], steps=400, sweep_steps=40, grid=grid, recheck=True)
     todo = longer.pending(short)
     # the swept rate is checked at every size, the sweep's own included, before any final
     assert {(j.phase, j.family, j.size) for j in todo} == {
@@ -188,6 +188,7 @@ def test_a_study_on_other_data_takes_only_the_sweeps_and_checks_every_size(tmp_p
         ("check", "narrow", 20.0),
     }
     assert sorted(j.lr for j in todo if j.family == "dense") == pytest.approx([1e-3, 2e-3, 4e-3])
+    assert {j.steps for j in todo} == {40}
     # on the new data the narrow model prefers /2 at 5x: its finals there follow the check, not the sweep
     preferred = {("narrow", 1e-3), ("dense", 2e-3)}
     checked = short + [finished(j, 2.0 if (j.family, j.lr) in preferred else 2.5) for j in todo]
