@@ -36,8 +36,13 @@ a rerun resumes. Two worker processes of one torch thread each train at once.
     python benchmarks/tuned_study.py --corpus site:sqlalchemy --seeds 0
     python benchmarks/tuned_study.py --task mlm --sizes 5 20   # the masked LM (docs/data/mlm_stdlib.json)
     python benchmarks/tuned_study.py --quick --out /tmp/q.json
-    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --steps 4520 --seeds 0 --sizes 5 \
-        --out docs/data/lm_stdlib_long.json                  # the same rates, finals only, 4.5x the budget
+    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --steps 2000 --seeds 3 4 \
+        --out docs/data/lm_stdlib_2k.json                    # the same rates and data, finals only, twice the budget
+    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --sweep-steps 1000 --steps 4520 \
+        --seeds 0 --sizes 5 --families dense narrow lowrank cola tt comera comera_early \
+        --set data.include_tests=true data.max_files=null data.max_sequences=null data.max_val_sequences=640 \
+        --out docs/data/lm_stdlib_10tpp.json                 # 10 tokens per parameter on the whole standard library:
+                                                             # the swept rates checked again on the new data
     python benchmarks/quality_report.py                      # tables and plots into docs/results.md
 """
 
