@@ -586,14 +586,17 @@ def run_job(
 # the driver
 
 
-def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dict[str, Any]) -> list[dict[str, Any]]:
-    """The sweep and check runs of the study in ``source``, which a new study at ``out`` starts from.
+def short_runs_of(
+    source: Path, out: Path, task: str, corpus: str, protocol: dict[str, Any], families: Sequence[str] = ()
+) -> tuple[list[dict[str, Any]], bool]:
+    """(The sweep and check runs of the study in ``source``, which a new study at ``out`` starts from; whether the
+    new study must check every rate again).
 
     With the same ``--set`` they fix every (family, size)'s rate, so the new study runs only finals: the same rates
     at another budget (``--steps``) or other seeds. With another ``--set`` (say more data) only the sweeps are
     taken: they choose each family's rate, which the new study checks at every size on its own data
     (``Plan(recheck=True)``), in runs of its own ``--sweep-steps``. The source must be the same task, corpus and
-    learning-rate grid."""
+    learning-rate grid, and hold a finished sweep of every one of ``families`` when the data differ."""
     import harness
 
     if source.resolve() == out.resolve():
@@ -618,7 +621,19 @@ def short_runs_of(source: Path, out: Path, task: str, corpus: str, protocol: dic
     short = [{**run, "copied_from": source.name} for run in state.get("runs", []) if run.get("phase") in phases]
     if not short:
         raise ValueError(f"--rates-from {source} holds no sweep or check runs to take the rates from")
-    return short
+    if not same_data:  # a sweep finished here would mix two corpora in one choice
+        grid = protocol["grid"]
+        unswept = [
+            f
+            for f in families
+            if sweep_rates({r["lr"]: r["val_loss"] for r in short if r["family"] == f}, grid)[1] is None
+        ]
+        if unswept:
+            raise ValueError(
+                f"--rates-from {source} has no finished sweep of {unswept}, and this study's --set differs from its"
+                " own; finish those sweeps there first, or leave those families out"
+            )
+    return short, not same_data
 
 
 class Study:
@@ -668,8 +683,8 @@ class Study:
             self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
             if rates_from is not None:
                 self.state["rates_from"] = rates_from.name
-                self.state["runs"] = short_runs_of(rates_from, path, task, corpus, protocol)
-                self.state["protocol"]["recheck"] = not any(r["phase"] == "check" for r in self.runs)
+                self.state["runs"], recheck = short_runs_of(rates_from, path, task, corpus, protocol, plan.families)
+                self.state["protocol"]["recheck"] = recheck
         plan.recheck = bool(self.state["protocol"].get("recheck", False))
         self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick, self.overrides)
         self.full = active_parameters(self.spec, family_kwargs(self.spec, "dense", None))

@@ -154,7 +154,8 @@ def test_a_study_at_another_budget_takes_the_rates_and_runs_only_finals(tmp_path
     source = tmp_path / "lm_stdlib.json"
     source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": runs}))
 
-    short = ts.short_runs_of(source, tmp_path / "lm_stdlib_long.json", "lm", "stdlib", protocol)
+    short, recheck = ts.short_runs_of(source, tmp_path / "lm_stdlib_long.json", "lm", "stdlib", protocol)
+    assert not recheck
     assert {r["phase"] for r in short} == {"sweep", "check"} and len(short) == len(runs) - 4
     assert all(r["copied_from"] == "lm_stdlib.json" for r in short)
     longer = ts.Plan(["narrow", "comera"], [5.0, 20.0], [0], steps=400, sweep_steps=20, grid=(1e-3, 2e-3, 4e-3))
@@ -177,8 +178,10 @@ def test_a_study_on_other_data_takes_only_the_sweeps_and_checks_every_size(tmp_p
     source.write_text(json.dumps({"task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": runs}))
 
     more_data = {**protocol, "sweep_steps": 40, "set": ["data.max_files=null"]}  # longer checks are allowed
-    short = ts.short_runs_of(source, tmp_path / "lm_stdlib_all.json", "lm", "stdlib", more_data)
-    assert {r["phase"] for r in short} == {"sweep"}  # the source's checks ran on its own data
+    short, recheck = ts.short_runs_of(source, tmp_path / "lm_stdlib_all.json", "lm", "stdlib", more_data, ["narrow"])
+    assert recheck and {r["phase"] for r in short} == {"sweep"}  # the source's checks ran on its own data
+    with pytest.raises(ValueError, match=r"no finished sweep of \['cola'\]"):
+        ts.short_runs_of(source, tmp_path / "lm_stdlib_all.json", "lm", "stdlib", more_data, ["narrow", "cola"])
     longer = ts.Plan(["dense", "narrow"], [5.0, 20.0], [0], steps=400, sweep_steps=40, grid=grid, recheck=True)
     todo = longer.pending(short)
     # the swept rate is checked at every size, the sweep's own included, before any final
