@@ -380,10 +380,11 @@ def sweep_table(study: dict[str, Any]) -> list[str]:
 
 
 def figure(study: dict[str, Any], name: str):
-    """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves."""
+    """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves; every
+    family's curve at the middle size (which model left a plateau when)."""
     import harness
 
-    fig, axes = harness.new_figure(4, width=4.6, height=4.0)
+    fig, axes = harness.new_figure(5, width=4.6, height=4.0)
     by = finals(study)
     families = [f for f in ORDER if any(family == f for family, _ in by)]
     for i, family in enumerate(families):
@@ -419,6 +420,19 @@ def figure(study: dict[str, Any], name: str):
     for run in by.get(("dense", 1.0), []):
         axes[3].plot([t for t, _ in run["curve"]], [math.exp(v) for _, v in run["curve"]], label=f"seed {run['seed']}")
     harness.label_axes(axes[3], "tokens", "full dense: validation perplexity", ylog=True)
+    sizes = sorted({size for family, size in by if family not in ("dense", "galore")})
+    middle = 5.0 if 5.0 in sizes else (sizes[len(sizes) // 2] if sizes else None)
+    for i, family in enumerate(families):
+        runs = by.get((family, 1.0 if family in ("dense", "galore") else middle), [])
+        if runs:
+            run = min(runs, key=lambda r: r["seed"])
+            axes[4].plot(
+                [t for t, _ in run["curve"]],
+                [v for _, v in run["curve"]],
+                label=f"{LABELS[family]} (seed {run['seed']})",
+                color=f"C{i}",
+            )
+    harness.label_axes(axes[4], "tokens", f"validation loss at {middle:g}x (full width at 1x)" if middle else "")
     fig.suptitle(f"{name}: tuned quality study")
     return fig
 

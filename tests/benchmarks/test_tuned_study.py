@@ -384,6 +384,11 @@ def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_pat
     text = qr.markdown(study, "lm_test")
     assert "| 5x | CoMERA | 0 k |" in text and "seed 0: 0.7%" in text and "**3.400**" not in text
     assert "| model | size | 0.002 | 0.004 |" in text and "| low-rank A B | 5x | 3.500 | 3.400 |" in text
+    # the last panel: each family's lowest-seed curve at the middle size (the full-width model at 1x)
+    curves = qr.figure(study, "lm_test").axes[4].get_lines()
+    labels = [line.get_label() for line in curves]
+    assert labels == ["dense (full width) (seed 0)", "dense-narrowed (seed 0)", "CoMERA (seed 0)"]
+    assert list(curves[2].get_ydata()) == [3.5, 3.6, 3.0]
 
 
 def test_a_diverged_final_is_reported_and_left_out_of_the_tables():
