@@ -310,12 +310,13 @@ def run_one(
     steps: int | None = None,
     max_other_load: float = 0.15,
     wait_quiet_s: float = 0.0,
+    extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Train one (method, protocol) run and return its measurements.
 
     ``task`` trains that LightningModule instead of :func:`build_task`'s (GaLore, the Pareto baselines); a
     ``method`` starting with ``comera`` adds the rank callbacks. ``steps`` overrides ``spec.steps`` for a
-    step-bounded run (the matched protocol's CoMERA run).
+    step-bounded run (the matched protocol's CoMERA run). ``extra_callbacks`` run after the study's own.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
@@ -327,7 +328,7 @@ def run_one(
     budget = spec.budget_s if protocol == "time" else None
     recorder = StudyRecorder(budget)
     rank_cb = rank_adaptation(spec, method, protocol, recorder.train_seconds) if method.startswith("comera") else None
-    callbacks = [recorder] + ([rank_cb, ContractionPlanner(verbose=False)] if rank_cb else [])
+    callbacks = [recorder] + ([rank_cb, ContractionPlanner(verbose=False)] if rank_cb else []) + list(extra_callbacks)
     quiet = harness.wait_until_quiet(max_other_load, time.perf_counter() + wait_quiet_s) if wait_quiet_s > 0 else None
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="comera-study-") as root, warnings.catch_warnings():

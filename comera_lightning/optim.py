@@ -72,18 +72,35 @@ def comera_parameter_groups(
 ) -> list[dict[str, Any]]:
     """Three groups (the paper's AdamW setup): TT cores, rank gates (never decayed), other parameters.
 
-    Groups are named (``"name"`` key) so schedulers and loggers can tell them apart; empty groups are
-    left out.
+    Cores whose layer was built with the ``mup`` parameterisation learn at ``lr_cores`` times their own multiplier
+    (:attr:`~comera_lightning.nn.TTLayer.lr_scales`): they form one group per multiplier, named
+    ``cores`` (multiplier 1) and ``cores*<multiplier>``, each recording its ``lr_scale``. Groups are named
+    (``"name"`` key) so schedulers and loggers can tell them apart; empty groups are left out.
     """
-    cores: list[nn.Parameter] = []
+    cores_by_scale: dict[float, list[nn.Parameter]] = {}
     gates: list[nn.Parameter] = []
     for _, layer in tt_layers(model):
+        core_scales = iter(layer.lr_scales)
         for kind, param in layer.comera_parameters():
-            (cores if kind == "core" else gates).append(param)
+            if kind == "core":
+                cores_by_scale.setdefault(next(core_scales), []).append(param)
+            else:
+                gates.append(param)
+    cores = [p for params in cores_by_scale.values() for p in params]
     taken = {id(p) for p in cores + gates}
     other = [p for p in model.parameters() if id(p) not in taken and p.requires_grad]
+    core_groups = [
+        {
+            "name": "cores" if scale == 1.0 else f"cores*{scale:.4g}",
+            "params": params,
+            "lr": lr_cores * scale,
+            "lr_scale": scale,
+            "weight_decay": weight_decay,
+        }
+        for scale, params in sorted(cores_by_scale.items(), reverse=True)
+    ]
     groups = [
-        {"name": "cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
+        *core_groups,
         {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
         {"name": "other", "params": other, "lr": lr_other, "weight_decay": weight_decay},
     ]

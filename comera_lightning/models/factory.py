@@ -27,6 +27,7 @@ from torch import nn
 from ..config import GroupedOptions
 from ..nn import TTEmbedding, TTLinear
 from ..tt import BOTTLENECK_ACTIVATIONS
+from ..tt.parameterization import Parameterization, check_parameterization
 
 __all__ = ["LayerConfig", "LayerFactory"]
 
@@ -75,6 +76,8 @@ class LayerConfig(GroupedOptions):
         activation_layers: regex of the TT linears that get ``bottleneck_activation`` (None: every TT linear).
         learn_gates: False freezes every rank gate at 1: a fixed-rank model (plain TT, low-rank or CoLA) that
             no rank callback may shrink.
+        parameterization: ``standard`` or ``mup``: per-core init and learning-rate multipliers from each core's
+            fan-in, so a rate tuned at one width carries over to others (:mod:`comera_lightning.tt.parameterization`).
     """
 
     tt_linears: bool = True
@@ -91,10 +94,15 @@ class LayerConfig(GroupedOptions):
     bottleneck_activation: str | None = None
     activation_layers: str | None = None
     learn_gates: bool = True
+    parameterization: Parameterization = "standard"
 
     argument: ClassVar[str] = "layer_config"
 
     def __post_init__(self) -> None:
+        try:
+            check_parameterization(self.parameterization)
+        except ValueError as err:
+            raise ValueError(f"layer_config.{err}") from None
         if self.min_features < 1:
             raise ValueError(f"layer_config.min_features must be >= 1, got {self.min_features}")
         if self.min_embedding_rows is not None and self.min_embedding_rows < 1:
@@ -205,6 +213,7 @@ class LayerFactory:
                 out_modes=out_modes,
                 bias=bias,
                 rank_threshold=config.rank_threshold,
+                parameterization=config.parameterization,
                 **tt_kwargs,
             )
         )
@@ -249,6 +258,7 @@ class LayerFactory:
                 dim_modes=dim_modes,
                 padding_idx=padding_idx,
                 rank_threshold=config.rank_threshold,
+                parameterization=config.parameterization,
                 **tt_kwargs,
             )
         )

@@ -105,10 +105,23 @@ class TTLayer(nn.Module):
     # inside reusing_inference_factors: the (key, value) checked on the layer's first call, served unchecked
     _reusing_factors: bool = False
     _trusted_entry: tuple[Hashable, Any] | None = None
+    #: how the cores were initialised and learn (:mod:`comera_lightning.tt.parameterization`); class defaults, so
+    #: layers pickled before the option existed load as ``standard``
+    parameterization: str = "standard"
+    _lr_scales: tuple[float, ...] = ()
 
-    def _init_train(self, cores: Sequence[torch.Tensor], threshold: float, max_ranks: Sequence[int]) -> None:
+    def _init_train(
+        self,
+        cores: Sequence[torch.Tensor],
+        threshold: float,
+        max_ranks: Sequence[int],
+        parameterization: str = "standard",
+        lr_scales: Sequence[float] | None = None,
+    ) -> None:
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"rank_threshold must be in [0, 1) (gates start at 1), got {threshold}")
+        self.parameterization = parameterization
+        self._lr_scales = tuple(float(s) for s in lr_scales) if lr_scales is not None else ()
         self.rank_threshold = float(threshold)
         self.max_ranks = list(max_ranks)
         self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
@@ -340,6 +353,12 @@ class TTLayer(nn.Module):
             gate[leading_share(gate.numel(), keep) :] = 0.0
         self.refresh_masks_()
         return self.truncate_()
+
+    @property
+    def lr_scales(self) -> list[float]:
+        """The learning-rate multiplier of every core (all 1 under ``standard``); fixed at construction, so a rank
+        cut or a resume keeps the optimiser groups."""
+        return list(self._lr_scales) if self._lr_scales else [1.0] * len(self.cores)
 
     def comera_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(kind, parameter) for every core (``"core"``) and gate (``"gate"``); used for optimiser groups."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm_to_dense
+from ..tt.parameterization import check_parameterization, core_fan_ins, mup_init_stds, mup_lr_scales
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
 from ..tt.rank import DEFAULT_THRESHOLD
 from ..tt.ttm import ttm_halves, ttm_lookup, ttm_lookup_halves
@@ -39,6 +40,8 @@ class TTEmbedding(TTLayer):
         deduplicate: compute each distinct id once per call (pays off when batches repeat tokens).
         rank_threshold: gate magnitude at or below which a rank slice is switched off.
         init_std: std of the reconstructed table (default 1, as ``nn.Embedding``).
+        parameterization: ``standard`` or ``mup`` (per-core init and learning-rate multipliers from each core's
+            fan-in; see :mod:`comera_lightning.tt.parameterization`).
         dtype, device: of the cores (gates are always fp32).
     """
 
@@ -55,6 +58,7 @@ class TTEmbedding(TTLayer):
         init_std: float = 1.0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        parameterization: str = "standard",
     ) -> None:
         super().__init__()
         if num_embeddings < 1 or embedding_dim < 1:
@@ -91,7 +95,13 @@ class TTEmbedding(TTLayer):
             (ranks[k], v, e, ranks[k + 1])
             for k, (v, e) in enumerate(zip(self.vocab_modes, self.dim_modes, strict=True))
         ]
-        self._init_train(init_cores(shapes, init_std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
+        if check_parameterization(parameterization) == "mup":
+            fan_ins = core_fan_ins(shapes, 0)
+            stds = mup_init_stds(fan_ins, float(init_std))  # entries of variance init_std**2 by construction
+            cores, lr_scales = init_cores(shapes, dtype=dtype, device=device, stds=stds), mup_lr_scales(fan_ins)
+        else:
+            cores, lr_scales = init_cores(shapes, init_std, dtype=dtype, device=device), [1.0] * len(shapes)
+        self._init_train(cores, rank_threshold, max_ranks(sizes), parameterization, lr_scales)
 
     @classmethod
     def from_embedding(

@@ -20,6 +20,7 @@ from ..tt.contract import (
 )
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, tt_from_dense, tt_to_dense
 from ..tt.modes import padded_modes, validate_modes
+from ..tt.parameterization import check_parameterization, core_fan_ins, mup_init_stds, mup_lr_scales
 from ..tt.rank import DEFAULT_THRESHOLD
 from .base import TTLayer, _torch_factors
 
@@ -54,7 +55,11 @@ class TTLinear(TTLayer):
             size with unused zeros if it does not factor well).
         bias: learn an additive bias.
         rank_threshold: gate magnitude at or below which a rank slice is switched off.
-        init_std: std of the reconstructed weight; default ``sqrt(1 / (in + out))`` as in the paper.
+        init_std: std of the reconstructed weight; default ``sqrt(1 / (in + out))`` as in the paper (under
+            ``mup``: ``sqrt(1 / in)``, each core keeping the RMS of what it reads).
+        parameterization: ``standard`` (one rate for every core, the init split evenly over the cores) or
+            ``mup`` (per-core init and learning-rate multipliers from each core's fan-in, so the best rate carries
+            over between widths); see :mod:`comera_lightning.tt.parameterization`.
         bottleneck_activation: None (a linear layer) or one of
             :data:`~comera_lightning.tt.contract.BOTTLENECK_ACTIVATIONS` applied to ``x L``.
         dtype, device: of the cores (gates are always fp32).
@@ -73,6 +78,7 @@ class TTLinear(TTLayer):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         bottleneck_activation: str | None = None,
+        parameterization: str = "standard",
     ) -> None:
         super().__init__()
         if bottleneck_activation is not None and bottleneck_activation not in BOTTLENECK_ACTIVATIONS:
@@ -92,10 +98,18 @@ class TTLinear(TTLayer):
         )
         sizes = self.in_modes + self.out_modes
         ranks = resolve_ranks(sizes, rank)
-        std = math.sqrt(1.0 / (in_features + out_features)) if init_std is None else float(init_std)
         dtype = dtype or torch.get_default_dtype()
         shapes = [(ranks[k], s, ranks[k + 1]) for k, s in enumerate(sizes)]
-        self._init_train(init_cores(shapes, std, dtype=dtype, device=device), rank_threshold, max_ranks(sizes))
+        if check_parameterization(parameterization) == "mup":
+            fan_ins = core_fan_ins(shapes, len(self.in_modes))
+            # the chain of fan-in-scaled cores gives the weight a std of 1 / sqrt(M); init_std rescales the last core
+            scale = 1.0 if init_std is None else float(init_std) * math.sqrt(math.prod(self.in_modes))
+            cores = init_cores(shapes, dtype=dtype, device=device, stds=mup_init_stds(fan_ins, scale))
+            lr_scales = mup_lr_scales(fan_ins)
+        else:
+            std = math.sqrt(1.0 / (in_features + out_features)) if init_std is None else float(init_std)
+            cores, lr_scales = init_cores(shapes, std, dtype=dtype, device=device), [1.0] * len(shapes)
+        self._init_train(cores, rank_threshold, max_ranks(sizes), parameterization, lr_scales)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.contraction_plan: str | None = None
 

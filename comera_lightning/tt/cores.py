@@ -121,25 +121,31 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
 
 def init_cores(
     core_shapes: Sequence[Sequence[int]],
-    std: float,
+    std: float | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    stds: Sequence[float] | None = None,
 ) -> list[torch.Tensor]:
-    """Random cores whose reconstructed entries have standard deviation ``std``.
+    """Random Gaussian cores: the reconstructed entries with standard deviation ``std``, or core ``k`` drawn with
+    std ``stds[k]`` (a per-core parameterisation, :mod:`.parameterization`); give exactly one of the two.
 
-    An entry of the full tensor is a sum over ``prod(r_k)`` rank paths, each a product of ``K``
+    With ``std``: an entry of the full tensor is a sum over ``prod(r_k)`` rank paths, each a product of ``K``
     independent core entries, so core ``k`` gets ``N(0, 1) * std**(1/K) / sqrt(r_k)`` (``r_K = 1``).
     """
-    num_cores = len(core_shapes)
-    per_core = std ** (1.0 / num_cores)
-    cores = []
-    for shape in core_shapes:
-        scale = per_core / math.sqrt(shape[-1])
-        core = torch.randn(tuple(shape), dtype=dtype, device=device, generator=generator) * scale
-        cores.append(core)
-    return cores
+    if (std is None) == (stds is None):
+        raise ValueError("init_cores takes either std (of the reconstructed tensor) or stds (one per core)")
+    if stds is None:
+        assert std is not None
+        per_core = std ** (1.0 / len(core_shapes))
+        stds = [per_core / math.sqrt(shape[-1]) for shape in core_shapes]
+    elif len(stds) != len(core_shapes):
+        raise ValueError(f"stds gives {len(stds)} stds for {len(core_shapes)} cores")
+    return [
+        torch.randn(tuple(shape), dtype=dtype, device=device, generator=generator) * scale
+        for shape, scale in zip(core_shapes, stds, strict=True)
+    ]
 
 
 def tt_to_dense(cores: Sequence[torch.Tensor], num_rows_modes: int) -> torch.Tensor:
