@@ -27,7 +27,7 @@ from torch import nn
 from ..config import GroupedOptions
 from ..nn import TTEmbedding, TTLinear
 from ..tt import BOTTLENECK_ACTIVATIONS
-from ..tt.parameterization import Parameterization, check_parameterization
+from ..tt.parameterization import check_parameterization
 
 __all__ = ["LayerConfig", "LayerFactory"]
 
@@ -94,7 +94,7 @@ class LayerConfig(GroupedOptions):
     bottleneck_activation: str | None = None
     activation_layers: str | None = None
     learn_gates: bool = True
-    parameterization: Parameterization = "standard"
+    parameterization: str = "standard"
 
     argument: ClassVar[str] = "layer_config"
 
