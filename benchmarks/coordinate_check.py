@@ -73,9 +73,8 @@ def table(widths=WIDTHS) -> str:
             for key in ("output", "hidden_change", "output_change"):
                 values = [r[key] for r in rows]
                 cells = " | ".join(f"{v:.3f}" for v in values)
-                lines.append(
-                    f"| {parameterization} | {kind} | {key.replace('_', ' ')} | {cells} | {max(values) / min(values):.2f}x |"
-                )
+                what = key.replace("_", " ")
+                lines.append(f"| {parameterization} | {kind} | {what} | {cells} | {max(values) / min(values):.2f}x |")
     return "\n".join(lines)
 
 

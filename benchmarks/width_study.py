@@ -166,9 +166,14 @@ class Plan:
         jobs = []
         for param in ("standard", "mup"):
             for width in self.transfer_widths:
+                if (width, param) == (self.widths[TRANSFER_FAMILY][0], self.param_of(TRANSFER_FAMILY)):
+                    continue  # the protocol's own sweep
                 done = self._short(runs, ("sweep", "check", "transfer"), TRANSFER_FAMILY, width, param)
                 missing, _ = ts.sweep_rates(done, self.grid)
-                jobs += [Job("transfer", TRANSFER_FAMILY, width, param, self.seeds[0], lr, self.sweep_steps) for lr in missing]
+                jobs += [
+                    Job("transfer", TRANSFER_FAMILY, width, param, self.seeds[0], lr, self.sweep_steps)
+                    for lr in missing
+                ]
         return jobs
 
     def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
@@ -301,7 +306,9 @@ def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) 
         _DATAMODULES.clear()
         _DATAMODULES[key] = study.build_datamodule(spec, Path(cache_dir))
     dm = _DATAMODULES[key]
-    kwargs = ts.with_optim(model_kwargs(spec, job_.family, job_.width, job_.parameterization, rank), job_.lr, job_.steps)
+    kwargs = ts.with_optim(
+        model_kwargs(spec, job_.family, job_.width, job_.parameterization, rank), job_.lr, job_.steps
+    )
     spec = replace(spec, task_kwargs=kwargs)
     method = "comera" if job_.family == "comera" else "dense"
     if job_.family == "comera":

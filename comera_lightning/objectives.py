@@ -169,8 +169,8 @@ def truncate_dead_slices_(layers: Sequence[TTLayer], min_dead_fraction: float) -
 def layers_to_truncate(layers: Sequence[TTLayer], min_dead_fraction: float) -> list[TTLayer]:
     """The layers where some bond has ``min_dead_fraction`` or more of its slices masked."""
 
-    def dead(layer: TTLayer) -> float:
-        return max((1.0 - a / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1], strict=True)), default=0.0)
+    def dead(layer: TTLayer) -> float:  # (r - a) / r, not 1 - a / r: one dead slice of 10 is exactly 0.1
+        return max(((r - a) / r for a, r in zip(layer.active_ranks[1:-1], layer.ranks[1:-1], strict=True)), default=0.0)
 
     return [layer for layer in layers if dead(layer) >= min_dead_fraction]
 

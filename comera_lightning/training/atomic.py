@@ -6,6 +6,11 @@ fsync'ed and then renamed onto the target (``os.replace``, atomic on POSIX); the
 the rename survives a power loss too. A killed writer can leave a hidden ``.<name>.<random>.tmp`` file
 behind, never a partial file under the target's name.
 
+The file gets the mode a plain ``open(path, "w")`` would give it: a new file ``0o666`` less the umask (the
+temporary file is created with that mode, not ``tempfile``'s private ``0o600``), a replaced one keeps its mode.
+
+:func:`file_lock` serialises a critical section between processes (creating a shared store, say).
+
 A full disk is reported as such, whatever the writer: ``OSError(ENOSPC, "no space left on device while
 writing <path> ...")`` naming the file, instead of, for instance, torch's ``unexpected pos 768 vs 662``
 (:func:`atomic_torch_save` writes through a Python file object, so torch's writer sees the ``OSError``).
@@ -16,14 +21,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["TEMP_SUFFIX", "atomic_torch_save", "atomic_write", "fsync_dir", "is_disk_full"]
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["TEMP_SUFFIX", "atomic_torch_save", "atomic_write", "file_lock", "fsync_dir", "is_disk_full"]
 
 TEMP_SUFFIX = ".tmp"
 
@@ -74,9 +84,7 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Ite
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = _create_temporary(path)
     try:
         try:
             yield tmp
@@ -101,6 +109,48 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = True) -> Ite
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def _create_temporary(path: Path) -> Path:
+    """A new empty hidden file beside ``path``, with the mode ``open(path, "w")`` would give ``path``."""
+    try:
+        mode = path.stat().st_mode & 0o7777  # a replaced file keeps its mode, as open() keeps it
+    except OSError:
+        mode = None
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+        try:
+            # 0o666: the kernel applies the umask (and a default ACL) exactly as for open()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if mode is not None:
+                os.chmod(tmp, mode)
+        finally:
+            os.close(fd)
+        return tmp
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {str(path)!r}")
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock between processes on the hidden ``.<name>.lock`` beside ``path`` while inside.
+
+    The lock file is left in place (removing it races with its next user). Where ``fcntl`` is missing
+    (Windows) this is a no-op.
+    """
+    path = Path(path)
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _link_new(tmp: Path, path: Path) -> None:

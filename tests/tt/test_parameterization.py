@@ -41,7 +41,7 @@ def test_init_stds_and_rate_multipliers_follow_the_fan_in():
 
 def test_init_cores_takes_one_std_or_one_per_core():
     shapes = [(1, 4, 3), (3, 5, 1)]
-    with pytest.raises(ValueError, match="either std .* or stds"):
+    with pytest.raises(ValueError, match=r"either std .* or stds"):
         init_cores(shapes, 0.1, stds=[0.1, 0.1])
     with pytest.raises(ValueError, match="stds gives 1 stds for 2 cores"):
         init_cores(shapes, stds=[0.1])
@@ -102,7 +102,9 @@ def test_parameter_groups_carry_the_multipliers_and_gates_are_never_decayed():
     for core, scale in zip(layer.cores, layer.lr_scales, strict=True):
         assert rates[id(core)] == pytest.approx(0.02 * scale)
     assert min(layer.lr_scales) < 1.0  # the wide input cores learn slower
-    assert by_name["cores"]["lr"] == 0.02 and all(id(c) in {id(p) for p in by_name["cores"]["params"]} for c in model[1].cores)
+    assert by_name["cores"]["lr"] == 0.02 and all(
+        id(c) in {id(p) for p in by_name["cores"]["params"]} for c in model[1].cores
+    )
     assert by_name["gates"]["weight_decay"] == 0.0 and by_name["other"]["weight_decay"] == 0.1
     every = [p for g in groups for p in g["params"]]
     assert len(every) == len({id(p) for p in every}) == len(list(model.parameters()))

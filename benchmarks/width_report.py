@@ -1,0 +1,309 @@
+"""Tables and figures of a width study (``width_study.py``'s JSON): the fronts, the rate transfer, where compute goes.
+
+``render(state, figure_dir)`` returns the markdown that ``quality_report.py --write`` puts between the study's
+``<!-- width:NAME begin/end -->`` markers in docs/results.md, and writes its figures. Every number comes from the
+JSON; a study still under way renders what it has and says what is missing.
+
+    python benchmarks/width_report.py docs/data/partial/width_stdlib.json     # print the markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
+COLOURS = {"dense": "tab:blue", "comera": "tab:red", "tt": "tab:green"}
+FRONTS = (
+    ("train_flops", "training FLOPs", 1e12, "TFLOPs"),
+    ("train_s", "training clock (s, one other run on the machine)", 1.0, "s"),
+    ("params_active", "active parameters", 1e3, "k"),
+    ("peak_memory", "peak training-step memory", 2**20, "MiB"),
+)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def finals(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finished final runs of seed 0 (the fronts' points), ordered by family and width."""
+    order = {f: i for i, f in enumerate(LABELS)}
+    runs = [r for r in state["runs"] if r["phase"] == "final" and r["seed"] == 0 and "error" not in r]
+    return sorted(runs, key=lambda r: (order.get(r["family"], 9), r["width"]))
+
+
+def seed_spread(state: dict[str, Any], family: str, width: int) -> tuple[float, float, int] | None:
+    """(mean, max - min, seeds) of the final validation loss of ``family`` at ``width`` over its finished seeds."""
+    losses = [
+        r["val_loss"]
+        for r in state["runs"]
+        if r["phase"] == "final" and r["family"] == family and r["width"] == width and _finite(r.get("val_loss"))
+    ]
+    if not losses:
+        return None
+    return sum(losses) / len(losses), max(losses) - min(losses), len(losses)
+
+
+def finals_table(state: dict[str, Any]) -> str:
+    lines = [
+        "| model | d_model | rank | lr | active params (start) | val loss (perplexity) | seeds, spread | "
+        "training TFLOPs | training clock, s | peak step memory, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in finals(state):
+        spread = seed_spread(state, r["family"], r["width"])
+        seeds = "1" if spread is None or spread[2] == 1 else f"{spread[2]}, {spread[1]:.3f}"
+        memory = r.get("peak_memory")
+        start = r.get("params_at_start", r["params_active"])
+        params = f"{r['params_active'] / 1e3:,.0f} k" + (
+            f" ({start / 1e3:,.0f} k)" if start != r["params_active"] else ""
+        )
+        lines.append(
+            f"| {LABELS[r['family']]} | {r['width']} | {r.get('rank') or '-'} | {r['lr']:g} | {params} | "
+            f"{r['val_loss']:.3f} ({math.exp(r['val_loss']):.1f}) | {seeds} | {r['train_flops'] / 1e12:.2f} | "
+            f"{r['train_s']:.0f} | {'-' if memory is None else f'{memory / 2**20:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def short_runs(state: dict[str, Any], family: str, width: int, parameterization: str) -> dict[float, float]:
+    """Rate -> final validation loss of every short run (sweep, check, transfer) of one (family, width, param)."""
+    return {
+        r["lr"]: r["val_loss"]
+        for r in state["runs"]
+        if r["phase"] != "final"
+        and r["family"] == family
+        and r["width"] == width
+        and r["parameterization"] == parameterization
+    }
+
+
+def best(losses: dict[float, float]) -> float | None:
+    finite = {lr: v for lr, v in losses.items() if _finite(v)}
+    return min(finite, key=lambda lr: (finite[lr], lr)) if finite else None
+
+
+def rates_table(state: dict[str, Any]) -> str:
+    """Every short run's loss by rate, one row per (family, width, parameterisation); bold: the row's best."""
+    keys = sorted(
+        {(r["family"], r["width"], r["parameterization"]) for r in state["runs"] if r["phase"] != "final"},
+        key=lambda k: (list(LABELS).index(k[0]), k[2], k[1]),
+    )
+    rates = sorted({r["lr"] for r in state["runs"] if r["phase"] != "final"})
+    lines = [
+        "| model | parameterisation | d_model | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
+        "|---|---|---|" + "---|" * len(rates),
+    ]
+    for family, width, param in keys:
+        losses = short_runs(state, family, width, param)
+        chosen = best(losses)
+        cells = []
+        for lr in rates:
+            value = losses.get(lr)
+            text = "" if value is None else (f"{value:.3f}" if _finite(value) else "diverged")
+            cells.append(f"**{text}**" if lr == chosen else text)
+        lines.append(f"| {LABELS[family]} | {param} | {width} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def transfer(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per parameterisation: the best rate at each transfer width and how far it moved (a factor, >= 1)."""
+    widths = state["protocol"]["transfer_widths"]
+    out: dict[str, dict[str, Any]] = {}
+    for param in ("standard", "mup"):
+        chosen = {w: best(short_runs(state, "tt", w, param)) for w in widths}
+        moved = None
+        if all(chosen.values()):
+            a, b = chosen[widths[0]], chosen[widths[-1]]
+            moved = max(a, b) / min(a, b)  # type: ignore[type-var,operator]
+        out[param] = {"best": chosen, "moved": moved}
+    return out
+
+
+def transfer_lines(state: dict[str, Any]) -> list[str]:
+    widths = state["protocol"]["transfer_widths"]
+    lines = []
+    for param, found in transfer(state).items():
+        picks = ", ".join(f"d {w}: {lr:g}" if lr else f"d {w}: not run" for w, lr in found["best"].items())
+        moved = "not yet measured" if found["moved"] is None else f"moves {found['moved']:g}x"
+        lines.append(f"- `{param}`: best rate {picks}; from d {widths[0]} to d {widths[-1]} it {moved}.")
+    return lines
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None:
+    """The loss at ``x`` on the piecewise-linear curve through ``points`` in (log x, loss); None outside them."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            t = 0.0 if x1 == x0 else (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return None
+
+
+def against_dense(state: dict[str, Any], family: str, key: str) -> list[tuple[int, float, float | None]]:
+    """(width, family's loss, dense's loss at the same ``key`` interpolated on dense's front) per finished width."""
+    runs = finals(state)
+    dense = [(r[key], r["val_loss"]) for r in runs if r["family"] == "dense" and _finite(r.get(key))]
+    return [
+        (r["width"], r["val_loss"], interpolate(dense, r[key]))
+        for r in runs
+        if r["family"] == family and _finite(r.get(key))
+    ]
+
+
+def moonshot_lines(state: dict[str, Any]) -> list[str]:
+    """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width,
+    dense's loss read off its front (linear in log FLOPs or log parameters; '-' outside the widths dense ran)."""
+    lines = []
+    for family in ("comera", "tt"):
+        for key, what in (("train_flops", "equal training FLOPs"), ("params_active", "equal active parameters")):
+            cells = []
+            for width, loss, dense in against_dense(state, family, key):
+                if dense is None:
+                    cells.append(f"d {width}: {loss:.3f} against - (outside dense's range)")
+                else:
+                    cells.append(f"d {width}: {loss:.3f} against {dense:.3f} ({(loss - dense) / dense:+.1%})")
+            if cells:
+                lines.append(f"- {LABELS[family]} against dense at {what}: " + "; ".join(cells) + ".")
+    return lines
+
+
+def compute_per_token(state: dict[str, Any]) -> str:
+    """Training FLOPs per token against 6 x active parameters (forward + backward of a dense layer), per final."""
+    lines = [
+        "| model | d_model | FLOPs / token (start -> end) | 6 x active params (end) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in finals(state):
+        steps = r.get("flops_per_step") or []
+        if not steps:
+            continue
+        tokens_per_step = r["tokens"] / r["steps"]
+        start, end = steps[0][1] / tokens_per_step, steps[-1][1] / tokens_per_step
+        reference = 6 * r["params_active"]
+        lines.append(
+            f"| {LABELS[r['family']]} | {r['width']} | {start / 1e6:.2f} M -> {end / 1e6:.2f} M | "
+            f"{reference / 1e6:.2f} M | {end / reference:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot_fronts(state: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = finals(state)
+    fig, axes = plt.subplots(1, len(FRONTS), figsize=(4.2 * len(FRONTS), 3.6), sharey=True)
+    for ax, (key, label, scale, unit) in zip(axes, FRONTS, strict=True):
+        for family in LABELS:
+            pts = sorted(
+                (r[key] / scale, r["val_loss"], r["width"])
+                for r in runs
+                if r["family"] == family and _finite(r.get(key))
+            )
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLOURS[family], label=LABELS[family])
+            for x, y, w in pts:
+                ax.annotate(str(w), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{label} ({unit})")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final validation loss")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_transfer(state: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = state["protocol"]["transfer_widths"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    for ax, param in zip(axes, ("standard", "mup"), strict=True):
+        for width, style in zip(widths, ("o--", "o-"), strict=False):
+            losses = {lr: v for lr, v in short_runs(state, "tt", width, param).items() if _finite(v)}
+            if losses:
+                lrs = sorted(losses)
+                ax.plot(lrs, [losses[lr] for lr in lrs], style, label=f"d_model {width}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{param}: uniform-rank TT decoder")
+        ax.set_xlabel("learning rate (cores and other weights)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"validation loss after {state['protocol']['sweep_steps']} steps")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(state: dict[str, Any], name: str, figure_dir: Path) -> str:
+    """The markdown of the study in ``state`` (its figures written into ``figure_dir``)."""
+    protocol = state["protocol"]
+    expected = sum(len(w) for w in protocol["widths"].values()) * len(protocol["seeds"])
+    all_finals = [r for r in state["runs"] if r["phase"] == "final"]
+    fronts, transfer_png = figure_dir / f"{name}_fronts.png", figure_dir / f"{name}_transfer.png"
+    plot_fronts(state, fronts)
+    plot_transfer(state, transfer_png)
+    tokens = protocol["steps"] * 2048
+    out = [
+        f"Generated by `python benchmarks/quality_report.py --write` from `docs/data/{name}.json` "
+        f"({len(state['runs'])} runs, {state.get('worker_hours', 0):.1f} worker-hours).",
+        "",
+        f"Final runs: {protocol['steps']} steps, {tokens / 1e6:.2f} M tokens each; short runs "
+        f"{protocol['sweep_steps']} steps. Tensorised families under `{protocol['parameterization']}`, dense under "
+        "`standard`. "
+        f"Finals finished: {len(all_finals)} of {expected}.",
+        "",
+        finals_table(state),
+        "",
+        f"![fronts](img/{fronts.name})",
+        "",
+        "Learning-rate transfer (the uniform-rank TT):",
+        "",
+        *transfer_lines(state),
+        "",
+        f"![transfer](img/{transfer_png.name})",
+        "",
+        "Every short run (validation loss; bold: the row's best):",
+        "",
+        rates_table(state),
+        "",
+        "Against dense on its own front (a negative change: lower loss than dense at the same cost):",
+        "",
+        *moonshot_lines(state),
+        "",
+        "Where the compute goes (measured FLOPs of a training step per token):",
+        "",
+        compute_per_token(state),
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--figure-dir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args(argv)
+    state = json.loads(args.path.read_text())
+    print(render(state, args.path.stem, args.figure_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

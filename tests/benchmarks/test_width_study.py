@@ -1,0 +1,130 @@
+"""The width study's protocol (sweep at the smallest width, check at the largest, transfer, interpolated finals), its
+FLOP count along shrinking ranks, and the report's comparisons."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import width_report as wr
+import width_study as ws
+
+
+def finished(job: ws.Job, loss: float, **extra) -> dict:
+    return {**job.__dict__, "val_loss": loss, **extra}
+
+
+def test_the_rate_between_two_widths_is_read_off_a_line_in_log_log_and_rounded_to_the_grid():
+    low, high = (128, 0.04), (512, 0.01)
+    assert ws.interpolated_rate(128, low, high, 1.25e-3) == pytest.approx(0.04)
+    assert ws.interpolated_rate(512, low, high, 1.25e-3) == pytest.approx(0.01)
+    assert ws.interpolated_rate(256, low, high, 1.25e-3) == pytest.approx(0.02)  # halfway in log width
+    # 0.04 -> 0.005 over 128 -> 768: at 256 the line gives 0.0183, rounded to the grid's 0.02
+    assert ws.interpolated_rate(256, (128, 0.04), (768, 0.005), 1.25e-3) == pytest.approx(0.02)
+
+
+def plan(**kwargs) -> ws.Plan:
+    widths = {"dense": (64, 256), "tt": (128, 512)}
+    return ws.Plan(["dense", "tt"], widths, "mup", [0], steps=100, sweep_steps=10, transfer_widths=(128, 512), **kwargs)
+
+
+def run_until(p: ws.Plan, loss, phases=("sweep", "check", "transfer", "final")) -> list[dict]:
+    """Run what the plan asks for (losses from ``loss(job)``) until only other phases are pending."""
+    runs: list[dict] = []
+    while True:
+        todo = [j for j in p.pending(runs) if j.phase in phases]
+        if not todo:
+            return runs
+        runs += [finished(j, loss(j)) for j in todo]
+
+
+def valley(centre_by_key):
+    """A loss with its minimum at the rate ``centre_by_key(job)``, quadratic in log rate."""
+    return lambda job: 3.0 + math.log2(job.lr / centre_by_key(job)) ** 2
+
+
+def test_the_plan_sweeps_at_the_smallest_width_checks_at_the_largest_and_interpolates_between():
+    p = plan()
+    first = [j for j in p.pending([]) if j.phase != "transfer"]
+    assert {(j.phase, j.family, j.width) for j in first} == {("sweep", "dense", 64), ("sweep", "tt", 128)}
+    assert all(j.parameterization == ("standard" if j.family == "dense" else "mup") for j in first)
+    # dense's best rate halves per doubling of width (0.04 at 64, 0.01 at 256); the TT's stays at 0.02
+    centre = valley(lambda j: 0.04 * 64 / j.width if j.family == "dense" else 0.02)
+    runs = run_until(p, centre, ("sweep", "check"))
+    checks = [r for r in runs if r["phase"] == "check"]
+    assert {(r["family"], r["width"]) for r in checks} == {("dense", 256), ("tt", 512)}
+    # the dense check grew past its lower edge: 0.04 /2, x1, x2 first, then 0.01 (the true best)
+    assert sorted(r["lr"] for r in checks if r["family"] == "dense") == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.08])
+    _, chosen = p.rates(runs, "dense")
+    assert chosen == pytest.approx({64: 0.04, 256: 0.01})
+    _, chosen = p.rates(runs, "tt")
+    assert chosen == pytest.approx({128: 0.02, 512: 0.02})
+    # the transfer sweeps come before the finals; the tt sweep at 128 under mup is the protocol's own, not repeated
+    pending = p.pending(runs)
+    transfer = [j for j in pending if j.phase == "transfer"]
+    assert {(j.width, j.parameterization) for j in transfer} == {(128, "standard"), (512, "standard"), (512, "mup")}
+    assert pending.index(transfer[-1]) < min(i for i, j in enumerate(pending) if j.phase == "final")
+    finals = [j for j in pending if j.phase == "final"]
+    assert [(j.family, j.width) for j in finals][:2] == [("tt", 512), ("dense", 256)]  # largest widths first
+
+
+def test_a_plan_needs_two_widths_per_family_and_known_families():
+    with pytest.raises(ValueError, match="at least two widths"):
+        ws.Plan(["dense"], {"dense": (64,)}, "mup", [0], 10, 5)
+    with pytest.raises(ValueError, match="unknown families"):
+        ws.Plan(["lowrank"], {"lowrank": (64, 128)}, "mup", [0], 10, 5)
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.global_step = 0
+
+
+def test_the_flop_meter_counts_each_step_at_the_ranks_it_ran_at(monkeypatch):
+    signatures = iter([(1,), (1,), (2,), (2,), (3,)])
+    flops = iter([100, 60, 10])
+    monkeypatch.setattr(ws, "_rank_signature", lambda task: next(signatures))
+    monkeypatch.setattr(ws.ts, "step_flops", lambda task, batch: next(flops))
+    meter = ws.flop_meter(batch=None)
+    trainer = _Trainer()
+    meter.on_train_start(trainer, None)
+    for step in (1, 2, 3, 4):  # a cut after step 2 and after step 4
+        trainer.global_step = step
+        meter.on_train_batch_end(trainer, None, None, None, step)
+    assert meter.changes == [(0, 100), (2, 60), (4, 10)]
+    assert meter.flops_until(2) == 200 and meter.flops_until(4) == 320 and meter.flops_until(6) == 340
+
+
+def test_the_study_refuses_a_file_of_another_protocol(tmp_path, monkeypatch):
+    monkeypatch.setattr(ws.ts, "base_spec", lambda *a, **k: None)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"protocol": {"sweep_steps": 99}, "runs": []}))
+    with pytest.raises(ValueError, match=r"another protocol .* give another --out"):
+        ws.Study(path, plan(), quick=False, cache_dir=tmp_path)
+
+
+def state_of(runs: list[dict]) -> dict:
+    return {"protocol": {"transfer_widths": [128, 512], "widths": {}, "seeds": [0]}, "runs": runs}
+
+
+def test_the_report_measures_how_far_the_best_rate_moved_per_parameterisation():
+    runs = []
+    for param, best in (("standard", {128: 0.02, 512: 0.005}), ("mup", {128: 0.02, 512: 0.02})):
+        for width in (128, 512):
+            for lr in (0.005, 0.01, 0.02, 0.04):
+                loss = 3 + abs(math.log2(lr / best[width]))
+                runs.append(finished(ws.Job("transfer", "tt", width, param, 0, lr, 10), loss))
+    moved = wr.transfer(state_of(runs))
+    assert moved["standard"]["moved"] == pytest.approx(4.0) and moved["mup"]["moved"] == pytest.approx(1.0)
+
+
+def test_the_report_reads_dense_loss_off_its_front_at_a_rivals_cost():
+    def final(family, width, flops, loss):
+        return finished(ws.Job("final", family, width, "mup", 0, 0.01, 10), loss, train_flops=flops, params_active=1)
+
+    runs = [final("dense", 64, 1e12, 4.0), final("dense", 128, 4e12, 3.0), final("tt", 128, 2e12, 3.2)]
+    runs.append(final("tt", 512, 8e12, 2.9))
+    rows = wr.against_dense(state_of(runs), "tt", "train_flops")
+    assert rows[0] == (128, 3.2, pytest.approx(3.5))  # halfway between 1e12 and 4e12 in log FLOPs
+    assert rows[1] == (512, 2.9, None)  # beyond dense's largest: not extrapolated
