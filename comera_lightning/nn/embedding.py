@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..tt.cores import init_cores, max_ranks, resolve_ranks, ttm_from_dense, ttm_to_dense
-from ..tt.parameterization import check_parameterization, core_fan_ins, mup_init_stds, mup_lr_scales
 from ..tt.modes import default_num_modes, factorize, padded_modes, validate_modes
+from ..tt.parameterization import check_parameterization, core_fan_ins, mup_init_stds, mup_lr_scales
 from ..tt.rank import DEFAULT_THRESHOLD
 from ..tt.ttm import ttm_halves, ttm_lookup, ttm_lookup_halves
 from .base import TTLayer, _torch_factors, capturing_graph
