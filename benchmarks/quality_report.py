@@ -6,10 +6,12 @@ of ``[tokens, val_loss]``), plus its ``phase`` (``sweep``, ``check`` or ``final`
 shape is refused with the run and the field at fault. From each file this script makes:
 
 - the headline table: every (family, size) at its chosen rate, validation perplexity as mean (min .. max) over the
-  seeds, active parameters, training FLOPs and peak training memory;
-- CoMERA against each rival at each size (perplexity ratio and seeds won), and the issue's targets;
-- the learning-rate sweeps and checks, the full dense model's convergence over the last fifth of its run, and
-  CoMERA's late-stage spike;
+  seeds, active parameters, the compression they reach, training FLOPs (:func:`counted_flops`: a CoMERA run's
+  counted through its late stage's ramp) and peak training memory;
+- CoMERA against each rival at each size (perplexity ratio and seeds won), the output heads' ranks, and the
+  early late-stage schedule's FLOPs against the default's;
+- the learning-rate sweeps and checks, the full dense model's convergence over the last quarter of its run, and
+  each CoMERA family's late-stage spike and rise;
 - one figure: perplexity against active parameters, training FLOPs and peak memory, and the dense curves.
 
 The markdown goes between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md
@@ -59,6 +61,15 @@ REQUIRED = {
 }
 FREE_TOLERANCE = 0.05  # "free compression": within 5 % of the full dense model's perplexity
 SPIKE_TOLERANCE = 0.05
+CONVERGENCE_SHARE = 0.25  # the convergence is read over the run's last quarter (validations at or before 3/4)
+# The late-stage schedules tuned_study.py trains (its run_job), for counting FLOPs through them. The early family's
+# ramp is a share of the run (tuned_study.EARLY_RAMP_FRACTION); the default ScheduledLateStage's is a share of the
+# steps left at the switch: 0.6 for a size cut of up to 5x, longer for deeper cuts, at most 0.9
+# (comera_lightning.late_stage.ramp_fraction_for). The runs do not record the size at the switch, so the default's
+# ramp is taken at its shortest, 0.6: exact for cuts of up to 5x, a lower bound on its FLOPs for deeper ones.
+EARLY_RAMP_SHARE_OF_RUN = 0.4
+DEFAULT_RAMP_SHARE_OF_REST = 0.6
+RAMPS = {"comera_early": "run", "comera": "rest", "comera_act": "rest"}
 
 
 class StudyFileError(ValueError):
@@ -175,27 +186,145 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def last_fifth_change(run: dict[str, Any]) -> float | None:
-    """Relative fall of the validation loss over the last fifth of the run's tokens (None without such points)."""
+def last_quarter_change(run: dict[str, Any]) -> tuple[float, float] | None:
+    """(Relative fall of the validation loss from the last validation at or before 3/4 of the run's tokens to the
+    end, the share of the run's tokens that spans); None without such points. The validations come every twelfth
+    of the run, so the span is the last quarter give or take a validation interval's rounding."""
     curve = run["curve"]
     if len(curve) < 2:
         return None
     end_tokens, end_loss = curve[-1]
-    start = [loss for tokens, loss in curve if tokens <= 0.8 * end_tokens]
-    return None if not start else (start[-1] - end_loss) / end_loss
+    start = [(tokens, loss) for tokens, loss in curve if tokens <= (1 - CONVERGENCE_SHARE) * end_tokens]
+    if not start or end_tokens <= 0:
+        return None
+    tokens, loss = start[-1]
+    return (loss - end_loss) / end_loss, (end_tokens - tokens) / end_tokens
+
+
+def _switch_tokens(run: dict[str, Any]) -> float | None:
+    step = run.get("late_start_step")
+    if step is None or not run["curve"] or run.get("steps", 0) <= 0:
+        return None
+    return step * run["tokens"] / run["steps"]
 
 
 def late_spike(run: dict[str, Any]) -> float | None:
-    """CoMERA's worst perplexity after the late-stage switch over its value at the switch, minus 1."""
-    step = run.get("late_start_step")
-    if step is None or not run["curve"] or run["steps"] <= 0:
+    """A CoMERA run's worst perplexity after the late-stage switch over its value at the switch (the last
+    validation before it), minus 1."""
+    switch = _switch_tokens(run)
+    if switch is None:
         return None
-    switch_tokens = step * run["tokens"] / run["steps"]
-    before = [loss for tokens, loss in run["curve"] if tokens <= switch_tokens]
-    after = [loss for tokens, loss in run["curve"] if tokens > switch_tokens]
+    before = [loss for tokens, loss in run["curve"] if tokens <= switch]
+    after = [loss for tokens, loss in run["curve"] if tokens > switch]
     if not before or not after:
         return None
     return math.exp(max(after) - before[-1]) - 1.0
+
+
+def late_rise(run: dict[str, Any]) -> float | None:
+    """A CoMERA run's worst perplexity after the late-stage switch over the best one before it (its running
+    minimum), minus 1; negative when it never rose. Unlike :func:`late_spike` this also sees the rise of a schedule
+    that switches while the loss is still falling fast (the early one), whose value at the switch is no reference."""
+    switch = _switch_tokens(run)
+    if switch is None:
+        return None
+    best, worst = math.inf, -math.inf
+    for tokens, loss in run["curve"]:
+        if tokens > switch and best < math.inf:
+            worst = max(worst, loss - best)
+        best = min(best, loss)
+    return None if worst == -math.inf else math.exp(worst) - 1.0
+
+
+def late_stage_rows(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per CoMERA family and size: the switch step(s), and each seed's spike and rise (None where not defined)."""
+    rows = []
+    for (family, size), runs in finals(study).items():
+        spikes, rises = [late_spike(r) for r in runs], [late_rise(r) for r in runs]
+        if all(v is None for v in spikes + rises):
+            continue
+        rows.append(
+            {
+                "family": family,
+                "size": size,
+                "switch": sorted({int(r["late_start_step"]) for r in runs if r.get("late_start_step") is not None}),
+                "seeds": [r["seed"] for r in runs],
+                "spike": spikes,
+                "rise": rises,
+            }
+        )
+    return rows
+
+
+def counted_flops(run: dict[str, Any]) -> float:
+    """A run's training FLOPs counted step by step through its late stage: the start model's step FLOPs until the
+    switch, then over the ramp a geometric fall from the start's to the end's (the size schedule is geometric,
+    ``objectives.scheduled_size``, and the step's FLOPs are taken as following the size), then the end model's to the
+    last step. Physical truncation every few dozen steps (50 in the decoder's config) makes the real fall a staircase
+    a little behind that curve.
+    Without a late stage, or for a schedule this report does not know, the FLOPs the run recorded (tuned_study
+    stores ``late * start + (steps - late) * (start + end) / 2``, a linear fall over every step after the switch)."""
+    late, kind = run.get("late_start_step"), RAMPS.get(run["family"])
+    start, end, steps = run.get("flops_per_step_start"), run.get("flops_per_step_end"), run.get("steps")
+    if late is None or kind is None or start is None or end is None or not steps or start <= 0 or end <= 0:
+        return float(run.get("train_flops", math.nan))
+    ramp = max(
+        1, round(EARLY_RAMP_SHARE_OF_RUN * steps if kind == "run" else DEFAULT_RAMP_SHARE_OF_REST * (steps - late))
+    )
+    total = 0.0
+    for step in range(steps):
+        progress = min(max((step - late) / ramp, 0.0), 1.0)
+        total += start * (end / start) ** progress
+    return total
+
+
+def early_flop_savings(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per size: the early schedule's mean training FLOPs over the default CoMERA's, minus 1 and negated (a saving),
+    counted through both ramps (``counted``) and as the runs stored them (``stored``)."""
+    by = finals(study)
+    out = []
+    for (family, size), runs in by.items():
+        default = by.get(("comera", size))
+        if family != "comera_early" or not default:
+            continue
+        counted = statistics.fmean(counted_flops(r) for r in runs) / statistics.fmean(counted_flops(r) for r in default)
+        stored = statistics.fmean(r.get("train_flops", math.nan) for r in runs) / statistics.fmean(
+            r.get("train_flops", math.nan) for r in default
+        )
+        out.append({"size": size, "counted": 1.0 - counted, "stored": 1.0 - stored})
+    return out
+
+
+def _head_rank(run: dict[str, Any]) -> int | None:
+    heads = [ranks for name, ranks in (run.get("ranks_final") or {}).items() if name.endswith("lm_head")]
+    return max(heads[0][1:-1]) if heads and len(heads[0]) > 2 else None
+
+
+def head_ranks(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per size: the rank of CoMERA's low-rank output head (``lm_head``) at the start (twice its block rank, the
+    config's head share that tuned_study.family_kwargs keeps) and at the end (min, max over seeds), and the low-rank
+    and CoLA rivals' rank, which is their head's too."""
+    by = finals(study)
+    out = []
+    for (family, size), runs in by.items():
+        ends = [rank for r in runs if (rank := _head_rank(r)) is not None]
+        if family != "comera" or not ends:
+            continue
+        knobs = {r.get("knob") for r in runs}
+        rivals = {
+            rival: int(theirs[0]["knob"])
+            for rival in ("lowrank", "cola")
+            if (theirs := by.get((rival, size))) and theirs[0].get("knob") is not None
+        }
+        out.append(
+            {
+                "size": size,
+                "comera_start": 2 * int(knobs.pop()) if len(knobs) == 1 and None not in knobs else None,
+                "comera": (min(ends), max(ends)),
+                "rivals": rivals,
+            }
+        )
+    return out
 
 
 def free_compression(study: dict[str, Any]) -> float | None:
@@ -217,6 +346,12 @@ def free_compression(study: dict[str, Any]) -> float | None:
 
 def _k(value: float) -> str:
     return f"{value / 1e3:,.0f} k"
+
+
+def _range(values: Sequence[float], fmt: str, unit: str = "") -> str:
+    """``min-max`` of ``values`` formatted with ``fmt`` (one value when they format alike)."""
+    low, high = format(min(values), fmt), format(max(values), fmt)
+    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
 def markdown(study: dict[str, Any], name: str) -> str:
@@ -244,12 +379,14 @@ def markdown(study: dict[str, Any], name: str) -> str:
     rows = []
     for (family, size), runs in by.items():
         mem = runs[0].get("peak_memory", {}).get("total")
-        flops = statistics.fmean(r.get("train_flops", math.nan) for r in runs)
+        flops = statistics.fmean(counted_flops(r) for r in runs)
+        reached = [full / r["params_active"] for r in runs if r["params_active"] > 0] if full else []
         rows.append(
             [
                 f"{size:g}x" if family not in ("dense", "galore") else "1x",
                 LABELS.get(family, family),
                 _k(statistics.fmean(r["params_active"] for r in runs)),
+                _range(reached, ".1f", "x") if reached else "-",
                 f"{runs[0]['lr']:.3g}",
                 cell(perplexities(runs)),
                 len(runs),
@@ -258,12 +395,23 @@ def markdown(study: dict[str, Any], name: str) -> str:
             ]
         )
     lines += [
-        "| size | model | active params | lr | val perplexity, mean (min .. max) | seeds | training TFLOPs | "
-        "peak step memory, MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | model | active params | compression reached (min-max) | lr | val perplexity, mean (min .. max) | "
+        "seeds | training TFLOPs | peak step memory, MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     lines.append("")
+    if rows:
+        lines += [
+            "Compression reached: the full dense model's active parameters over the run's at the end (rivals are sized "
+            "at or just above the target; CoMERA's late stage may end above it). Training FLOPs: torch's "
+            "FlopCounterMode on one step at the start and one at the end of each run; a CoMERA run's counted step by "
+            "step through its schedule (`counted_flops`: the start model's until the switch, a geometric fall to the "
+            "end model's over the ramp, the end model's after it; the default schedule's ramp taken at its shortest, "
+            "0.6 of the steps left, which is exact for a cut of up to 5x at the switch and a lower bound on its FLOPs "
+            "beyond).",
+            "",
+        ]
     compare = comparisons(study)
     if compare:
         lines += [
@@ -280,6 +428,32 @@ def markdown(study: dict[str, Any], name: str) -> str:
                 cells.append("-" if r is None else f"{r['ratio']:+.1%}, {r['won']} ({_k(r['params'])})")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    heads = head_ranks(study)
+    if heads:
+        described = "; ".join(
+            f"{h['size']:g}x: CoMERA "
+            + (f"from {h['comera_start']} " if h["comera_start"] is not None else "")
+            + f"to {_range(h['comera'], 'd')}"
+            + "".join(f", {LABELS[rival]} {rank}" for rival, rank in h["rivals"].items())
+            for h in heads
+        )
+        lines += [
+            "Output head (`lm_head`: a low-rank product in the low-rank, CoLA, TT and CoMERA families), its rank "
+            "at the start and at the end of training: CoMERA's starts at twice its block rank and its late stage "
+            "cuts it with the rest; the fixed-rank TT trains at CoMERA's seed-0 final ranks, head included; "
+            f"low-rank and CoLA give the head their block rank. {described}.",
+            "",
+        ]
+    savings = early_flop_savings(study)
+    if savings:
+        described = ", ".join(
+            f"{s['size']:g}x {-s['counted']:+.1%} (the stored interpolation: {-s['stored']:+.1%})" for s in savings
+        )
+        lines += [
+            "Training FLOPs of the early late stage against the default schedule, mean over seeds, counted through "
+            f"each schedule's ramp: {described}.",
+            "",
+        ]
     reference = full_dense(study)
     free = free_compression(study)
     if reference is not None:
@@ -287,27 +461,38 @@ def markdown(study: dict[str, Any], name: str) -> str:
             f"Full dense model: perplexity {cell(reference)}. Free compression (CoMERA within "
             f"{FREE_TOLERANCE:.0%} of it): " + ("none of the sizes" if free is None else f"{free:g}x") + "."
         )
-        changes = [(r["seed"], last_fifth_change(r)) for r in by.get(("dense", 1.0), [])]
-        shown = ", ".join(f"seed {s}: {c:.1%}" for s, c in changes if c is not None)
+    changes = [(r["seed"], c) for r in by.get(("dense", 1.0), []) if (c := last_quarter_change(r)) is not None]
+    if changes:
+        shown = ", ".join(f"seed {s}: {c[0]:.1%}" for s, c in changes)
+        shares = [c[1] for _, c in changes]
         lines += [
-            f"Convergence: the full dense model's validation loss fell by {shown} over the last fifth of its "
-            "run (the protocol asks for less than 1 %).",
+            f"Convergence: the full dense model's validation loss fell by {shown} over the last "
+            f"{_range([100 * v for v in shares], '.0f', ' %')} of its run (from the validation at "
+            f"{_range([100 * (1 - v) for v in shares], '.0f', ' %')} of its tokens; the protocol asks for less than "
+            "1 %).",
             "",
         ]
-    spikes = [
-        (size, r["seed"], late_spike(r))
-        for (family, size), runs in by.items()
-        if family.startswith("comera")
-        for r in runs
-    ]
-    spikes = [s for s in spikes if s[2] is not None]
-    if spikes:
-        worst = max(spikes, key=lambda s: s[2])
+    elif reference is not None:
+        lines.append("")
+    late_rows = late_stage_rows(study)
+    if late_rows:
         lines += [
-            f"Late-stage spike (worst perplexity after the switch over the value at the switch): at most "
-            f"{worst[2]:+.1%} ({worst[0]:g}x, seed {worst[1]}); target at most +{SPIKE_TOLERANCE:.0%}.",
+            "Late stage, per family and size, seed by seed: the spike is the worst perplexity after the switch over "
+            f"the value at the switch (target at most +{SPIKE_TOLERANCE:.0%}); the rise, the worst perplexity after "
+            "the switch over the best before it (negative: it never rose), which also shows the rise of a schedule "
+            "that switches while the loss still falls fast.",
             "",
+            "| model | size | switch | seeds | spike, % | rise above the best before, % |",
+            "|---|---|---|---|---|---|",
         ]
+        for row in late_rows:
+            shown = [" / ".join("-" if v is None else f"{100 * v:+.1f}" for v in row[key]) for key in ("spike", "rise")]
+            lines.append(
+                f"| {LABELS.get(row['family'], row['family'])} | {row['size']:g}x | step "
+                + "/".join(str(s) for s in row["switch"])
+                + f" | {' / '.join(str(s) for s in row['seeds'])} | {shown[0]} | {shown[1]} |"
+            )
+        lines.append("")
     lost = diverged(study)
     if lost:
         described = "; ".join(
@@ -394,6 +579,8 @@ def figure(study: dict[str, Any], name: str):
             for runs, ppl in points:
                 if key == "peak_memory":
                     value = runs[0].get("peak_memory", {}).get("total")
+                elif key == "train_flops":
+                    value = statistics.fmean(counted_flops(r) for r in runs)
                 else:
                     value = statistics.fmean(r.get(key, math.nan) for r in runs)
                 if value is None or not math.isfinite(value):

@@ -636,6 +636,15 @@ def short_runs_of(
     return short, not same_data
 
 
+def _union(first: Sequence[Any], second: Sequence[Any]) -> list[Any]:
+    """The items of ``first`` then those of ``second`` not in it, each once, in order."""
+    out: list[Any] = []
+    for item in [*first, *second]:
+        if item not in out:
+            out.append(item)
+    return out
+
+
 class Study:
     """The study's JSON (``runs`` plus the protocol) and the plan that extends it, two runs at a time."""
 
@@ -678,7 +687,17 @@ class Study:
                     f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
                     " give another --out, or move that file away"
                 )
-            self.state = {**state, "protocol": {**old, **protocol}}
+            # a resumed invocation may ask for fewer families, sizes or seeds than the file holds: the protocol
+            # lists every one asked for so far (and every family with runs of its own, not copied by --rates-from),
+            # not only this invocation's
+            ran = {run["family"] for run in state.get("runs", []) if "copied_from" not in run}
+            asked = {*old.get("families", []), *protocol["families"], *ran}
+            merged = {
+                "families": [f for f in FAMILIES if f in asked] + sorted(asked - set(FAMILIES)),
+                "sizes": _union(old.get("sizes", []), protocol["sizes"]),
+                "seeds": _union(old.get("seeds", []), protocol["seeds"]),
+            }
+            self.state = {**state, "protocol": {**old, **protocol, **merged}}
         else:
             self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
             if rates_from is not None:

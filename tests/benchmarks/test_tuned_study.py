@@ -11,6 +11,7 @@ import quality_report as qr
 import torch
 import tuned_study as ts
 
+from comera_lightning.late_stage import BASE_RAMP_FRACTION, ramp_fraction_for
 from comera_lightning.nn import tt_layers
 
 
@@ -227,6 +228,21 @@ def test_a_resumed_study_with_other_settings_is_refused(tmp_path):
     assert out.read_text() == before and not (tmp_path / "other.json").exists()
 
 
+def test_a_resumed_study_keeps_every_family_size_and_seed_it_has_run(tmp_path):
+    out = tmp_path / "lm_stdlib.json"
+    first = ts.Study(out, "lm", "stdlib", ts.Plan(["narrow", "dense"], [5.0], [0], 12, 6), True, tmp_path)
+    first.runs.append(finished(ts.Job("final", "narrow", 5.0, 0, 1e-3, 12), 3.0))
+    first.runs.append(finished(ts.Job("final", "lowrank", 5.0, 0, 1e-3, 12), 3.0))  # from an older invocation
+    # a sweep copied from another study (--rates-from) is that study's family, not this one's
+    first.runs.append(finished(ts.Job("sweep", "cola", 5.0, 0, 1e-3, 6), 3.0, copied_from="lm_other.json"))
+    first.save()
+    # resumed for one more family, size and seed: the protocol lists all of them, not only this invocation's
+    again = ts.Study(out, "lm", "stdlib", ts.Plan(["galore"], [20.0], [1], 12, 6), True, tmp_path)
+    protocol = again.state["protocol"]
+    assert protocol["families"] == ["dense", "narrow", "lowrank", "galore"]
+    assert protocol["sizes"] == [5.0, 20.0] and protocol["seeds"] == [0, 1]
+
+
 def test_overrides_reach_the_spec():
     spec = ts.base_spec("lm", "stdlib", 0, 20, quick=True, overrides=["data.max_sequences=123", "data.root=/x"])
     assert spec.data_kwargs["max_sequences"] == 123 and spec.data_kwargs["root"] == "/x"
@@ -379,16 +395,119 @@ def test_the_report_compares_at_each_size_and_finds_the_free_compression(tmp_pat
     assert row["narrow"]["ratio"] == pytest.approx(expected) and row["narrow"]["won"] == "1/2"
     assert "lowrank" not in row  # sweeps are not finals
     assert qr.free_compression(study) == 5.0
-    assert qr.last_fifth_change(study["runs"][0]) == pytest.approx(0.02 / 3.0)
+    # the last validation at or before 3/4 of the tokens (200 of 1000): the change over the last 80 %
+    assert qr.last_quarter_change(study["runs"][0]) == pytest.approx((1.0 / 3.0, 0.8))
     assert qr.late_spike(study["runs"][2]) == pytest.approx(math.exp(0.1) - 1)
     text = qr.markdown(study, "lm_test")
-    assert "| 5x | CoMERA | 0 k |" in text and "seed 0: 0.7%" in text and "**3.400**" not in text
+    assert "| 5x | CoMERA | 0 k | 5.0x |" in text and "seed 0: 33.3%" in text and "**3.400**" not in text
+    assert "over the last 80 % of its run" in text
     assert "| model | size | 0.002 | 0.004 |" in text and "| low-rank A B | 5x | 3.500 | 3.400 |" in text
     # the last panel: each family's lowest-seed curve at the middle size (the full-width model at 1x)
     curves = qr.figure(study, "lm_test").axes[4].get_lines()
     labels = [line.get_label() for line in curves]
     assert labels == ["dense (full width) (seed 0)", "dense-narrowed (seed 0)", "CoMERA (seed 0)"]
     assert list(curves[2].get_ydata()) == [3.5, 3.6, 3.0]
+
+
+def test_the_convergence_is_measured_over_the_last_quarter_from_the_validation_points():
+    # validations every 83 of 1000 steps, as the studies run: the last at or before 3/4 is step 747
+    curve = [[83 * k, 4.0 - 0.01 * k] for k in range(1, 13)] + [[1000, 3.87]]
+    change, share = qr.last_quarter_change(final_run("dense", 1.0, 0, 3.87, 1000, curve=curve))
+    assert change == pytest.approx((3.91 - 3.87) / 3.87) and share == pytest.approx(0.253)
+    assert qr.last_quarter_change(final_run("dense", 1.0, 0, 3.0, 1000, curve=[[1000, 3.0]])) is None
+    text = qr.markdown({"runs": [final_run("dense", 1.0, 0, 3.87, 1000, curve=curve)]}, "lm_test")
+    assert "seed 0: 1.0% over the last 25 % of its run (from the validation at 75 % of its tokens" in text
+
+
+def flops_run(family, size, seed, late, start=100e12, end=25e12, steps=10, **extra):
+    """A final run whose step FLOPs fall from ``start`` to ``end`` (4x) by a late stage switched at ``late``."""
+    interpolated = (late * start + (steps - late) * (start + end) / 2) if late is not None else steps * start
+    return final_run(
+        family,
+        size,
+        seed,
+        3.0,
+        200,
+        late_start_step=late,
+        flops_per_step_start=start,
+        flops_per_step_end=end if late is not None else start,
+        train_flops=interpolated,
+        **extra,
+    )
+
+
+def test_training_flops_are_counted_through_each_schedule_ramp():
+    # the early schedule: the start model's FLOPs until step 1, then 4 steps (0.4 of 10) falling geometrically
+    # from 100 to 25 (the size schedule's shape), then the end model's for the 5 steps left
+    early = flops_run("comera_early", 5.0, 0, late=1)
+    ramp = [100e12 * 0.25 ** (k / 4) for k in range(4)]
+    assert qr.counted_flops(early) == pytest.approx(100e12 + sum(ramp) + 5 * 25e12)
+    # the default schedule: from step 4, a ramp of 0.6 of the 6 steps left (4 steps), then 2 steps at the end's
+    default = flops_run("comera", 5.0, 0, late=4)
+    assert qr.counted_flops(default) == pytest.approx(4 * 100e12 + sum(ramp) + 2 * 25e12)
+    assert qr.counted_flops(flops_run("comera_act", 5.0, 0, late=4)) == qr.counted_flops(default)
+    # the schedules the study trains
+    assert qr.EARLY_RAMP_SHARE_OF_RUN == ts.EARLY_RAMP_FRACTION
+    assert qr.DEFAULT_RAMP_SHARE_OF_REST == BASE_RAMP_FRACTION == ramp_fraction_for(5.0, 1.0)
+    # no late stage, or a schedule the report does not know: what the run recorded
+    assert qr.counted_flops(flops_run("narrow", 5.0, 0, late=None)) == 1000e12
+    assert qr.counted_flops(flops_run("comera_other", 5.0, 0, late=4)) == default["train_flops"]
+    study = {"runs": [early, default, flops_run("comera", 5.0, 1, late=4), flops_run("comera_early", 5.0, 1, late=1)]}
+    [saving] = qr.early_flop_savings(study)
+    assert saving["size"] == 5.0
+    assert saving["counted"] == pytest.approx(1 - qr.counted_flops(early) / qr.counted_flops(default))
+    assert saving["stored"] == pytest.approx(1 - early["train_flops"] / default["train_flops"])
+    text = qr.markdown(study, "lm_test")
+    assert f"5x {-saving['counted']:+.1%} (the stored interpolation: {-saving['stored']:+.1%})" in text
+    # the table's FLOPs are the counted ones
+    assert f"| {qr.counted_flops(early) / 1e12:.2f} |" in text
+
+
+def test_the_late_stage_spike_and_rise_are_reported_per_family():
+    def run(family, seed, curve):
+        return final_run(family, 20.0, seed, curve[-1][1], 50, late_start_step=4, curve=curve)
+
+    study = {
+        "runs": [
+            # switch at 400 tokens (step 4 of 10): CoMERA's worst is +0.2 in loss over the value at the switch
+            run("comera", 0, [[300, 4.0], [400, 3.9], [600, 4.1], [1000, 3.8]]),
+            run("comera", 1, [[300, 4.0], [400, 3.9], [600, 4.0], [1000, 3.8]]),
+            # the SiLU family's +0.5 is its own, not CoMERA's
+            run("comera_act", 1, [[300, 4.0], [400, 3.9], [600, 4.4], [1000, 3.8]]),
+            # falling through the switch, then rising 0.3 above its best so far: no spike over the switch's value
+            run("comera_early", 0, [[300, 5.0], [500, 4.0], [700, 4.3], [1000, 3.9]]),
+        ]
+    }
+    runs = study["runs"]
+    assert qr.late_spike(runs[0]) == pytest.approx(math.exp(0.2) - 1)
+    assert qr.late_rise(runs[0]) == pytest.approx(math.exp(0.2) - 1)
+    assert qr.late_spike(runs[3]) == pytest.approx(math.exp(-0.7) - 1)
+    assert qr.late_rise(runs[3]) == pytest.approx(math.exp(0.3) - 1)
+    assert qr.late_rise(run("comera", 0, [[300, 4.0], [600, 3.5], [1000, 3.4]])) < 0  # never rose: negative
+    rows = {(r["family"], r["size"]): r for r in qr.late_stage_rows(study)}
+    assert rows[("comera", 20.0)]["seeds"] == [0, 1]
+    assert rows[("comera", 20.0)]["spike"] == pytest.approx([math.exp(0.2) - 1, math.exp(0.1) - 1])
+    assert rows[("comera_act", 20.0)]["spike"] == pytest.approx([math.exp(0.5) - 1])
+    assert rows[("comera_early", 20.0)]["rise"] == pytest.approx([math.exp(0.3) - 1])
+    text = qr.markdown(study, "lm_test")
+    assert "| CoMERA | 20x | step 4 | 0 / 1 | +22.1 / +10.5 | +22.1 / +10.5 |" in text
+    assert "| CoMERA + SiLU bottleneck | 20x | step 4 | 1 | +64.9 | +64.9 |" in text
+    assert "| CoMERA, early late stage | 20x | step 4 | 0 | -50.3 | +35.0 |" in text
+
+
+def test_the_report_gives_the_compression_reached_and_the_heads_ranks():
+    runs = [
+        final_run("comera", 20.0, 0, 4.0, 50, knob=32, ranks_final={"model.lm_head": [1, 15, 1], "x": [1, 9, 1]}),
+        final_run("comera", 20.0, 1, 4.1, 56, knob=32, ranks_final={"model.lm_head": [1, 17, 1], "x": [1, 9, 1]}),
+        final_run("lowrank", 20.0, 0, 4.2, 52, knob=5),
+        final_run("cola", 20.0, 0, 4.3, 52, knob=5),
+    ]
+    study = {"full_dense_params": 1000, "runs": runs}
+    text = qr.markdown(study, "lm_test")
+    assert "| 20x | CoMERA | 0 k | 17.9-20.0x |" in text and "| 20x | low-rank A B | 0 k | 19.2x |" in text
+    [head] = qr.head_ranks(study)
+    assert head == {"size": 20.0, "comera_start": 64, "comera": (15, 17), "rivals": {"lowrank": 5, "cola": 5}}
+    assert "20x: CoMERA from 64 to 15-17, low-rank A B 5, CoLA (B silu(A x)) 5" in text
 
 
 def test_a_diverged_final_is_reported_and_left_out_of_the_tables():
