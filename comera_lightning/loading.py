@@ -70,8 +70,12 @@ def load_from_checkpoint(
 
 
 def _init_arguments(module_class: type, checkpoint: dict[str, Any], init_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Saved hyperparameters overridden by ``init_kwargs``, kept to what ``__init__`` takes (unless ``**kwargs``)."""
-    saved = dict(checkpoint.get("hyper_parameters") or {})
+    """Saved hyperparameters overridden by ``init_kwargs``, kept to what ``__init__`` takes (unless ``**kwargs``).
+
+    LightningCLI's own entries (``_class_path``, ``_instantiator``) are not arguments: a task that forwards
+    ``**kwargs`` to its model would pass them on (the export's loader drops them alike).
+    """
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
     name = checkpoint.get("hparams_name")
     parameters = inspect.signature(module_class).parameters  # __init__'s, without self
     if name and name in parameters:  # ``save_hyperparameters(namespace)`` stores everything under one name
