@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
+import torch
 
 from comera_lightning.data import write_synthetic_mnli
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    """Every test starts from the same random state of torch, NumPy and Python's ``random`` (a folder's conftest
+    may seed torch again with its own seed); a test that wants other draws seeds its own generator."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
 
 
 @pytest.fixture

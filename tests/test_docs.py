@@ -43,7 +43,7 @@ PYTHON_PAGES = [page for page in PAGES if _blocks(page, "python")]
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
+    namespace: dict[str, Any] = {"__name__": "__main__"}  # as `python block.py` runs it: main guards run too
     for number, (code, skip) in enumerate(_blocks(page, "python"), start=1):
         if skip is not None:
             continue

@@ -129,3 +129,21 @@ def test_truncate_dead_slices_only_where_enough_died_and_keeps_the_function():
     assert {id(p) for p, _ in record} == {id(p) for p in [*embedding.cores, *embedding.gates]}
     torch.testing.assert_close(embedding(ids), e, rtol=1e-12, atol=1e-14)
     assert not truncate_dead_slices_(layers, min_dead_fraction=0.01)
+
+
+@pytest.mark.parametrize(
+    "rank, dead, fraction",
+    [(10, 1, 0.1), (4, 1, 0.25), (3, 2, 2 / 3), (10, 3, 0.3)],  # 1 - 9 / 10 is 0.09999999999999998 in floats
+)
+def test_a_bond_with_exactly_min_dead_fraction_of_its_slices_masked_is_truncated(rank, dead, fraction):
+    torch.manual_seed(0)
+    layer = TTLinear(20, 20, rank, in_modes=[4, 5], out_modes=[4, 5]).to(F64)
+    assert layer.ranks[2] == rank
+    layer.remove_slices_(1, list(range(dead)))
+    x = torch.randn(3, 20, dtype=F64)
+    y = layer(x)
+    assert not truncate_dead_slices_([layer], min_dead_fraction=fraction + 1e-9)  # just above: nothing moves
+    assert layer.ranks[2] == rank
+    record = truncate_dead_slices_([layer], min_dead_fraction=fraction)  # exactly the fraction: "or more"
+    assert record and layer.ranks[2] == rank - dead == layer.active_ranks[2]
+    torch.testing.assert_close(layer(x), y, rtol=1e-12, atol=1e-14)

@@ -92,3 +92,20 @@ def test_decay_ends_at_final_lr_ratio_of_the_peak(schedule):
 def test_final_lr_ratio_outside_zero_one_is_refused():
     with pytest.raises(ValueError, match=r"final_lr_ratio .* in \[0, 1\]; got 1.5"):
         OptimConfig(final_lr_ratio=1.5)
+
+
+def test_weight_decay_shrinks_cores_and_other_parameters_but_never_the_gates():
+    torch.manual_seed(0)
+    task = MaskedLM(**TINY_ENCODER, optim=OptimConfig(lr_cores=0.1, lr_gates=0.1, lr_other=0.1, weight_decay=0.5))
+    optimizer = task.configure_optimizers()
+    names = {id(p): name for name, p in task.named_parameters()}
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    assert any(".gates." in name for name in before) and any(".cores." in name for name in before)
+    for p in task.parameters():
+        p.grad = torch.zeros_like(p)  # a step of decay alone: AdamW moves a parameter by lr * weight_decay * p
+    optimizer.step()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            decayed = before[name] if ".gates." in name else before[name] * (1 - 0.1 * 0.5)
+            torch.testing.assert_close(p.detach(), decayed, rtol=1e-6, atol=0, msg=name)

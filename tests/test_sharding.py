@@ -187,7 +187,7 @@ def test_default_units_are_blocks_then_leaves_and_skip_tied_modules():
 
 
 def test_unknown_unit_is_refused():
-    with pytest.raises(ValueError, match="no submodule named"):
+    with pytest.raises(ValueError, match=r"no submodule named .*; name units as model.named_modules"):
         fully_shard_model(nn.Linear(2, 2), mesh=None, units=["nope"])  # type: ignore[arg-type]
 
 
@@ -206,11 +206,18 @@ def test_tensor_parallel_mesh_is_refused():
 
     model = ShardedRegressor()
     model._device_mesh = Mesh()
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    with pytest.raises(
+        ValueError, match=r"tensor parallelism of size 2. Use comera_lightning.sharding.FSDP2Strategy\(\)"
+    ):
         shard_model(model)
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+    with pytest.raises(
+        ValueError, match="FSDP2Strategy shards data parallel only: tensor_parallel_size must be 1, got 2"
+    ):
         FSDP2Strategy(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="distributed checkpoints"):
+    with pytest.raises(
+        ValueError,
+        match=r"saves distributed checkpoints .*; for one file, consolidate one with .*read_checkpoint or export",
+    ):
         FSDP2Strategy(save_distributed_checkpoint=False)
 
 
@@ -218,7 +225,10 @@ def test_truncation_under_plain_model_parallel_strategy_names_the_fix(tmp_path):
     trainer = Trainer(
         strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path
     )
-    with pytest.raises(ValueError, match="FSDP2Strategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"not supported under ModelParallelStrategy .*use comera_lightning.sharding.FSDP2Strategy, which",
+    ):
         RankAdaptation().setup(trainer, ShardedRegressor(), "fit")
     RankAdaptation(truncate_every_n_steps=None).setup(trainer, ShardedRegressor(), "fit")  # masking only: fine
 
@@ -233,5 +243,8 @@ def test_truncation_plan_changes_nothing_until_truncate():
 
 
 def test_reading_a_folder_that_is_no_checkpoint(tmp_path):
-    with pytest.raises(ValueError, match="not a distributed checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"not a distributed checkpoint \(no .metadata and meta.pt\); pass a .ckpt file or the folder a sharded",
+    ):
         read_checkpoint(tmp_path)

@@ -294,11 +294,16 @@ class TTLayer(nn.Module):
         mask = self.rank_masks[bond]
         index = torch.as_tensor(list(indices), dtype=torch.long, device=mask.device)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= mask.numel()):
-            raise ValueError(f"slice indices {list(indices)} out of range for bond {bond} of rank {mask.numel()}")
+            raise ValueError(
+                f"slice indices {list(indices)} out of range for bond {bond} of rank {mask.numel()}; indices must be "
+                f"in [0, {mask.numel()})"
+            )
         remaining = mask.clone()
         remaining[index] = False
         if not bool(remaining.any()):
-            raise ValueError(f"removing slices {list(indices)} would leave bond {bond} without an active slice")
+            raise ValueError(
+                f"removing slices {list(indices)} would leave bond {bond} without an active slice; keep at least one"
+            )
         gate = full_tensor(self.gates[bond].detach()).clone()
         gate[index] = 0.0
         write_full_(self.gates[bond], gate)
@@ -417,7 +422,10 @@ class TTLayer(nn.Module):
                 )
         ranks = [1] + [s[-1] for s in shapes]
         if any(shapes[k][0] != ranks[k] for k in range(len(shapes))) or ranks[-1] != 1:
-            raise ValueError(f"checkpoint cores under {prefix}cores have inconsistent ranks: {shapes}")
+            raise ValueError(
+                f"checkpoint cores under {prefix}cores have inconsistent ranks: {shapes}; the checkpoint is damaged or "
+                f"was edited (core k must start with the rank core k-1 ends with): load one that training saved"
+            )
         too_big = [k for k, (r, m) in enumerate(zip(ranks, self.max_ranks, strict=True)) if r > m]
         if too_big:
             raise ValueError(

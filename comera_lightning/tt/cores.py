@@ -191,5 +191,8 @@ def ttm_from_dense(
 
 def _zero_pad(matrix: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if matrix.shape[0] > rows or matrix.shape[1] > cols:
-        raise ValueError(f"matrix of shape {tuple(matrix.shape)} does not fit modes of size ({rows}, {cols})")
+        raise ValueError(
+            f"matrix of shape {tuple(matrix.shape)} does not fit modes of size ({rows}, {cols}); choose modes whose "
+            f"products are at least its shape"
+        )
     return torch.nn.functional.pad(matrix, (0, cols - matrix.shape[1], 0, rows - matrix.shape[0]))

@@ -113,6 +113,23 @@ def test_late_start_fraction_is_a_share_of_the_planned_steps(tmp_path, limits, s
     assert callback.stage == 1 and callback.switch_step == switch
 
 
+@pytest.mark.filterwarnings("ignore:RankAdaptation. training ended:UserWarning")  # 12 steps reach no target
+def test_the_smoothed_loss_is_an_ema_of_the_step_losses_and_the_loss_switch_reads_it(tmp_path):
+    # raw step losses cross 0.62 at step 4, their EMA (factor 0.5) only at step 9
+    model = TinyRegressor()
+    callback = RankAdaptation(late_start_loss=0.62, loss_smoothing=0.5, truncate_every_n_steps=None)
+    _trainer(tmp_path, [callback], max_steps=12).fit(model, regression_loader())
+    emas = [model.losses[0]]
+    for loss in model.losses[1:]:
+        emas.append(0.5 * emas[-1] + 0.5 * loss)
+    assert len(model.losses) == 12
+    switch = next(step for step, ema in enumerate(emas, start=1) if ema <= 0.62)
+    assert min(model.losses[: switch - 1]) <= 0.62, "the raw loss must cross first, or the test shows nothing"
+    assert callback.switch_step == switch and callback.target_loss == pytest.approx(emas[switch - 1], rel=1e-9)
+    assert callback.loss_ema == pytest.approx(emas[-1], rel=1e-9)  # still tracked in the late stage
+    assert callback.comera_metrics()["comera/loss_ema"] == callback.loss_ema
+
+
 def test_late_start_fraction_needs_a_run_of_known_length(tmp_path):
     with pytest.raises(ValueError, match=r"late_start_fraction must be in \[0, 1\)"):
         RankAdaptation(late_start_fraction=1.0)
@@ -123,18 +140,37 @@ def test_late_start_fraction_needs_a_run_of_known_length(tmp_path):
 
 
 def test_accumulation_adds_penalty_once_per_optimizer_step(tmp_path):
-    calls = []
+    added = []  # per optimiser step and gate: (gradient the callback added, gamma * dR/dd)
 
-    class Counting(RankAdaptation):
+    class Recording(RankAdaptation):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            calls.append(trainer.global_step)
+            layers = [layer for _, layer in tt_layers(pl_module)]
+            gates = [g for layer in layers for g in layer.gates]
+            masks = [m for layer in layers for m in layer.rank_masks]
+            weights = [w for layer in layers for w in layer.slice_parameters()]
+            task = [g.grad.clone() for g in gates]  # the task's gradient, accumulated over both micro-batches
+            with torch.enable_grad():
+                expected = torch.autograd.grad(rank_penalty(gates, masks, weights), gates)
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
+            added.append([(g.grad - t, 0.3 * e) for g, t, e in zip(gates, task, expected, strict=True)])
+
+    loader = regression_loader()
+    micro_batches = []
+
+    class Counting(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            micro_batches.append(batch_idx)
+            return super().training_step(batch, batch_idx)
 
     trainer = _trainer(
-        tmp_path, [Counting(gamma=0.3, truncate_every_n_steps=4)], max_steps=12, accumulate_grad_batches=2
+        tmp_path, [Recording(gamma=0.3, truncate_every_n_steps=4)], max_steps=6, accumulate_grad_batches=2
     )
-    trainer.fit(TinyRegressor(), regression_loader())
-    assert len(calls) == trainer.global_step == 12
+    trainer.fit(Counting(), loader)
+    assert len(micro_batches) == 12 and trainer.global_step == 6
+    assert len(added) == 6  # once per optimiser step, not per micro-batch ...
+    for step in added:  # ... and once in size: exactly gamma * dR/dd on top of the task's gradient
+        for got, want in step:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
 
 
 def test_bf16_mixed_runs_without_nans(tmp_path):
@@ -219,15 +255,17 @@ def test_truncated_checkpoint_loads_into_original_ranks(tmp_path):
 
 
 def test_bad_configuration_errors(tmp_path):
-    with pytest.raises(ValueError, match="target_compression must be > 1"):
+    with pytest.raises(ValueError, match=r"target_compression must be > 1 \(dense / compressed\) and finite, got 0.5"):
         RankAdaptation(target_compression=0.5)
-    with pytest.raises(ValueError, match="penalty must be"):
+    with pytest.raises(ValueError, match="penalty must be 'weighted' or 'mean', got 'l2'"):
         RankAdaptation(penalty="l2")
-    with pytest.raises(ValueError, match="threshold must be in"):
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\) \(gates start at 1\), got 1.5"):
         RankAdaptation(threshold=1.5)
-    with pytest.raises(ValueError, match="truncate_every_n_steps"):
+    with pytest.raises(ValueError, match="truncate_every_n_steps must be >= 1 or None, got 0"):
         RankAdaptation(truncate_every_n_steps=0)
-    with pytest.raises(ValueError, match="is impossible"):
+    with pytest.raises(
+        ValueError, match=r"is impossible: .*at most 21.8x\); lower target_compression / raise target_size"
+    ):
         _trainer(tmp_path, [RankAdaptation(target_compression=1000.0)], max_steps=1).fit(
             TinyRegressor(), regression_loader()
         )
@@ -242,14 +280,20 @@ def test_errors_when_model_has_no_comera_layers_or_gates_not_optimised(tmp_path)
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    with pytest.raises(ValueError, match="no comera layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"no comera layers .*build the model with them or call comera_lightning.tensorize\(model\) first",
+    ):
         _trainer(tmp_path, [RankAdaptation()], max_steps=1).fit(Dense(), regression_loader())
 
     class NoGates(TinyRegressor):
         def configure_optimizers(self):
             return torch.optim.SGD([p for n, p in self.named_parameters() if ".gates." not in n], lr=0.1)
 
-    with pytest.raises(ValueError, match="gates are not in any optimiser"):
+    with pytest.raises(
+        ValueError,
+        match=r"gates are not in any optimiser, .*include all parameters \(or use .*comera_parameter_groups\)",
+    ):
         _trainer(tmp_path, [RankAdaptation()], max_steps=1).fit(NoGates(), regression_loader())
 
 
@@ -268,7 +312,7 @@ def test_rank_penalty_variants():
     masks = [torch.tensor([True, True, False]), torch.tensor([True, True])]
     assert float(rank_penalty(gates, masks)) == pytest.approx((1 + 0.5 + 0.4 + 0) / 4)
     assert float(rank_penalty(gates, masks, [2.0, 1.0])) == pytest.approx((2 * 1.5 + 0.4) / (2 * 2 + 2))
-    with pytest.raises(ValueError, match="one entry per bond"):
+    with pytest.raises(ValueError, match="gates, masks and weights must have one entry per bond"):
         rank_penalty(gates, masks[:1])
 
 

@@ -267,7 +267,7 @@ def test_state_dict_roundtrip_and_resume(tmp_path):
 def test_names_plot_and_arguments(tmp_path):
     assert metric_safe_name("enc.layers.0:ffn(fc1)") == "enc.layers.0_ffn_fc1_"
     assert metric_safe_name("_orig_mod.model._orig_mod.0") == "model.0"
-    with pytest.raises(ValueError, match="log_every_n_steps"):
+    with pytest.raises(ValueError, match="log_every_n_steps must be >= 1, got 0"):
         RankMonitor(log_every_n_steps=0)
 
     # many layers: the heatmap layout; few layers: one panel per layer
@@ -394,14 +394,43 @@ def synthetic_history(blocks: int = 6, switch: int | None = 600, events: bool = 
     return history
 
 
-def test_plot_marks_switch_and_truncations(tmp_path):
+def _drawn_marks(history, path, monkeypatch, **kwargs) -> list[tuple[list[float], list[float]]]:
+    """Per panel of the saved figure: the steps of its dashed vertical lines and of its truncation triangles."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), save(fig, *a, **k))[1])
+    plot_rank_history(history, str(path), **kwargs)
+    monkeypatch.undo()
+    (figure,) = saved
+    marks = []
+    for axis in figure.axes:
+        if not axis.get_lines() or axis.get_ylabel().startswith("compression"):
+            continue  # the compression ratio's twin axis carries no marks
+        vertical = [
+            float(line.get_xdata()[0])
+            for line in axis.get_lines()
+            if line.get_linestyle() == "--" and len(set(line.get_xdata())) == 1
+        ]
+        triangles = [float(x) for line in axis.get_lines() if line.get_marker() == "v" for x in line.get_xdata()]
+        marks.append((vertical, triangles))
+    return marks
+
+
+def test_plot_marks_switch_and_truncations(tmp_path, monkeypatch):
     import matplotlib
 
     backend = matplotlib.get_backend()
     path = tmp_path / "rank_evolution.png"
-    plot_rank_history(synthetic_history(), str(path))
+    marks = _drawn_marks(synthetic_history(), path, monkeypatch)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
     assert matplotlib.get_backend() == backend  # Agg canvas of its own: pyplot's backend is left alone
+    # both panels (sizes, rank heatmap) mark the switch at 600 with a dashed line and each truncation with a triangle
+    assert marks == [([600.0], [400.0, 800.0])] * 2
+    assert (
+        _drawn_marks(synthetic_history(switch=None), tmp_path / "none.png", monkeypatch) == [([], [400.0, 800.0])] * 2
+    )
 
     # truncations are the recorded ones; an allocated drop none explains (no RankAdaptation) is added
     assert _truncation_steps(synthetic_history()) == [400, 800]

@@ -47,6 +47,12 @@ def test_last_checkpoint_is_the_end_of_training_between_validation_checks(workdi
     assert "compression" in summary and "active parameters" in summary
     assert "val/loss" in summary and f"checkpoint: {last}" in summary
     assert cli.trainer.logger.run_id in summary and "mlflow ui --backend-store-uri sqlite:///" in summary
+    # the run's own page in the UI's training view (MLflow 3 opens its GenAI view by default)
+    logger = cli.trainer.logger
+    link = (
+        f"http://127.0.0.1:5000/#/experiments/{logger.experiment_id}/runs/{logger.run_id}?workflowType=machine_learning"
+    )
+    assert link in summary
     assert "best:" not in summary
 
 
@@ -77,7 +83,8 @@ def test_an_explicit_run_name_is_kept(workdir):
 
 
 @pytest.mark.slow
-def test_progress_bar_counts_towards_max_steps_across_epochs(workdir):
+def test_progress_bar_counts_towards_max_steps_across_epochs(workdir, monkeypatch):
+    monkeypatch.setattr("comera_lightning.cli._interactive_output", lambda: True)  # as on a terminal
     trainer_args = [
         a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a and "max_epochs" not in a
     ]

@@ -120,11 +120,11 @@ def test_max_val_sequences_caps_validation_alone_with_rows_from_the_whole_split(
 
 
 def test_bad_settings_are_refused(tree, tmp_path):
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ValueError, match="seq_len must be >= 2, got 1"):
         _dm(tree, tmp_path, seq_len=1)
-    with pytest.raises(ValueError, match="max_sequences"):
+    with pytest.raises(ValueError, match="max_sequences must be >= 1 or None, got 0"):
         _dm(tree, tmp_path, max_sequences=0)
-    with pytest.raises(ValueError, match="max_val_sequences must be >= 1"):
+    with pytest.raises(ValueError, match="max_val_sequences must be >= 1 or None, got 0"):
         _dm(tree, tmp_path, max_val_sequences=0)
-    with pytest.raises(ValueError, match="prompt_len"):
+    with pytest.raises(ValueError, match="prompt_len and num_prompts must be >= 1, got 0, 3"):
         _dm(tree, tmp_path, prompt_len=0)

@@ -161,7 +161,10 @@ def test_user_tokenizer_path_and_vocab_bound(stdlib_dm, stdlib_cache, tmp_path, 
     small = CodeMLMDataModule(cache_dir=str(tmp_path), tokenizer_path=path, **{**stdlib_kw, "vocab_size": 300})
     with pytest.raises(ValueError, match="set vocab_size >="):
         small.setup("fit")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not exist; pass tokenizer_path= a local tokenizer.json .*or tokenizer_path=None to train one",
+    ):
         CodeMLMDataModule(cache_dir=str(tmp_path), tokenizer_path=str(tmp_path / "nope.json")).setup("fit")
 
 
@@ -213,7 +216,7 @@ def test_only_empty_files_raise(tmp_path):
     (root / "a.py").write_text("")
     (root / "b.py").write_text("")
     dm = CodeMLMDataModule(root=str(root), vocab_size=300, cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="are all empty; point root= at a folder with non-empty source files"):
         dm.prepare_data()
 
 

@@ -181,14 +181,14 @@ def test_batches_have_the_mnli_layout(tree, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(val_fraction=0.0), "val_fraction"),
-        (dict(val_fraction=1.0), "val_fraction"),
-        (dict(seq_len=4), "seq_len"),
-        (dict(vocab_size=100), "vocab_size"),
-        (dict(batch_size=0), "batch_size"),
-        (dict(max_examples=2), "max_examples"),
-        (dict(max_files=3), "max_files"),
-        (dict(num_workers=-1), "num_workers"),
+        (dict(val_fraction=0.0), r"val_fraction must be in \(0, 1\) .*got 0.0"),
+        (dict(val_fraction=1.0), r"val_fraction must be in \(0, 1\) .*got 1.0"),
+        (dict(seq_len=4), r"seq_len must be >= 5 \(\[CLS\] docstring \[SEP\] body \[SEP\]\), got 4"),
+        (dict(vocab_size=100), r"vocab_size must be >= 261 for a byte-level BPE .*got 100"),
+        (dict(batch_size=0), "batch_size must be >= 1, got 0"),
+        (dict(max_examples=2), r"max_examples must be >= 3 \(one example per class\) or None, got 2"),
+        (dict(max_files=3), r"max_files must be >= 4 or None \(each split needs two files with documented functions\)"),
+        (dict(num_workers=-1), "num_workers must be >= 0, got -1"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, match):
@@ -199,7 +199,9 @@ def test_bad_arguments_are_refused(kwargs, match):
 def test_trees_without_usable_functions_fail_clearly(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match="no file matching"):
+    with pytest.raises(
+        ValueError, match=r"no file matching .*; point root= at a folder with source files or change pattern="
+    ):
         _dm(empty, tmp_path / "cache").prepare_data()
 
     plain = tmp_path / "plain"
@@ -215,7 +217,9 @@ def test_trees_without_usable_functions_fail_clearly(tmp_path):
     # documented functions, but only in one file: no other_module negatives anywhere
     lonely = tmp_path / "lonely"
     write_tree(lonely, n_files=1)
-    with pytest.raises(ValueError, match="no code-pair examples"):
+    with pytest.raises(
+        ValueError, match=r"no code-pair examples .*every split needs at least two files with documented functions"
+    ):
         _dm(lonely, tmp_path / "cache2").prepare_data()
 
 

@@ -143,7 +143,9 @@ def test_discover_files_refuses_a_corpus_of_binary_files_naming_them(tmp_path):
     assert "root=" in message and "exclude" in message
     # a majority of binary files is refused too: root most likely points at the wrong folder
     _touch(root / "real.py")
-    with pytest.raises(ValueError, match=r"8 of the 9 file\(s\)"):
+    with pytest.raises(
+        ValueError, match=r"8 of the 9 file\(s\) .* are binary, .*; point root= at a folder of source text files"
+    ):
         discover_files(root)
     assert discover_files(root, text_only=False) == [f"blob{i}.py" for i in range(8)] + ["real.py"]
 
@@ -165,7 +167,10 @@ def test_read_source_text_refuses_binary_bytes_naming_the_file(tmp_path):
     _touch(tmp_path / "ok.py", "s = 'é'\n")
     assert read_source_text(tmp_path / "ok.py") == "s = 'é'\n"
     (tmp_path / "bad.py").write_bytes(BINARY)
-    with pytest.raises(ValueError, match=r"bad\.py.*binary"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad\.py' is binary, .*; exclude it from the corpus or point root= at a folder of source text files",
+    ):
         read_source_text(tmp_path / "bad.py")
 
 
@@ -193,5 +198,5 @@ def test_split_by_hash_disjoint_stable_and_insensitive_to_other_files():
     assert [len(s) for s in split_by_hash(["a.py", "b.py"], 0.01)] == [1, 1]
     assert split_by_hash(["a.py"], 0.5) == (["a.py"], [])
     assert split_by_hash(files, 0.0)[1] == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got 1.0"):
         split_by_hash(files, 1.0)

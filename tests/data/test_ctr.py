@@ -49,7 +49,10 @@ def test_parse_tsv_with_missing_values(tmp_path):
 def test_unlabelled_or_malformed_file_is_refused(tmp_path):
     path = tmp_path / "test.txt"
     path.write_text("\t".join(["1"] * 13 + ["ab"] * 26) + "\n")  # 39 columns: Criteo's test.txt
-    with pytest.raises(ValueError, match="not a labelled Criteo-format TSV"):
+    with pytest.raises(
+        ValueError,
+        match=r"not a labelled Criteo-format TSV \(label, 13 integer, 26 categorical columns, tab-separated\)",
+    ):
         read_criteo_tsv(path)
 
 
@@ -169,15 +172,20 @@ def test_tsv_round_trip_and_cache(tmp_path):
 
 
 def test_datamodule_errors_and_defaults(tmp_path):
-    with pytest.raises(ValueError, match="synthetic=True"):
+    with pytest.raises(
+        ValueError, match="no data: pass data_dir= a folder of Criteo-format TSV files, or synthetic=True"
+    ):
         CriteoDataModule()
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match=r"pass either data_dir= \(Criteo TSV files\) or synthetic=True, not both"):
         CriteoDataModule(data_dir=str(tmp_path), synthetic=True)
-    with pytest.raises(ValueError, match="26 positive ints"):
+    with pytest.raises(ValueError, match=r"table_sizes must be 26 positive ints \(one per categorical column\)"):
         CriteoDataModule(synthetic=True, table_sizes=[10] * 25)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="does not exist; pass data_dir= a folder of Criteo-format TSV files"):
         CriteoDataModule(data_dir=str(tmp_path / "nope")).setup("fit")
-    with pytest.raises(ValueError, match="no Criteo-format file"):
+    with pytest.raises(
+        ValueError,
+        match=r"no Criteo-format file .*; write one with write_synthetic_criteo_tsv\(\) or pass synthetic=True",
+    ):
         CriteoDataModule(data_dir=str(tmp_path)).setup("fit")
     dm = CriteoDataModule(synthetic=True, num_samples=10)
     assert dm.table_sizes == list(DEFAULT_TABLE_SIZES) and len(dm.table_sizes) == 26

@@ -71,7 +71,9 @@ def test_validation_split_choice(tsv_dir, tmp_path):
     labels = torch.cat([b["labels"] for b in dm.val_dataloader()]).tolist()
     assert labels == _file_labels(tsv_dir / "dev_mismatched.tsv")
     assert labels != _file_labels(tsv_dir / "dev_matched.tsv")
-    with pytest.raises(ValueError, match="validation_split"):
+    with pytest.raises(
+        ValueError, match="validation_split must be 'validation_matched' or 'validation_mismatched', got 'test'"
+    ):
         MNLIDataModule(str(tsv_dir), validation_split="test")
 
 
@@ -92,7 +94,10 @@ def test_glue_tsv_quirks(tmp_path):
     assert y == [0, 2, 1, 2]
     assert a[0] == 'He said "hi to me.' and b[1] == 'It is "dry".'
     (tmp_path / "train.tsv").write_text(text.replace("neutral", "maybe"))
-    with pytest.raises(ValueError, match="unknown label 'maybe'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown label 'maybe'; expected one of \['entailment', 'neutral', 'contradiction'\] or 0/1/2",
+    ):
         read_mnli_split(tmp_path, "train")
 
 
@@ -178,7 +183,7 @@ def test_user_tokenizer_with_other_special_ids(tsv_dir, tmp_path, monkeypatch):
     batch = next(iter(dm.val_dataloader()))
     assert (batch["input_ids"][:, 0] == 7).all() and ((batch["input_ids"] == 8).sum(1) == 2).all()
     assert (batch["input_ids"][batch["attention_mask"] == 0] == 3).all()
-    with pytest.raises(ValueError, match="set vocab_size"):
+    with pytest.raises(ValueError, match=r"has 1268 tokens but vocab_size=50; .*so set vocab_size >= 1268"):
         MNLIDataModule(str(tsv_dir), tokenizer_path=str(path), cache_dir=str(tmp_path), vocab_size=50).setup("fit")
 
 
@@ -186,19 +191,25 @@ def test_format_errors(tmp_path):
     with pytest.raises(ValueError, match="cannot tell the MNLI format") as info:
         MNLIDataModule(str(tmp_path)).setup("fit")
     assert str(tmp_path) in str(info.value)
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="is not a directory; pass data_dir= the folder with the MNLI files"):
         MNLIDataModule(str(tmp_path / "missing")).setup("fit")
-    with pytest.raises(ValueError, match="format must be"):
+    with pytest.raises(ValueError, match=r"format must be one of \['auto', 'disk', 'tsv', 'jsonl'\], got 'csv'"):
         MNLIDataModule(str(tmp_path), format="csv")
     (tmp_path / "train.tsv").write_text("sentence1\tsentence2\tgold_label\na\tb\tneutral\n")
-    with pytest.raises(ValueError, match=r"dev_matched.tsv"):
+    with pytest.raises(
+        ValueError,
+        match=r"no file for MNLI split 'validation_matched' .*: expected one of .*dev_matched.tsv",
+    ):
         MNLIDataModule(str(tmp_path), cache_dir=str(tmp_path / "c"), vocab_size=300).setup("fit")
 
 
 def test_missing_datasets_library_gives_pip_command(tmp_path, monkeypatch):
     (tmp_path / "dataset_dict.json").write_text('{"splits": ["train"]}')
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ImportError, match="pip install"):
+    with pytest.raises(
+        ImportError,
+        match=r"needs the HuggingFace `datasets` library: pip install 'datasets>=2.14' \(or use the GLUE TSV / JSONL",
+    ):
         read_mnli_split(tmp_path, "train")
 
 

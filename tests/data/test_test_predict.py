@@ -132,7 +132,7 @@ def test_mnli_labelled_test_file_is_preferred_and_unlabelled_ones_are_skipped(mn
     assert _cat(dm.test_dataloader(), "labels").tolist() == _file_labels(mnli_dir / "dev_matched.tsv")
     explicit = MNLIDataModule(str(data), cache_dir=str(tmp_path / "c"), test_split="validation_matched", **MNLI_KW)
     assert explicit.resolved_test_split == "validation_matched"
-    with pytest.raises(ValueError, match="test_split must be one of"):
+    with pytest.raises(ValueError, match=r"test_split must be one of \[.*\] or None \(choose\), got 'train'"):
         MNLIDataModule(str(data), test_split="train")
 
 
@@ -181,5 +181,8 @@ def test_criteo_without_test_fraction_tests_on_validation_rows(notices):
     assert len(list(dm.predict_dataloader())) == 1
     assert len(notices) == 2 and "test_fraction" in notices[0]
     for bad in (dict(test_fraction=1.0), dict(test_fraction=-0.1), dict(val_fraction=0.5, test_fraction=0.5)):
-        with pytest.raises(ValueError, match="test_fraction"):
+        with pytest.raises(
+            ValueError,
+            match=r"test_fraction must be in \[0, 1\) and val_fraction \+ test_fraction < 1 \(rows must be left to",
+        ):
             CriteoDataModule(synthetic=True, **bad)

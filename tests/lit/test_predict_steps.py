@@ -50,9 +50,11 @@ def test_masked_lm_returns_top_k_per_masked_position():
 
 def test_masked_lm_without_labels_or_mask_token_fails_clearly():
     task = MaskedLM(vocab_size=60, **ENCODER)
-    with pytest.raises(ValueError, match="labels"):
+    with pytest.raises(
+        ValueError, match=r"needs batches with labels .*or a datamodule whose tokenizer has a \[MASK\] token"
+    ):
         task.predict_step({"input_ids": torch.randint(5, 60, (2, 8))}, 0)
-    with pytest.raises(ValueError, match="predict_top_k"):
+    with pytest.raises(ValueError, match="predict_top_k must be >= 1, got 0"):
         MaskedLM(vocab_size=60, predict_top_k=0, **ENCODER)
     assert "predict_top_k" not in task.hparams  # an inference option, not a saved hyperparameter
 

@@ -170,21 +170,32 @@ def test_shapes_longer_than_max_len_and_bad_inputs():
     model = DecoderLM(**TINY_DECODER)
     assert model(torch.randint(0, 97, (3, 16))).shape == (3, 16, 97)
     assert model(torch.randint(0, 97, (1, 20))).shape == (1, 20, 97)  # rotary tables extend on the fly
-    with pytest.raises(ValueError, match="batch, seq_len"):
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq_len\), got shape \(5,\)"):
         model(torch.randint(0, 97, (5,)))
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="d_model=32 must be divisible by num_heads=5"):
         DecoderLM(**dict(TINY_DECODER, num_heads=5))
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match=r"head dimension d_model / num_heads = 3 must be even"):
         DecoderLM(**dict(TINY_DECODER, d_model=36, num_heads=12))
 
 
 def test_bf16_autocast_forward_and_backward():
+    torch.manual_seed(0)
     model = DecoderLM(**TINY_DECODER)
     ids = torch.randint(0, 97, (2, 8))
+    params = [p for p in model.parameters() if p.requires_grad]
+    logits32 = model(ids)
+    grads32 = torch.autograd.grad(F.cross_entropy(logits32.flatten(0, 1), ids.flatten()), params)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(ids)
-    assert torch.isfinite(logits.float()).all()
-    F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+    assert (logits.float() - logits32).abs().max() <= 5e-2 * logits32.abs().max()
+    grads = torch.autograd.grad(F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()), params)
+    # the backward reaches every parameter, in its own fp32, close to the fp32 gradient
+    for (name, param), g16, g32 in zip(
+        ((n, p) for n, p in model.named_parameters() if p.requires_grad), grads, grads32, strict=True
+    ):
+        assert g16.dtype == param.dtype == torch.float32 and torch.isfinite(g16).all(), name
+        assert (g16 - g32).norm() <= 0.1 * g32.norm() + 1e-6, name
 
 
 @pytest.mark.parametrize("packed_dropout", [False, True])
@@ -247,7 +258,10 @@ def test_a_cache_belongs_to_one_batch():
     model = DecoderLM(**TINY_DECODER).eval()
     cache = model.new_cache()
     model.hidden_states(torch.randint(0, 97, (2, 4)), cache)
-    with pytest.raises(ValueError, match="cache holds a batch of 2 sequences but input_ids has 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache holds a batch of 2 sequences but input_ids has 3: use one cache per batch \(model.new_cache",
+    ):
         model.hidden_states(torch.randint(0, 97, (3, 1)), cache)
 
 

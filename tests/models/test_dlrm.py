@@ -93,10 +93,12 @@ def test_every_parameter_gets_a_finite_gradient(autocast):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="embedding_dim"):
+    with pytest.raises(
+        ValueError, match=r"the last bottom_mlp width must equal embedding_dim=16 .*got bottom_mlp=\[64, 32\]"
+    ):
         DLRM(table_sizes=[10], embedding_dim=16, bottom_mlp=[64, 32])
-    with pytest.raises(ValueError, match="interaction"):
+    with pytest.raises(ValueError, match=r"interaction must be one of \('dot', 'cat'\), got 'attention'"):
         DLRM(table_sizes=[10], interaction="attention")
     model = DLRM(**SMALL)
-    with pytest.raises(ValueError, match="sparse"):
+    with pytest.raises(ValueError, match=r"sparse must be \(batch=2, 26\) ids, got shape \(2, 25\)"):
         model(torch.randn(2, 13), torch.zeros(2, 25, dtype=torch.long))

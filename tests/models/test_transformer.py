@@ -51,11 +51,13 @@ def test_output_shapes(tt):
 
 def test_bad_inputs_are_explained():
     enc = TransformerEncoder(**TINY)
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(
+        ValueError, match="exceeds max_len=16; truncate the inputs or build the model with a larger max_len"
+    ):
         enc(torch.ones(1, TINY["max_len"] + 1, dtype=torch.long))
-    with pytest.raises(ValueError, match="attention_mask shape"):
+    with pytest.raises(ValueError, match=r"attention_mask shape \(2, 5\) must equal input_ids shape \(2, 4\)"):
         enc(torch.ones(2, 4, dtype=torch.long), torch.ones(2, 5))
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="d_model=32 must be divisible by num_heads=5"):
         TransformerEncoder(**dict(TINY, num_heads=5))
 
 

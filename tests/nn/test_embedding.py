@@ -120,7 +120,10 @@ def test_vocab_30522_is_padded_and_never_exposes_padded_rows():
     ids = torch.tensor([0, 1, 12345, 30520, 30521, 30521])
     torch.testing.assert_close(layer(ids), table[ids])
     torch.testing.assert_close(layer(ids), reference_embedding_table(layer)[ids])
-    with pytest.raises(IndexError, match="30522"):
+    with pytest.raises(
+        IndexError,
+        match=r"token id 30522 is outside .*check the tokenizer's vocabulary size against num_embeddings=30522",
+    ):
         layer(torch.tensor([30522]))  # exists in the padded table but not in the vocabulary
 
 
@@ -134,14 +137,17 @@ def test_paper_embedding_shapes():
 @pytest.mark.parametrize("bad", [[-1], [0, 12], [[3, 12, 1]]])
 def test_out_of_range_ids(bad):
     layer = TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3])
-    with pytest.raises(IndexError, match=r"outside the vocabulary \[0, 12\)"):
+    with pytest.raises(
+        IndexError,
+        match=r"outside the vocabulary \[0, 12\); check the tokenizer's vocabulary size against num_embeddings",
+    ):
         layer(torch.tensor(bad))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_float_ids(dtype):
     layer = TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3])
-    with pytest.raises(TypeError, match="integer token ids"):
+    with pytest.raises(TypeError, match=f"TTEmbedding expects integer token ids, got dtype {dtype}"):
         layer(torch.tensor([1, 2], dtype=dtype))
 
 
@@ -233,45 +239,52 @@ def test_rank_zero():
 
 def test_explicit_rank_above_bound():
     # core sizes 6 and 6: the only bond allows at most 6
-    with pytest.raises(ValueError, match="at most 6"):
+    with pytest.raises(
+        ValueError, match=r"allow at most 6 there .*lower it or pass a single int rank to clamp automatically"
+    ):
         TTEmbedding(12, 6, [7], vocab_modes=[3, 4], dim_modes=[2, 3])
 
 
 def test_wrong_rank_list_length():
-    with pytest.raises(ValueError, match="expected 1 internal ranks"):
+    with pytest.raises(ValueError, match=r"expected 1 internal ranks .*; pass a single int to use one rank everywhere"):
         TTEmbedding(12, 6, [2, 2], vocab_modes=[3, 4], dim_modes=[2, 3])
 
 
 def test_modes_count_mismatch():
-    with pytest.raises(ValueError, match="same number"):
+    with pytest.raises(ValueError, match=r"must have the same number of modes \(one TT-matrix core per pair\)"):
         TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[6])
 
 
 def test_vocab_modes_too_small():
-    with pytest.raises(ValueError, match="vocab_modes"):
+    with pytest.raises(
+        ValueError, match=r"vocab_modes: .*pass modes whose product is 13 \(e.g. \[13, 1\]\) or leave them as None"
+    ):
         TTEmbedding(13, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3])
 
 
 def test_dim_modes_must_be_exact():
-    with pytest.raises(ValueError, match="dim_modes"):
+    with pytest.raises(
+        ValueError,
+        match=r"dim_modes: .*must equal 5; pass modes whose product is 5 \(e.g. \[5, 1\]\) or leave them as None",
+    ):
         TTEmbedding(12, 5, 2, vocab_modes=[3, 4], dim_modes=[2, 3])
 
 
 @pytest.mark.parametrize("padding_idx", [12, -13])
 def test_padding_idx_out_of_range(padding_idx):
-    with pytest.raises(ValueError, match="padding_idx"):
+    with pytest.raises(ValueError, match=rf"padding_idx must be within \[-12, 12\), got {padding_idx}"):
         TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3], padding_idx=padding_idx)
 
 
 @pytest.mark.parametrize("threshold", [-1e-3, 1.0])
 def test_threshold_outside_unit_interval(threshold):
-    with pytest.raises(ValueError, match="rank_threshold"):
+    with pytest.raises(ValueError, match=rf"rank_threshold must be in \[0, 1\) \(gates start at 1\), got {threshold}"):
         TTEmbedding(12, 6, 2, rank_threshold=threshold)
 
 
 @pytest.mark.parametrize("V, D", [(0, 6), (12, 0)])
 def test_non_positive_sizes(V, D):
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match=f"num_embeddings and embedding_dim must be >= 1, got {V}, {D}"):
         TTEmbedding(V, D, 2)
 
 

@@ -334,9 +334,13 @@ def test_checkpoint_with_wrong_modes(kind):
 def test_checkpoint_with_a_different_number_of_modes():
     source = TTLinear(24, 12, 3, in_modes=[4, 6], out_modes=[12])
     target = TTLinear(24, 12, 3, in_modes=[2, 3, 4], out_modes=[3, 4])
-    with pytest.raises(ValueError, match="modes"):
+    with pytest.raises(
+        ValueError, match="from a different architecture; build the layer with the modes it was trained with"
+    ):
         target.load_state_dict(source.state_dict())
-    with pytest.raises(ValueError, match="modes"):
+    with pytest.raises(
+        ValueError, match="from a different architecture; build the layer with the modes it was trained with"
+    ):
         source.load_state_dict(target.state_dict())
 
 
@@ -360,7 +364,7 @@ def test_checkpoint_with_inconsistent_ranks():
     layer = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5])
     state = layer.state_dict()
     state["cores.1"] = torch.randn(2, 3, 3)  # core 0 ends with rank 3
-    with pytest.raises(ValueError, match="inconsistent ranks"):
+    with pytest.raises(ValueError, match=r"inconsistent ranks: .*; the checkpoint is damaged or was edited"):
         layer.load_state_dict(state)
 
 
@@ -381,6 +385,16 @@ def test_truncate_to_share_keeps_leading_slices_and_the_masked_function(kind):
         torch.testing.assert_close(gate.detach(), kept)
     torch.testing.assert_close(layer(inputs), expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(layer(inputs), reference_output(kind, layer, inputs), rtol=1e-10, atol=1e-12)
+
+
+def test_truncate_to_share_rounds_each_bond_to_the_nearest_slice():
+    # ranks 2, 4, 4, 4: a share of 0.7 keeps 1.4 and 2.8 slices, rounded to 1 and 3 (a floor would keep 2 of 4);
+    # 0.6 keeps 1.2 and 2.4, so 1 and 2
+    for keep, kept in ((0.7, 3), (0.6, 2)):
+        layer = linear_layer()
+        assert layer.ranks == [1, 2, 4, 4, 4, 1]
+        layer.truncate_to_share_(keep)
+        assert layer.ranks == [1, 1, kept, kept, kept, 1] and layer.active_ranks == layer.ranks
 
 
 def test_truncate_to_share_keeps_one_slice_and_refuses_bad_shares():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -28,6 +29,7 @@ import time
 import urllib.request
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -391,3 +393,50 @@ def test_a_logger_creates_its_store_on_first_use_only(workdir, monkeypatch):
     logger.finalize("success")
     assert [m.value for m in MlflowClient(store).get_metric_history(logger.run_id, "x")] == [2.0]
     assert MlflowClient(store).get_run(logger.run_id).info.status == "FINISHED"
+
+
+def _first_run_in_a_new_store(store: str, root: str, seed: int, barrier: Any, result: str) -> None:
+    """One of several processes that start logging to the same, not yet existing, sqlite store at once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger = ResilientMLFlowLogger(
+            experiment_name="together", tracking_uri=store, local_dir=root, sender="inline", flush_interval_s=0
+        )
+        barrier.wait(timeout=120)
+        note = Path(root) / f"note{seed}.txt"
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(str(seed))
+        logger.experiment.log_artifact(logger.run_id, str(note))  # the CLI's config artifact goes this way
+        logger.log_metrics({"seed": float(seed)}, step=0)
+        logger.finalize("success")
+    degraded = [str(w.message) for w in caught if issubclass(w.category, TrackingDegradedWarning)]
+    Path(result).write_text(json.dumps({"run_id": logger.run_id, "degraded": degraded}))
+
+
+@pytest.mark.slow
+def test_processes_that_create_one_sqlite_store_together_all_reach_it(tmp_path):
+    """Was: two fits started together in one folder both created mlflow.db and MLflow's table migration
+    raced (``duplicate column name: step``, ``table _alembic_tmp_tags already exists``); one fell back to its
+    offline folder and its config artifact call ended the fit."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(3)
+    results = [tmp_path / f"result{seed}.json" for seed in range(3)]
+    workers = [
+        context.Process(
+            target=_first_run_in_a_new_store, args=(store, str(tmp_path / "runs"), seed, barrier, str(result))
+        )
+        for seed, result in enumerate(results)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(300)
+    assert [worker.exitcode for worker in workers] == [0, 0, 0]
+    outcomes = [json.loads(result.read_text()) for result in results]
+    assert [outcome["degraded"] for outcome in outcomes] == [[], [], []]
+    client = MlflowClient(store)
+    for seed, outcome in enumerate(outcomes):
+        assert [m.value for m in client.get_metric_history(outcome["run_id"], "seed")] == [float(seed)]
+        assert [a.path for a in client.list_artifacts(outcome["run_id"])] == [f"note{seed}.txt"]
+    assert (tmp_path / ".mlflow.db.lock").exists()

@@ -164,13 +164,13 @@ def test_empty_batch(plan):
 
 def test_unknown_plan_name():
     cores, _ = random_train([2, 3], [4], 2)
-    with pytest.raises(ValueError, match=r"unknown contraction plan 'fast'"):
+    with pytest.raises(ValueError, match=r"unknown contraction plan 'fast'; choose one of \(.*\) or None"):
         tt_linear(torch.randn(2, 6, dtype=F64), cores, [2, 3], plan="fast")
 
 
 def test_wrong_input_size():
     cores, _ = random_train([2, 3], [4], 2)
-    with pytest.raises(ValueError, match=r"last dimension 6.*\(2, 5\)"):
+    with pytest.raises(ValueError, match=r"expected input with last dimension 6, got shape \(2, 5\)"):
         tt_linear(torch.randn(2, 5, dtype=F64), cores, [2, 3])
 
 
@@ -269,10 +269,32 @@ def test_planner_avoids_merging_for_one_row():
     assert plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 1) == "sweep"
 
 
-def test_planner_is_cached_and_accepts_sequences():
-    a = plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096)
-    b = plan_tt_linear(tuple(PAPER_IN), tuple(PAPER_OUT), tuple(PAPER_RANKS), 4096)
-    assert a == b
+def test_planner_costs_each_shape_rows_device_and_dtype_size_once(monkeypatch):
+    from comera_lightning.tt import contract
+
+    costed = []
+
+    def counting_plan_costs(*args):
+        costed.append(args)
+        return plan_costs(*args)
+
+    monkeypatch.setattr(contract, "plan_costs", counting_plan_costs)
+    contract._cached_plan.cache_clear()
+    try:
+        first = plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096)  # lists
+        again = plan_tt_linear(tuple(PAPER_IN), tuple(PAPER_OUT), tuple(PAPER_RANKS), 4096)  # the same key as tuples
+        assert first == again == "half_merge" and len(costed) == 1
+        # every part of the key gets its own entry, so a cached choice is never reused for another shape
+        assert plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 1) == "sweep" and len(costed) == 2
+        plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096, "cuda")
+        plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096, "cpu", 2)
+        plan_tt_linear(PAPER_IN, PAPER_OUT, [1, 12, 30, 20, 30, 16, 1], 4096)
+        assert len(costed) == 5
+        assert [args[3:] for args in costed[2:4]] == [(4096, "cuda", 4), (4096, "cpu", 2)]
+        plan_tt_linear(PAPER_IN, PAPER_OUT, PAPER_RANKS, 1)
+        assert len(costed) == 5
+    finally:
+        contract._cached_plan.cache_clear()  # no choice costed by the counting stand-in outlives the test
 
 
 def test_half_merge_flops_batch_part_matches_hand_formula():

@@ -59,18 +59,18 @@ def test_resolve_ranks_explicit_rank_above_bound():
 
 
 def test_resolve_ranks_explicit_zero():
-    with pytest.raises(ValueError, match="bond 2 must be >= 1"):
+    with pytest.raises(ValueError, match="rank of bond 2 must be >= 1, got 0"):
         resolve_ranks([4, 3, 2, 5], [2, 0, 2])
 
 
 @pytest.mark.parametrize("ranks", [[2, 2], [2, 2, 2, 2], [1, 2, 2, 2, 2, 1], []])
 def test_resolve_ranks_wrong_length(ranks):
-    with pytest.raises(ValueError, match="expected 3 internal ranks"):
+    with pytest.raises(ValueError, match=r"expected 3 internal ranks .*; pass a single int to use one rank everywhere"):
         resolve_ranks([4, 3, 2, 5], ranks)
 
 
 def test_resolve_ranks_boundary_not_one():
-    with pytest.raises(ValueError, match="boundary ranks must be 1"):
+    with pytest.raises(ValueError, match=r"boundary ranks must be 1, got \[2, 2, 2, 2, 1\]"):
         resolve_ranks([4, 3, 2, 5], [2, 2, 2, 2, 1])
 
 
@@ -185,7 +185,10 @@ def test_tt_from_dense_recovers_a_low_rank_train_and_pads():
 
 
 def test_tt_from_dense_matrix_too_big():
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(
+        ValueError,
+        match=r"matrix of shape \(13, 6\) does not fit modes of size \(12, 6\); choose modes whose products are",
+    ):
         tt_from_dense(torch.randn(13, 6), [3, 4], [2, 3], [1, 2, 2, 2, 1])
 
 

@@ -59,14 +59,14 @@ def test_default_num_modes(n, expected):
 
 @pytest.mark.parametrize("bad", [0, -5])
 def test_factorize_rejects_non_positive_sizes(bad):
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(ValueError, match=f"cannot factorise a dimension of size {bad}; sizes must be >= 1"):
         factorize(bad, 2)
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(ValueError, match=f"cannot factorise a dimension of size {bad}; sizes must be >= 1"):
         default_num_modes(bad)
 
 
 def test_factorize_rejects_zero_modes():
-    with pytest.raises(ValueError, match="num_modes"):
+    with pytest.raises(ValueError, match="num_modes must be >= 1, got 0"):
         factorize(12, 0)
 
 
@@ -118,5 +118,10 @@ def test_validate_modes_padding_not_allowed():
 
 @pytest.mark.parametrize("modes", [[], [4, 0, 3], [-2, 6]])
 def test_validate_modes_rejects_empty_or_non_positive(modes):
-    with pytest.raises(ValueError, match="modes"):
+    fix = (
+        "modes must be a non-empty list of positive integers"
+        if not modes
+        else rf"every mode must be >= 1, got \[{modes[0]}"
+    )
+    with pytest.raises(ValueError, match=f"out_modes: {fix}"):
         validate_modes(modes, 12, "out_modes")

@@ -13,6 +13,7 @@ from comera_lightning.tt import (
     CoreSelection,
     apply_gates,
     bond_weights,
+    leading_share,
     minimum_train_size,
     refresh_mask,
     select_rank_slices,
@@ -49,6 +50,18 @@ def test_refresh_mask_keeps_exactly_one_slice_when_all_die():
     new = refresh_mask(gate, mask, 1e-2)
     assert int(new.sum()) == 1
     assert new.tolist() == [False, True, False, False]  # largest |gate| among the previously active
+
+
+def test_leading_share_rounds_to_the_nearest_slice_and_keeps_one():
+    # 0.7 of 4 slices is 2.8: three are kept, not the two a floor would leave; 0.6 of 4 is 2.4: two
+    assert [leading_share(4, keep) for keep in (0.6, 0.7, 1.0)] == [2, 3, 4]
+    assert leading_share(10, 0.26) == 3 and leading_share(10, 0.24) == 2
+    # a share too small to keep a whole slice still keeps one, so the bond is never empty
+    assert leading_share(8, 0.0) == 1 and leading_share(8, 0.05) == 1 and leading_share(1, 0.3) == 1
+    with pytest.raises(ValueError, match=r"keep must be a share in \[0, 1\], got 1.2"):
+        leading_share(4, 1.2)
+    with pytest.raises(ValueError, match=r"keep must be a share in \[0, 1\], got -0.1"):
+        leading_share(4, -0.1)
 
 
 def test_apply_gates_scales_trailing_index_and_masks():
