@@ -28,10 +28,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from comera_lightning.callbacks import RankAdaptation
-from comera_lightning.callbacks.rank_adaptation import after_truncation
 from comera_lightning.models import MaskedLanguageModel
 from comera_lightning.nn import tt_layers
 from comera_lightning.optim import comera_parameter_groups
+from comera_lightning.rank_adaptation import after_truncation
 from comera_lightning.training import CudaGraphs
 
 IGNORE = -100

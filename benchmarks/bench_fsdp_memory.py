@@ -25,11 +25,11 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, Dataset
 
-from comera_lightning.callbacks.rank_adaptation import after_truncation
 from comera_lightning.lit import MaskedLM
 from comera_lightning.nn.tensorize import tt_layers
-from comera_lightning.objectives import truncate_dead_slices_
-from comera_lightning.sharding import FSDP2Strategy
+from comera_lightning.rank_adaptation import after_truncation
+from comera_lightning.rank_adaptation.objectives import truncate_dead_slices_
+from comera_lightning.strategies import FSDP2Strategy
 
 CUT_AFTER_STEP = 2  # measured before the optimiser step of step 2 and of step 4 (after the cut)
 VOCAB, SEQ, BATCH = 2048, 64, 8

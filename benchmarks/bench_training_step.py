@@ -30,8 +30,15 @@ from torch import nn
 
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
-from comera_lightning.objectives import add_rank_objective_, all_finite, early_stage_weights, rank_gates, refresh_masks_
-from comera_lightning.optim import comera_parameter_groups, slice_optimizer_state
+from comera_lightning.optim import comera_parameter_groups
+from comera_lightning.rank_adaptation import slice_optimizer_state
+from comera_lightning.rank_adaptation.objectives import (
+    add_rank_objective_,
+    all_finite,
+    early_stage_weights,
+    rank_gates,
+    refresh_masks_,
+)
 from comera_lightning.tt.rank import leading_share, train_parameter_count
 
 REPO = Path(__file__).resolve().parent.parent

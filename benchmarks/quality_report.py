@@ -65,8 +65,9 @@ CONVERGENCE_SHARE = 0.25  # the convergence is read over the run's last quarter 
 # The late-stage schedules tuned_study.py trains (its run_job), for counting FLOPs through them. The early family's
 # ramp is a share of the run (tuned_study.EARLY_RAMP_FRACTION); the default ScheduledLateStage's is a share of the
 # steps left at the switch: 0.6 for a size cut of up to 5x, longer for deeper cuts, at most 0.9
-# (comera_lightning.late_stage.ramp_fraction_for). The runs do not record the size at the switch, so the default's
-# ramp is taken at its shortest, 0.6: exact for cuts of up to 5x, a lower bound on its FLOPs for deeper ones.
+# (comera_lightning.rank_adaptation.late_stage.ramp_fraction_for). The runs do not record the size at the switch,
+# so the default's ramp is taken at its shortest, 0.6: exact for cuts of up to 5x, a lower bound on its FLOPs for
+# deeper ones.
 EARLY_RAMP_SHARE_OF_RUN = 0.4
 DEFAULT_RAMP_SHARE_OF_REST = 0.6
 RAMPS = {"comera_early": "run", "comera": "rest", "comera_act": "rest"}

@@ -13,8 +13,9 @@ Defaults that differ from plain LightningCLI:
   logger has no log directory for LightningCLI's usual copy;
 * checkpoints go under ``<default_root_dir>/<experiment id>/<run id>/checkpoints`` with
   ``default_root_dir`` = ``runs``;
-* the comera callbacks resolve by short name (``class_path: RankAdaptation``) and a rich progress bar is
-  used when the progress bar is on;
+* the comera callbacks resolve by short name (``class_path: RankAdaptation``); when the progress bar is on, a
+  rich bar counting optimiser steps is used on a terminal, and plain progress lines
+  (:class:`~comera_lightning.training.LogProgress`, with the compression) when output goes to a file or pipe;
 * checkpoints load with ``weights_only=True`` (tensors and primitives only) unless ``--weights_only false``;
 * ``fit`` is fault tolerant: a :class:`~comera_lightning.training.fault_tolerance.FaultTolerance` callback
   writes an atomic step checkpoint every ``--fault_tolerance.every_n_steps`` steps (default 100, 0 turns it
@@ -39,6 +40,7 @@ Defaults that differ from plain LightningCLI:
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import importlib
 import json
@@ -50,8 +52,10 @@ import tempfile
 import time
 import warnings
 from importlib import resources
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import yaml
@@ -90,9 +94,20 @@ from .training.internals import rename_logged_hparams, trainer_callbacks
 from .training.loggers import ResilientMLFlowLogger
 from .training.model_summary import CompactModelSummary
 from .training.predictions import PredictionWriter
-from .training.progress import StepProgressBar
+from .training.progress import LogProgress, StepProgressBar
 
-__all__ = ["ComeraCLI", "ConfigArtifact", "config_path", "experiment_key", "main", "packaged_configs", "tracking_uri"]
+__all__ = [
+    "ComeraCLI",
+    "ConfigArtifact",
+    "config_path",
+    "experiment_key",
+    "latest_checkpoint",
+    "main",
+    "missing_checkpoint_warning",
+    "mlflow_run_page",
+    "packaged_configs",
+    "tracking_uri",
+]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPERIMENT = "comera"
@@ -214,7 +229,39 @@ class ComeraArgumentParser(LightningArgumentParser):
 
     LightningCLI adds the parameters of ``Trainer.<subcommand>`` to that subcommand's parser with jsonargparse's
     public :meth:`add_method_arguments`: the call that tells a parser which subcommand it serves.
+
+    Options are never abbreviated (``--trainer.max_step`` is an error, not ``--trainer.max_steps``), and an error
+    is the message and what to do, without the usage of every option: an unknown option names the closest
+    known one.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):  # nested parsing, or debugging: as is
+            super().error(message, ex)
+        self._logger.error(message)
+        command = self.prog.replace(" [options]", "")
+        help_tip = f"{command} --help lists every " + ("command" if self._subcommands_action else "option")
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            sys.stderr.write(f"{command}: error: {_unknown_arguments(unknown.split(), self)} ({help_tip})\n")
+            self.exit(2)
+        required = re.search(r"required: (?:(\w+)\.)?(?:data|model)\b", message)
+        if required:  # no config given: no model, no data
+            if required.group(1):
+                command = f"{command} {required.group(1)}"
+                help_tip = f"{command} --help lists every option"
+            message += f"; start from a config: {command} --config quickstart (comera configs lists them)"
+        invalid = re.search(r"invalid choice: '([^']*)'", message)
+        close = difflib.get_close_matches(invalid.group(1), COMMANDS, n=1) if invalid else []
+        if close:
+            message += f"; did you mean {command} {close[0]}?"
+        sys.stderr.write(f"{command}: error: {message}\ntip: {help_tip}\n")
+        self.exit(2)
 
     @override
     def add_method_arguments(
@@ -224,6 +271,22 @@ class ComeraArgumentParser(LightningArgumentParser):
         if nested_key is None and isinstance(class_type, type) and issubclass(class_type, Trainer):
             _add_subcommand_arguments(self, method_name, added)
         return added
+
+
+def _unknown_arguments(tokens: list[str], parser: argparse.ArgumentParser) -> str:
+    """What is wrong with the arguments ``parser`` did not recognise, with the closest option of each."""
+    options = [option for action in parser._actions for option in action.option_strings]
+    problems: list[str] = []
+    for token in tokens:
+        if not token.startswith("-"):
+            if not problems:  # a value after an unknown option is that option's; a leading one is a stray value
+                hint = f": did you mean --config {token}?" if token in packaged_configs() else ""
+                problems.append(f"unexpected argument {token!r}{hint}")
+            continue
+        given = token.split("=", 1)[0]
+        close = difflib.get_close_matches(given, options, n=1, cutoff=0.6)
+        problems.append(f"unknown option {given}" + (f": did you mean {close[0]}?" if close else ""))
+    return "; ".join(problems) or "unrecognized arguments"
 
 
 def _add_subcommand_arguments(parser: LightningArgumentParser, subcommand: str, method_arguments: list[str]) -> None:
@@ -264,6 +327,9 @@ def quiet_upstream_messages() -> None:
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropTips) for f in logger.filters):
         logger.addFilter(_DropTips())
+    # MLflow announces at INFO that it creates the tables of a new sqlite store ("Creating initial MLflow database
+    # tables...", "Updating database tables")
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     # lightning 2.6.x's utilities/_pytree.py builds torch's LeafSpec, deprecated since torch 2.10: a FutureWarning
     # from inside Lightning on every fit
     warnings.filterwarnings(
@@ -335,6 +401,28 @@ def _log_data_hparams_apart(model: LightningModule, datamodule: LightningDataMod
         rename_logged_hparams(datamodule, {key: f"data.{key}" for key in differing})
 
 
+#: ``comera --help``'s line for each command (Lightning's take the first lines of the Trainer's docstrings,
+#: cut mid-sentence); ``configs`` and ``export`` are run by :func:`main` before LightningCLI
+COMMANDS = {
+    "fit": "Train a model; it ends with a checkpoint, the compact model and an MLflow run. Start with "
+    "--config quickstart.",
+    "validate": "Score a checkpoint on the validation set: --ckpt_path PATH, or --ckpt_path last for the newest run's.",
+    "test": "Score a checkpoint on the test set: --ckpt_path PATH, or --ckpt_path last for the newest run's.",
+    "predict": "Write a checkpoint's predictions to a JSON-lines file: --ckpt_path PATH, or --ckpt_path last.",
+    "configs": "List the installed configs, or print the path of one: comera configs [NAME].",
+    "export": "Write a checkpoint's compact model: comera export --ckpt_path PATH --out model.safetensors.",
+}
+
+
+def _version() -> str:
+    """``<package> (torch <v>, lightning <v>)``: what ``comera --version`` prints after the program name."""
+    try:
+        own = package_version("comera_lightning")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        own = "unknown"
+    return f"{own} (torch {torch.__version__}, lightning {package_version('lightning')})"
+
+
 class ComeraCLI(LightningCLI):
     """LightningCLI with comera's defaults (see the module docstring)."""
 
@@ -351,6 +439,16 @@ class ComeraCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", ConfigArtifact)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_class", ComeraArgumentParser)
+        kwargs.setdefault(
+            "parser_kwargs",
+            {
+                "prog": "comera",
+                "description": "CoMERA: tensor-train layers whose ranks shrink while they train, on PyTorch "
+                "Lightning. Runs go to MLflow and under runs/; comera configs lists the installed configs.",
+                "version": _version(),
+                **{name: {"description": COMMANDS[name]} for name in self.subcommands()},
+            },
+        )
         super().__init__(
             ComeraTask,
             LightningDataModule,
@@ -361,6 +459,23 @@ class ComeraCLI(LightningCLI):
             run=run,
             **kwargs,
         )
+
+    @override
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        action = getattr(self.parser, "_subcommands_action", None)
+        if not add_subcommands or action is None:
+            return
+        # the help lists each command with its whole sentence, and the two commands main() runs itself
+        # (argparse keeps the help of the subcommands as pseudo-actions in _choices_actions)
+        listed = getattr(action, "_choices_actions", [])
+        for choice in listed:
+            choice.help = COMMANDS.get(choice.dest, choice.help)
+        for name in ("configs", "export"):
+            listed.append(action._ChoicesPseudoAction(name, (), COMMANDS[name]))
+        action.metavar = "{" + ",".join([*self.subcommands(), "configs", "export"]) + "}"
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -389,6 +504,17 @@ class ComeraCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if subcommand in EVALUATIONS and ckpt_path == LATEST:
+            section = self.config[subcommand]
+            root = (section.get("trainer") or {}).get("default_root_dir") or "runs"
+            try:
+                ckpt_path = section["ckpt_path"] = str(latest_checkpoint(root))
+            except FileNotFoundError as error:
+                parser.error(str(error))
+            rank_zero_info(f"comera: --ckpt_path last: {ckpt_path}")
+        warning = missing_checkpoint_warning(subcommand, ckpt_path)
+        if warning:
+            rank_zero_warn(warning)
         if ckpt_path:
             # a clear error now, before LightningCLI loads the checkpoint for its hyperparameters (next step)
             check_checkpoint_file(ckpt_path)
@@ -420,8 +546,11 @@ class ComeraCLI(LightningCLI):
             configured = [c for c in configured if not isinstance(c, Checkpoint)]
         added: list[Callback] = []
         wants_bar = config.get("enable_progress_bar") is not False
-        if wants_bar and not any(isinstance(c, ProgressBar) for c in configured) and _rich_available():
-            added.append(StepProgressBar())
+        if wants_bar and not any(isinstance(c, ProgressBar) for c in configured):
+            if not _interactive_output():  # a live bar shows nothing in a log until it ends
+                added.append(LogProgress(describe=compression_text))
+            elif _rich_available():
+                added.append(StepProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, FinalValidation) for c in configured):
             added.append(FinalValidation())
         if self.subcommand == "fit" and not any(isinstance(c, DeadRankWatchdog) for c in configured):
@@ -500,6 +629,40 @@ class ComeraCLI(LightningCLI):
         if self.trainer.is_global_zero and not self.trainer.interrupted:
             exported = export_final_model(self.trainer, self.model)
             print(fit_summary(self.trainer, self.model, exported))
+
+
+#: the subcommands that score or apply a trained model, and take ``--ckpt_path last``
+EVALUATIONS = ("validate", "test", "predict")
+#: the ``--ckpt_path`` value that stands for the newest run's last checkpoint (:func:`latest_checkpoint`)
+LATEST = "last"
+
+
+def latest_checkpoint(root: str | os.PathLike[str] = "runs") -> Path:
+    """The newest ``<root>/<experiment id>/<run id>/checkpoints/last.ckpt`` (by modification time): what
+    ``--ckpt_path last`` means for ``comera validate``, ``test``, ``predict`` and ``export``.
+
+    Raises:
+        FileNotFoundError: no run under ``root`` has one, naming the fix.
+    """
+    found = [path for path in Path(root).glob(f"*/*/checkpoints/{LATEST}.ckpt") if path.exists()]
+    if not found:
+        raise FileNotFoundError(
+            f"--ckpt_path last: no run under {str(root)!r} has a checkpoints/last.ckpt; train one first "
+            "(comera fit --config quickstart), or pass a checkpoint's path"
+        )
+    return max(found, key=lambda path: path.stat().st_mtime)
+
+
+def missing_checkpoint_warning(subcommand: str | None, ckpt_path: Any) -> str | None:
+    """The warning for an evaluation (:data:`EVALUATIONS`) without ``--ckpt_path``, which scores the freshly
+    initialised weights of the config's model; ``None`` when there is nothing to warn about."""
+    if subcommand not in EVALUATIONS or ckpt_path:
+        return None
+    return (
+        f"comera {subcommand}: no --ckpt_path, so this uses the model's freshly initialised (random) weights, "
+        "not a trained model; pass --ckpt_path runs/<exp>/<run>/checkpoints/last.ckpt, or --ckpt_path last for "
+        "the newest run's"
+    )
 
 
 def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
@@ -602,9 +765,23 @@ def fit_summary(trainer: Trainer, model: LightningModule, exported: Path | None 
             uri, run, experiment = _mlflow_run(logger)
             name = f"{run} ({logger.run_id})" if run else logger.run_id
             lines.append(f"  MLflow: run {name}, experiment {experiment}, at {uri}")
-            if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
+            page = mlflow_run_page
+            if uri.startswith(("http://", "https://")):
+                lines.append(f"  the run in the UI: {page(uri, logger.experiment_id, logger.run_id)}")
+            elif uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
                 lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
+                lines.append(f"    then the run: {page(MLFLOW_UI, logger.experiment_id, logger.run_id)}")
     return "\n".join(lines)
+
+
+#: where ``mlflow ui`` serves by default
+MLFLOW_UI = "http://127.0.0.1:5000"
+
+
+def mlflow_run_page(ui: str, experiment_id: str | None, run_id: str) -> str:
+    """The address of a run's page in the MLflow UI at ``ui``, in the UI's training view: MLflow 3 opens its GenAI
+    view unless the address says ``workflowType=machine_learning`` (read from the address by the UI)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def _mlflow_run(logger: MLFlowLogger) -> tuple[str, str | None, str]:
@@ -615,6 +792,17 @@ def _mlflow_run(logger: MLFlowLogger) -> tuple[str, str | None, str]:
     client = logger.experiment
     run_name = client.get_run(logger.run_id).info.run_name
     return client.tracking_uri, run_name, client.get_experiment(logger.experiment_id).name
+
+
+def _interactive_output() -> bool:
+    """Whether standard output is a terminal (a live progress bar), not a file or a pipe (plain lines)."""
+    return sys.stdout.isatty()
+
+
+def compression_text(model: LightningModule) -> str | None:
+    """``compression 4.1x`` for a model with TT layers (the plain progress lines' last field), else ``None``."""
+    report = size_report(model)
+    return f"compression {report.compression_ratio:.1f}x" if report.layers else None
 
 
 def _rich_available() -> bool:
@@ -678,15 +866,21 @@ def _print_configs(names: list[str]) -> None:
 def _export_command(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="comera export",
+        allow_abbrev=False,
         description="Write a checkpoint's model, TT cores at their active ranks, to a "
         "safetensors file that comera_lightning.export.load_exported rebuilds without the checkpoint.",
     )
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by comera fit")
+    parser.add_argument(
+        "--ckpt_path", required=True, help="a checkpoint written by comera fit, or last: the newest run's"
+    )
     parser.add_argument("--out", required=True, help="the .safetensors file to write")
     parser.add_argument("--task", default=None, help="the task's class path, for checkpoints that do not record it")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     options = parser.parse_args(argv)
     try:
+        if options.ckpt_path == LATEST:
+            options.ckpt_path = str(latest_checkpoint())
+            print(f"comera: --ckpt_path last: {options.ckpt_path}")
         path = export_checkpoint(options.ckpt_path, options.out, task=options.task, overwrite=options.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         parser.exit(2, f"comera export: {error}\n")

@@ -3,19 +3,15 @@ optimiser state that follows a physical truncation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import torch
 from torch import nn
 
 from .config import GroupedOptions
-from .nn.base import TruncationRecord
 from .nn.tensorize import tt_layers
-from .tt.rank import select_rank_slices
 
-__all__ = ["OptimConfig", "comera_parameter_groups", "slice_optimizer_state"]
+__all__ = ["OptimConfig", "comera_parameter_groups"]
 
 
 @dataclass(frozen=True)
@@ -107,13 +103,17 @@ def comera_parameter_groups(
     return [g for g in groups if g["params"]]
 
 
-def slice_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], record: TruncationRecord) -> None:
-    """Slice every per-parameter state tensor (e.g. ``exp_avg``) of the truncated parameters alike."""
-    for optimizer in optimizers:
-        for param, selection in record:
-            state = optimizer.state.get(param)
-            if not state:
-                continue
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() == param.dim() and value.shape != param.shape:
-                    state[key] = select_rank_slices(value, selection)
+def __getattr__(name: str):  # the old home of slice_optimizer_state, kept for one release
+    if name == "slice_optimizer_state":
+        import warnings
+
+        from .rank_adaptation.cuts import slice_optimizer_state
+
+        warnings.warn(
+            "comera_lightning.optim.slice_optimizer_state has moved to comera_lightning.rank_adaptation; import it "
+            "from there (the old path will be removed in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return slice_optimizer_state
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,9 +13,9 @@ from tiny import TinyRegressor, regression_loader
 
 from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
-from comera_lightning.late_stage import ramp_fraction_for
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.objectives import (
+from comera_lightning.rank_adaptation.late_stage import ramp_fraction_for
+from comera_lightning.rank_adaptation.objectives import (
     compressible_target_size,
     layer_removal_caps,
     plan_rank_cuts,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comera_lightning import TTEmbedding, TTLinear
-from comera_lightning.objectives import (
+from comera_lightning.rank_adaptation.objectives import (
     ObjectiveWeights,
     add_rank_objective_,
     all_finite,

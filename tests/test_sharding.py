@@ -1,4 +1,4 @@
-"""CoMERA under FSDP2 (comera_lightning.sharding), on the CPU with two gloo processes against one process.
+"""CoMERA under FSDP2 (comera_lightning.strategies), on the CPU with two gloo processes against one process.
 
 The two-process runs start through Lightning's own launcher, which runs its script again for the second process,
 so they live in tests/helpers/fsdp_worker.py; one launch runs them all (Lightning's import dominates).
@@ -25,9 +25,9 @@ from comera_lightning.export import export_checkpoint, load_exported
 from comera_lightning.nn import TTLinear
 from comera_lightning.nn.distributed import full_tensor, is_sharded, write_full_
 from comera_lightning.nn.tensorize import tt_layers
-from comera_lightning.sharding import FSDP2Strategy, checkpoint_shapes, shard_model
+from comera_lightning.strategies import FSDP2Strategy, checkpoint_shapes, shard_model
+from comera_lightning.strategies.resharding import default_shard_units, fully_shard_model
 from comera_lightning.training.checkpoint_io import read_checkpoint
-from comera_lightning.training.fsdp import default_shard_units, fully_shard_model
 from tests.helpers.sharding_cases import (
     BATCH,
     DenseRegressor,
@@ -207,7 +207,7 @@ def test_tensor_parallel_mesh_is_refused():
     model = ShardedRegressor()
     model._device_mesh = Mesh()
     with pytest.raises(
-        ValueError, match=r"tensor parallelism of size 2. Use comera_lightning.sharding.FSDP2Strategy\(\)"
+        ValueError, match=r"tensor parallelism of size 2. Use comera_lightning.strategies.FSDP2Strategy\(\)"
     ):
         shard_model(model)
     with pytest.raises(
@@ -227,7 +227,7 @@ def test_truncation_under_plain_model_parallel_strategy_names_the_fix(tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match=r"not supported under ModelParallelStrategy .*use comera_lightning.sharding.FSDP2Strategy, which",
+        match=r"not supported under ModelParallelStrategy .*use comera_lightning.strategies.FSDP2Strategy, which",
     ):
         RankAdaptation().setup(trainer, ShardedRegressor(), "fit")
     RankAdaptation(truncate_every_n_steps=None).setup(trainer, ShardedRegressor(), "fit")  # masking only: fine

@@ -4,9 +4,8 @@ rank monitoring, contraction planning.
 Generic training aids that know nothing of tensor trains live in :mod:`comera_lightning.training`.
 """
 
-from ..late_stage import LateStagePolicy, PaperLateStage, ScheduledLateStage
+from ..rank_adaptation import LateStagePolicy, PaperLateStage, RankAdaptation, ScheduledLateStage
 from .contraction_planner import ContractionPlanner
-from .rank_adaptation import RankAdaptation
 from .rank_monitor import RankMonitor
 from .tensorize import Tensorize
 

@@ -38,8 +38,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from ..nn.tensorize import SizeReport, size_report, tt_layers
+from ..rank_adaptation import RankAdaptation
 from ..training.internals import trainer_callbacks
-from .rank_adaptation import RankAdaptation
 
 __all__ = ["RankMonitor", "metric_safe_name", "plot_rank_history"]
 

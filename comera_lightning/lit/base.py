@@ -13,8 +13,8 @@ from lightning.pytorch.cli import LightningCLI, instantiate_class
 from typing_extensions import override
 
 from ..optim import OptimConfig, comera_parameter_groups
-from ..sharding import shard_model
-from ..training.fsdp import unsharded_class
+from ..strategies.fsdp2 import shard_model
+from ..strategies.resharding import unsharded_class
 from .checks import check_output_dirs, check_state_dict_fits
 
 __all__ = ["ComeraTask", "warmup_decay_factor"]
@@ -121,8 +121,8 @@ class ComeraTask(LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` / :class:`~comera_lightning.sharding.FSDP2Strategy`: FSDP2-shard each
-        transformer block, embedding table and head (:func:`~comera_lightning.sharding.shard_model`); elsewhere
+        """Under ``ModelParallelStrategy`` / :class:`~comera_lightning.strategies.FSDP2Strategy`: FSDP2-shard each
+        transformer block, embedding table and head (:func:`~comera_lightning.strategies.shard_model`); elsewhere
         nothing."""
         shard_model(self)
 

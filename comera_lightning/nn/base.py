@@ -322,7 +322,7 @@ class TTLayer(nn.Module):
         if any(is_sharded(param) for param, _ in record):
             raise RuntimeError(
                 "this layer's parameters are sharded (FSDP2): a cut changes their shapes, which needs the model "
-                "resharded; train with comera_lightning.sharding.FSDP2Strategy, whose truncate_layers_() does it "
+                "resharded; train with comera_lightning.strategies.FSDP2Strategy, whose truncate_layers_() does it "
                 "(RankAdaptation calls it)"
             )
         self.clear_inference_cache()

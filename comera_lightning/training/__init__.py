@@ -13,7 +13,7 @@ from .host_memory import KeepFreedMemory
 from .loggers import ResilientMLFlowLogger
 from .model_summary import CompactModelSummary
 from .predictions import PredictionWriter
-from .progress import StepProgressBar
+from .progress import LogProgress, StepProgressBar
 
 __all__ = [
     "CompactModelSummary",
@@ -25,6 +25,7 @@ __all__ = [
     "FaultTolerance",
     "FinalValidation",
     "KeepFreedMemory",
+    "LogProgress",
     "PredictionWriter",
     "ResilientMLFlowLogger",
     "StepProgressBar",

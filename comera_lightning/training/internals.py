@@ -25,7 +25,8 @@ breaks it. Checked against lightning 2.6.6 and torch 2.13.0 (mlflow 3.17.2: noth
   ``training.cuda_graphs``;
 * ``optimizer._opt_called`` (torch.optim.lr_scheduler): :func:`record_optimizer_step`, for ``training.cuda_graphs``;
 * FSDP2's per-parameter state (``FSDPModule._get_fsdp_state``, ``FSDPParamGroup.fsdp_params``, ``FSDPParam``;
-  torch.distributed.fsdp._fully_shard): :func:`reshard_fsdp_parameters_`, for ``training.fsdp``.
+  torch.distributed.fsdp._fully_shard): :func:`reshard_fsdp_parameters_`, for
+  :mod:`comera_lightning.strategies.resharding`.
 """
 
 from __future__ import annotations

@@ -8,22 +8,31 @@ This bar keeps one training bar across epochs, filled to ``trainer.global_step``
 Its clock and rate are its own: rich derives them from the bar's updates, but Lightning restarts the
 training bar every epoch and fills it with the batch index before this bar sets the step, so rich saw
 jumps of whole epochs in no time (a non-interactive log printed rates such as ``46483 it/s``).
+
+LogProgress is the same clock as plain lines, for output that is not a terminal (``nohup``, a batch job,
+CI), where a live bar shows nothing until it ends: a line every ``every_s`` seconds and/or every
+``every_n_steps`` steps with the step, the progress-bar metrics, steps per second, the time left and
+whatever ``describe(model)`` adds, and one line after each validation.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import RichProgressBar
-from rich.progress import ProgressColumn, Task
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+from rich.progress import BarColumn, ProgressColumn, Task
+from rich.table import Column
 from rich.text import Text
 from typing_extensions import override
 
-__all__ = ["StepProgressBar"]
+__all__ = ["LogProgress", "StepProgressBar"]
 
 
 class StepClock:
@@ -116,8 +125,12 @@ class StepProgressBar(RichProgressBar):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # one metric a line: the metrics column is then as wide as its longest "name: value", and the bar
+        # gives way in a narrow terminal instead of the metrics wrapping between name and value or being cut
+        kwargs.setdefault("theme", RichProgressBarTheme(metrics_text_delimiter="\n"))
         super().__init__(*args, **kwargs)
         self.clock = StepClock()
+        self._fitted: Any = None  # the rich Progress whose columns _fit_columns set
 
     @property
     @override
@@ -129,6 +142,15 @@ class StepProgressBar(RichProgressBar):
     @override
     def configure_columns(self, trainer: Trainer) -> list:
         columns = super().configure_columns(trainer)
+        if len(columns) >= 2 and isinstance(columns[1], BarColumn):  # a fixed 40 columns in Lightning's
+            bar = columns[1]
+            columns[1] = type(bar)(
+                bar_width=None,
+                style=bar.style,
+                complete_style=bar.complete_style,
+                finished_style=bar.finished_style,
+                pulse_style=bar.pulse_style,
+            )
         if trainer.max_steps > 0 and len(columns) >= 2:  # Lightning's last two: time, then speed
             columns[-2] = _StepTimeColumn(columns[-2], self.theme.time)
             columns[-1] = _StepRateColumn(columns[-1], self.theme.processing_speed)
@@ -153,6 +175,22 @@ class StepProgressBar(RichProgressBar):
         self.clock.record(trainer.global_step)
         self._show_steps(trainer)
 
+    @override
+    def refresh(self, hard: bool = False) -> None:
+        self._fit_columns()
+        super().refresh(hard)
+
+    def _fit_columns(self) -> None:
+        """In a narrow terminal only the bar gives way: every other column (description, counts, times, rate,
+        metrics) keeps its whole width, so no metric wraps between its name and value or is cut."""
+        progress = self.progress
+        if progress is None or progress is self._fitted:
+            return
+        for column in progress.columns:
+            if isinstance(column, ProgressColumn) and not isinstance(column, BarColumn):
+                column._table_column = Column(no_wrap=True)  # what rich's table_column argument sets
+        self._fitted = progress
+
     def _show_steps(self, trainer: Trainer) -> None:
         """Fill the training bar to ``trainer.global_step`` under a ``Steps (epoch e)`` description."""
         task = self.train_progress_bar_id
@@ -172,3 +210,122 @@ class StepProgressBar(RichProgressBar):
             remaining_s=self.clock.remaining(step, trainer.max_steps),
         )
         self.refresh()
+
+
+def _metric_text(metrics: dict[str, Any], prefix: str | None = None) -> str:
+    """``key value`` pairs of numeric metrics (4 significant digits), those under ``prefix`` only if given."""
+    parts = []
+    for key, value in metrics.items():
+        if key == "v_num" or (prefix is not None and not key.startswith(prefix)):
+            continue
+        try:
+            parts.append(f"{key} {float(value):.4g}")
+        except (TypeError, ValueError):
+            continue
+    return "  ".join(parts)
+
+
+class LogProgress(ProgressBar):
+    """Training progress as plain lines, for logs: output redirected to a file, a batch job, CI.
+
+    While training, a line such as
+    ``step 500/2000 (25%)  train/loss 5.123  3.21 steps/s  elapsed 0:02:36  ETA 0:07:48  compression 4.1x``
+    at least every ``every_s`` seconds, every ``every_n_steps`` optimiser steps if that is set, and at the end of
+    training; after each validation of a fit, ``validation at step 500: val/loss 5.0  ...``.
+
+    Args:
+        every_s: a line at least this often while training (seconds).
+        every_n_steps: also a line every this many optimiser steps (0: by time only).
+        describe: text appended to each training line, from the model (``comera fit`` gives the compression
+            ratio); ``None`` or an empty string adds nothing.
+        stream: where the lines go; ``None``: ``sys.stdout`` as it is when a line is written.
+    """
+
+    def __init__(
+        self,
+        every_s: float = 30.0,
+        every_n_steps: int = 0,
+        describe: Callable[[LightningModule], str | None] | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        super().__init__()
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0 (seconds between lines), got {every_s}")
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0 (0: lines by time only), got {every_n_steps}")
+        self.every_s, self.every_n_steps = float(every_s), int(every_n_steps)
+        self.describe, self.stream = describe, stream
+        self.clock = StepClock()
+        self._enabled = True
+        self._last_time = 0.0
+        self._last_step = -1
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether lines are written (Lightning disables the bar on every process but global rank 0)."""
+        return self._enabled
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.clock.reset()
+        self.clock.record(trainer.global_step)
+        self._last_time, self._last_step = time.monotonic(), trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        self.clock.record(step)
+        if step == self._last_step:  # an accumulation micro-batch: no optimiser step yet
+            return
+        due = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        if due or time.monotonic() - self._last_time >= self.every_s:
+            self._write_step(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self._write_step(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        metrics = _metric_text(self.get_metrics(trainer, pl_module), prefix="val")
+        if metrics:
+            self._write(f"validation at step {trainer.global_step}: {metrics}")
+
+    def line(self, trainer: Trainer, pl_module: LightningModule) -> str:
+        """The training line for the current step."""
+        step, total = trainer.global_step, trainer.max_steps
+        parts = [f"step {step}/{total} ({100 * step // total}%)" if total > 0 else f"step {step}"]
+        metrics = self.get_metrics(trainer, pl_module)
+        parts.append(_metric_text({k: v for k, v in metrics.items() if not str(k).startswith("val")}))
+        rate = self.clock.rate()
+        parts.append(f"{'-.--' if rate is None else f'{rate:.3g}'} steps/s")
+        parts.append(f"elapsed {_clock_text(self.clock.elapsed())}")
+        if total > 0:
+            parts.append(f"ETA {_clock_text(self.clock.remaining(step, total))}")
+        if self.describe is not None:
+            parts.append(self.describe(pl_module) or "")
+        return "  ".join(part for part in parts if part)
+
+    def _write_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_time, self._last_step = time.monotonic(), trainer.global_step
+        self._write(self.line(trainer, pl_module))
+
+    def _write(self, text: str) -> None:
+        if not self.is_enabled:
+            return
+        stream = self.stream if self.stream is not None else sys.stdout
+        stream.write(text + "\n")
+        stream.flush()

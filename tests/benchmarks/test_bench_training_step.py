@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from comera_lightning.nn import tt_layers
 from comera_lightning.nn.dropout import PackedDropout
-from comera_lightning.objectives import rank_penalty
+from comera_lightning.rank_adaptation.objectives import rank_penalty
 from comera_lightning.tt import bond_weights
 
 TINY = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)

@@ -11,8 +11,8 @@ import quality_report as qr
 import torch
 import tuned_study as ts
 
-from comera_lightning.late_stage import BASE_RAMP_FRACTION, ramp_fraction_for
 from comera_lightning.nn import tt_layers
+from comera_lightning.rank_adaptation.late_stage import BASE_RAMP_FRACTION, ramp_fraction_for
 
 
 def run_sweep(train, grid=ts.GRID):

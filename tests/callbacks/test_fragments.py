@@ -15,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from tiny import TinyRegressor
 
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, Tensorize
-from comera_lightning.sharding import FSDP2Strategy
+from comera_lightning.strategies import FSDP2Strategy
 
 FRAGMENTS = Path(__file__).resolve().parents[2] / "callbacks"
 CALLBACK_FRAGMENTS = sorted(p.name for p in FRAGMENTS.glob("*.yaml") if p.name != "fsdp2.yaml")
@@ -88,7 +88,7 @@ def test_the_fragments_set_their_documented_values():
 def test_fsdp2_fragment_sets_the_strategy_and_adds_no_callback():
     trainer = _trainer(["--config", str(FRAGMENTS / "fsdp2.yaml")])
     assert type(trainer.strategy) is FSDP2Strategy and not _added(trainer.callbacks)
-    by_command_line = _trainer(['--trainer.strategy={"class_path": "comera_lightning.sharding.FSDP2Strategy"}'])
+    by_command_line = _trainer(['--trainer.strategy={"class_path": "comera_lightning.strategies.FSDP2Strategy"}'])
     assert type(by_command_line.strategy) is FSDP2Strategy and not _added(by_command_line.callbacks)
 
 

@@ -12,7 +12,7 @@ from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.objectives import rank_penalty
+from comera_lightning.rank_adaptation.objectives import rank_penalty
 from comera_lightning.tt import bond_weights
 
 

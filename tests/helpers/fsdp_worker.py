@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from comera_lightning.callbacks import Tensorize
 from comera_lightning.nn.tensorize import tt_layers
-from comera_lightning.sharding import FSDP2Strategy
+from comera_lightning.strategies import FSDP2Strategy
 from tests.helpers.sharding_cases import (
     BATCH,
     DenseRegressor,

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from comera_lightning.callbacks import RankAdaptation, ScheduledLateStage
-from comera_lightning.sharding import shard_model
+from comera_lightning.strategies import shard_model
 from tests.tiny import TinyRegressor, regression_loader
 
 BATCH = 16  # per process; the one-process reference takes both halves at once

@@ -12,8 +12,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import RankAdaptation
-from comera_lightning.callbacks.rank_adaptation import after_truncation
 from comera_lightning.nn import tt_layers
+from comera_lightning.rank_adaptation import after_truncation
 from comera_lightning.training import CudaGraphs
 from comera_lightning.training import cuda_graphs as cg
 from comera_lightning.training.cuda_graph_backends import CudaGraphBackend

@@ -11,6 +11,7 @@ what it was given (tracking URI, names, prefix) instead of reading MLFlowLogger'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -29,6 +30,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from ..atomic import file_lock
 from ..internals import mlflow_logger_without_client
 from .fallback import FALLBACK_FOLDER, MAX_BATCH, METRICS_CSV, FallbackStore, Row, metric_rows
 from .sender import MetricSender
@@ -59,10 +61,12 @@ class _GuardedClient:
         return self._logger._mlflow()
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._logger._mlflow(), name)
-        if callable(attr) and name.startswith(("log_", "set_")):
+        from mlflow.tracking import MlflowClient
+
+        # looked up on the class: opening the client (and its store) is part of the guarded call
+        if name.startswith(("log_", "set_")) and callable(getattr(MlflowClient, name, None)):
             return functools.partial(self._logger._guarded_call, name)
-        return attr
+        return getattr(self._logger._mlflow(), name)
 
     def __repr__(self) -> str:
         return f"<guarded {self._logger._mlflow()!r}>"
@@ -216,8 +220,11 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def _connect(self) -> None:
         # MLFlowLogger's own experiment property finds or creates the experiment and creates the run (or gets
         # run_id's); it returns its MlflowClient. Its run_id/experiment_id properties then read what it set.
-        self._mlflow_client = self._mlflow()
-        self._client = super().experiment
+        with store_creation_lock(self._uri):  # creating a store, or an experiment, races with other processes
+            if self._client is None:
+                self._client = _new_client(self._uri)
+            self._mlflow_client = self._client
+            self._client = super().experiment
         self._connected = True
         if self.log_system_metrics and self.run_id is not None and self._system_monitor is None:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -230,9 +237,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
     def _mlflow(self) -> Any:
         """The MlflowClient: MLFlowLogger's once connected, before that one of our own for the same URI."""
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(self._uri)
+            with store_creation_lock(self._uri):
+                self._client = _new_client(self._uri)
         return self._client
 
     @property
@@ -357,12 +363,12 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     # --- failure handling ----------------------------------------------------------------------------
     def _guarded_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        client = self._mlflow()
-        method = getattr(client, name)
+        from mlflow.tracking import MlflowClient
+
         try:  # the class's signature names the arguments (the instance's method may be wrapped)
-            bound = inspect.signature(getattr(type(client), name)).bind(None, *args, **kwargs)
+            bound = inspect.signature(getattr(MlflowClient, name)).bind(None, *args, **kwargs)
         except (TypeError, ValueError):
-            return method(*args, **kwargs)  # a wrong call is the caller's bug: let MLflow say so
+            return getattr(self._mlflow(), name)(*args, **kwargs)  # a wrong call is the caller's bug: MLflow says so
         arguments = bound.arguments
         run_id = self.run_id
         if "run_id" in arguments and arguments["run_id"] is None and run_id is not None:
@@ -370,7 +376,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         with self._net_lock:
             if not self._degraded and arguments.get("run_id", run_id) is not None:
                 try:
-                    return method(*bound.args[1:], **bound.kwargs)
+                    return getattr(self._mlflow(), name)(*bound.args[1:], **bound.kwargs)
                 except Exception as err:
                     self._degrade(err, name)
             self._store.keep_call(name, arguments)
@@ -452,6 +458,27 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 )
             self._key_cache[key] = safe
         return safe
+
+
+def _new_client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def store_creation_lock(uri: str) -> contextlib.AbstractContextManager[None]:
+    """Between processes, one at a time opens a local sqlite store: the first creates its tables, and MLflow's
+    table creation and migration race when several processes open a new store at once (two fits started
+    together in one folder). A lock on ``.<name>.lock`` beside the database; other stores need none.
+    Not re-entrant: a process holding it must not take it again."""
+    if not uri.startswith("sqlite:"):
+        return contextlib.nullcontext()
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        return contextlib.nullcontext()
+    return file_lock(os.path.abspath(database))
 
 
 def _bound_http_requests(timeout_s: int | None, max_retries: int | None) -> None:
