@@ -28,9 +28,12 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import width_report
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data"
@@ -629,13 +632,13 @@ def figure(study: dict[str, Any], name: str):
 # docs/results.md
 
 
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- quality:{name} begin -->", f"<!-- quality:{name} end -->"
+def markers(name: str, kind: str = "quality") -> tuple[str, str]:
+    return f"<!-- {kind}:{name} begin -->", f"<!-- {kind}:{name} end -->"
 
 
-def replace_block(page: str, name: str, block: str) -> str:
+def replace_block(page: str, name: str, block: str, kind: str = "quality") -> str:
     """``page`` with the text between ``name``'s markers replaced by ``block``."""
-    begin, end = markers(name)
+    begin, end = markers(name, kind)
     if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
         raise StudyFileError(
             f"docs/results.md needs exactly one '{begin}' line followed by one '{end}' line where "
@@ -658,7 +661,21 @@ def main(argv: list[str] | None = None) -> int:
     page = args.results.read_text() if (args.write or args.check) else ""
     updated = page
     try:
-        for path in files:
+        # width studies (their own format and renderer); one still running is rendered from docs/data/partial
+        # a study under way (docs/data/partial) changes after every run: --write renders it, --check leaves it out
+        found = [*([] if args.check else DATA.glob("partial/width_*.json")), *DATA.glob("width_*.json")]
+        widths = [] if args.files else sorted({p.stem: p for p in found}.values())  # a finished file wins
+        for path in widths:
+            state = json.loads(path.read_text())
+            source = path.relative_to(DATA.parent.parent).as_posix()
+            block = width_report.render(state, path.stem, IMAGES if args.write else Path(tempfile.mkdtemp()), source)
+            if path.parent.name == "partial":
+                block = f"**Under way** (`docs/data/partial/{path.name}`): what has finished so far.\n\n{block}"
+            if args.write or args.check:
+                updated = replace_block(updated, path.stem, block + "\n", "width")
+            else:
+                print(block)
+        for path in [f for f in files if not f.stem.startswith("width_")]:
             study = load(path)
             block = markdown(study, path.stem)
             if args.write or args.check:
