@@ -5,7 +5,7 @@
 
 Defaults that differ from plain LightningCLI:
 
-* the logger is MLflow (:class:`~comera_lightning.training.loggers.ResilientMLFlowLogger`: buffered, sent in the
+* the logger is MLflow (:class:`~comera_lightning.loggers.ResilientMLFlowLogger`: buffered, sent in the
   background, kept in a local fallback folder while the store is unreachable) on a local sqlite store
   (``sqlite:///mlflow.db`` in the working directory unless ``MLFLOW_TRACKING_URI`` is set), experiment
   ``comera``;
@@ -15,9 +15,9 @@ Defaults that differ from plain LightningCLI:
   ``default_root_dir`` = ``runs``;
 * the comera callbacks resolve by short name (``class_path: RankAdaptation``); when the progress bar is on, a
   rich bar counting optimiser steps is used on a terminal, and plain progress lines
-  (:class:`~comera_lightning.training.LogProgress`, with the compression) when output goes to a file or pipe;
+  (:class:`~comera_lightning.callbacks.LogProgress`, with the compression) when output goes to a file or pipe;
 * checkpoints load with ``weights_only=True`` (tensors and primitives only) unless ``--weights_only false``;
-* ``fit`` is fault tolerant: a :class:`~comera_lightning.training.fault_tolerance.FaultTolerance` callback
+* ``fit`` is fault tolerant: a :class:`~comera_lightning.callbacks.fault_tolerance.FaultTolerance` callback
   writes an atomic step checkpoint every ``--fault_tolerance.every_n_steps`` steps (default 100, 0 turns it
   off) into a directory that is the same for every launch of the same experiment:
   ``<default_root_dir>/fault_tolerance/<config name>-<hash of the resolved config>``; options that do not
@@ -27,9 +27,9 @@ Defaults that differ from plain LightningCLI:
   none;
 * ``fit`` stops at SIGTERM/SIGUSR1 after the step in flight, with a step checkpoint and exit code 128 + signal
   (``FaultTolerance``), and under several processes ends them all within a minute of one dying, naming it
-  (:class:`~comera_lightning.training.DeadRankWatchdog`);
+  (:class:`~comera_lightning.callbacks.DeadRankWatchdog`);
 * ``fit`` on a CPU (Linux, glibc) keeps freed memory in the process
-  (:class:`~comera_lightning.training.KeepFreedMemory`) unless the config lists the callback itself: a step
+  (:class:`~comera_lightning.callbacks.KeepFreedMemory`) unless the config lists the callback itself: a step
   stops page-faulting its activations in again;
 * ``fit`` takes the RankAdaptation options users change most as ``--rank_adaptation.target_compression``,
   ``target_size``, ``late_start_step``, ``late_start_fraction``, ``gamma`` and ``truncate_every_n_steps``,
@@ -79,22 +79,21 @@ from typing_extensions import override
 from . import callbacks as _callbacks  # noqa: F401  (registers the comera callbacks for short names)
 from . import data as _data  # noqa: F401  (registers the data modules for short names)
 from . import lit as _lit  # noqa: F401  (registers the tasks for short names)
-from . import training as _training  # noqa: F401  (registers the generic callbacks for short names)
 from .callbacks import RankAdaptation
+from .callbacks.dead_rank import DeadRankWatchdog
+from .callbacks.fault_tolerance import FaultTolerance, find_resume_checkpoint
+from .callbacks.final_validation import FinalValidation
+from .callbacks.host_memory import KeepFreedMemory, keeps_freed_memory_here
+from .callbacks.model_summary import CompactModelSummary
+from .callbacks.predictions import PredictionWriter
+from .callbacks.progress import LogProgress, StepProgressBar
 from .export import export_checkpoint, export_model, read_export_metadata
 from .lit.base import ComeraTask
 from .lit.checks import check_checkpoint_file, check_output_dirs
+from .loggers import ResilientMLFlowLogger
 from .nn.distributed import is_sharded
 from .nn.tensorize import size_report
-from .training.dead_rank import DeadRankWatchdog
-from .training.fault_tolerance import FaultTolerance, find_resume_checkpoint
-from .training.final_validation import FinalValidation
-from .training.host_memory import KeepFreedMemory, keeps_freed_memory_here
-from .training.internals import rename_logged_hparams, trainer_callbacks
-from .training.loggers import ResilientMLFlowLogger
-from .training.model_summary import CompactModelSummary
-from .training.predictions import PredictionWriter
-from .training.progress import LogProgress, StepProgressBar
+from .utilities.internals import rename_logged_hparams, trainer_callbacks
 
 __all__ = [
     "ComeraCLI",
@@ -430,7 +429,7 @@ class ComeraCLI(LightningCLI):
         quiet_upstream_messages()
         defaults = {
             "logger": {
-                "class_path": "comera_lightning.training.loggers.ResilientMLFlowLogger",
+                "class_path": "comera_lightning.loggers.ResilientMLFlowLogger",
                 "init_args": {"experiment_name": EXPERIMENT, "tracking_uri": tracking_uri()},
             },
             "default_root_dir": "runs",

@@ -29,7 +29,7 @@ from .nn.base import TTLayer
 from .nn.embedding import TTEmbedding
 from .nn.linear import TTLinear
 from .nn.tensorize import size_report
-from .training.atomic import atomic_write
+from .utilities.atomic import atomic_write
 
 __all__ = ["EXPORT_KEY", "export_checkpoint", "export_model", "load_exported", "read_export_metadata"]
 
@@ -118,7 +118,7 @@ def export_checkpoint(
         ValueError: the checkpoint is unreadable or not a Lightning checkpoint, or its task class is unknown.
     """
     from .lit.checks import check_checkpoint_file  # here: loading an export needs no Lightning
-    from .training.checkpoint_io import read_checkpoint
+    from .utilities.checkpoint_io import read_checkpoint
 
     check_checkpoint_file(ckpt_path)
     if not Path(ckpt_path).expanduser().exists():

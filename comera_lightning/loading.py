@@ -46,7 +46,7 @@ def load_from_checkpoint(
     import fsspec
 
     if Path(path).expanduser().is_dir():  # a sharded run's distributed checkpoint (FSDP2)
-        from .training.checkpoint_io import read_checkpoint
+        from .utilities.checkpoint_io import read_checkpoint
 
         checkpoint = read_checkpoint(path, map_location=map_location)
     else:

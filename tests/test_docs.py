@@ -4,12 +4,13 @@ A page's ```python blocks run in order in one namespace, in a temporary folder; 
 ``<!-- docs-test: skip (why) -->`` is left out and says why. In ```bash blocks, every ``comera`` command
 (also after ``srun``/``torchrun``, or as ``python -m comera_lightning``) goes through the CLI's own parsing:
 ``--print_config`` for the LightningCLI subcommands, the export command's parser, ``comera configs`` as it is;
-``python benchmarks/<script>`` must name a script that exists.
+``python -m benchmarks.<module>`` must name a module that exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import re
 import shlex
@@ -78,8 +79,8 @@ def _commands(page: Path) -> list[list[str]]:
 
 def _comera_args(words: list[str]) -> list[str] | None:
     """The arguments after ``comera`` (or ``python -m comera_lightning``) in ``words``, else None."""
-    if words[:1] == ["python"] and words[1:2] != ["-m"]:
-        return None  # a script (benchmarks/...), whose arguments may name a family "comera"
+    if words[:1] == ["python"] and (words[1:2] != ["-m"] or words[2:3] != ["comera_lightning"]):
+        return None  # a script or a benchmark (python -m benchmarks...), whose arguments may name a family "comera"
     for i, word in enumerate(words):
         if word in ("comera", "comera)"):  # "comera", "srun ... comera", "torchrun ... $(which comera)"
             return words[i + 1 :]
@@ -123,8 +124,11 @@ def test_comera_commands_parse(page, args, monkeypatch, tmp_path):
 def test_benchmark_scripts_named_in_the_docs_exist():
     for page in PAGES:
         for words in _commands(page):
-            if words[:1] == ["python"] and len(words) > 1 and words[1].startswith("benchmarks/"):
-                assert (ROOT / words[1]).is_file(), f"{_name(page)}: {' '.join(words)}"
+            assert not (words[:1] == ["python"] and words[1:2] and words[1].startswith("benchmarks/")), (
+                f"{_name(page)}: {' '.join(words)}: the benchmarks run as python -m benchmarks.<module>"
+            )
+            if words[:2] == ["python", "-m"] and words[2:3] and words[2].startswith("benchmarks."):
+                assert importlib.util.find_spec(words[2]) is not None, f"{_name(page)}: {' '.join(words)}"
 
 
 # --- links --------------------------------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ MOVED = [
     ("comera_lightning.callbacks.rank_adaptation", "comera_lightning.rank_adaptation.callback", "RankAdaptation"),
     ("comera_lightning.sharding", "comera_lightning.strategies.fsdp2", "FSDP2Strategy"),
     ("comera_lightning.training.fsdp", "comera_lightning.strategies.resharding", "reshard_parameters_"),
+    ("comera_lightning.training.atomic", "comera_lightning.utilities.atomic", "atomic_write"),
+    ("comera_lightning.training.checkpoint_io", "comera_lightning.utilities.checkpoint_io", "read_checkpoint"),
+    ("comera_lightning.training.fault_tolerance", "comera_lightning.callbacks.fault_tolerance", "FaultTolerance"),
+    ("comera_lightning.training.progress", "comera_lightning.callbacks.progress", "LogProgress"),
+    ("comera_lightning.training.loggers", "comera_lightning.loggers", "ResilientMLFlowLogger"),
+    ("comera_lightning.training.loggers.fallback", "comera_lightning.loggers.fallback", "upload_fallback"),
 ]
 
 
@@ -46,3 +52,13 @@ def test_the_configs_old_strategy_class_path_still_resolves():
     with pytest.warns(DeprecationWarning):
         config = parser.parse_args(["--strategy", '{"class_path": "comera_lightning.sharding.FSDP2Strategy"}'])
     assert isinstance(parser.instantiate_classes(config).strategy, FSDP2Strategy)
+
+
+def test_the_old_training_package_still_offers_the_callbacks_and_the_logger():
+    sys.modules.pop("comera_lightning.training", None)
+    with pytest.warns(DeprecationWarning, match="callbacks to comera_lightning.callbacks, the MLflow logger to"):
+        training = importlib.import_module("comera_lightning.training")
+    from comera_lightning.callbacks import KeepFreedMemory
+    from comera_lightning.loggers import ResilientMLFlowLogger
+
+    assert training.KeepFreedMemory is KeepFreedMemory and training.ResilientMLFlowLogger is ResilientMLFlowLogger

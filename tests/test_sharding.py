@@ -27,7 +27,7 @@ from comera_lightning.nn.distributed import full_tensor, is_sharded, write_full_
 from comera_lightning.nn.tensorize import tt_layers
 from comera_lightning.strategies import FSDP2Strategy, checkpoint_shapes, shard_model
 from comera_lightning.strategies.resharding import default_shard_units, fully_shard_model
-from comera_lightning.training.checkpoint_io import read_checkpoint
+from comera_lightning.utilities.checkpoint_io import read_checkpoint
 from tests.helpers.sharding_cases import (
     BATCH,
     DenseRegressor,

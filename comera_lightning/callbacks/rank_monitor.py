@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from ..nn.tensorize import SizeReport, size_report, tt_layers
 from ..rank_adaptation import RankAdaptation
-from ..training.internals import trainer_callbacks
+from ..utilities.internals import trainer_callbacks
 
 __all__ = ["RankMonitor", "metric_safe_name", "plot_rank_history"]
 

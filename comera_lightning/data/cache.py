@@ -20,7 +20,7 @@ Building is safe against concurrent builders (two runs on one machine, DDP ranks
 lock (``fcntl.flock`` on the hidden ``.<entry>.lock`` beside the entry, left there: removing a lock file
 races with its next user) and verifies again once it has it, so the second
 builder finds the first one's entry instead of building again; files are written under a temporary name
-and renamed into place (:mod:`comera_lightning.training.atomic`), folders likewise, and the manifest comes
+and renamed into place (:mod:`comera_lightning.utilities.atomic`), folders likewise, and the manifest comes
 last, so a killed builder leaves an entry that does not verify, never one that verifies and is wrong.
 Readers verify without the lock; one that meets an entry being replaced waits for the lock and verifies
 again. Where ``fcntl`` is missing (Windows) the builders race, and the atomic renames keep every entry whole.
@@ -45,7 +45,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..training.atomic import atomic_write, fsync_dir
+from ..utilities.atomic import atomic_write, fsync_dir
 from .common import cache_key
 
 try:

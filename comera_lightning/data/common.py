@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 # absolute: this file also loads on its own (tests/data/test_common.py runs it in a child process)
-from comera_lightning.training.internals import IndexSamplerHook
+from comera_lightning.utilities.internals import IndexSamplerHook
 
 __all__ = [
     "DEFAULT_EXCLUDED_DIRS",

@@ -25,11 +25,13 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..config import GroupedOptions
-from ..nn import TTEmbedding, TTLinear
+from ..nn.builder import LayerKind, TTLayerOptions, build_tt_layer
 from ..tt import BOTTLENECK_ACTIVATIONS
 from ..tt.parameterization import check_parameterization
 
 __all__ = ["LayerConfig", "LayerFactory"]
+
+Modes = tuple[Sequence[int] | None, Sequence[int] | None]
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:
@@ -192,37 +194,9 @@ class LayerFactory:
         self._record(name, tt)
         if not tt:
             return nn.Linear(in_features, out_features, bias=bias)
-        if self._low_rank_re is not None and self._low_rank_re.search(name):
-            if in_modes is not None or out_modes is not None:
-                raise ValueError(
-                    f"layer {name!r} matches low_rank_linears but its model gives it modes "
-                    f"{in_modes} x {out_modes}: leave it out of low_rank_linears"
-                )
-            in_modes, out_modes = [in_features], [out_features]
-        activated = config.bottleneck_activation is not None and (
-            self._activation_re is None or self._activation_re.search(name) is not None
+        return self._tt_layer(
+            "linear", name, (in_features, out_features), (in_modes, out_modes), bias=bias, **tt_kwargs
         )
-        if activated:
-            tt_kwargs.setdefault("bottleneck_activation", config.bottleneck_activation)
-        return self._gates_as_configured(
-            TTLinear(
-                in_features,
-                out_features,
-                self.rank_of(name, config.rank),
-                in_modes=in_modes,
-                out_modes=out_modes,
-                bias=bias,
-                rank_threshold=config.rank_threshold,
-                parameterization=config.parameterization,
-                **tt_kwargs,
-            )
-        )
-
-    def _gates_as_configured(self, layer: TTLinear | TTEmbedding) -> TTLinear | TTEmbedding:
-        if not self.config.learn_gates:
-            for gate in layer.gates:
-                gate.requires_grad_(False)
-        return layer
 
     def embedding(
         self,
@@ -242,26 +216,43 @@ class LayerFactory:
         self._record(name, tt)
         if not tt:
             return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
-        if self._low_rank_embedding_re is not None and self._low_rank_embedding_re.search(name):
-            if vocab_modes is not None or dim_modes is not None:
-                raise ValueError(
-                    f"embedding {name!r} matches low_rank_embeddings but its model gives it modes "
-                    f"{vocab_modes} x {dim_modes}: leave it out of low_rank_embeddings"
-                )
-            vocab_modes, dim_modes = [num_embeddings, 1], [1, embedding_dim]
-        return self._gates_as_configured(
-            TTEmbedding(
-                num_embeddings,
-                embedding_dim,
-                self.rank_of(name, config.embedding_rank),
-                vocab_modes=vocab_modes,
-                dim_modes=dim_modes,
-                padding_idx=padding_idx,
-                rank_threshold=config.rank_threshold,
-                parameterization=config.parameterization,
-                **tt_kwargs,
+        shape, modes = (num_embeddings, embedding_dim), (vocab_modes, dim_modes)
+        return self._tt_layer("embedding", name, shape, modes, padding_idx=padding_idx, **tt_kwargs)
+
+    def _tt_layer(
+        self, kind: LayerKind, name: str, shape: tuple[int, int], modes: Modes, **layer_kwargs: Any
+    ) -> nn.Module:
+        """The TT layer ``name`` as the config says: its rank, one mode per side where ``low_rank_linears`` /
+        ``low_rank_embeddings`` match it, the bottleneck activation where ``activation_layers`` does."""
+        config = self.config
+        if kind == "linear":
+            default_rank, low_rank_re, low_rank_option = config.rank, self._low_rank_re, "low_rank_linears"
+            activated = config.bottleneck_activation is not None and (
+                self._activation_re is None or self._activation_re.search(name) is not None
             )
+        else:
+            default_rank, low_rank_re, low_rank_option = (
+                config.embedding_rank,
+                self._low_rank_embedding_re,
+                "low_rank_embeddings",
+            )
+            activated = False
+        low_rank = low_rank_re is not None and low_rank_re.search(name) is not None
+        if low_rank and modes != (None, None):
+            raise ValueError(
+                f"{'layer' if kind == 'linear' else 'embedding'} {name!r} matches {low_rank_option} but its model "
+                f"gives it modes {modes[0]} x {modes[1]}: leave it out of {low_rank_option}"
+            )
+        options = TTLayerOptions(
+            rank=self.rank_of(name, default_rank),
+            rank_threshold=config.rank_threshold,
+            low_rank=low_rank,
+            bottleneck_activation=config.bottleneck_activation if activated else None,
+            learn_gates=config.learn_gates,
+            parameterization=config.parameterization,
         )
+        layer, _ = build_tt_layer(kind, shape, options, modes=modes, **layer_kwargs)
+        return layer
 
     def __repr__(self) -> str:
         return f"LayerFactory({self.config!r})"

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..tt.rank import train_parameter_count
+from ..tt.rank import DEFAULT_THRESHOLD, train_parameter_count
 from .base import TTLayer
+from .builder import LayerKind, TTLayerOptions, build_tt_layer, layer_shape
 from .embedding import TTEmbedding
 from .fast_path import restore_fast_paths, steer_off_fast_paths
 from .linear import TTLinear
@@ -28,10 +29,12 @@ from .linear import TTLinear
 __all__ = [
     "LayerSize",
     "SizeReport",
+    "TensorizeOptions",
     "TensorizeRecord",
     "size_report",
     "tensorize",
     "tensorize_like",
+    "tensorize_options",
     "tensorize_specs",
     "tt_layers",
     "untensorize",
@@ -58,6 +61,164 @@ class TensorizeRecord:
     def compression(self) -> float:
         return self.dense_parameters / max(self.tt_parameters, 1)
 
+    @classmethod
+    def of(
+        cls, name: str, layer: TTLinear | TTEmbedding, ranks: list[int], parameters: int, error: float | None = None
+    ) -> TensorizeRecord:
+        """The record of ``layer`` at ``name`` with ``ranks`` and ``parameters`` (allocated or active)."""
+        kind, shape, _ = layer_shape(layer)
+        return cls(name, kind, shape, ranks, layer.dense_parameters, parameters, error)
+
+
+_FIELD_NAMES = frozenset(
+    (
+        "rank",
+        "min_features",
+        "include",
+        "exclude",
+        "linears",
+        "embeddings",
+        "embedding_rank",
+        "decompose",
+        "low_rank",
+        "bottleneck_activation",
+        "learn_gates",
+        "rank_threshold",
+        "parameterization",
+    )
+)
+# the keys of a recorded call, in their order; rank_threshold and parameterization, when given, and the other layer
+# arguments are under "layer_kwargs" (decompose is not recorded: the weights come from the state dict)
+_SPEC_KEYS = (
+    "rank",
+    "min_features",
+    "include",
+    "exclude",
+    "linears",
+    "embeddings",
+    "embedding_rank",
+    "low_rank",
+    "bottleneck_activation",
+    "learn_gates",
+)
+
+
+@dataclass(frozen=True)
+class TensorizeOptions:
+    """The arguments of :func:`tensorize` as one object: which modules it swaps, and how it builds their TT layers.
+
+    The :class:`~comera_lightning.callbacks.Tensorize` callback takes the same options, and every call records them
+    in the state-dict metadata of the module it was called on, from which :func:`tensorize_like` calls it again.
+    :func:`tensorize_options` makes one from keyword arguments the way :func:`tensorize` takes them.
+
+    Attributes:
+        rank: rank of the TT linears (and embeddings unless ``embedding_rank`` is given): one rank, clamped per
+            bond, or the list of internal ranks.
+        min_features: a module qualifies when both of its dimensions are at least this.
+        include, exclude: regexes searched in each module's qualified name: only matches of ``include`` (if given)
+            and no match of ``exclude`` (if given) are replaced.
+        linears, embeddings: replace the ``nn.Linear`` (and Hugging Face ``Conv1D``) / ``nn.Embedding`` modules.
+        embedding_rank: rank of the TT embeddings (None: ``rank``).
+        decompose: initialise from the existing weights by TT-SVD (and report the error) instead of training from
+            scratch.
+        low_rank: one mode per side instead of a tensor train: every linear a product ``W = A B`` and every
+            embedding ``E = A B`` of rank ``rank`` (the gate on their one bond), as ``LayerConfig``'s
+            ``low_rank_linears`` / ``low_rank_embeddings``.
+        bottleneck_activation: a non-linearity on the middle bond of every new linear, ``y = act(x L) R + b``
+            (with ``low_rank`` and ``learn_gates=False``: CoLA); see :class:`TTLinear`.
+        learn_gates: False freezes the rank gates at 1 (a fixed-rank model no rank callback shrinks).
+        rank_threshold: gate magnitude at or below which a rank slice is switched off (None: the layers' default).
+        parameterization: ``standard`` or ``mup`` (None: the layers' default, ``standard``).
+        layer_kwargs: further arguments of the layer constructors (e.g. ``init_std``); an entry named like one of
+            the fields above sets that field.
+    """
+
+    rank: int | Sequence[int] = 30
+    min_features: int = 128
+    include: str | None = None
+    exclude: str | None = None
+    linears: bool = True
+    embeddings: bool = True
+    embedding_rank: int | Sequence[int] | None = None
+    decompose: bool = False
+    low_rank: bool = False
+    bottleneck_activation: str | None = None
+    learn_gates: bool = True
+    rank_threshold: float | None = None
+    parameterization: str | None = None
+    layer_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        extra = dict(self.layer_kwargs or {})
+        for name in [key for key in extra if key in _FIELD_NAMES]:  # e.g. layer_kwargs={"rank_threshold": 0.05}
+            value, current = extra.pop(name), getattr(self, name)
+            if current != _DEFAULTS[name] and current != value:
+                raise ValueError(f"{name} is given twice, as {current!r} and as layer_kwargs[{name!r}]={value!r}")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "layer_kwargs", extra)
+        for name in ("rank", "embedding_rank"):  # a YAML list and a Python tuple are the same ranks
+            if isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, list(getattr(self, name)))
+        if self.min_features < 1:
+            raise ValueError(f"min_features must be >= 1, got {self.min_features}")
+        if self.decompose and self.bottleneck_activation is not None:
+            raise ValueError(
+                f"decompose=True initialises each layer from its dense weight, but with "
+                f"bottleneck_activation={self.bottleneck_activation!r} a layer is no longer linear; train it from "
+                f"scratch (decompose=False) or drop the activation"
+            )
+
+    def apply(self, model: nn.Module) -> list[TensorizeRecord]:
+        """Replace, in place, every module of ``model`` that qualifies, as :func:`tensorize` does."""
+        return _swap_layers(model, self)
+
+    def layer_options(self) -> TTLayerOptions:
+        """How each new layer is built."""
+        return TTLayerOptions(
+            rank=self.rank,
+            embedding_rank=self.embedding_rank,
+            rank_threshold=DEFAULT_THRESHOLD if self.rank_threshold is None else self.rank_threshold,
+            low_rank=self.low_rank,
+            bottleneck_activation=self.bottleneck_activation,
+            learn_gates=self.learn_gates,
+            parameterization="standard" if self.parameterization is None else self.parameterization,
+        )
+
+    def to_spec(self) -> dict[str, Any]:
+        """The call as state-dict metadata records it: plain values a ``weights_only`` load accepts.
+
+        A layer argument that is no plain value is kept by name only, under ``"unportable"``.
+        """
+        spec: dict[str, Any] = {key: _plain(getattr(self, key)) for key in _SPEC_KEYS}
+        given = {key: getattr(self, key) for key in ("rank_threshold", "parameterization")}
+        spec["layer_kwargs"], unportable = {}, []
+        for key, value in {**{k: v for k, v in given.items() if v is not None}, **(self.layer_kwargs or {})}.items():
+            try:
+                spec["layer_kwargs"][key] = _plain(value)
+            except TypeError:
+                unportable.append(f"{key}={value!r}")
+        if unportable:
+            spec["unportable"] = unportable
+        return spec
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> TensorizeOptions:
+        """The options of a recorded call (:meth:`to_spec`, also as earlier releases wrote it)."""
+        arguments = {k: v for k, v in spec.items() if k not in ("layer_kwargs", "decompose", "unportable")}
+        return tensorize_options(**arguments, layer_kwargs=dict(spec.get("layer_kwargs") or {}))
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TensorizeOptions)}
+
+
+def tensorize_options(**arguments: Any) -> TensorizeOptions:
+    """:class:`TensorizeOptions` from :func:`tensorize`'s keyword arguments: a name it has no field for is a layer
+    constructor argument (as ``layer_kwargs``)."""
+    extra = {key: arguments.pop(key) for key in list(arguments) if key not in _FIELD_NAMES and key != "layer_kwargs"}
+    if extra:
+        arguments["layer_kwargs"] = {**(arguments.get("layer_kwargs") or {}), **extra}
+    return TensorizeOptions(**arguments)
+
 
 def tensorize(
     model: nn.Module,
@@ -73,7 +234,9 @@ def tensorize(
     low_rank: bool = False,
     bottleneck_activation: str | None = None,
     learn_gates: bool = True,
-    **layer_kwargs,
+    rank_threshold: float | None = None,
+    parameterization: str | None = None,
+    **layer_kwargs: Any,
 ) -> list[TensorizeRecord]:
     """Replace, in place, every ``nn.Linear`` / ``nn.Embedding`` of ``model`` that qualifies.
 
@@ -90,133 +253,97 @@ def tensorize(
 
     Args:
         model: the model to modify in place.
-        rank: rank for the TT linears (and embeddings unless ``embedding_rank`` is given).
-        decompose: initialise from the existing weights by TT-SVD (and report the error) instead of
-            training from scratch.
-        low_rank: one mode per side instead of a tensor train: every linear a product ``W = A B`` and every
-            embedding ``E = A B`` of rank ``rank`` (the gate on their one bond), as ``LayerConfig``'s
-            ``low_rank_linears`` / ``low_rank_embeddings``.
-        bottleneck_activation: a non-linearity on the middle bond of every new linear, ``y = act(x L) R + b``
-            (with ``low_rank`` and ``learn_gates=False``: CoLA); see :class:`TTLinear`.
-        learn_gates: False freezes the rank gates at 1 (a fixed-rank model no rank callback shrinks).
-        layer_kwargs: forwarded to the layer constructors (e.g. ``rank_threshold``).
+        rank, min_features, include, exclude, linears, embeddings, embedding_rank, decompose, low_rank,
+            bottleneck_activation, learn_gates, rank_threshold, parameterization: see :class:`TensorizeOptions`
+            (``TensorizeOptions(...).apply(model)`` is the same call).
+        layer_kwargs: forwarded to the layer constructors (e.g. ``init_std``).
 
     Returns:
         One :class:`TensorizeRecord` per replaced module, in model order.
     """
-    if min_features < 1:
-        raise ValueError(f"min_features must be >= 1, got {min_features}")
-    if decompose and bottleneck_activation is not None:
-        raise ValueError(
-            f"decompose=True initialises each layer from its dense weight, but with "
-            f"bottleneck_activation={bottleneck_activation!r} a layer is no longer linear; train it from "
-            f"scratch (decompose=False) or drop the activation"
-        )
-    linear_kwargs = dict(layer_kwargs)
-    if bottleneck_activation is not None:
-        linear_kwargs["bottleneck_activation"] = bottleneck_activation
-    include_re = re.compile(include) if include else None
-    exclude_re = re.compile(exclude) if exclude else None
+    options = TensorizeOptions(
+        rank=rank,
+        min_features=min_features,
+        include=include,
+        exclude=exclude,
+        linears=linears,
+        embeddings=embeddings,
+        embedding_rank=embedding_rank,
+        decompose=decompose,
+        low_rank=low_rank,
+        bottleneck_activation=bottleneck_activation,
+        learn_gates=learn_gates,
+        rank_threshold=rank_threshold,
+        parameterization=parameterization,
+        layer_kwargs=layer_kwargs,
+    )
+    return options.apply(model)
+
+
+def _swap_layers(model: nn.Module, options: TensorizeOptions) -> list[TensorizeRecord]:
+    layer_options = options.layer_options()
     records = []
     replaced: dict[int, nn.Module] = {}  # a module used in several places becomes ONE shared TT layer
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if id(module) in replaced:
             _set_submodule(model, name, replaced[id(module)])
             continue
-        is_conv1d = linears and _is_hf_conv1d(module)
-        is_linear = (linears and type(module) is nn.Linear) or is_conv1d
-        is_embedding = embeddings and type(module) is nn.Embedding
-        if not (is_linear or is_embedding):
-            continue
-        if is_conv1d:
-            rows, cols = module.weight.shape  # Conv1D stores (in, out)
-        else:
-            rows, cols = (
-                (module.in_features, module.out_features)
-                if is_linear
-                else (module.num_embeddings, module.embedding_dim)
-            )
-        if min(rows, cols) < min_features:
-            continue
-        if include_re is not None and not include_re.search(name):
-            continue
-        if exclude_re is not None and exclude_re.search(name):
+        candidate = _candidate(name, module, options)
+        if candidate is None:
             continue
         if not name:
             raise ValueError(
                 f"tensorize replaces submodules, but the model itself is an {type(module).__name__}; build "
                 f"TTLinear/TTEmbedding directly, or wrap the layer in a container such as nn.Sequential"
             )
-        error = None
-        layer: TTLinear | TTEmbedding
-        modes: dict[str, Any]
-        if is_linear:
-            modes = dict(in_modes=[rows], out_modes=[cols]) if low_rank else {}
-            if decompose:
-                source = _conv1d_as_linear(module) if is_conv1d else module
-                layer, error = TTLinear.from_linear(source, rank, **modes, **linear_kwargs)
-            else:
-                layer = TTLinear(
-                    rows,
-                    cols,
-                    rank,
-                    bias=module.bias is not None,
-                    dtype=module.weight.dtype,
-                    device=module.weight.device,
-                    **modes,
-                    **linear_kwargs,
-                )
-        else:
-            emb_rank = rank if embedding_rank is None else embedding_rank
-            modes = dict(vocab_modes=[rows, 1], dim_modes=[1, cols]) if low_rank else {}
-            if decompose:
-                layer, error = TTEmbedding.from_embedding(module, emb_rank, **modes, **layer_kwargs)
-            else:
-                layer = TTEmbedding(
-                    rows,
-                    cols,
-                    emb_rank,
-                    padding_idx=module.padding_idx,
-                    dtype=module.weight.dtype,
-                    device=module.weight.device,
-                    **modes,
-                    **layer_kwargs,
-                )
-        if not learn_gates:
-            for gate in layer.gates:
-                gate.requires_grad_(False)
+        kind, shape = candidate
+        layer, error = _tt_layer_for(module, kind, shape, layer_options, options)
         _set_submodule(model, name, layer)
         replaced[id(module)] = layer
-        records.append(
-            TensorizeRecord(
-                name,
-                "linear" if is_linear else "embedding",
-                (rows, cols),
-                layer.ranks,
-                layer.dense_parameters,
-                layer.allocated_parameters(),
-                error,
-            )
-        )
+        records.append(TensorizeRecord.of(name, layer, layer.ranks, layer.allocated_parameters(), error))
     if records:
-        _record_spec(
-            model,
-            dict(
-                rank=rank,
-                min_features=min_features,
-                include=include,
-                exclude=exclude,
-                linears=linears,
-                embeddings=embeddings,
-                embedding_rank=embedding_rank,
-                low_rank=low_rank,
-                bottleneck_activation=bottleneck_activation,
-                learn_gates=learn_gates,
-                layer_kwargs=layer_kwargs,
-            ),
-        )
+        _record_spec(model, options.to_spec())
         steer_off_fast_paths(model)
     return records
+
+
+def _candidate(name: str, module: nn.Module, options: TensorizeOptions) -> tuple[LayerKind, tuple[int, int]] | None:
+    """The kind and dense shape of the TT layer that replaces ``module``, or None when it does not qualify."""
+    kind: LayerKind
+    shape: tuple[int, ...]
+    if options.linears and _is_hf_conv1d(module):
+        kind, shape = "linear", tuple(module.get_parameter("weight").shape)  # Conv1D stores (in, out)
+    elif options.linears and type(module) is nn.Linear:
+        kind, shape = "linear", (module.in_features, module.out_features)
+    elif options.embeddings and type(module) is nn.Embedding:
+        kind, shape = "embedding", (module.num_embeddings, module.embedding_dim)
+    else:
+        return None
+    if min(shape) < options.min_features:
+        return None
+    if options.include and not re.search(options.include, name):
+        return None
+    if options.exclude and re.search(options.exclude, name):
+        return None
+    return kind, (int(shape[0]), int(shape[1]))
+
+
+def _tt_layer_for(
+    module: nn.Module, kind: LayerKind, shape: tuple[int, int], layer_options: TTLayerOptions, options: TensorizeOptions
+) -> tuple[TTLinear | TTEmbedding, float | None]:
+    """The TT layer that replaces ``module``: decomposed from its weight, or fresh with its bias or padding index,
+    dtype and device."""
+    extra = options.layer_kwargs or {}
+    if options.decompose:
+        dense = _conv1d_as_linear(module) if _is_hf_conv1d(module) else module
+        return build_tt_layer(kind, shape, layer_options, dense=dense, **extra)
+    weight = module.get_parameter("weight")
+    like: dict[str, Any] = dict(dtype=weight.dtype, device=weight.device)
+    if kind == "linear":
+        like["bias"] = module.bias is not None
+    else:
+        like["padding_idx"] = module.padding_idx
+    return build_tt_layer(kind, shape, layer_options, **like, **extra)
 
 
 def _plain(value: Any) -> Any:
@@ -230,20 +357,7 @@ def _plain(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
-def _record_spec(model: nn.Module, arguments: dict[str, Any]) -> None:
-    spec: dict[str, Any] = {}
-    for key, value in arguments.items():
-        if key == "layer_kwargs":
-            continue
-        spec[key] = _plain(value)
-    spec["layer_kwargs"], unportable = {}, []
-    for key, value in arguments["layer_kwargs"].items():
-        try:
-            spec["layer_kwargs"][key] = _plain(value)
-        except TypeError:
-            unportable.append(f"{key}={value!r}")
-    if unportable:  # kept by name only: a weights_only load refuses arbitrary objects
-        spec["unportable"] = unportable
+def _record_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     specs = model.__dict__.get(_SPECS_ATTR)
     if specs is None:
         specs = []
@@ -311,8 +425,7 @@ def tensorize_like(
                     f"checkpoint cannot carry; call tensorize() with these arguments in the model's __init__ (or by "
                     f"hand before loading)"
                 )
-            arguments = {k: v for k, v in spec.items() if k not in ("layer_kwargs", "decompose")}
-            records += tensorize(target, **arguments, **spec["layer_kwargs"])
+            records += TensorizeOptions.from_spec(spec).apply(target)
     missing = _missing_tt_layers(model, state_dict)
     if missing:
         raise ValueError(
@@ -356,23 +469,7 @@ def untensorize(model: nn.Module) -> list[TensorizeRecord]:
         dense = _dense_module(module)
         _set_submodule(model, name, dense)
         replaced[id(module)] = dense
-        is_linear = isinstance(module, TTLinear)
-        shape = (
-            (module.in_features, module.out_features)
-            if isinstance(module, TTLinear)
-            else (module.num_embeddings, module.embedding_dim)
-        )
-        records.append(
-            TensorizeRecord(
-                name,
-                "linear" if is_linear else "embedding",
-                shape,
-                module.active_ranks,
-                module.dense_parameters,
-                module.active_parameters(),
-                None,
-            )
-        )
+        records.append(TensorizeRecord.of(name, module, module.active_ranks, module.active_parameters()))
     restore_fast_paths(model)
     if not tt_layers(model):  # a dense model's state dict must not ask for comera layers again
         for module in model.modules():

@@ -307,7 +307,7 @@ class RankAdaptation(Callback):
             if not self._warned_nonfinite:
                 rank_zero_warn(
                     f"RankAdaptation: rank gates are not finite after step {step}; masks and truncation are "
-                    "left unchanged. Training has diverged: add comera_lightning.training.DivergenceGuard, "
+                    "left unchanged. Training has diverged: add comera_lightning.callbacks.DivergenceGuard, "
                     "lower the learning rates or enable gradient clipping",
                     category=UserWarning,
                 )

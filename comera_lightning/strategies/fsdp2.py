@@ -124,7 +124,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not save_distributed_checkpoint:
             raise ValueError(
                 "FSDP2Strategy saves distributed checkpoints (a folder per checkpoint, each process writing its "
-                "shards); for one file, consolidate one with comera_lightning.training.checkpoint_io.read_checkpoint "
+                "shards); for one file, consolidate one with comera_lightning.utilities.checkpoint_io.read_checkpoint "
                 "or export the model with `comera export`"
             )
         if tensor_parallel_size not in (1, "auto"):

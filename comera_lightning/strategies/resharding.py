@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..training.internals import reshard_fsdp_parameters_
+from ..utilities.internals import reshard_fsdp_parameters_
 
 __all__ = [
     "as_parameter_like",

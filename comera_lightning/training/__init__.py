@@ -1,19 +1,35 @@
-"""Training infrastructure that knows nothing of tensor trains: generic callbacks, the MLflow logger, atomic files.
+"""Moved: the generic callbacks live in :mod:`comera_lightning.callbacks`, the MLflow logger in
+:mod:`comera_lightning.loggers`, the atomic writer and Lightning/MLflow adapters in :mod:`comera_lightning.utilities`.
 
-Any Lightning project can use these; CoMERA's own callbacks live in :mod:`comera_lightning.callbacks`.
+This package keeps the old import paths (and configs' ``comera_lightning.training.X`` class paths) working, with a
+warning, for one release.
 """
 
-from .compile import Compile
-from .cuda_graphs import CudaGraphs
-from .dead_rank import DeadRankWatchdog
-from .divergence import DivergenceError, DivergenceGuard
-from .fault_tolerance import FaultTolerance
-from .final_validation import FinalValidation
-from .host_memory import KeepFreedMemory
-from .loggers import ResilientMLFlowLogger
-from .model_summary import CompactModelSummary
-from .predictions import PredictionWriter
-from .progress import LogProgress, StepProgressBar
+import warnings
+
+from ..callbacks import (
+    CompactModelSummary,
+    Compile,
+    CudaGraphs,
+    DeadRankWatchdog,
+    DivergenceError,
+    DivergenceGuard,
+    FaultTolerance,
+    FinalValidation,
+    KeepFreedMemory,
+    LogProgress,
+    PredictionWriter,
+    StepProgressBar,
+)
+from ..loggers import ResilientMLFlowLogger
+
+warnings.warn(
+    "comera_lightning.training has moved: callbacks to comera_lightning.callbacks, the MLflow logger to "
+    "comera_lightning.loggers, atomic files and adapters to comera_lightning.utilities; import them from there (the "
+    "old paths will be removed in the next release)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 __all__ = [
     "CompactModelSummary",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-import bench_activation_memory as bench
 import pytest
+
+from benchmarks import bench_activation_memory as bench
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import bench_compiled as bench
+from benchmarks import bench_compiled as bench
 
 
 def test_quick_run_compiles_both_models_whole_and_writes_the_ratios(tmp_path, capsys):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-import bench_embedding_lookup as bench
 import pytest
 import torch
+
+from benchmarks import bench_embedding_lookup as bench
 
 TINY = bench.Shape(vocab=500, dim=24, vocab_modes=(5, 10, 10), dim_modes=(2, 3, 4), batch=4, seq_len=16)
 TINY_ARGS = [

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-import bench_inference as bench
 import pytest
 import torch
+
+from benchmarks import bench_inference as bench
 
 
 def test_quick_run_writes_both_parts(tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import bench_soak as bench
+from benchmarks import bench_soak as bench
 
 
 def test_a_short_soak_samples_every_mode_and_reports_the_slope(tmp_path, capsys):

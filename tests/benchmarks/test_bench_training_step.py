@@ -7,12 +7,12 @@ import math
 import sys
 from dataclasses import replace
 
-import bench_training_step as bts
-import harness
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import bench_training_step as bts
+from benchmarks import harness
 from comera_lightning.nn import tt_layers
 from comera_lightning.nn.dropout import PackedDropout
 from comera_lightning.rank_adaptation.objectives import rank_penalty

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-import bench_tt_linear as bench
 import pytest
 import torch
+
+from benchmarks import bench_tt_linear as bench
 
 ONE_CASE = [
     "--quick",

@@ -3,8 +3,9 @@ is not."""
 
 from __future__ import annotations
 
-import coordinate_check as cc
 import pytest
+
+from benchmarks import coordinate_check as cc
 
 WIDTHS = (128, 256, 512, 1024)
 

@@ -8,12 +8,13 @@ import sys
 import tarfile
 from pathlib import Path
 
-import gpu_checks
 import pytest
 import torch
 import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+
+from benchmarks import gpu_checks
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
@@ -217,7 +218,7 @@ def test_fit_callbacks_follow_the_early_schedule(tmp_path):
     masks_only = yaml.safe_load(gpu_checks.rank_callbacks(150, tmp_path / "p", truncate=False, checkpoint=False))
     callbacks = masks_only["trainer"]["callbacks"]
     assert callbacks[0]["init_args"]["truncate_every_n_steps"] is None
-    assert [c["class_path"] for c in callbacks][-1] == "gpu_checks.FitProbe"
+    assert [c["class_path"] for c in callbacks][-1] == "benchmarks.gpu_checks.FitProbe"
 
 
 class _LoggingModel(BoringModel):

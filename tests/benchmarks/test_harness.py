@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from pathlib import Path
 
-import harness
 import pytest
-import run as bench_run
 import torch
 from torch import nn
+
+from benchmarks import harness
+from benchmarks import run as bench_run
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -93,7 +94,7 @@ def test_run_lists_every_comparison_and_its_script_exists(capsys):
     printed = capsys.readouterr().out
     for name, comparison in bench_run.COMPARISONS.items():
         assert name in printed
-        assert (Path(bench_run.__file__).parent / f"{comparison.script}.py").is_file(), comparison.script
+        assert importlib.util.find_spec(f"benchmarks.{comparison.script}") is not None, comparison.script
 
 
 def test_run_all_refuses_per_script_arguments():
@@ -102,7 +103,7 @@ def test_run_all_refuses_per_script_arguments():
 
 
 def test_keep_freed_memory_without_glibc_is_a_clear_exit(monkeypatch):
-    from comera_lightning.training import host_memory
+    from comera_lightning.callbacks import host_memory
 
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)
     with pytest.raises(SystemExit, match="needs glibc's malloc"):

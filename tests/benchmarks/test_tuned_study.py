@@ -7,10 +7,10 @@ import json
 import math
 
 import pytest
-import quality_report as qr
 import torch
-import tuned_study as ts
 
+from benchmarks.studies import report as qr
+from benchmarks.studies import tuned as ts
 from comera_lightning.nn import tt_layers
 from comera_lightning.rank_adaptation.late_stage import BASE_RAMP_FRACTION, ramp_fraction_for
 
@@ -294,7 +294,7 @@ def test_rivals_are_sized_at_or_just_above_the_target(quick_spec):
 
 
 def test_the_families_build_what_they_claim(quick_spec):
-    import study
+    from benchmarks.studies import common as study
 
     def build(family, knob, ranks=None):
         torch.manual_seed(0)

@@ -7,8 +7,9 @@ import json
 import math
 
 import pytest
-import width_report as wr
-import width_study as ws
+
+from benchmarks.studies import width as ws
+from benchmarks.studies import width_report as wr
 
 
 def finished(job: ws.Job, loss: float, **extra) -> dict:

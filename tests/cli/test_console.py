@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers.cli import CONFIGS, TINY_ENCODER, TINY_TRAINER, _run
 
+from comera_lightning.callbacks import KeepFreedMemory
+from comera_lightning.callbacks.host_memory import keeps_freed_memory_here
 from comera_lightning.cli import ComeraCLI, gpu_config_warning
-from comera_lightning.training import KeepFreedMemory
-from comera_lightning.training.host_memory import keeps_freed_memory_here
 
 
 @pytest.mark.slow

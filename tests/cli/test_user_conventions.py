@@ -12,7 +12,7 @@ import torch
 from helpers.cli import CONFIGS, TINY_TRAINER, _run, _tiny_overrides
 from mlflow.tracking import MlflowClient
 
-from comera_lightning.training import StepProgressBar
+from comera_lightning.callbacks import StepProgressBar
 
 QUICKSTART = f"--config={CONFIGS / 'quickstart.yaml'}"
 
@@ -165,7 +165,7 @@ def test_system_metrics_are_an_option_of_the_logger(workdir):
 
 
 def test_system_metrics_interval_must_be_positive():
-    from comera_lightning.training.loggers import ResilientMLFlowLogger
+    from comera_lightning.loggers import ResilientMLFlowLogger
 
     with pytest.raises(ValueError, match="system_metrics_interval_s must be > 0"):
         ResilientMLFlowLogger(system_metrics_interval_s=0)

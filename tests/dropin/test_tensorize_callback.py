@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from comera_lightning import load_from_checkpoint, tensorize, untensorize
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor, Tensorize
+from comera_lightning.callbacks.fault_tolerance import FaultTolerance
 from comera_lightning.nn import TTLinear, tt_layers
-from comera_lightning.training.fault_tolerance import FaultTolerance
 
 
 class UserModel(LightningModule):

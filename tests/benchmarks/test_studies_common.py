@@ -1,0 +1,57 @@
+"""What the training studies share: their tasks' specs, the corpora, the models at another width, bad settings."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks.studies import common as study
+
+
+def test_corpus_roots():
+    assert study.corpus_root("stdlib") is None
+    assert Path(study.corpus_root("site:torch")).name == "torch"
+    with pytest.raises(ValueError, match="no installed package folder"):
+        study.corpus_root("site:no_such_package_here")
+    with pytest.raises(ValueError, match="is not a folder"):
+        study.corpus_root("/no/such/folder")
+
+
+def test_the_masked_lm_is_the_quickstart_model_and_schedule():
+    spec = study.study_spec("mlm", "stdlib", 3, None, quick=False)
+    assert (spec.name, spec.seed, spec.steps, spec.late_start_step) == ("mlm", 3, 2000, 800)
+    assert spec.task_kwargs["d_model"] == 128 and spec.rank_kwargs["target_compression"] == 20.0
+    assert spec.data_kwargs["root"] is None  # the data modules' own default: the standard library
+    quick = study.study_spec("mlm", "stdlib", 0, 30, quick=True)
+    assert quick.task_kwargs["d_model"] == 64 and quick.steps == 30
+
+
+def test_the_decoder_comes_from_its_config():
+    spec = study.study_spec("lm", "stdlib", 0, 100, quick=False)
+    assert spec.name == "lm" and spec.steps == 100 and spec.metric == "val/perplexity"
+    assert not spec.higher_is_better
+
+
+def test_a_wider_study_scales_the_full_model():
+    wide = study.study_spec("mlm", "stdlib", 0, 100, quick=False, d_model=256)
+    kwargs = wide.task_kwargs
+    assert (kwargs["d_model"], kwargs["num_heads"], kwargs["d_ff"], wide.steps) == (256, 8, 1024, 100)
+    assert kwargs["layer_config"].get("tt_linears", True)  # CoMERA's layers stay TT
+    with pytest.raises(ValueError, match="d_model must be >= 1"):
+        study.study_spec("mlm", "stdlib", 0, None, quick=False, d_model=0)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown task"):
+        study.study_spec("bert", "stdlib", 0, None, quick=True)
+    spec = study.mlm_spec(quick=True)
+    with pytest.raises(ValueError, match="late_fraction"):
+        replace(spec, late_fraction=1.5).check()
+    with pytest.raises(ValueError, match="budget_s"):
+        replace(spec, budget_s=0.0).check()
+    with pytest.raises(ValueError, match="unknown protocol"):
+        study.run_one(spec, "dense", "epochs", dm=None)
+    with pytest.raises(ValueError, match="unknown method"):
+        study.build_task(spec, "galore")
