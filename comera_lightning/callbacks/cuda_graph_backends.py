@@ -99,7 +99,7 @@ class _CudaGraph(Graph):
 class CudaGraphBackend(GraphBackend):
     """``torch.cuda.graph`` capture on one side stream shared by warm-up and capture (per-stream BLAS handles
     are created during warm-up, not mid-capture), the graphs of one generation sharing a memory pool (they
-    replay in capture order, never concurrently). Not run on a GPU in the session that wrote it."""
+    replay in capture order, never concurrently). Experimental: not yet run on a GPU."""
 
     name = "cuda"
 

@@ -2,7 +2,7 @@
 
 The paper's transformer experiments (MNLI, masked-LM pre-training) use a post-LN BERT encoder in which
 every attention projection, both FFN linears and the word embedding are tensor trains trained from
-scratch. With ``d_model=768, d_ff=3072`` the layers get the paper's modes (METHOD.md section 2); other
+scratch. With ``d_model=768, d_ff=3072`` the layers get the paper's modes (docs/method.md, "Formats"); other
 sizes get automatic modes. Constructors take flat primitives only, so LightningCLI can build the models
 from YAML and checkpoints' hyper-parameters stay plain data.
 """
