@@ -6,25 +6,25 @@ keeps only its input and runs again in the backward pass; gradients unchanged, a
 Peak memory of one steady step by ``harness.peak_memory``; the step time of each checkpointed candidate against
 its plain twin, interleaved (``harness.interleave``: run it alone). Writes ``activation_memory.json``.
 
-    python benchmarks/bench_activation_memory.py                     # batch 32 x 128, 3 rounds
-    python benchmarks/bench_activation_memory.py --quick             # tiny model, seconds
+    python -m benchmarks.bench_activation_memory                     # batch 32 x 128, 3 rounds
+    python -m benchmarks.bench_activation_memory --quick             # tiny model, seconds
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import bench_training_step as bts
-import harness
-from bench_training_step import COMERA, DENSE
+from benchmarks import bench_training_step as bts
+from benchmarks import harness
+from benchmarks.bench_training_step import COMERA, DENSE
 
 TARGET_MEMORY_VS_DENSE = 3.0
 CHECKPOINTED = " + checkpointing"
 
 
-def run(shape: bts.Shape, batch: int, **timing) -> dict:
+def run(shape: harness.Shape, batch: int, **timing) -> dict:
     """Peak memory and interleaved step time of the four candidates on one batch (``bts.measure``)."""
-    ids, labels = bts.make_batch(shape, batch)
+    ids, labels = harness.make_batch(shape, batch)
     cands = []
     for build in (bts.dense_adamw, bts.comera):
         plain, checkpointed = build(shape, ids, labels), build(shape, ids, labels)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.bench_parser(__doc__, repeats=(1, 3))
     parser.add_argument("--batch", type=int, default=32)
     args = harness.parse(parser, argv)
-    shape = bts.paper_shape()
+    shape = harness.paper_shape()
     if args.quick:
         shape = replace(shape, vocab_size=1000, d_model=64, num_heads=2, d_ff=128, num_layers=2, seq_len=32)
         args.batch = min(args.batch, 4)

@@ -4,10 +4,10 @@ Four candidates timed interleaved in one process (ratios of medians): dense + Ad
 AdamW over its parameter groups, RankAdaptation's per-step work), each eager and compiled in place with
 ``nn.Module.compile`` as the ``Compile`` callback does (inductor by default). The compiled candidates are
 compiled and primed before timing, and their graph breaks and frames are counted while they compile. The
-verdict: CoMERA compiled against dense compiled (issue 41's target is 6x at batch 8).
+verdict: CoMERA compiled against dense compiled (the target is 6x at batch 8).
 
-    python benchmarks/bench_compiled.py --wait-quiet 60            # batch 8, 6 layers (inductor compiles for minutes)
-    python benchmarks/bench_compiled.py --quick --backend aot_eager  # the plumbing in seconds
+    python -m benchmarks.bench_compiled --wait-quiet 60            # batch 8, 6 layers (inductor compiles for minutes)
+    python -m benchmarks.bench_compiled --quick --backend aot_eager  # the plumbing in seconds
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import sys
 import time
 from dataclasses import replace
 
-import harness
 import torch
-from bench_training_step import comera, dense_adamw, explain, make_batch, paper_shape, scaling_shape
 from torch._dynamo.utils import counters
+
+from benchmarks import harness
+from benchmarks.bench_training_step import comera, dense_adamw, explain
+from benchmarks.harness import make_batch, paper_shape, scaling_shape
 
 DENSE, COMERA = "dense", "CoMERA"
 TARGET = 6.0

@@ -6,9 +6,9 @@ tensorised masked-LM trained by Lightning eagerly and captured from one seed, wi
 ``--timing-batches`` size (default: 1 and the size's own batch), with peak CUDA memory. Without CUDA it prints
 ``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
 
-    python benchmarks/bench_cuda_graphs.py              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
-    python benchmarks/bench_cuda_graphs.py --quick --backend replay   # CPU dry run of the identity check
-    python benchmarks/bench_cuda_graphs.py --timing-batches 1 8 32    # step timing at these batch sizes
+    python -m benchmarks.bench_cuda_graphs              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
+    python -m benchmarks.bench_cuda_graphs --quick --backend replay   # CPU dry run of the identity check
+    python -m benchmarks.bench_cuda_graphs --timing-batches 1 8 32    # step timing at these batch sizes
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import harness
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
+from benchmarks import harness
 from comera_lightning.callbacks import RankAdaptation
 from comera_lightning.models import MaskedLanguageModel
 from comera_lightning.nn import tt_layers
@@ -37,7 +37,7 @@ from comera_lightning.training import CudaGraphs
 IGNORE = -100
 TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 2e-2}  # largest relative difference of a step's loss
 UPDATE_TOLERANCE = {"32-true": 1e-2, "bf16-mixed": 5e-2}  # ||theta_graphs - theta_eager|| / ||update||
-TARGET_SPEEDUP, TARGET_BATCH = 1.3, 1  # the GPU issue: graphs >= 1.3x faster than eager at batch 1
+TARGET_SPEEDUP, TARGET_BATCH = 1.3, 1  # the target: graphs >= 1.3x faster than eager at batch 1
 
 
 @dataclass(frozen=True)
@@ -335,7 +335,7 @@ def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
 
 
 def verdicts(timings: list[dict]) -> list[dict]:
-    """The GPU issue's target, per size and precision timed at ``TARGET_BATCH``."""
+    """The target, per size and precision timed at ``TARGET_BATCH``."""
     return [
         {
             "target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",

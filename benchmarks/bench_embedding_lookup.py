@@ -2,11 +2,11 @@
 
 The paper's 30522 x 768 word embedding as a ``TTEmbedding`` (rank 32), looked up for 32 x 128 ids drawn
 ``uniform``, ``zipf`` or from real code (``stdlib``): ``ttm+dedup``, ``ttm``, ``chain`` and ``nn.Embedding``,
-forward and forward+backward, interleaved; targets of issue 6 (>= 5x faster and 3x lighter than the chain).
+forward and forward+backward, interleaved; targets (>= 5x faster and 3x lighter than the chain).
 benchmarks/README.md has the details.
 
-    python benchmarks/bench_embedding_lookup.py            # rank 32 x 3 id distributions, ranks 8/64 on Zipf
-    python benchmarks/bench_embedding_lookup.py --quick    # rank 32, uniform + Zipf ids, about 20-30 s
+    python -m benchmarks.bench_embedding_lookup            # rank 32 x 3 id distributions, ranks 8/64 on Zipf
+    python -m benchmarks.bench_embedding_lookup --quick    # rank 32, uniform + Zipf ids, about 20-30 s
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import harness
 import torch
 import torch.nn.functional as F
-from harness import mib, ms, table, times
 
+from benchmarks import harness
+from benchmarks.harness import mib, ms, table, times
 from comera_lightning.models.transformer import paper_embedding_modes
 from comera_lightning.nn import TTEmbedding
 from comera_lightning.tt.cores import ttm_to_dense

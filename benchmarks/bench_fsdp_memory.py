@@ -7,24 +7,22 @@ tokens. Counted on every process: the tensors it keeps between steps (its shards
 parameters at a time during forward and backward, which is not counted). Bytes, not time: any machine gives the
 same numbers. Writes ``fsdp_memory.json``.
 
-    python benchmarks/bench_fsdp_memory.py [--out-dir DIR]
+    python -m benchmarks.bench_fsdp_memory [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import harness
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks import harness
 from comera_lightning.lit import MaskedLM
 from comera_lightning.nn.tensorize import tt_layers
 from comera_lightning.rank_adaptation import after_truncation
@@ -126,11 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.processes, args.into)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = harness.child_env(OMP_NUM_THREADS="1")
         for processes in (1, 2):
-            subprocess.run(
-                [sys.executable, __file__, "--processes", str(processes), "--into", tmp], check=True, env=env, cwd=tmp
-            )
+            command = harness.module_command(__spec__.name, "--processes", str(processes), "--into", tmp)
+            subprocess.run(command, check=True, env=env, cwd=tmp)
         runs = {name.name: json.loads(name.read_text()) for name in sorted(Path(tmp).glob("*.json"))}
     one = runs["1.0.json"]
     rows, payload = [], {"processes": {}}

@@ -13,8 +13,8 @@ Two parts, each with all its candidates interleaved in one process (ratios of me
   which is what ``load_exported`` gives after ``untensorize``), and the dense model. Reports latency per batch
   and the peak of live tensors.
 
-    python benchmarks/bench_inference.py                       # both parts (about 15 minutes on 2 cores)
-    python benchmarks/bench_inference.py --part decode --quick # the plumbing in seconds
+    python -m benchmarks.bench_inference                       # both parts (about 15 minutes on 2 cores)
+    python -m benchmarks.bench_inference --part decode --quick # the plumbing in seconds
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import harness
 import torch
-from bench_training_step import build_model, make_batch, paper_shape
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import harness
+from benchmarks.harness import build_model, make_batch, paper_shape
 from comera_lightning.lit import CausalLM
-from comera_lightning.models import MaskedLanguageModel
 from comera_lightning.nn import size_report, tt_layers, untensorize
 
 PROMPT_LEN = 16
@@ -134,8 +133,8 @@ CHECKED = "comera cache, checked per call"
 
 
 def generate_checking_every_call(task: CausalLM, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy ``generate`` as before issue 41: each TT layer checks its merged factors' stamp on every call (per layer
-    per token) instead of once per ``generate`` (``reusing_inference_factors`` made a no-op)."""
+    """Greedy ``generate`` without the factor reuse: each TT layer checks its merged factors' stamp on every call
+    (per layer per token) instead of once per ``generate`` (``reusing_inference_factors`` made a no-op)."""
     import comera_lightning.lit.causal_lm as causal_lm
 
     reusing = causal_lm.reusing_inference_factors
@@ -230,30 +229,8 @@ def decode_table(results: dict) -> str:
 
 def encoder_models(kind: str, shape) -> dict[str, nn.Module]:
     """CoMERA (TT), CoMERA untensorised and dense, of the classifier or the masked LM, in eval mode."""
-    if kind == "classifier":
-        comera, dense = build_model(shape, tt=True), build_model(shape, tt=False)
-    else:
-
-        def mlm(tt: bool) -> MaskedLanguageModel:
-            torch.manual_seed(0)
-            return MaskedLanguageModel(
-                vocab_size=shape.vocab_size,
-                d_model=shape.d_model,
-                num_heads=shape.num_heads,
-                d_ff=shape.d_ff,
-                num_layers=shape.num_layers,
-                max_len=shape.seq_len,
-                dropout=shape.dropout,
-                layer_config=dict(
-                    tt_linears=tt,
-                    tt_embeddings=tt,
-                    rank=shape.rank,
-                    embedding_rank=shape.embedding_rank,
-                    dense_layers=shape.dense_layers,
-                ),
-            )
-
-        comera, dense = mlm(True), mlm(False)
+    task = "classifier" if kind == "classifier" else "mlm"
+    comera, dense = build_model(shape, tt=True, task=task), build_model(shape, tt=False, task=task)
     untensorised = copy.deepcopy(comera)
     untensorize(untensorised)
     return {"comera TT": comera.eval(), "comera untensorised": untensorised.eval(), "dense": dense.eval()}

@@ -18,8 +18,8 @@ Python heap and its top growing lines (``tracemalloc``, which makes each step ab
 steps is the least-squares slope of RSS after the warm-up (``--warmup``, default 2,000 steps), against the
 target of 10 MB per 10k steps.
 
-    python benchmarks/bench_soak.py                       # 20,000 steps per mode (about 20 minutes on 2 cores)
-    python benchmarks/bench_soak.py --quick               # the plumbing in seconds
+    python -m benchmarks.bench_soak                       # 20,000 steps per mode (about 20 minutes on 2 cores)
+    python -m benchmarks.bench_soak --quick               # the plumbing in seconds
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import harness
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks import harness
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, RankMonitor
 from comera_lightning.lit import MaskedLM
 from comera_lightning.training import ResilientMLFlowLogger
@@ -207,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             while pending and len(running) < args.parallel:
                 mode = pending.pop(0)
                 out = Path(folder) / f"{mode}.json"
-                command = [
-                    sys.executable,
-                    __file__,
+                command = harness.module_command(
+                    __spec__.name,
                     "--child",
                     mode,
                     "--child-out",
@@ -223,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--threads",
                     "1",
                     *(["--trace-python"] if args.trace_python else []),
-                ]
-                running[mode] = (subprocess.Popen(command), out)
+                )
+                running[mode] = (subprocess.Popen(command, env=harness.child_env()), out)
             for mode, (process, out) in list(running.items()):
                 if process.poll() is not None:
                     del running[mode]

@@ -15,15 +15,14 @@ first 8 MB beforehand (not timed). Every measurement runs in a fresh child proce
 * ``step``: the llm_60m model (configs/llm_60m.yaml) in training on this CPU, batch 2 x 256: tokens/s it
   consumes. A GPU's demand is not measured here: the table gives what the loader supplies per process.
 
-    python benchmarks/bench_text_data.py              # 100 MB and 1 GB corpora: about 8 minutes on 2 cores
-    python benchmarks/bench_text_data.py --quick      # the plumbing in a minute
+    python -m benchmarks.bench_text_data              # 100 MB and 1 GB corpora: about 8 minutes on 2 cores
+    python -m benchmarks.bench_text_data --quick      # the plumbing in a minute
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import harness
+from benchmarks import harness
 
 CHILD_FLAG = "--child"
 SEQ_LEN, BATCH = 256, 128  # llm_60m's rows and batch
@@ -165,10 +164,10 @@ def child(part: str, spec: dict) -> dict:
 
 def run_child(part: str, spec: dict, env: dict | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, CHILD_FLAG, part, json.dumps(spec)],
+        harness.module_command(__spec__.name, CHILD_FLAG, part, json.dumps(spec)),
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=harness.child_env(**(env or {})),
         check=False,
     )
     if out.returncode != 0:

@@ -2,12 +2,12 @@
 
 Part ``step``: the model of ``configs/mnli_6enc.yaml`` trained four ways (dense+AdamW, dense+GaLore, CoMERA r30 and
 a copy truncated to a quarter), one full step each, timed interleaved at batch 1 and ``--batch``, with peak memory;
-a missed target of issue 6 is explained by a profile. Part ``scaling``: dense vs CoMERA against d_model.
+a missed target (CoMERA's step 4x dense's) is explained by a profile. Part ``scaling``: dense vs CoMERA against d_model.
 benchmarks/README.md describes both.
 
-    python benchmarks/bench_training_step.py --part step --wait-quiet 60
-    python benchmarks/bench_training_step.py --quick               # smoke run, about 1 min
-    python benchmarks/bench_training_step.py --device cuda --precision bf16-mixed   # on a GPU: *_cuda_bf16.json
+    python -m benchmarks.bench_training_step --part step --wait-quiet 60
+    python -m benchmarks.bench_training_step --quick               # smoke run, about 1 min
+    python -m benchmarks.bench_training_step --device cuda --precision bf16-mixed   # on a GPU: *_cuda_bf16.json
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
-import harness
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import harness
+from benchmarks.harness import Shape, build_model, make_batch, paper_shape, scaling_shape
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.optim import comera_parameter_groups
@@ -40,9 +40,6 @@ from comera_lightning.rank_adaptation.objectives import (
     refresh_masks_,
 )
 from comera_lightning.tt.rank import leading_share, train_parameter_count
-
-REPO = Path(__file__).resolve().parent.parent
-PAPER_CONFIG = REPO / "configs" / "mnli_6enc.yaml"
 
 DENSE, GALORE, COMERA, QUARTER = "dense+AdamW", "dense+GaLore", "CoMERA r30", "CoMERA 1/4"
 GALORE_SETTINGS = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
@@ -97,80 +94,6 @@ CPU_FP32 = Execution()
 # models
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Model shape and CoMERA settings of one benchmarked ``SequenceClassifier``."""
-
-    vocab_size: int = 30522
-    d_model: int = 768
-    num_heads: int = 12
-    d_ff: int = 3072
-    num_layers: int = 6
-    seq_len: int = 128
-    num_classes: int = 3
-    dropout: float = 0.1
-    rank: int = 30
-    embedding_rank: int = 32
-    dense_layers: str | None = "position_embeddings|token_type_embeddings|classifier"
-    lr_cores: float = 1e-4
-    lr_gates: float = 1e-3
-    lr_other: float = 5e-5
-    packed_dropout: bool = True  # the models' default
-
-
-def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
-    """The shape of the paper's MNLI run, read from ``configs/mnli_6enc.yaml`` so both stay in sync."""
-    import yaml
-
-    parsed = yaml.safe_load(config.read_text())
-    model = parsed["model"]["init_args"]
-    values = {**model, **model["layer_config"], **model["optim"], "seq_len": parsed["data"]["init_args"]["seq_len"]}
-    return Shape(**{f.name: values[f.name] for f in fields(Shape) if f.name in values})
-
-
-def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
-    """``base`` resized to ``d_model`` with heads ``d_model / 64`` and ``d_ff = 4 d_model``."""
-    if d_model < 64 or d_model % 64:
-        raise ValueError(f"d_model must be a positive multiple of 64 (heads of 64), got {d_model}")
-    return replace(base, d_model=d_model, num_heads=d_model // 64, d_ff=4 * d_model, num_layers=num_layers)
-
-
-def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu") -> SequenceClassifier:
-    """The classifier, dense (``tt=False``) or CoMERA (TT linears and TT word embedding), in train mode, on
-    ``device`` (initialised on the CPU, so every device starts from the same weights)."""
-    torch.manual_seed(seed)
-    return (
-        SequenceClassifier(
-            vocab_size=shape.vocab_size,
-            num_classes=shape.num_classes,
-            d_model=shape.d_model,
-            num_heads=shape.num_heads,
-            d_ff=shape.d_ff,
-            num_layers=shape.num_layers,
-            max_len=shape.seq_len,
-            dropout=shape.dropout,
-            packed_dropout=shape.packed_dropout,
-            layer_config=dict(
-                tt_linears=tt,
-                tt_embeddings=tt,
-                rank=shape.rank,
-                embedding_rank=shape.embedding_rank,
-                dense_layers=shape.dense_layers,
-            ),
-        )
-        .train()
-        .to(device)
-    )
-
-
-def make_batch(shape: Shape, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels, drawn on the CPU
-    (the same on every device) and put on ``device``."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, shape.vocab_size, (batch, shape.seq_len), generator=gen)
-    return ids.to(device), torch.randint(0, shape.num_classes, (batch,), generator=gen).to(device)
-
-
 def trainable_parameters(model: nn.Module) -> int:
     """Number of trainable parameters (TT cores and gates included)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -182,7 +105,7 @@ def tt_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 # ------------------------------------------------------------------------------------------------------
-# candidates: one training setup each (also llm_study.py's, bench_activation_memory.py's, bench_host_memory.py's)
+# candidates: one training setup each (also those of studies/llm.py and bench_activation_memory.py)
 
 
 @dataclass
@@ -646,7 +569,7 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
 
 
 def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
-    """The issue's targets, judged on the measured ratios of the batches measured so far."""
+    """The targets, judged on the measured ratios of the batches measured so far."""
     out = []
     if realistic in results:
         speed = results[realistic]["ratios"]["time dense/CoMERA"]
@@ -790,7 +713,7 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     )
     parts.append(
         harness.table(
-            ["target (issue 6)", "measured", "verdict"],
+            ["target", "measured", "verdict"],
             [
                 [c["target"], ratio(c["measured"]), {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]]
                 for c in checks

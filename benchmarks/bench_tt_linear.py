@@ -4,8 +4,8 @@ Per case (shape, rows, rank), one forward + backward of ``nn.Linear``, ``planner
 picks), ``plan:<name>`` (each of ``comera_lightning.tt.PLANS`` forced), ``torch.einsum`` and ``tensorly+oe``, timed
 interleaved; memory as parameter, gradient and saved-for-backward bytes. benchmarks/README.md has the details.
 
-    python benchmarks/bench_tt_linear.py            # 36 cases, about 4 minutes on 2 quiet CPU cores
-    python benchmarks/bench_tt_linear.py --quick    # 8 cases, about 30 s
+    python -m benchmarks.bench_tt_linear            # 36 cases, about 4 minutes on 2 quiet CPU cores
+    python -m benchmarks.bench_tt_linear --quick    # 8 cases, about 30 s
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness
 import tensorly as tl
 import torch
-from harness import mib, ms, table
 from tensorly import plugins
 from torch import nn
 
+from benchmarks import harness
+from benchmarks.harness import mib, ms, table
 from comera_lightning import TTLinear
 from comera_lightning.tt import PLANS, plan_costs, plan_tt_linear
 
@@ -34,7 +34,7 @@ SHAPES = {
     "3072x768": (3072, 768, (12, 16, 16), (12, 8, 8)),
 }
 MAIN_RANK, MAIN_ROWS = 30, 4096
-TARGET_SHAPES = ("768x768", "768x3072")  # the issue's >= 5x targets
+TARGET_SHAPES = ("768x768", "768x3072")  # the >= 5x targets
 TARGET_SPEEDUP = 5.0
 NOISE_TOL = 0.05  # "within noise" annotation for comparisons of medians (the verdicts stay strict)
 FULL_GRID = dict(shapes=tuple(SHAPES), rows=(1, 32, 512, 4096), ranks=(8, 30, 64))
@@ -53,7 +53,7 @@ class Case:
 
     @property
     def is_main(self) -> bool:
-        """One of the issue's main cases (rank 30, 4096 rows)."""
+        """One of the main cases (rank 30, 4096 rows)."""
         return self.rank == MAIN_RANK and self.rows == MAIN_ROWS
 
 

@@ -8,7 +8,7 @@ width / 4) for a few AdamW steps on a fixed batch and reports, per width, the RM
 activations at init and the RMS of their change. Flat rows are the promise kept; a row that grows with the width is
 a rate that has to shrink as the model widens.
 
-    python benchmarks/coordinate_check.py               # the table in docs/parameterization.md
+    python -m benchmarks.coordinate_check               # the table in docs/parameterization.md
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU checks (issues 29 and 42) in one run: CUDA graphs, the six-encoder training step in bf16, a bf16
+"""The GPU checks in one run: CUDA graphs, the six-encoder training step in bf16, a bf16
 ``comera fit`` that truncates and resumes (plain, and under FSDP2 on one GPU), the ``Compile`` callback, and
 ``llm_60m`` dense against CoMERA at equal wall-clock.
 
@@ -6,12 +6,12 @@ Each check runs in its own process under a time limit, in this order (cheapest a
 llm check last), and the summary is rewritten after every check, so a run cut off by the device's limit still
 returns what it finished:
 
-1. ``cuda_graphs``: ``bench_cuda_graphs.py --quick``, captured against eager at the quickstart size, fp32 and
+1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, captured against eager at the quickstart size, fp32 and
    bf16-mixed, identity and speed-up (batch 1 and 32);
-2. ``training_step``: ``bench_training_step.py --part step``, dense + AdamW, dense + GaLore, CoMERA r30 at batch 1
+2. ``training_step``: ``bench_training_step --part step``, dense + AdamW, dense + GaLore, CoMERA r30 at batch 1
    and 32 x 128, bf16-mixed, with ``torch.cuda.max_memory_allocated`` and profiles;
 3. ``fit_resume``: ``comera fit`` of the quickstart on CUDA in bf16-mixed with the quality study's early late-stage
-   schedule (``tuned_study``'s ``comera_early``: the late stage from 10 % of the steps, the size target reached by
+   schedule (the tuned study's ``comera_early``: the late stage from 10 % of the steps, the size target reached by
    50 %, ``ScheduledLateStage(ramp_steps=...)``): ranks shrink, truncations happen, the final validation loss is
    finite, and the last checkpoint (written after the cuts) resumes;
 4. ``fsdp2``: the same fit and resume with ``callbacks/fsdp2.yaml`` (FSDP2 through ``FSDP2Strategy``, one GPU):
@@ -21,19 +21,19 @@ returns what it finished:
    and with ``mode: reduce-overhead``, one after the other:
    whether each finishes and compiles graphs, its median steps/s as a ratio to the eager fit's, torch's graph,
    graph-break and CUDA-graph-skip counts;
-6. ``llm_60m``: ``llm_study.py`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
+6. ``llm_60m``: ``studies.llm`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
    trained on it): dense and CoMERA, each ``--llm-budget-s`` seconds of training by the ``matched`` protocol, or
    what the deadline leaves.
 
-Output in ``--out`` (the device tool brings back at most 8 files): ``summary.md`` and ``summary.json`` (targets and
+Output in ``--out`` (few files, for a machine that returns only a few): ``summary.md`` and ``summary.json`` (targets and
 verdicts; a check that failed or timed out shows as FAILED), ``checks.log`` (this driver's log), ``results.tar.gz``
 (every check's JSON, markdown, PNG and log). Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs
 tiny versions of all six on the CPU to test the plumbing (32-true; FSDP2 over gloo; ``Compile`` with the
 ``aot_eager`` backend). ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
 
-    python benchmarks/gpu_checks.py --out /tmp/gpu_checks                 # on a GPU machine
-    python benchmarks/gpu_checks.py --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 10 minutes)
-    python benchmarks/gpu_checks.py --only llm_60m --out /tmp/gpu_llm     # some checks only (here the whole deadline)
+    python -m benchmarks.gpu_checks --out /tmp/gpu_checks                 # on a GPU machine
+    python -m benchmarks.gpu_checks --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 10 minutes)
+    python -m benchmarks.gpu_checks --only llm_60m --out /tmp/gpu_llm     # some checks only (the whole deadline)
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-import harness
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
-from tuned_study import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
+
+from benchmarks import harness
+from benchmarks.studies.tuned import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-# the issue's targets
+# the targets the checks judge
 TARGET_STEP_SPEEDUP = 2.0  # CoMERA's step vs dense at batch 32, bf16
 TARGET_MEMORY_VS_GALORE = 9.0  # dense + GaLore's peak memory over CoMERA's at batch 1
 TARGET_GRAPHS_SPEEDUP = 1.3  # CUDA graphs vs eager at batch 1
@@ -90,25 +91,25 @@ class Check:
     limit_s: float
 
 
-def _python(script: str, *args: str) -> list[str]:
-    return [sys.executable, str(BENCH / script), *args]
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", f"benchmarks.{module}", *args]
 
 
 def _env() -> dict[str, str]:
     """The checks' environment: unbuffered logs, and the benchmarks and the repository importable (the fits'
-    ``gpu_checks.FitProbe`` callback is imported by ``comera fit``)."""
+    ``benchmarks.gpu_checks.FitProbe`` callback is imported by ``comera fit``)."""
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
 
 
 def checks(work: Path, dry: bool) -> list[Check]:
     """The first five checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the sixth."""
-    cuda_graphs = _python("bench_cuda_graphs.py", "--out-dir", str(work / "cuda_graphs"))
+    cuda_graphs = _python("bench_cuda_graphs", "--out-dir", str(work / "cuda_graphs"))
     step = _python(
-        "bench_training_step.py",
+        "bench_training_step",
         "--part",
         "step",
         "--precision",
@@ -118,7 +119,7 @@ def checks(work: Path, dry: bool) -> list[Check]:
         "--out-dir",
         str(work / "training_step"),
     )
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = _python("gpu_checks")
     fit = [*me, "--fit-check", str(work / "fit_resume")]
     fsdp2 = [*me, "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2"]
     compiled = [*me, "--compile-check", str(work / "compile")]
@@ -149,7 +150,7 @@ def checks(work: Path, dry: bool) -> list[Check]:
 def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
     """``llm_60m`` dense and CoMERA, ``budget_s`` of training each by the matched protocol, on the standard library."""
     llm = _python(
-        "llm_study.py",
+        "studies.llm",
         "--config",
         str(REPO / "configs" / "llm_60m.yaml"),
         "--protocols",
@@ -159,7 +160,6 @@ def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
         "comera",
         "--precision",
         "bf16-mixed",
-        "--widths",
         "--budget-s",
         f"{budget_s:.0f}",
         "--out-dir",
@@ -195,7 +195,8 @@ class FitProbe(Callback):
     """What a check's ``comera fit`` did, as one JSON line appended to ``path`` at the end of the fit (rank 0): steps,
     the median step time after ``warmup_steps`` (CUDA synchronised at every step end, so the time is the device's),
     the last validation's and training's losses, the strategy, precision and peak CUDA memory, and what the
-    ``Compile`` callback and torch's compiler did. The checks name it in their callbacks (``gpu_checks.FitProbe``)."""
+    ``Compile`` callback and torch's compiler did. The checks name it in their callbacks
+    (``benchmarks.gpu_checks.FitProbe``)."""
 
     def __init__(self, path: str, warmup_steps: int = 20) -> None:
         self.path = Path(path)
@@ -267,7 +268,7 @@ def rank_callbacks(
     steps: int, probe: Path, *, truncate: bool = True, checkpoint: bool = True, warmup_steps: int = 20
 ) -> str:
     """The fits' callbacks (a config replacing the quickstart's list): ``RankAdaptation`` with the quality study's
-    early schedule (``tuned_study``'s ``comera_early``: the late stage from ``EARLY_LATE_FRACTION`` of ``steps``,
+    early schedule (the tuned study's ``comera_early``: the late stage from ``EARLY_LATE_FRACTION`` of ``steps``,
     the 20x target reached ``EARLY_RAMP_FRACTION`` of them later), physical truncations every 20 steps (``truncate``;
     else mask mode, which never changes a shape), the contraction planner, the :class:`FitProbe` writing to
     ``probe`` (timing after ``warmup_steps``) and (``checkpoint``) the last checkpoint."""
@@ -286,7 +287,10 @@ def rank_callbacks(
         {"class_path": "RankAdaptation", "init_args": rank},
         {"class_path": "ContractionPlanner", "init_args": {"verbose": False}},
         {"class_path": "RankMonitor", "init_args": {"log_every_n_steps": 10}},
-        {"class_path": "gpu_checks.FitProbe", "init_args": {"path": str(probe), "warmup_steps": warmup_steps}},
+        {
+            "class_path": "benchmarks.gpu_checks.FitProbe",
+            "init_args": {"path": str(probe), "warmup_steps": warmup_steps},
+        },
     ]
     if checkpoint:
         callbacks.append({"class_path": "ModelCheckpoint", "init_args": {"save_last": True}})
@@ -571,7 +575,7 @@ def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list
 
 
 def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: dict) -> str:
-    """The summary: what ran, then the issues' targets with verdicts (FAILED where the check failed)."""
+    """The summary: what ran, then the targets with verdicts (FAILED where the check failed)."""
     rows = [[name, s["status"], f"{s['wall_s']:.0f} s", s.get("detail", "")] for name, s in status.items()]
     lines = [
         f"## GPU checks on {machine.get('cuda') or 'no GPU (' + machine.get('cpu', '') + ')'}",
@@ -625,7 +629,7 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
             ),
         ],
     ]
-    lines += [harness.table(["target (issues 29, 42)", "measured", "verdict"], targets)]
+    lines += [harness.table(["target", "measured", "verdict"], targets)]
     if results.get("llm_tokens_per_s"):
         lines += ["", "llm_60m tokens/s: " + ", ".join(f"{m} {v:,.0f}" for m, v in results["llm_tokens_per_s"].items())]
     for batch, why in (results.get("step_profiles") or {}).items():

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 29 and 42, in two steps (benchmarks/gpu_checks.py says what they check: CUDA graphs,
+# The GPU checks, in two steps (benchmarks/gpu_checks.py says what they check: CUDA graphs,
 # the bf16 training step, a bf16 fit that truncates and resumes, the same under FSDP2, Compile, llm_60m):
 #   bash benchmarks/gpu_checks.sh wheels   # here, with network: the packages the GPU machine lacks, as Python 3.12
 #                                          # wheels in .whl/ (about 30 MiB; .git/info/exclude should list /.whl/)
 #   bash benchmarks/gpu_checks.sh [ARGS]   # on the GPU machine (carry .whl): installs .whl/ into /tmp/site, then
-#                                          # runs benchmarks/gpu_checks.py --out "$OUT" ARGS (its deadline
+#                                          # runs python -m benchmarks.gpu_checks --out "$OUT" ARGS (its deadline
 #                                          # is 540 s, plus the install)
 #   bash benchmarks/gpu_checks.sh rehearse [VENV]   # here, before device time: the GPU image's Python and packages
 #                                          # (IMAGE below; torch's CUDA build, about 5 GB, runs on the CPU) in VENV
@@ -27,7 +27,7 @@ WHEELS=(
   opentelemetry-semantic-conventions==0.66b2 truststore==0.10.5
 )
 
-# the GPU image's versions that matter here (the device tool's KINDS.md, read 2026-11)
+# the GPU image's versions that matter here
 IMAGE=(
   torch==2.11.0 numpy==2.5.2 lightning==2.6.6 torchmetrics==1.9.0 transformers==5.17.0 tokenizers==0.23.2
   safetensors==0.8.0 scipy pandas pyarrow matplotlib rich pyyaml protobuf psutil requests pytest click jinja2
@@ -75,6 +75,6 @@ EOF
   fi
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'lightning', lightning.__version__)" | tee "$OUT/versions.txt"
-exec python3 benchmarks/gpu_checks.py --out "$OUT" "$@"
+exec python3 -m benchmarks.gpu_checks --out "$OUT" "$@"

@@ -1,5 +1,5 @@
-"""Shared machinery of the benchmark scripts: interleaved timing, contention probing, peak memory, profiles,
-the common command line, and markdown/JSON/PNG output.
+"""Shared machinery of the benchmarks: interleaved timing, contention probing, peak memory, profiles, the
+six-encoder classifier built from a :class:`Shape`, the common command line, and markdown/JSON/PNG output.
 
 The machines we measure on are shared and noisy: candidates are timed in one process, round by round in a
 fresh random order; rounds during which other processes took more than a given share of the CPUs are left out
@@ -22,13 +22,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PAPER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mnli_6enc.yaml"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -423,6 +424,98 @@ def keep_freed_memory_for_run() -> None:
 
     if not keep_freed_memory(True):
         raise SystemExit("--keep-freed-memory needs glibc's malloc (mallopt); this C library has none")
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs the benchmark ``module`` (``__spec__.name``) in a fresh interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository on ``PYTHONPATH`` (a child imports ``benchmarks`` from any
+    folder), plus ``extra``."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the six-encoder classifier from a shape: the one model builder of the step benchmarks
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model shape and CoMERA settings of one benchmarked ``SequenceClassifier``."""
+
+    vocab_size: int = 30522
+    d_model: int = 768
+    num_heads: int = 12
+    d_ff: int = 3072
+    num_layers: int = 6
+    seq_len: int = 128
+    num_classes: int = 3
+    dropout: float = 0.1
+    rank: int = 30
+    embedding_rank: int = 32
+    dense_layers: str | None = "position_embeddings|token_type_embeddings|classifier"
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_other: float = 5e-5
+    packed_dropout: bool = True  # the models' default
+
+
+def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
+    """The shape of the paper's MNLI run, read from ``configs/mnli_6enc.yaml`` so both stay in sync."""
+    import yaml
+
+    parsed = yaml.safe_load(config.read_text())
+    model = parsed["model"]["init_args"]
+    values = {**model, **model["layer_config"], **model["optim"], "seq_len": parsed["data"]["init_args"]["seq_len"]}
+    return Shape(**{f.name: values[f.name] for f in fields(Shape) if f.name in values})
+
+
+def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
+    """``base`` resized to ``d_model`` with heads ``d_model / 64`` and ``d_ff = 4 d_model``."""
+    if d_model < 64 or d_model % 64:
+        raise ValueError(f"d_model must be a positive multiple of 64 (heads of 64), got {d_model}")
+    return replace(base, d_model=d_model, num_heads=d_model // 64, d_ff=4 * d_model, num_layers=num_layers)
+
+
+def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task: str = "classifier") -> nn.Module:
+    """The ``SequenceClassifier`` (``task="mlm"``: the ``MaskedLanguageModel``) of ``shape``, dense (``tt=False``) or
+    CoMERA (TT linears and TT word embedding), in train mode, on ``device`` (initialised on the CPU, so every device
+    starts from the same weights)."""
+    from comera_lightning.models import MaskedLanguageModel, SequenceClassifier
+
+    layers = dict(
+        tt_linears=tt,
+        tt_embeddings=tt,
+        rank=shape.rank,
+        embedding_rank=shape.embedding_rank,
+        dense_layers=shape.dense_layers,
+    )
+    kwargs = dict(
+        vocab_size=shape.vocab_size,
+        d_model=shape.d_model,
+        num_heads=shape.num_heads,
+        d_ff=shape.d_ff,
+        num_layers=shape.num_layers,
+        max_len=shape.seq_len,
+        dropout=shape.dropout,
+        packed_dropout=shape.packed_dropout,
+        layer_config=layers,
+    )
+    torch.manual_seed(seed)
+    if task == "mlm":
+        return MaskedLanguageModel(**kwargs).train().to(device)
+    return SequenceClassifier(num_classes=shape.num_classes, **kwargs).train().to(device)
+
+
+def make_batch(shape: Shape, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels, drawn on the CPU
+    (the same on every device) and put on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, shape.vocab_size, (batch, shape.seq_len), generator=gen)
+    return ids.to(device), torch.randint(0, shape.num_classes, (batch,), generator=gen).to(device)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """One entry point for every benchmark behind docs/results.md.
 
-    python benchmarks/run.py all --quick            # every comparison, small (a few minutes)
-    python benchmarks/run.py all                    # what docs/results.md reports (hours on 2 quiet CPU cores;
-                                                    # each script says its own time)
-    python benchmarks/run.py step --batch 1         # one comparison; arguments after the name go to its script
-    python benchmarks/run.py --list
+    python -m benchmarks.run all --quick            # every comparison, small (a few minutes)
+    python -m benchmarks.run all                    # what docs/results.md reports (hours on 2 quiet CPU cores;
+                                                    # each module says its own time)
+    python -m benchmarks.run step --batch 1         # one comparison; arguments after the name go to its module
+    python -m benchmarks.run --list
 
-``all`` runs the scripts one after another (never in parallel: they would disturb each other's timings) and
+``all`` runs the comparisons one after another (never in parallel: they would disturb each other's timings) and
 collects the printed tables in ``<out-dir>/summary.md`` (a single comparison: ``summary_<name>.md``).
 """
 
@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import harness
+from benchmarks import harness
 
 
 class Comparison(NamedTuple):
-    """A comparison: its script (``benchmarks/<script>.py``), the arguments it always gets, what it measures."""
+    """A comparison: its module (``benchmarks.<script>``), the arguments it always gets, what it measures."""
 
     script: str
     fixed_args: tuple[str, ...]
@@ -56,40 +56,11 @@ COMPARISONS: dict[str, Comparison] = {
             (),
             "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid",
         ),
-        "quality": (
-            "quality_study",
-            (),
-            "masked-LM on the stdlib code corpus and DLRM on synthetic CTR: dense vs CoMERA, "
-            "same steps and same wall-clock",
-        ),
-        "pareto": (
-            "pareto_study",
-            (),
-            "masked-LM (any corpus) or decoder LM: CoMERA at several targets vs dense-narrowed "
-            "vs low-rank at equal active parameters; one seed per call (pareto_seeds.sh: the seeded study)",
-        ),
         "llm": (
-            "llm_study",
+            "studies.llm",
             (),
             "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs "
-            "CoMERA, same tokens and same wall-clock; perplexity, parameters, step time and peak memory",
-        ),
-        "rank-padding": (
-            "bench_rank_padding",
-            (),
-            "TTLinear half_merge with and without the padded bottleneck rank vs "
-            "nn.Linear, the paper's shapes at 4096 rows",
-        ),
-        "dropout": (
-            "bench_dropout",
-            (),
-            "packed dropout masks vs torch's dropout at the six-encoder's dropout sites, batch 32 x 128",
-        ),
-        "host-memory": (
-            "bench_host_memory",
-            (),
-            "six-encoder step with glibc's default malloc vs freed memory kept "
-            "(KeepFreedMemory), dense and CoMERA, alternated in one process",
+            "CoMERA, same tokens or same training seconds; perplexity, parameters, step time and peak memory",
         ),
         "activation-memory": (
             "bench_activation_memory",
@@ -98,12 +69,6 @@ COMPARISONS: dict[str, Comparison] = {
             "without activation checkpointing, dense vs CoMERA, batch 32 x 128",
         ),
         "cuda-graphs": ("bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"),
-        "gemm-layouts": (
-            "bench_gemm_layouts",
-            (),
-            "the six skinny GEMMs of a half_merge TT step in each operand layout vs one dense GEMM: what the TT "
-            "layer's GEMMs alone could reach",
-        ),
         "compiled": (
             "bench_compiled",
             (),
@@ -122,12 +87,6 @@ COMPARISONS: dict[str, Comparison] = {
             (),
             "a long training process (20k steps per mode: no logger, MLflow at the configs' rates "
             "and every step, truncations and checkpoints): RSS, Python heap and open files per 10k steps",
-        ),
-        "ddp-grad-layout": (
-            "bench_ddp_grad_layout",
-            (),
-            "2-rank DDP step (gloo, CPU) of the quickstart MLM with TT-core "
-            "gradients in their parameters' layout vs as the contractions leave them (before issue 26)",
         ),
         "text-data": (
             "bench_text_data",
@@ -148,7 +107,7 @@ COMPARISONS: dict[str, Comparison] = {
 def run_one(name: str, args: list[str]) -> tuple[int, str]:
     """Run comparison ``name`` with extra ``args``; returns its exit code and what it printed."""
     comparison = COMPARISONS[name]
-    module = importlib.import_module(comparison.script)
+    module = importlib.import_module(f"benchmarks.{comparison.script}")
     captured = io.StringIO()
 
     class _Tee(io.TextIOBase):
@@ -187,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or args.comparison is None:
         for name, comparison in COMPARISONS.items():
             print(
-                f"{name:12s} benchmarks/{comparison.script}.py {' '.join(comparison.fixed_args)}\n"
-                f"{'':12s} {comparison.what}"
+                f"{name:17s} python -m benchmarks.{comparison.script} {' '.join(comparison.fixed_args)}\n"
+                f"{'':17s} {comparison.what}"
             )
         return 0 if args.list else 2
     if args.comparison == "all" and rest:

@@ -1,62 +1,48 @@
-"""The protocol the training studies share (``quality_study.py``, ``llm_study.py``, ``pareto_study.py``).
+"""What the training studies share: the spec of a study, its models and data, and one training run.
 
-Every run trains one model from the study's seed on the study's datamodule, prepared once, so every method
-sees the same batches in the same order (samplers and MLM masks depend on the data seed only). Protocols:
-``steps`` (the same optimiser steps), ``time`` (the same training wall-clock: training stops at the budget, and
-CoMERA's late stage starts at ``late_fraction`` of it) and ``matched`` (a step count decided before training,
-see ``quality_study.py``). The training clock (:class:`StudyRecorder`) counts everything a training step costs
-and leaves the validation passes out; ``/proc/stat`` gives the CPU other processes took during each run.
-
-A study's JSON is rewritten after every run (:class:`Progress`), and a rerun of the same spec resumes where it
-stopped. Across seeds, :func:`spread` gives mean and min..max and :func:`late_dip` the fall after the late-stage
-switch; :func:`plot_curves` and :func:`runs_table` draw and tabulate the runs.
+Every run trains one model from the study's seed on the study's datamodule, prepared once, so every method sees
+the same batches in the same order (samplers and MLM masks depend on the data seed only), for ``spec.steps``
+optimiser steps. The training clock (:class:`StudyRecorder`) counts everything a training step costs and leaves the
+validation passes out; ``/proc/stat`` gives the CPU other processes took during each run. The studies' tasks come
+from :func:`study_spec`: the decoder of a CausalLM config (:func:`spec_from_config`) or the quickstart's masked LM
+(:func:`mlm_spec`), on a corpus of Python sources. :class:`Progress` keeps a study's JSON, rewritten after every run.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
+import importlib
 import json
-import logging
 import math
 import statistics
+import sysconfig
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import harness
 import torch
+import yaml
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
+from benchmarks import harness
+from comera_lightning.callbacks import ContractionPlanner, RankAdaptation
 from comera_lightning.nn import size_report, tt_layers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = REPO / ".cache" / "comera"
-PROTOCOLS = ("steps", "time", "matched")
-# dense; CoMERA with the default scheduled late stage, the research code's late stage, slices ranked by core norms
-METHODS = ("dense", "comera", "comera-paper", "comera-norm")
+CONFIG = REPO / "configs" / "llm_cpu.yaml"
+# steps: the same optimiser steps; matched: the same training seconds as a step count fixed before training
+PROTOCOLS = ("steps", "matched")
+METHODS = ("dense", "comera")
 # study name -> (LightningModule in comera_lightning.lit, datamodule in comera_lightning.data)
-TASKS = {
-    "mlm": ("MaskedLM", "CodeMLMDataModule"),
-    "pairs": ("SequenceClassification", "CodePairsDataModule"),
-    "dlrm": ("ClickThrough", "CriteoDataModule"),
-    "lm": ("CausalLM", "CodeLMDataModule"),
-}
-COLOURS = {
-    "dense": "tab:blue",
-    "galore": "tab:green",
-    "lowrank": "tab:green",
-    "comera": "tab:red",
-    "comera-paper": "tab:orange",
-    "comera-norm": "tab:purple",
-}
-STYLES = {"steps": "-", "time": "--", "matched": ":"}
+TASKS = {"mlm": ("MaskedLM", "CodeMLMDataModule"), "lm": ("CausalLM", "CodeLMDataModule")}
+# --set SECTION.KEY=VALUE: which part of the study a config section's values go to
+SECTIONS = {"model": "task_kwargs", "data": "data_kwargs", "rank": "rank_kwargs"}
 
 
 @dataclass
@@ -145,10 +131,10 @@ def task_class(name: str) -> type:
 
 
 def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None = None):
-    """The LightningModule of ``method``, seeded: identical except TT (comera*) or plain (dense) layers."""
+    """The LightningModule of ``method``, seeded: identical except TT (comera) or plain (dense) layers."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
-    tt = method.startswith("comera")
+    tt = method == "comera"
     torch.manual_seed(spec.seed)
     return task_class(spec.name)(**with_layer_options(task_kwargs or spec.task_kwargs, tt_linears=tt, tt_embeddings=tt))
 
@@ -158,11 +144,8 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     import comera_lightning.data as data
 
     cls = getattr(data, spec.datamodule or TASKS[spec.name][1])
-    if spec.name == "dlrm":  # synthetic rows: nothing to tokenise or cache
-        dm = cls(**spec.data_kwargs, seed=spec.seed)
-    else:
-        dm = cls(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
-        dm.prepare_data()
+    dm = cls(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
+    dm.prepare_data()
     dm.setup("fit")
     return dm
 
@@ -194,19 +177,179 @@ def batch_hash(batch: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------
+# the studies' tasks
+
+
+def _quick(spec: StudySpec, task: dict, data: dict, rank: dict, tt_rank: int = 8) -> StudySpec:
+    """``spec`` shrunk for a smoke run: 30 steps, 6 s budgets, validation every 10 steps on 4 batches."""
+    layer = spec.task_kwargs["layer_config"]
+    spec.task_kwargs.update(task, layer_config={**layer, "rank": tt_rank, "embedding_rank": tt_rank})
+    if "optim" in spec.task_kwargs and "warmup_steps" in spec.task_kwargs["optim"]:
+        spec.task_kwargs["optim"] = {**spec.task_kwargs["optim"], "warmup_steps": 5}
+    spec.data_kwargs.update(data)
+    spec.rank_kwargs.update(rank)
+    spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 30, 6.0, 10, 4
+    return spec
+
+
+def mlm_spec(quick: bool = False) -> StudySpec:
+    """The masked-LM study: the quickstart model and schedule (``--quick``: a smaller model and corpus)."""
+    task = dict(
+        vocab_size=2048,
+        d_model=128,
+        num_heads=4,
+        d_ff=512,
+        num_layers=2,
+        max_len=64,
+        dropout=0.0,
+        layer_config=dict(rank=32, embedding_rank=32, min_features=64),
+        optim=dict(lr_cores=2e-3, lr_gates=5e-3, lr_other=2e-3, warmup_steps=100),
+    )
+    data = dict(vocab_size=2048, seq_len=64, batch_size=32, max_files=400, max_sequences=20000)
+    # quickstart.yaml's run: 2000 steps, late stage from step 800 towards 20x (gamma 0.005, truncation every 50
+    # steps at 20% dead slices). A switch at 0.6 of the run ended 0.33 points lower and dipped 2 points, at 0.25
+    # 0.45 points lower (seed 0, docs/results.md)
+    rank = dict(gamma=0.005, target_compression=20.0, truncate_every_n_steps=50, min_dead_fraction=0.2)
+    spec = StudySpec(
+        "mlm",
+        task,
+        data,
+        rank,
+        steps=2000,
+        budget_s=120.0,
+        val_every=200,
+        limit_val_batches=16,
+        metric="val/mlm_accuracy",
+        secondary="val/loss",
+        higher_is_better=True,
+        late_fraction=0.4,
+    )
+    if quick:
+        _quick(
+            spec,
+            dict(vocab_size=512, d_model=64, d_ff=128, max_len=32),
+            dict(vocab_size=512, seq_len=32, batch_size=16, max_files=40, max_sequences=2000),
+            dict(truncate_every_n_steps=5),
+        )
+    return spec
+
+
+def corpus_root(corpus: str) -> str | None:
+    """``stdlib`` (None: the data modules' default), ``site:PACKAGE`` (an installed package's sources) or a path."""
+    if corpus == "stdlib":
+        return None
+    if corpus.startswith("site:"):
+        root = Path(sysconfig.get_paths()["purelib"]) / corpus[5:]
+        if not root.is_dir():
+            raise ValueError(f"corpus {corpus!r}: no installed package folder {root}; pip install it or give a path")
+        return str(root)
+    if not Path(corpus).expanduser().is_dir():
+        raise ValueError(f"corpus {corpus!r} is not a folder; use stdlib, site:PACKAGE or a folder of .py files")
+    return corpus
+
+
+def study_spec(
+    task: str, corpus: str, seed: int, steps: int | None, quick: bool, d_model: int | None = None
+) -> StudySpec:
+    """The task's quality-study spec on ``corpus``, with ``steps`` (the late stage keeps its share of the run) and
+    the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; use one of {tuple(TASKS)}")
+    spec = spec_from_config(quick=quick) if task == "lm" else mlm_spec(quick)
+    spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps)
+    if d_model is not None:
+        if d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}")
+        spec.task_kwargs = at_width(spec.task_kwargs, d_model)
+    spec.data_kwargs = {**spec.data_kwargs, "root": corpus_root(corpus)}
+    spec.check()
+    return spec
+
+
+def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
+    """The study of a CausalLM config: its model, data and RankAdaptation settings (``quick``: a tiny version)."""
+    config = yaml.safe_load(Path(path).read_text())
+    task = {k: v for k, v in config["model"]["init_args"].items() if not k.startswith("generate_")}
+    rank = next(c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("RankAdaptation"))
+    trainer = config["trainer"]
+    steps = int(trainer["max_steps"])
+    # the study places the switch (spec.late_fraction); a config gives it as a share or as a step
+    late_step = rank.pop("late_start_step", None)
+    late_fraction = rank.pop("late_start_fraction", None)
+    if late_fraction is None:
+        late_fraction = (int(0.4 * steps) if late_step is None else late_step) / steps
+    if isinstance(rank.get("late_stage"), dict):  # a policy object in the config: build it as the CLI would
+        module, _, name = rank["late_stage"]["class_path"].rpartition(".")
+        rank["late_stage"] = getattr(importlib.import_module(module), name)(**rank["late_stage"].get("init_args", {}))
+    datamodule = config["data"]["class_path"].rsplit(".", 1)[-1]
+    spec = StudySpec(
+        "lm",
+        task,
+        dict(config["data"]["init_args"]),
+        rank,
+        steps=steps,
+        budget_s=180.0,
+        val_every=int(trainer["val_check_interval"]),
+        limit_val_batches=trainer.get("limit_val_batches"),
+        metric="val/perplexity",
+        secondary="val/loss",
+        higher_is_better=False,
+        late_fraction=late_fraction,
+        datamodule=datamodule,
+    )
+    if quick:
+        layer = {**spec.task_kwargs.get("layer_config", {}), "rank": 8, "embedding_rank": 8, "min_features": 16}
+        if "layer_ranks" in layer:
+            layer["layer_ranks"] = {name: 8 for name in layer["layer_ranks"]}
+        spec.task_kwargs.update(
+            vocab_size=512,
+            d_model=32,
+            num_heads=2,
+            d_ff=64,
+            num_layers=1,
+            max_len=32,
+            layer_config=layer,
+            optim={**spec.task_kwargs.get("optim", {}), "warmup_steps": 2},
+        )
+        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8)
+        if datamodule == "CodeLMDataModule":
+            spec.data_kwargs.update(max_files=30, max_sequences=400)
+        else:
+            spec.data_kwargs.update(tokenizer_sample_mb=1.0)
+        spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
+        spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 6, 2.0, 3, 2
+    return spec
+
+
+def apply_overrides(spec: StudySpec, assignments: list[str]) -> None:
+    """Set ``SECTION.KEY[.KEY...]=VALUE`` items (values read as YAML) in the spec's model, data or rank settings."""
+    for item in assignments:
+        path, sep, text = item.partition("=")
+        section, *keys = path.split(".")
+        if not sep or section not in SECTIONS or not keys:
+            raise ValueError(
+                f"--set takes SECTION.KEY=VALUE with SECTION one of {tuple(SECTIONS)} "
+                f"(e.g. data.root=stdlib), got {item!r}"
+            )
+        target = getattr(spec, SECTIONS[section])
+        for key in keys[:-1]:
+            target[key] = dict(target.get(key) or {})
+            target = target[key]
+        target[keys[-1]] = yaml.safe_load(text)
+
+
+# ------------------------------------------------------------------------------------------------------
 # one training run
 
 
 class StudyRecorder(Callback):
-    """Training clock (validation excluded), step intervals, validation curve, budget stop, contention."""
+    """Training clock (validation excluded), step intervals, validation curve, contention."""
 
-    def __init__(self, budget_s: float | None) -> None:
-        self.budget_s = budget_s
+    def __init__(self) -> None:
         self.step_s: list[float] = []
         self.validations: list[dict[str, Any]] = []
         self.first_batch_hash: str | None = None
         self.train_s_final: float | None = None
-        self.stopped_by_budget = False
         self.other_load: float | None = None
         self.own_cpu_share: float | None = None
         self._t0: float | None = None
@@ -233,10 +376,6 @@ class StudyRecorder(Callback):
         if self._last_start is not None:
             self.step_s.append(now - self._last_start - self._val_since_start)
         self._last_start, self._val_since_start = now, 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.budget_s is not None and self.train_seconds() >= self.budget_s:
-            trainer.should_stop = self.stopped_by_budget = True
 
     def on_train_end(self, trainer, pl_module) -> None:
         now = time.perf_counter()
@@ -271,35 +410,6 @@ class StudyRecorder(Callback):
         self.validations.append(record)
 
 
-class TimedRankAdaptation(RankAdaptation):
-    """RankAdaptation whose late stage starts at ``late_start_s`` seconds of ``clock`` (the time protocol)."""
-
-    def __init__(self, clock: Callable[[], float], late_start_s: float, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._clock, self._late_start_s = clock, late_start_s
-
-    def should_enter_late_stage(self, trainer) -> bool:
-        """Once the training clock reaches the switch."""
-        return self._clock() >= self._late_start_s
-
-    def needs_loss(self) -> bool:
-        """Always: the loss target at the switch is the smoothed loss, as with a late_start_step."""
-        return True
-
-
-def rank_adaptation(spec: StudySpec, method: str, protocol: str, clock: Callable[[], float]) -> RankAdaptation:
-    """The rank callback of a CoMERA ``method``: its late-stage policy, switching at ``late_fraction`` of the
-    run's steps, or of its seconds under the time protocol."""
-    kwargs = dict(spec.rank_kwargs)
-    if method == "comera-paper":
-        kwargs["late_stage"] = "paper"
-    elif method == "comera-norm":
-        kwargs["late_stage"] = ScheduledLateStage(importance="norm")
-    if protocol == "time":
-        return TimedRankAdaptation(clock, spec.late_fraction * spec.budget_s, **kwargs)
-    return RankAdaptation(**kwargs, late_start_step=spec.late_start_step)
-
-
 def run_one(
     spec: StudySpec,
     method: str,
@@ -314,9 +424,9 @@ def run_one(
 ) -> dict[str, Any]:
     """Train one (method, protocol) run and return its measurements.
 
-    ``task`` trains that LightningModule instead of :func:`build_task`'s (GaLore, the Pareto baselines); a
-    ``method`` starting with ``comera`` adds the rank callbacks. ``steps`` overrides ``spec.steps`` for a
-    step-bounded run (the matched protocol's CoMERA run). ``extra_callbacks`` run after the study's own.
+    ``task`` trains that LightningModule instead of :func:`build_task`'s (GaLore, the studies' families); the
+    ``comera`` method adds the rank callbacks, its late stage from ``spec.late_start_step``. ``steps`` overrides
+    ``spec.steps``. ``extra_callbacks`` run after the study's own.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
@@ -325,9 +435,8 @@ def run_one(
     seed_everything(spec.seed, verbose=False)
     task = build_task(spec, method) if task is None else task
     at_start = size(task)
-    budget = spec.budget_s if protocol == "time" else None
-    recorder = StudyRecorder(budget)
-    rank_cb = rank_adaptation(spec, method, protocol, recorder.train_seconds) if method.startswith("comera") else None
+    recorder = StudyRecorder()
+    rank_cb = RankAdaptation(**spec.rank_kwargs, late_start_step=spec.late_start_step) if method == "comera" else None
     callbacks = [recorder] + ([rank_cb, ContractionPlanner(verbose=False)] if rank_cb else []) + list(extra_callbacks)
     quiet = harness.wait_until_quiet(max_other_load, time.perf_counter() + wait_quiet_s) if wait_quiet_s > 0 else None
     gc.collect()
@@ -338,7 +447,7 @@ def run_one(
             accelerator=spec.accelerator,
             precision=spec.precision,
             devices=1,
-            max_steps=1_000_000 if protocol == "time" else spec.steps,
+            max_steps=spec.steps,
             max_epochs=-1,
             val_check_interval=spec.val_every,
             check_val_every_n_epoch=None,
@@ -370,10 +479,8 @@ def run_one(
         "method": method,
         "protocol": protocol,
         "steps": int(trainer.global_step),
-        "budget_s": budget,
         "train_s": recorder.train_s_final,
         "fit_wall_s": fit_wall_s,
-        "stopped_by_budget": recorder.stopped_by_budget,
         "median_step_s": statistics.median(steady) if steady else None,
         "mean_step_s": statistics.fmean(steady) if steady else None,
         "first_step_s": steps_s[0] if steps_s else None,
@@ -394,188 +501,3 @@ def run_one(
     if rank_cb is not None:
         result["rank_adaptation"] = {**rank_cb.state_dict(), "metrics": rank_cb.comera_metrics()}
     return result
-
-
-def pending_runs(
-    runs: list[dict[str, Any]],
-    protocols: Sequence[str],
-    methods: Sequence[str],
-    where: Path | None,
-    log: Callable[[str], None],
-    prefix: str,
-) -> Iterator[tuple[str, str]]:
-    """The (protocol, method) pairs of a study not yet in ``runs``, in order; logs those a resumed study skips."""
-    for protocol in protocols:
-        for method in methods:
-            if any((r["method"], r["protocol"]) == (method, protocol) for r in runs):
-                log(f"{prefix} {method} / {protocol}: already in {where}, skipped")
-                continue
-            yield protocol, method
-
-
-def run_log_line(run: dict[str, Any], metric: str) -> str:
-    """One line of progress after a run."""
-    value = run["final"]["metrics"].get(metric, float("nan"))
-    return (
-        f"    {run['steps']} steps, {run['train_s']:.1f} s training, median step "
-        f"{harness.ms(run['median_step_s']) if run['median_step_s'] else '-'} ms, {metric} {value:.4f}, "
-        f"compression {run['final']['compression_ratio']:.2f}x"
-        + (f", CONTENDED ({run['other_load']:.0%} other load)" if run["contended"] else "")
-    )
-
-
-# ------------------------------------------------------------------------------------------------------
-# a study's JSON, and what several seeds say
-
-
-class Progress:
-    """A study's JSON, rewritten atomically after every run; a rerun of the same spec resumes from it.
-
-    A file at ``path`` that holds another spec is refused (ValueError) rather than mixed with this one's runs;
-    ``path`` None keeps the state in memory only.
-    """
-
-    def __init__(self, path: Path | None, spec: dict[str, Any]) -> None:
-        self.path = path
-        self.state: dict[str, Any] = harness.read_json(path) if path is not None and path.exists() else {}
-        if self.state and self.state.get("spec") != spec:
-            raise ValueError(f"{path} holds runs of another spec: delete it, or write elsewhere (--out-dir, --tag)")
-        self.state["spec"] = spec
-
-    def save(self, **fields: Any) -> dict[str, Any]:
-        """Update the state with ``fields`` and write it; returns the state."""
-        self.state.update(fields)
-        if self.path is not None:
-            harness.write_json(self.path, self.state)
-        return self.state
-
-
-def spread(values: Sequence[float | None]) -> dict[str, float] | None:
-    """Mean, min, max and count of the values that are not None (None when there are none)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def spread_cell(stats: dict[str, float] | None, scale: float = 1.0, fmt: str = "{:.2f}", signed: bool = False) -> str:
-    """``mean (min .. max)`` of a :func:`spread`, scaled; '-' for None."""
-    if stats is None:
-        return "-"
-    mean = ("{:+" + fmt[2:]) if signed else fmt
-    return (
-        f"{mean.format(stats['mean'] * scale)} ({fmt.format(stats['min'] * scale)} .. "
-        f"{fmt.format(stats['max'] * scale)})"
-    )
-
-
-def late_dip(validations: list[dict], metric: str, switch_step: int, higher_is_better: bool = True) -> float | None:
-    """How far the metric fell, at worst, after the late-stage switch below its last value at or before it
-    (>= 0; perplexity relative, as a share; accuracy-like metrics absolute). None without a validation on
-    both sides of the switch."""
-    before = [v["metrics"].get(metric) for v in validations if v["step"] <= switch_step]
-    after = [v["metrics"].get(metric) for v in validations if v["step"] > switch_step]
-    after = [v for v in after if v is not None]
-    if not before or before[-1] is None or not after:
-        return None
-    if higher_is_better:
-        return max(0.0, before[-1] - min(after))
-    return max(0.0, max(after) / before[-1] - 1.0)
-
-
-# ------------------------------------------------------------------------------------------------------
-# reporting
-
-
-def metric_cell(key: str, digits: int = 4) -> Callable[[dict], str]:
-    """A :func:`runs_table` column: a final validation metric of the run."""
-    return lambda r: f"{r['final']['metrics'].get(key, float('nan')):.{digits}f}"
-
-
-RUN_COLUMNS: dict[str, Callable[[dict], object]] = {
-    "method": lambda r: r["method"],
-    "protocol": lambda r: r["protocol"] + (f" ({r['budget_s']:g} s)" if r["budget_s"] else ""),
-    "steps": lambda r: r["steps"],
-    "tokens": lambda r: f"{r['tokens']:,}",
-    "train s": lambda r: f"{r['train_s']:.1f}",
-    "median step ms": lambda r: harness.ms(r["median_step_s"]) if r["median_step_s"] else "-",
-    "compression": lambda r: f"{r['final']['compression_ratio']:.2f}x",
-    "active params": lambda r: f"{r['final']['params_active']:,}",
-    "dense-equiv params": lambda r: f"{r['final']['params_dense_equivalent']:,}",
-    "trainable params": lambda r: f"{r['final']['params_trainable']:,}",
-    "other load": lambda r: (
-        (f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a") + (" !" if r["contended"] else "")
-    ),
-}
-
-
-def runs_table(runs: list[dict], columns: Sequence[str | tuple[str, Callable[[dict], object]]]) -> str:
-    """One row per run: named :data:`RUN_COLUMNS`, or ``(header, cell function)`` pairs."""
-    cols = [(c, RUN_COLUMNS[c]) if isinstance(c, str) else c for c in columns]
-    return harness.table([h for h, _ in cols], [[f(r) for _, f in cols] for r in runs])
-
-
-def plot_curves(
-    runs: list[dict], metric: str, *, compression: bool = True, log_metric: bool = False, title: str | None = None
-):
-    """Validation ``metric`` of every run against optimiser steps and against training seconds (and the
-    compression ratio against steps): a colour per method, a line style per protocol. Returns the figure."""
-    fig, axes = harness.new_figure(3 if compression else 2, width=5.0 if compression else 5.5, height=3.8)
-    for r in runs:
-        v = r["validations"]
-        values = [p["metrics"].get(metric, float("nan")) for p in v]
-        kw = dict(
-            color=COLOURS.get(r["method"], "gray"),
-            linestyle=STYLES[r["protocol"]],
-            label=f"{r['method']} / {r['protocol']}",
-            marker="o" if r["protocol"] == "steps" else "x",
-            markersize=3 if r["protocol"] == "steps" else 5,
-        )
-        axes[0].plot([p["step"] for p in v], values, **kw)
-        axes[1].plot([p["train_s"] for p in v], values, **kw)
-        if compression:
-            axes[2].plot([p["step"] for p in v], [p["compression_ratio"] for p in v], **kw)
-    harness.label_axes(axes[0], "optimiser steps", metric, ylog=log_metric)
-    harness.label_axes(axes[1], "training wall-clock seconds (validation excluded)", metric, ylog=log_metric)
-    if compression:
-        harness.label_axes(axes[2], "optimiser steps", "compression ratio (dense-equivalent / active)", ylog=True)
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-# ------------------------------------------------------------------------------------------------------
-# command line
-
-
-def study_parser(
-    doc: str, *, repeats: tuple[int, int] = (3, 5), out_dir: Path = harness.RESULTS_DIR, budget: bool = True
-) -> argparse.ArgumentParser:
-    """``harness.bench_parser`` with the options of every study (``--seed``, ``--steps``, ``--cache-dir``;
-    ``budget``: ``--budget-s``, ``--val-every`` and ``--tag`` too); ``--repeats`` counts the interleaved
-    rounds of the step timings."""
-    p = harness.bench_parser(doc, repeats=repeats, out_dir=out_dir)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps per run (default: the study's)")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
-    if budget:
-        p.add_argument("--budget-s", type=float, default=None, help="training seconds of the same-time protocol")
-        p.add_argument("--val-every", type=int, default=None, help="validate every this many steps")
-        p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
-    return p
-
-
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """``harness.parse`` plus the study options' checks; keeps Lightning's banners out of the report."""
-    args = harness.parse(parser, argv)
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
-    budget_s = getattr(args, "budget_s", None)
-    if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
-        parser.error(f"--budget-s must be a positive number of seconds, got {budget_s}")
-    if getattr(args, "val_every", None) is not None and args.val_every < 1:
-        parser.error(f"--val-every must be >= 1, got {args.val_every}")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "comera_lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
-    return args

@@ -1,115 +1,41 @@
-"""Decoder pre-training: dense + AdamW vs dense + GaLore vs CoMERA on ``configs/llm_cpu.yaml`` (or ``--config``).
+"""Decoder pre-training: dense + AdamW, dense + GaLore and CoMERA on a CausalLM config, at equal tokens or at equal
+training seconds (the GPU checks' ``llm_60m`` comparison).
 
-The three train by the protocol of ``study.py`` (``steps``: the same tokens, ``time``: the same training seconds,
-``matched``: the same training seconds as steps decided before training, so that learning-rate schedules run their
-whole course: each method trains ``--budget-s`` over its own measured step time, and the config's warmup,
-truncation interval and validation interval keep their share of the run). First their training steps are timed
-interleaved with peak memory, at the config's width, at batch 1 and at ``--widths``. ``--accelerator cuda
---precision bf16-mixed`` runs it all on a GPU; ``--set data.root=stdlib`` changes one config value. GaLore needs
-``pip install -e .[galore]`` (else reported as skipped). benchmarks/README.md has the details; output:
-``llm_study<tag>.{json,md,png}`` in ``--out-dir`` (a rerun resumes).
+First the methods' training steps are timed interleaved, with their peak memory, at the config's batch and at batch
+1. Then each method trains from one seed on the same batches by a protocol: ``steps`` (the config's steps: the same
+tokens) or ``matched`` (``--budget-s`` training seconds as a step count fixed before training, from the step just
+timed; the config's warm-up, truncation and validation intervals keep their share of the run, so a cosine schedule
+runs its whole course). ``--accelerator cuda --precision bf16-mixed`` runs it all on a GPU; ``--set data.root=stdlib``
+changes one config value. GaLore needs ``pip install -e .[galore]`` (else reported as skipped). Output:
+``llm_study<tag>.{json,md}`` in ``--out-dir``; the JSON is written after every part, and a rerun resumes.
 
-    python benchmarks/llm_study.py --threads 1                         # the config's 1500 steps, both protocols
-    python benchmarks/llm_study.py --protocols steps --widths --tag steps
-    python benchmarks/llm_study.py --quick                             # smoke run: tiny model, a few steps
+    python -m benchmarks.studies.llm --protocols steps                # configs/llm_cpu.yaml, the same tokens
+    python -m benchmarks.studies.llm --config configs/llm_60m.yaml --protocols matched --budget-s 75 \
+        --methods dense comera --accelerator cuda --precision bf16-mixed --set data.root=stdlib
+    python -m benchmarks.studies.llm --quick                          # smoke run: tiny model, a few steps
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
+import logging
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import bench_training_step as bts
-import harness
-import study
 import torch
-import yaml
-from study import StudySpec
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "llm_cpu.yaml"
+from benchmarks import bench_training_step as bts
+from benchmarks import harness
+from benchmarks.studies import common as study
+from benchmarks.studies.common import CONFIG, PROTOCOLS, StudySpec
+
 METHODS = ("dense", "galore", "comera")
-PROTOCOLS = ("steps", "time", "matched")
-# --set SECTION.KEY=VALUE: which part of the study a config section's values go to
-SECTIONS = {"model": "task_kwargs", "data": "data_kwargs", "rank": "rank_kwargs"}
 GALORE_GAP, GALORE_SCALE = 200, 0.25
-
-
-def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
-    """The study of a CausalLM config: its model, data and RankAdaptation settings (``quick``: a tiny version)."""
-    config = yaml.safe_load(Path(path).read_text())
-    task = {k: v for k, v in config["model"]["init_args"].items() if not k.startswith("generate_")}
-    rank = next(c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("RankAdaptation"))
-    trainer = config["trainer"]
-    steps = int(trainer["max_steps"])
-    # the study places the switch (spec.late_fraction); a config gives it as a share or as a step
-    late_step = rank.pop("late_start_step", None)
-    late_fraction = rank.pop("late_start_fraction", None)
-    if late_fraction is None:
-        late_fraction = (int(0.4 * steps) if late_step is None else late_step) / steps
-    if isinstance(rank.get("late_stage"), dict):  # a policy object in the config: build it as the CLI would
-        module, _, name = rank["late_stage"]["class_path"].rpartition(".")
-        rank["late_stage"] = getattr(importlib.import_module(module), name)(**rank["late_stage"].get("init_args", {}))
-    datamodule = config["data"]["class_path"].rsplit(".", 1)[-1]
-    spec = StudySpec(
-        "lm",
-        task,
-        dict(config["data"]["init_args"]),
-        rank,
-        steps=steps,
-        budget_s=180.0,
-        val_every=int(trainer["val_check_interval"]),
-        limit_val_batches=trainer.get("limit_val_batches"),
-        metric="val/perplexity",
-        secondary="val/loss",
-        higher_is_better=False,
-        late_fraction=late_fraction,
-        datamodule=datamodule,
-    )
-    if quick:
-        layer = {**spec.task_kwargs.get("layer_config", {}), "rank": 8, "embedding_rank": 8, "min_features": 16}
-        if "layer_ranks" in layer:
-            layer["layer_ranks"] = {name: 8 for name in layer["layer_ranks"]}
-        spec.task_kwargs.update(
-            vocab_size=512,
-            d_model=32,
-            num_heads=2,
-            d_ff=64,
-            num_layers=1,
-            max_len=32,
-            layer_config=layer,
-            optim={**spec.task_kwargs.get("optim", {}), "warmup_steps": 2},
-        )
-        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8)
-        if datamodule == "CodeLMDataModule":
-            spec.data_kwargs.update(max_files=30, max_sequences=400)
-        else:
-            spec.data_kwargs.update(tokenizer_sample_mb=1.0)
-        spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
-        spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 6, 2.0, 3, 2
-    return spec
-
-
-def apply_overrides(spec: StudySpec, assignments: list[str]) -> None:
-    """Set ``SECTION.KEY[.KEY...]=VALUE`` items (values read as YAML) in the spec's model, data or rank settings."""
-    for item in assignments:
-        path, sep, text = item.partition("=")
-        section, *keys = path.split(".")
-        if not sep or section not in SECTIONS or not keys:
-            raise ValueError(
-                f"--set takes SECTION.KEY=VALUE with SECTION one of {tuple(SECTIONS)} "
-                f"(e.g. data.root=stdlib), got {item!r}"
-            )
-        target = getattr(spec, SECTIONS[section])
-        for key in keys[:-1]:
-            target[key] = dict(target.get(key) or {})
-            target = target[key]
-        target[keys[-1]] = yaml.safe_load(text)
 
 
 def run_length(spec: StudySpec, steps: int) -> StudySpec:
@@ -129,16 +55,6 @@ def run_length(spec: StudySpec, steps: int) -> StudySpec:
         rank_kwargs=rank,
         task_kwargs={**spec.task_kwargs, "optim": optim},
     )
-
-
-def wide_task_kwargs(spec: StudySpec, d_model: int) -> dict[str, Any]:
-    """The config's decoder at another width: heads d/64, ffn 8/3 d rounded up to a multiple of 32."""
-    return {
-        **spec.task_kwargs,
-        "d_model": d_model,
-        "num_heads": max(1, d_model // 64),
-        "d_ff": 32 * math.ceil(8 * d_model / 3 / 32),
-    }
 
 
 def galore_targets(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -269,23 +185,38 @@ def first_rows(dm, size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": rows["input_ids"].long(), "labels": rows["labels"].long()}
 
 
-def synthetic_batch(vocab: int, batch: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random ids for the width study (the step's cost does not depend on the ids)."""
-    ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
-
-
 # ------------------------------------------------------------------------------------------------------
 # the study
 
 
+class Progress:
+    """A study's JSON, rewritten atomically after every run; a rerun of the same spec resumes from it.
+
+    A file at ``path`` that holds another spec is refused (ValueError) rather than mixed with this one's runs;
+    ``path`` None keeps the state in memory only.
+    """
+
+    def __init__(self, path: Path | None, spec: dict[str, Any]) -> None:
+        self.path = path
+        self.state: dict[str, Any] = harness.read_json(path) if path is not None and path.exists() else {}
+        if self.state and self.state.get("spec") != spec:
+            raise ValueError(f"{path} holds runs of another spec: delete it, or write elsewhere (--out-dir, --tag)")
+        self.state["spec"] = spec
+
+    def save(self, **fields: Any) -> dict[str, Any]:
+        """Update the state with ``fields`` and write it; returns the state."""
+        self.state.update(fields)
+        if self.path is not None:
+            harness.write_json(self.path, self.state)
+        return self.state
+
+
 def run_study(
     spec: StudySpec,
-    progress: study.Progress,
+    progress: Progress,
     *,
     methods: tuple[str, ...] = METHODS,
     protocols: tuple[str, ...] = PROTOCOLS,
-    widths: tuple[int, ...] = (1024,),
     cache_dir: Path = study.DEFAULT_CACHE,
     min_sample_s: float = 0.5,
     max_other_load: float = 0.15,
@@ -312,25 +243,13 @@ def run_study(
         timing = dict(repeats=repeats, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
         batch_sizes = (spec.data_kwargs["batch_size"], 1)
         steps = []
-        for width in (None, *widths):
-            kwargs = spec.task_kwargs if width is None else wide_task_kwargs(spec, width)
-            for size in batch_sizes:
-                log(f"[step] {'config width' if width is None else f'd_model {width}'}, batch {size}")
-                batch = (
-                    first_rows(dm, size)
-                    if width is None
-                    else synthetic_batch(kwargs["vocab_size"], size, spec.data_kwargs["seq_len"], spec.seed)
-                )
-                steps.append(measure_steps(spec, kwargs, batch, min_sample_s, **timing))
+        for size in batch_sizes:
+            log(f"[step] batch {size}")
+            steps.append(measure_steps(spec, spec.task_kwargs, first_rows(dm, size), min_sample_s, **timing))
         progress.save(**fixed, step_measurements=steps, runs=[])
     runs = progress.state.get("runs", [])
-    schedule = (spec.task_kwargs.get("optim") or {}).get("schedule", "constant")
-    if "time" in protocols and schedule != "constant":
-        log(
-            f"note: the time protocol trains up to 1,000,000 steps, so the {schedule} schedule barely decays "
-            "within the budget; --protocols matched runs it to its end within the same seconds"
-        )
-    for protocol, method in study.pending_runs(runs, protocols, methods, progress.path, log, "[train]"):
+    done = {(r["protocol"], r["method"]) for r in runs}
+    for protocol, method in [(p, m) for p in protocols for m in methods if (p, m) not in done]:
         run_spec = spec
         if protocol == "matched":  # the budget in this method's steps, timed at the config's width and batch
             step_s = steps[0]["methods"][method]["median_s"]
@@ -347,7 +266,11 @@ def run_study(
         )
         run["tokens"] = run["steps"] * spec.data_kwargs["batch_size"] * spec.data_kwargs["seq_len"]
         runs.append(run)
-        log(study.run_log_line(run, spec.metric))
+        log(
+            f"    {run['steps']} steps, {run['train_s']:.1f} s training, {spec.metric} "
+            f"{run['final']['metrics'].get(spec.metric, math.nan):.4f}, compression "
+            f"{run['final']['compression_ratio']:.2f}x"
+        )
         progress.save(**fixed, runs=runs)
     return progress.save(**fixed, step_measurements=steps, runs=runs, total_s=time.perf_counter() - t0)
 
@@ -355,94 +278,72 @@ def run_study(
 def markdown(result: dict[str, Any]) -> str:
     """Training runs (perplexity, parameters, time) and the interleaved step/memory table."""
     config = Path(result.get("settings", {}).get("config", CONFIG)).name
-    runs = study.runs_table(
-        result["runs"],
+    runs = [
         [
-            "method",
-            "protocol",
-            "steps",
-            "tokens",
-            "train s",
-            ("tokens/s", lambda r: f"{r['tokens'] / r['train_s']:,.0f}"),
-            "median step ms",
-            ("val perplexity", study.metric_cell("val/perplexity", 3)),
-            ("val loss", study.metric_cell("val/loss")),
-            "trainable params",
-            "compression",
-            "other load",
-        ],
-    )
-    rows = []
+            r["method"],
+            r["protocol"],
+            r["steps"],
+            f"{r['tokens']:,}",
+            f"{r['train_s']:.1f}",
+            f"{r['tokens'] / r['train_s']:,.0f}",
+            harness.ms(r["median_step_s"]) if r["median_step_s"] else "-",
+            f"{r['final']['metrics'].get('val/perplexity', math.nan):.3f}",
+            f"{r['final']['metrics'].get('val/loss', math.nan):.4f}",
+            f"{r['final']['params_trainable']:,}",
+            f"{r['final']['compression_ratio']:.2f}x",
+            (f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a") + (" !" if r["contended"] else ""),
+        ]
+        for r in result["runs"]
+    ]
+    steps = []
     for s in result["step_measurements"]:
         for method, v in s["methods"].items():
-            if v.get("skipped"):
-                rows.append([s["d_model"], s["batch"], method, "skipped", "-", "-", "-", "-"])
-                continue
-            rows.append(
-                [
-                    s["d_model"],
-                    s["batch"],
-                    method,
+            cells = ["skipped", "-", "-", "-", "-"]
+            if not v.get("skipped"):
+                cells = [
                     harness.ms(v["median_s"]),
                     harness.mib(v["memory"]["total"]),
                     f"{v['params_trainable']:,}",
                     harness.times(v.get("dense_step_over_this", 1.0)),
                     harness.times(v.get("dense_peak_over_this", 1.0)),
                 ]
-            )
-    steps = harness.table(
-        [
-            "d_model",
-            "batch",
-            "method",
-            "step ms",
-            "peak MiB",
-            "trainable params",
-            "dense step / this",
-            "dense peak / this",
-        ],
-        rows,
-    )
+            steps.append([s["d_model"], s["batch"], method, *cells])
+    run_headers = ["method", "protocol", "steps", "tokens", "train s", "tokens/s", "median step ms"]
+    run_headers += ["val perplexity", "val loss", "trainable params", "compression", "other load"]
+    step_headers = ["d_model", "batch", "method", "step ms", "peak MiB", "trainable params"]
+    step_headers += ["dense step / this", "dense peak / this"]
     return "\n".join(
         [
             f"### Decoder pre-training ({config}): dense + AdamW vs dense + GaLore vs CoMERA",
             "",
-            runs,
+            harness.table(run_headers, runs),
             "",
             "#### Training step, interleaved in one process",
             "",
-            steps,
+            harness.table(step_headers, steps),
         ]
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the study, print its tables and write JSON, PNG and markdown into ``--out-dir``."""
-    parser = study.study_parser(__doc__, repeats=(2, 5))
-    parser.add_argument("--config", type=Path, default=CONFIG, help="a CausalLM config (default configs/llm_cpu.yaml)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument(
-        "--protocols",
-        nargs="+",
-        default=["steps", "time"],
-        choices=PROTOCOLS,
-        help="steps, time and/or matched (default: steps time)",
-    )
-    parser.add_argument(
-        "--widths",
-        type=int,
-        nargs="*",
-        default=None,
-        help="extra d_model widths for the step timing (default 1024; quick none)",
-    )
-    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
-    parser.add_argument(
+def build_parser() -> argparse.ArgumentParser:
+    p = harness.bench_parser(__doc__, repeats=(2, 5))
+    p.add_argument("--config", type=Path, default=CONFIG, help="a CausalLM config (default configs/llm_cpu.yaml)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--protocols", nargs="+", default=["steps"], choices=PROTOCOLS, help="default: steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=harness.positive_int, default=None, help="optimiser steps (default: the config's)")
+    p.add_argument("--budget-s", type=float, default=None, help="training seconds of the matched protocol")
+    p.add_argument("--val-every", type=harness.positive_int, default=None, help="validate every this many steps")
+    p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
+    p.add_argument("--cache-dir", type=Path, default=study.DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
+    p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
+    p.add_argument(
         "--precision",
         choices=["32-true", "bf16-mixed"],
         default="32-true",
         help="the Trainer's precision; the step timing autocasts the same way",
     )
-    parser.add_argument(
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -451,23 +352,33 @@ def main(argv: list[str] | None = None) -> int:
         help="change one value of the config's model, data or RankAdaptation settings (a YAML "
         "value; repeatable), e.g. --set data.root=stdlib --set rank.gamma=0.01",
     )
-    args = study.parse(parser, argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study, print its tables and write JSON and markdown into ``--out-dir``."""
+    parser = build_parser()
+    args = harness.parse(parser, argv)
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        parser.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         parser.error(
             "--accelerator cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
             "run on a GPU machine or leave --accelerator at cpu"
         )
-    spec = spec_from_config(args.config, args.quick)
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "comera_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # Lightning's banners stay out of the report
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    spec = study.spec_from_config(args.config, args.quick)
     spec.seed, spec.steps = args.seed, args.steps or spec.steps
     spec.budget_s, spec.val_every = args.budget_s or spec.budget_s, args.val_every or spec.val_every
     spec.accelerator, spec.precision = args.accelerator, args.precision
-    widths = tuple(([] if args.quick else [1024]) if args.widths is None else args.widths)
     stem = f"llm_study{args.tag}"
     partial = args.out_dir / f"{stem}.partial.json"
     try:
-        apply_overrides(spec, args.overrides)
+        study.apply_overrides(spec, args.overrides)
         spec.check()
-        progress = study.Progress(partial, {**spec.json(), "widths": list(widths)})
+        progress = Progress(partial, spec.json())
     except ValueError as err:
         parser.error(str(err))
     progress.state["settings"] = harness.settings(args)
@@ -476,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         progress,
         methods=tuple(args.methods),
         protocols=tuple(args.protocols),
-        widths=widths,
         cache_dir=args.cache_dir,
         min_sample_s=0.05 if args.quick else 0.5,
         repeats=args.repeats,
@@ -485,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = markdown(result)
     print("\n" + text, flush=True)
-    fig = study.plot_curves(result["runs"], "val/perplexity", compression=False, log_metric=True)
-    harness.emit(args.out_dir / f"{stem}.json", result, fig=fig, markdown=text)
+    harness.emit(args.out_dir / f"{stem}.json", result, markdown=text)
     partial.unlink(missing_ok=True)
     return 0
 

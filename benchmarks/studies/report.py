@@ -1,6 +1,6 @@
 """Tables and plots of the tuned quality studies, generated from their raw results in ``docs/data/``.
 
-``docs/data/<task>_<corpus>.json`` (written by ``tuned_study.py``) holds a list ``runs``; each run has at least
+``docs/data/<task>_<corpus>.json`` (written by ``studies/tuned.py``) holds a list ``runs``; each run has at least
 ``family``, ``size``, ``seed``, ``lr``, ``tokens``, ``params_active``, ``val_loss`` (final) and ``curve`` (a list
 of ``[tokens, val_loss]``), plus its ``phase`` (``sweep``, ``check`` or ``final``). A file that does not have that
 shape is refused with the run and the field at fault. From each file this script makes:
@@ -17,8 +17,8 @@ shape is refused with the run and the field at fault. From each file this script
 The markdown goes between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md
 (``--write``); ``--check`` fails when the page differs from what the data give (the suite runs it).
 
-    python benchmarks/quality_report.py --write          # every docs/data/*.json into docs/results.md
-    python benchmarks/quality_report.py --check
+    python -m benchmarks.studies.report --write          # every docs/data/*.json into docs/results.md
+    python -m benchmarks.studies.report --check
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import width_report
+from benchmarks.studies import width_report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "docs" / "data"
 RESULTS = REPO / "docs" / "results.md"
 IMAGES = REPO / "docs" / "img"
@@ -65,8 +65,8 @@ REQUIRED = {
 FREE_TOLERANCE = 0.05  # "free compression": within 5 % of the full dense model's perplexity
 SPIKE_TOLERANCE = 0.05
 CONVERGENCE_SHARE = 0.25  # the convergence is read over the run's last quarter (validations at or before 3/4)
-# The late-stage schedules tuned_study.py trains (its run_job), for counting FLOPs through them. The early family's
-# ramp is a share of the run (tuned_study.EARLY_RAMP_FRACTION); the default ScheduledLateStage's is a share of the
+# The late-stage schedules studies/tuned.py trains (its run_job), for counting FLOPs through them. The early family's
+# ramp is a share of the run (tuned.EARLY_RAMP_FRACTION); the default ScheduledLateStage's is a share of the
 # steps left at the switch: 0.6 for a size cut of up to 5x, longer for deeper cuts, at most 0.9
 # (comera_lightning.rank_adaptation.late_stage.ramp_fraction_for). The runs do not record the size at the switch,
 # so the default's ramp is taken at its shortest, 0.6: exact for cuts of up to 5x, a lower bound on its FLOPs for
@@ -82,7 +82,7 @@ class StudyFileError(ValueError):
 
 def validate(study: Any, where: str) -> dict[str, Any]:
     """``study`` when it has the documented shape; else a :class:`StudyFileError` naming the run and the field."""
-    fix = "(docs/data files are written by benchmarks/tuned_study.py; see benchmarks/quality_report.py's docstring)"
+    fix = "(docs/data files are written by benchmarks/studies/tuned.py; see benchmarks/studies/report.py's docstring)"
     if not isinstance(study, dict) or not isinstance(study.get("runs"), list):
         raise StudyFileError(f"{where}: not a quality study: expected a JSON object with a list 'runs' {fix}")
     for i, run in enumerate(study["runs"]):
@@ -115,7 +115,9 @@ def load(path: Path) -> dict[str, Any]:
     try:
         study = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
-        raise StudyFileError(f"{path}: not valid JSON ({err}); restore it from git or rerun tuned_study.py") from err
+        raise StudyFileError(
+            f"{path}: not valid JSON ({err}); restore it from git or rerun benchmarks/studies/tuned.py"
+        ) from err
     return validate(study, str(path))
 
 
@@ -129,7 +131,7 @@ def _final(run: dict[str, Any]) -> bool:
 
 def diverged(study: dict[str, Any]) -> list[dict[str, Any]]:
     """The final runs that diverged (no finite validation loss): the study drops their rate for that size and runs
-    the finals again at a lower one (``tuned_study.Plan.chosen``)."""
+    the finals again at a lower one (``tuned.Plan.chosen``)."""
     return [r for r in study["runs"] if _final(r) and not math.isfinite(r["val_loss"])]
 
 
@@ -266,7 +268,7 @@ def counted_flops(run: dict[str, Any]) -> float:
     ``objectives.scheduled_size``, and the step's FLOPs are taken as following the size), then the end model's to the
     last step. Physical truncation every few dozen steps (50 in the decoder's config) makes the real fall a staircase
     a little behind that curve.
-    Without a late stage, or for a schedule this report does not know, the FLOPs the run recorded (tuned_study
+    Without a late stage, or for a schedule this report does not know, the FLOPs the run recorded (tuned.py
     stores ``late * start + (steps - late) * (start + end) / 2``, a linear fall over every step after the switch)."""
     late, kind = run.get("late_start_step"), RAMPS.get(run["family"])
     start, end, steps = run.get("flops_per_step_start"), run.get("flops_per_step_end"), run.get("steps")
@@ -306,7 +308,7 @@ def _head_rank(run: dict[str, Any]) -> int | None:
 
 def head_ranks(study: dict[str, Any]) -> list[dict[str, Any]]:
     """Per size: the rank of CoMERA's low-rank output head (``lm_head``) at the start (twice its block rank, the
-    config's head share that tuned_study.family_kwargs keeps) and at the end (min, max over seeds), and the low-rank
+    config's head share that tuned.family_kwargs keeps) and at the end (min, max over seeds), and the low-rank
     and CoLA rivals' rank, which is their head's too."""
     by = finals(study)
     out = []
@@ -365,7 +367,7 @@ def markdown(study: dict[str, Any], name: str) -> str:
     tokens = next((r["tokens"] for runs in by.values() for r in runs), None)
     full = study.get("full_dense_params")
     lines = [
-        f"Generated by `python benchmarks/quality_report.py --write` from `docs/data/{name}.json` "
+        f"Generated by `python -m benchmarks.studies.report --write` from `docs/data/{name}.json` "
         f"({len(study['runs'])} runs); the figure is `docs/img/quality_{name}.png`.",
         "",
     ]
@@ -571,7 +573,7 @@ def sweep_table(study: dict[str, Any]) -> list[str]:
 def figure(study: dict[str, Any], name: str):
     """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves; every
     family's curve at the middle size (which model left a plateau when)."""
-    import harness
+    from benchmarks import harness
 
     fig, axes = harness.new_figure(5, width=4.6, height=4.0)
     by = finals(study)
@@ -691,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check and updated != page:
         print(
-            f"{args.results} differs from what docs/data gives: run python benchmarks/quality_report.py --write",
+            f"{args.results} differs from what docs/data gives: run python -m benchmarks.studies.report --write",
             file=sys.stderr,
         )
         return 1

@@ -29,21 +29,21 @@ own 5e-3), linear warm-up, cosine decay to a tenth, gradient clipping at 1.0, th
 Rivals are sized to at least CoMERA's target (the closest width or rank at or above it), so a CoMERA win is at
 the same or fewer active parameters. Each run records its validation curve, the training FLOPs (torch's
 FlopCounterMode on one step at the start and at the end) and, for seed 0, the peak memory of a training step.
-Runs go to ``docs/data/<task>_<corpus>.json`` (the format :mod:`quality_report` reads), rewritten after every run;
-a rerun resumes. Two worker processes of one torch thread each train at once.
+Runs go to ``docs/data/<task>_<corpus>.json`` (the format ``report.py`` reads), rewritten after every run; a
+rerun resumes. Two worker processes of one torch thread each train at once.
 
-    python benchmarks/tuned_study.py                         # the decoder LM on the standard library
-    python benchmarks/tuned_study.py --corpus site:sqlalchemy --seeds 0
-    python benchmarks/tuned_study.py --task mlm --sizes 5 20   # the masked LM (docs/data/mlm_stdlib.json)
-    python benchmarks/tuned_study.py --quick --out /tmp/q.json
-    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --steps 2000 --seeds 3 4 \
-        --out docs/data/lm_stdlib_2k.json                    # the same rates and data, finals only, twice the budget
-    python benchmarks/tuned_study.py --rates-from docs/data/lm_stdlib.json --sweep-steps 1000 --steps 4520 \
+    python -m benchmarks.studies.tuned                           # the decoder LM on the standard library
+    python -m benchmarks.studies.tuned --corpus site:sqlalchemy --seeds 0
+    python -m benchmarks.studies.tuned --task mlm --sizes 5 20     # the masked LM (docs/data/mlm_stdlib.json)
+    python -m benchmarks.studies.tuned --quick --out /tmp/q.json
+    python -m benchmarks.studies.tuned --rates-from docs/data/lm_stdlib.json --steps 2000 --seeds 3 4 \
+        --out docs/data/lm_stdlib_2k.json                      # the same rates and data, finals only, twice the budget
+    python -m benchmarks.studies.tuned --rates-from docs/data/lm_stdlib.json --sweep-steps 1000 --steps 4520 \
         --seeds 0 --sizes 5 --families dense narrow lowrank cola tt comera comera_early \
         --set data.include_tests=true data.max_files=null data.max_sequences=null data.max_val_sequences=640 \
-        --out docs/data/lm_stdlib_10tpp.json                 # 10 tokens per parameter on the whole standard library:
-                                                             # the swept rates checked again on the new data
-    python benchmarks/quality_report.py                      # tables and plots into docs/results.md
+        --out docs/data/lm_stdlib_10tpp.json                   # 10 tokens per parameter on the whole standard library:
+                                                               # the swept rates checked again on the new data
+    python -m benchmarks.studies.report --write                # tables and plots into docs/results.md
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -60,8 +59,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
 
 FAMILIES = ("dense", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "comera_early", "galore")
 COMERA = ("comera", "comera_act", "comera_early")  # trained with the rank callbacks
@@ -291,11 +289,10 @@ def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict
 def base_spec(task: str, corpus: str, seed: int, steps: int, quick: bool, overrides: Sequence[str] = ()):
     """The study spec of ``task`` on ``corpus`` with the protocol's clipping and ``--set`` ``overrides``
     (``SECTION.KEY=VALUE``; models come from :func:`task_kwargs`)."""
-    import llm_study
-    import pareto_study
+    from benchmarks.studies import common as study
 
-    spec = pareto_study.study_spec(task, corpus, seed, steps, quick)
-    llm_study.apply_overrides(spec, list(overrides))
+    spec = study.study_spec(task, corpus, seed, steps, quick)
+    study.apply_overrides(spec, list(overrides))
     val_every = max(1, steps // 12)
     return replace(
         spec,
@@ -326,7 +323,7 @@ def _layers(kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
 
 def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The model arguments of ``family`` at width, rank or start rank ``knob`` (None: the spec's own)."""
-    import study
+    from benchmarks.studies import common as study
 
     kwargs = dict(spec.task_kwargs)
     if family in FULL_WIDTH:
@@ -378,9 +375,9 @@ def family_kwargs(spec, family: str, knob: float | None, ranks: dict[str, list[i
 
 
 def active_parameters(spec, kwargs: dict[str, Any]) -> int:
-    import study
     import torch
 
+    from benchmarks.studies import common as study
     from comera_lightning.nn import size_report
 
     torch.manual_seed(0)
@@ -403,7 +400,7 @@ def smallest_at_least(count: Callable[[int], int], target: float, low: int, high
 def narrow_widths(spec) -> list[int]:
     """The widths up to the full one at which the narrowed model builds: ``study.at_width`` keeps the head width,
     and each head's width must be even (rotary embeddings rotate channel pairs)."""
-    import study
+    from benchmarks.studies import common as study
 
     widths = []
     for width in range(2, spec.task_kwargs["d_model"] + 1):
@@ -469,13 +466,14 @@ def step_flops(task, batch) -> int:
 def step_memory(task, batch, galore: bool) -> dict[str, int]:
     """Peak bytes of one steady training step (forward, backward, optimiser) of ``task`` (harness.peak_memory);
     float32 weights and AdamW state (GaLore's projected state for ``galore``)."""
-    import harness
     import torch
+
+    from benchmarks import harness
 
     task.train()
     if galore:
-        import bench_training_step as bts
-        import llm_study
+        from benchmarks import bench_training_step as bts
+        from benchmarks.studies import llm as llm_study
 
         o = task.optim
         optimizer = bts.galore_optimizer(
@@ -518,10 +516,10 @@ def run_job(
     overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train one job and return its record (the fields of a ``runs`` entry)."""
-    import llm_study
-    import study
     import torch
 
+    from benchmarks.studies import common as study
+    from benchmarks.studies import llm as llm_study
     from comera_lightning.callbacks import ScheduledLateStage
 
     job = Job(**job)
@@ -597,7 +595,7 @@ def short_runs_of(
     taken: they choose each family's rate, which the new study checks at every size on its own data
     (``Plan(recheck=True)``), in runs of its own ``--sweep-steps``. The source must be the same task, corpus and
     learning-rate grid, and hold a finished sweep of every one of ``families`` when the data differ."""
-    import harness
+    from benchmarks import harness
 
     if source.resolve() == out.resolve():
         raise ValueError(f"--rates-from {source} is the --out file itself; give the finished study another --out")
@@ -660,7 +658,7 @@ class Study:
         overrides: Sequence[str] = (),
     ) -> None:
         """``plan.recheck`` is set here: it holds when the study's sweeps were copied from another ``--set``."""
-        import harness
+        from benchmarks import harness
 
         self.path, self.task, self.corpus, self.plan = path, task, corpus, plan
         self.overrides = list(overrides)
@@ -720,7 +718,7 @@ class Study:
         return self._knobs[(family, size)]
 
     def save(self) -> None:
-        import harness
+        from benchmarks import harness
 
         self.state["machine"] = harness.machine_info()
         tmp = self.path.with_suffix(".tmp")

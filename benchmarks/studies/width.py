@@ -20,7 +20,7 @@ fan-in, :mod:`comera_lightning.tt.parameterization`). Rates transfer across widt
 1. **sweep**: each family at its smallest width over a grid a factor of 2 apart, grown past an edge (at most twice);
 2. **check**: at its largest width, the swept rate at /2, x1 and x2, grown past an edge the same way;
 3. **transfer**: the ``tt`` family swept over the whole grid at d_model 512 and, at 128, under the other
-   parameterisation too: how far the best rate moves under each (``quality_report.py`` plots it); these run before
+   parameterisation too: how far the best rate moves under each (``report.py`` plots it); these run before
    the finals, which they test the parameterisation of;
 4. **final**: every width at the rate interpolated between the two choices (log rate linear in log width, rounded
    to the grid's factors of 2), for every seed of ``--seeds``.
@@ -29,9 +29,9 @@ AdamW, warm-up, cosine to a tenth, clipping at 1.0, gates at 5e-3, as the tuned 
 torch thread train at once, so a run's clock is that of a machine with one other run on it; the JSON is rewritten
 after every run and a rerun of the same command resumes.
 
-    python benchmarks/width_study.py                                  # docs/data/partial/width_stdlib.json
-    python benchmarks/width_study.py --seeds 0 1 2 --hours 2          # more seeds, stop starting runs after 2 h
-    python benchmarks/width_study.py --quick --out /tmp/w.json         # smoke run, a few minutes
+    python -m benchmarks.studies.width                                  # docs/data/partial/width_stdlib.json
+    python -m benchmarks.studies.width --seeds 0 1 2 --hours 2          # more seeds, stop starting runs after 2 h
+    python -m benchmarks.studies.width --quick --out /tmp/w.json         # smoke run, a few minutes
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import argparse
 import copy
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -49,10 +48,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.studies import tuned as ts
 
-import tuned_study as ts  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 FORMAT = "comera-width-study/1"
 FAMILIES = ("dense", "comera", "tt")
@@ -210,7 +208,7 @@ class Plan:
 
 def model_kwargs(spec, family: str, width: int, parameterization: str, rank: int | None) -> dict[str, Any]:
     """The decoder's arguments for ``family`` at ``width`` (``rank``: CoMERA's start rank or the TT's uniform one)."""
-    import study
+    from benchmarks.studies import common as study
 
     kwargs = study.at_width(dict(spec.task_kwargs), width)
     layer = dict(kwargs.get("layer_config") or {})
@@ -296,8 +294,9 @@ _DATAMODULES: dict[tuple, Any] = {}
 
 def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) -> dict[str, Any]:
     """Train one job and return its record (a ``runs`` entry)."""
-    import study
     import torch
+
+    from benchmarks.studies import common as study
 
     job_ = Job(**job)
     spec = ts.base_spec("lm", "stdlib", job_.seed, job_.steps, quick, data_settings(quick))
@@ -405,7 +404,7 @@ class Study:
         return self._ranks[key]
 
     def save(self) -> None:
-        import harness
+        from benchmarks import harness
 
         self.state["machine"] = harness.machine_info()
         self.state["worker_hours"] = sum(float(r.get("wall_s", 0.0)) for r in self.runs) / 3600

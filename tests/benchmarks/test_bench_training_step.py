@@ -18,7 +18,7 @@ from comera_lightning.nn.dropout import PackedDropout
 from comera_lightning.rank_adaptation.objectives import rank_penalty
 from comera_lightning.tt import bond_weights
 
-TINY = bts.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)
+TINY = harness.Shape(vocab_size=300, d_model=64, num_heads=2, d_ff=256, num_layers=1, seq_len=16, dropout=0.0)
 GALORE_TINY = {"rank": 8, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
 
 
@@ -33,7 +33,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def batch():
-    return bts.make_batch(TINY, 2)
+    return harness.make_batch(TINY, 2)
 
 
 def _galore_available() -> bool:
@@ -41,7 +41,7 @@ def _galore_available() -> bool:
 
 
 def test_paper_shape_is_the_configs_six_encoder_model():
-    shape = bts.paper_shape()
+    shape = harness.paper_shape()
     assert (
         shape.vocab_size,
         shape.d_model,
@@ -57,10 +57,10 @@ def test_paper_shape_is_the_configs_six_encoder_model():
 
 
 def test_scaling_shape_and_its_validation():
-    shape = bts.scaling_shape(512, 2, TINY)
+    shape = harness.scaling_shape(512, 2, TINY)
     assert (shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers) == (512, 8, 2048, 2)
     with pytest.raises(ValueError, match="multiple of 64"):
-        bts.scaling_shape(100, 2, TINY)
+        harness.scaling_shape(100, 2, TINY)
 
 
 def test_the_dropout_choice_reaches_every_candidate(batch):
@@ -69,7 +69,7 @@ def test_the_dropout_choice_reaches_every_candidate(batch):
         assert any(isinstance(m, PackedDropout) for m in cand.model.modules())
         assert math.isfinite(float(cand.step()))
     torch_dropout = replace(shape, packed_dropout=False)  # --torch-dropout
-    assert not any(isinstance(m, PackedDropout) for m in bts.build_model(torch_dropout, tt=True).modules())
+    assert not any(isinstance(m, PackedDropout) for m in harness.build_model(torch_dropout, tt=True).modules())
 
 
 def test_dense_and_comera_candidates_train_with_finite_losses(batch):
@@ -141,7 +141,7 @@ def test_quarter_has_a_quarter_of_the_parameters_and_consistent_optimizer_state(
 
 def test_quarter_falls_back_to_the_tt_parameters_when_the_rest_is_too_big(batch):
     ids, labels = batch
-    shape = bts.Shape(
+    shape = harness.Shape(
         vocab_size=300,
         d_model=64,
         num_heads=2,
@@ -291,7 +291,7 @@ def test_device_times_reads_a_cuda_profiles_key_averages():
 
 
 def test_main_bf16_mixed_on_the_cpu_records_it_and_trains(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setattr(bts, "paper_shape", lambda config=harness.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
     assert (
         bts.main(
@@ -345,7 +345,7 @@ def test_device_cuda_without_cuda_fails_clearly(capsys):
 
 @pytest.mark.slow
 def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setattr(bts, "paper_shape", lambda config=harness.PAPER_CONFIG: TINY)
     monkeypatch.setattr(bts, "GALORE_SETTINGS", GALORE_TINY)
     rc = bts.main(
         [
@@ -375,7 +375,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     )
     assert rc == 0
     out = capsys.readouterr().out
-    assert "time dense/CoMERA" in out and "target (issue 6)" in out and out.count("why (profile") == 2
+    assert "time dense/CoMERA" in out and "| target |" in out and out.count("why (profile") == 2
     step = json.loads((tmp_path / "training_step.json").read_text())
     assert set(step["results"]) == {"1", "2"}
     res = step["results"]["2"]
@@ -403,7 +403,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bts, "paper_shape", lambda config=bts.PAPER_CONFIG: TINY)
+    monkeypatch.setattr(bts, "paper_shape", lambda config=harness.PAPER_CONFIG: TINY)
     monkeypatch.setitem(sys.modules, "galore_torch", None)
     assert (
         bts.main(

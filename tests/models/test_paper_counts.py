@@ -1,7 +1,7 @@
 """Parameter counts of the paper's six-encoder MNLI model, CoMERA (TT) against its dense twin, checked by hand.
 
 The TT cores of one fc1, fc2, attention projection and the word embedding are counted from their modes and ranks
-(docs/method.md: a TT core k holds r_{k-1} s_k r_k parameters), per layer type the TT model against the dense one,
+(a TT core k holds r_{k-1} s_k r_k parameters), per layer type the TT model against the dense one,
 and the totals against ``size_report``. Construction only: a few seconds.
 """
 
