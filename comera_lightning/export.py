@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .nn.base import TTLayer
+from .nn.builder import TTLayerOptions, build_tt_layer, layer_shape
 from .nn.embedding import TTEmbedding
 from .nn.linear import TTLinear
 from .nn.tensorize import size_report
@@ -220,28 +221,16 @@ def _active_state_dict(module: nn.Module) -> tuple[dict[str, torch.Tensor], list
 
 
 def _describe(name: str, layer: TTLayer) -> dict[str, Any]:
-    if isinstance(layer, TTLinear):
-        kind, shape, in_modes, out_modes = (
-            "linear",
-            [layer.in_features, layer.out_features],
-            layer.in_modes,
-            layer.out_modes,
-        )
-    elif isinstance(layer, TTEmbedding):
-        kind, shape, in_modes, out_modes = (
-            "embedding",
-            [layer.num_embeddings, layer.embedding_dim],
-            layer.vocab_modes,
-            layer.dim_modes,
-        )
+    if isinstance(layer, (TTLinear, TTEmbedding)):
+        kind, shape, (in_modes, out_modes) = layer_shape(layer)
     else:
-        kind, shape, in_modes, out_modes = type(layer).__name__, None, None, None
+        kind, shape, in_modes, out_modes = type(layer).__name__, None, [], []
     return {
         "name": name,
         "kind": kind,
-        "shape": shape,
-        "in_modes": list(in_modes or []),
-        "out_modes": list(out_modes or []),
+        "shape": None if shape is None else list(shape),
+        "in_modes": list(in_modes),
+        "out_modes": list(out_modes),
         "ranks": layer.ranks,
         "rank_threshold": layer.rank_threshold,
     }
@@ -255,37 +244,17 @@ def _retensorize(model: nn.Module, layers: list[dict[str, Any]]) -> None:
         if id(dense) in replaced:
             model.set_submodule(name, replaced[id(dense)])
             continue
-        if type(dense) not in (nn.Linear, nn.Embedding):
+        kind = entry["kind"]
+        if (kind, type(dense)) not in (("linear", nn.Linear), ("embedding", nn.Embedding)):
             continue  # already a TT layer (the model builds its own), or something the state dict will refuse
-        layer: TTLinear | TTEmbedding
-        common: dict[str, Any] = dict(
-            rank=entry["ranks"][1:-1],
-            rank_threshold=entry["rank_threshold"],
-            dtype=dense.weight.dtype,
-            device=dense.weight.device,
-        )
-        if entry["kind"] == "linear" and type(dense) is nn.Linear:
-            rows, cols = entry["shape"]
-            layer = TTLinear(
-                rows,
-                cols,
-                in_modes=entry["in_modes"],
-                out_modes=entry["out_modes"],
-                bias=dense.bias is not None,
-                **common,
-            )
-        elif entry["kind"] == "embedding" and type(dense) is nn.Embedding:
-            rows, cols = entry["shape"]
-            layer = TTEmbedding(
-                rows,
-                cols,
-                vocab_modes=entry["in_modes"],
-                dim_modes=entry["out_modes"],
-                padding_idx=dense.padding_idx,
-                **common,
-            )
+        options = TTLayerOptions(rank=entry["ranks"][1:-1], rank_threshold=entry["rank_threshold"])
+        like: dict[str, Any] = dict(dtype=dense.weight.dtype, device=dense.weight.device)
+        if kind == "linear":
+            like["bias"] = dense.bias is not None
         else:
-            continue
+            like["padding_idx"] = dense.padding_idx
+        modes = (entry["in_modes"], entry["out_modes"])
+        layer, _ = build_tt_layer(kind, tuple(entry["shape"]), options, modes=modes, **like)
         model.set_submodule(name, layer)
         replaced[id(dense)] = layer
 

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
@@ -458,6 +458,30 @@ def _truncation_steps(history: Mapping[str, Any]) -> list[int]:
     return sorted(set(out))
 
 
+class _Timeline(NamedTuple):
+    """The logged steps and RankAdaptation's events, which both panels share."""
+
+    steps: list[int]
+    first: int
+    last: int
+    span: int
+    switch: int | None
+    truncations: list[int]
+    events: Mapping[str, Any]
+
+
+class _RankRows(NamedTuple):
+    """The heatmap: one row per bond (or per layer), as a share of its initial rank at every logged step."""
+
+    names: list[str]
+    rows: list[list[float]]
+    row_edges: list[float]  # a layer is at least 3 rows high (its label must fit), its bonds share that height
+    layer_rows: list[tuple[float, float]]  # [top, bottom) of every layer
+    finals: list[str]  # every layer's final ranks / its initial rank
+    bonds: int
+    per_bond: bool
+
+
 def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int = 400) -> None:
     """Draw :attr:`RankMonitor.history` into a PNG at ``path`` (matplotlib's Agg canvas; no pyplot state).
 
@@ -468,33 +492,49 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
     Both mark RankAdaptation's switch to the late stage (dashed line) and its truncations (triangles).
     Above ``max_bond_rows`` bonds in all, the heatmap gets one row per layer (its summed bond ranks).
     """
-    import numpy as np
-    from matplotlib import colormaps, patheffects
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter
 
+    steps: list[int] = list(history.get("steps", []))
+    events = history.get("events") or {}
+    first, last = (steps[0], steps[-1]) if steps else (0, 1)
+    timeline = _Timeline(
+        steps, first, last, max(last - first, 1), events.get("stage_switch"), _truncation_steps(history), events
+    )
+    ranks = _rank_rows(history, steps, max_bond_rows)
+    units = ranks.row_edges[-1]
+    map_height = min(max(0.042 * units, 0.2 * len(ranks.names), 1.2), 10.0) if ranks.rows else 0.0
+    size_height = 2.5
+    fig = Figure(figsize=(12, size_height + map_height + 0.9), layout="constrained")
+    FigureCanvasAgg(fig)
+    if ranks.rows:
+        grid = fig.add_gridspec(2, 1, height_ratios=[size_height, map_height])
+        ax = fig.add_subplot(grid[0])
+        heat = fig.add_subplot(grid[1], sharex=ax)
+    else:
+        ax, heat = fig.add_subplot(1, 1, 1), None
+    _plot_sizes(ax, history.get("params", {}), timeline)
+    if heat is not None:
+        _plot_ranks(fig, heat, ranks, timeline, map_height)
+        ax.tick_params(labelbottom=False)
+    else:
+        ax.set_xlabel("optimiser step", fontsize=9)
+    fig.suptitle("CoMERA rank evolution", fontsize=12, fontweight="bold")
+    fig.savefig(path, dpi=100)
+
+
+def _rank_rows(history: Mapping[str, Any], steps: list[int], max_bond_rows: int) -> _RankRows:
     # a one-core train has no bond, hence no rank to learn: it only counts in the sizes
     layers: Mapping[str, Any] = {
         n: h for n, h in history.get("layers", {}).items() if h.get("active_ranks") and len(h["active_ranks"][0]) > 2
     }
-    steps: list[int] = list(history.get("steps", []))
-    events = history.get("events") or {}
-    switch = events.get("stage_switch")
-    truncations = _truncation_steps(history)
-    first, last = (steps[0], steps[-1]) if steps else (0, 1)
-    span = max(last - first, 1)
-
-    # heatmap rows: the share of a bond's initial rank at every logged step
-    names = list(layers)
     bonds = sum(len(h["active_ranks"][0]) - 2 for h in layers.values())
     per_bond = bonds <= max_bond_rows
     rows: list[list[float]] = []
-    row_edges = [0.0]  # a layer is at least 3 rows high (its label must fit), its bonds share that height
-    layer_rows: list[tuple[float, float]] = []  # [top, bottom) of every layer
+    row_edges = [0.0]
+    layer_rows: list[tuple[float, float]] = []
     finals: list[str] = []
-    for name in names:
-        h = layers[name]
+    for h in layers.values():
         initial = h["active_ranks"][0][1:-1]
         at = _values_at(h["steps"], [r[1:-1] for r in h["active_ranks"]], steps)
         top = row_edges[-1]
@@ -509,121 +549,54 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
         layer_rows.append((top, row_edges[-1]))
         final = h["active_ranks"][-1][1:-1]
         finals.append(" ".join(str(r) for r in final) + (f"  /{max(initial)}" if initial else ""))
-    nrows = len(rows)
-    units = row_edges[-1]
+    return _RankRows(list(layers), rows, row_edges, layer_rows, finals, bonds, per_bond)
 
-    map_height = min(max(0.042 * units, 0.2 * len(names), 1.2), 10.0) if nrows else 0.0
-    size_height = 2.5
-    fig = Figure(figsize=(12, size_height + map_height + 0.9), layout="constrained")
-    FigureCanvasAgg(fig)
-    if nrows:
-        grid = fig.add_gridspec(2, 1, height_ratios=[size_height, map_height])
-        ax = fig.add_subplot(grid[0])
-        heat = fig.add_subplot(grid[1], sharex=ax)
-    else:
-        ax, heat = fig.add_subplot(1, 1, 1), None
-    outline = [patheffects.withStroke(linewidth=3, foreground="white")]
 
-    def mark_events(axis, label: bool) -> None:
-        if switch is not None:
-            axis.axvline(
-                switch,
-                color="black",
-                linestyle="--",
-                linewidth=1.2,
-                path_effects=outline,
-                label="switch to late stage" if label else None,
-                zorder=5,
-            )
-        if truncations:
-            axis.plot(
-                truncations,
-                [1.0] * len(truncations),
-                linestyle="none",
-                marker="v",
-                markersize=6,
-                color="black",
-                markeredgecolor="white",
-                transform=axis.get_xaxis_transform(),
-                clip_on=False,
-                label="truncation" if label else None,
-                zorder=6,
-            )
+def _outline() -> list[Any]:
+    """A white halo that keeps a mark readable over any colour."""
+    from matplotlib import patheffects
 
-    # --- size and compression ----------------------------------------------------------------------
-    params = history.get("params", {})
-    ax.set_xlim(first, first + span)
-    handles = []
-    if params.get("steps") and steps:
-        active = np.array(
-            [np.nan if v is None else v for v in _values_at(params["steps"], params["active"], steps)], dtype=float
+    return [patheffects.withStroke(linewidth=3, foreground="white")]
+
+
+def _mark_events(axis: Any, timeline: _Timeline, label: bool) -> None:
+    """The switch to the late stage (a dashed line) and every truncation (a triangle on top of ``axis``)."""
+    if timeline.switch is not None:
+        axis.axvline(
+            timeline.switch,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            path_effects=_outline(),
+            label="switch to late stage" if label else None,
+            zorder=5,
         )
-        allocated = np.array(
-            [np.nan if v is None else v for v in _values_at(params["steps"], params["allocated"], steps)], dtype=float
+    if timeline.truncations:
+        axis.plot(
+            timeline.truncations,
+            [1.0] * len(timeline.truncations),
+            linestyle="none",
+            marker="v",
+            markersize=6,
+            color="black",
+            markeredgecolor="white",
+            transform=axis.get_xaxis_transform(),
+            clip_on=False,
+            label="truncation" if label else None,
+            zorder=6,
         )
-        dense = np.array(
-            [np.nan if v is None else v for v in _values_at(params["steps"], params["dense_equivalent"], steps)],
-            dtype=float,
-        )
-        if switch is not None:
-            ax.axvspan(switch, last, color="#fbe3c8", zorder=0, linewidth=0)
-            for x0, x1, text in ((first, switch, "early stage"), (switch, last, "late stage")):
-                if x1 - x0 > 0.08 * span:
-                    ax.text(
-                        (x0 + x1) / 2,
-                        0.97,
-                        text,
-                        transform=ax.get_xaxis_transform(),
-                        ha="center",
-                        va="top",
-                        fontsize=9,
-                        color="0.3",
-                        style="italic",
-                    )
-        handles += ax.plot(steps, active, color="tab:blue", linewidth=1.6, label="active parameters")
-        if np.nanmax(allocated - active) > 0:
-            handles += ax.plot(
-                steps, allocated, color="tab:blue", linewidth=1.0, linestyle=":", label="allocated parameters"
-            )
-        ax.set_ylim(0, np.nanmax(allocated) * 1.12)
-        ax.yaxis.set_major_formatter(EngFormatter(sep=""))
-        ax.set_ylabel("parameters", color="tab:blue", fontsize=9)
-        ratio = dense / np.maximum(active, 1)
-        twin = ax.twinx()
-        handles += twin.plot(steps, ratio, color="tab:red", linewidth=1.6, label="compression ratio")
-        top = np.nanmax(ratio)
-        target = events.get("target_size")
-        if target:
-            goal = float(dense[-1]) / float(target)
-            handles.append(
-                twin.axhline(
-                    goal, color="tab:red", linestyle="--", linewidth=1.0, label=f"target compression {goal:.1f}x"
-                )
-            )
-            top = max(top, goal)
-        twin.set_ylim(0, top * 1.12)
-        twin.set_ylabel("compression ratio (dense / active)", color="tab:red", fontsize=9)
-        twin.yaxis.set_major_formatter(lambda v, _: f"{v:g}x")
-        twin.tick_params(labelsize=8)
-        twin.annotate(
-            f"{ratio[-1]:.1f}x",
-            (steps[-1], ratio[-1]),
-            xytext=(-4, -6),
-            textcoords="offset points",
-            ha="right",
-            va="top",
-            fontsize=9,
-            color="tab:red",
-            fontweight="bold",
-            path_effects=outline,
-        )
-        title = (
-            f"model size: {_millions(active[0])} \u2192 {_millions(active[-1])} active parameters, "
-            f"compression {ratio[0]:.1f}x \u2192 {ratio[-1]:.1f}x"
-        )
+
+
+def _plot_sizes(ax: Any, params: Mapping[str, Any], timeline: _Timeline) -> None:
+    """The top panel: active and allocated parameters, the compression ratio and its target, the events."""
+    ax.set_xlim(timeline.first, timeline.first + timeline.span)
+    handles: list[Any] = []
+    if params.get("steps") and timeline.steps:
+        _label_stages(ax, timeline)
+        handles, title = _plot_size_curves(ax, params, timeline)
     else:
         title = "model size (nothing recorded)"
-    mark_events(ax, label=True)
+    _mark_events(ax, timeline, label=True)
     handles += [h for h in ax.get_lines() if h.get_label() in ("switch to late stage", "truncation")]
     # below the panel (its step labels are the heatmap's): the curves stay uncovered
     ax.legend(
@@ -639,75 +612,153 @@ def plot_rank_history(history: Mapping[str, Any], path: str, max_bond_rows: int 
     ax.tick_params(labelsize=8)
     ax.grid(axis="y", color="0.9", linewidth=0.6)
 
-    # --- ranks -----------------------------------------------------------------------------------
-    if heat is not None:
-        mids = [(a + b) / 2 for a, b in pairwise(steps)]
-        x_edges = [first, *mids, last] if len(steps) > 1 else [first, first + span]
-        values = np.ma.masked_invalid(np.array(rows, dtype=float))
-        cmap = colormaps["viridis"].with_extremes(bad="0.85")
-        mesh = heat.pcolormesh(
-            x_edges, row_edges, values, cmap=cmap, vmin=0.0, vmax=1.0, shading="flat", rasterized=True
-        )
-        heat.set_ylim(units, 0)
-        short = _short_names(names)
-        blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, short)), strict=True)
-        pitch = 72 * map_height / units * min(b - a for a, b in layer_rows)  # points of the thinnest layer
-        fontsize = max(4.5, min(8.0, 0.7 * pitch))
-        centers = [(a + b) / 2 for a, b in layer_rows]
-        heat.set_yticks(centers, inner, fontsize=fontsize)
-        heat.tick_params(axis="y", length=0)
-        # numbered blocks (layers.0, layers.1, ...): thick separators and one label per block further left
-        spans: list[tuple[str, float, float]] = []  # (block, top, bottom)
-        for block, (start, stop) in zip(blocks, layer_rows, strict=True):
-            if spans and spans[-1][0] == block:
-                spans[-1] = (block, spans[-1][1], stop)
-            else:
-                spans.append((block, start, stop))
-        for start, _ in layer_rows[1:]:
-            heat.axhline(start, color="white", linewidth=0.5)
-        for _, start, _ in spans[1:]:
-            heat.axhline(start, color="white", linewidth=2.0)
-        if any(blocks):
-            outer = heat.secondary_yaxis("left")
-            outer.spines["left"].set_visible(False)
-            widest = max(len(t) for b, t in zip(blocks, inner, strict=True) if b)
-            outer.set_yticks(
-                [(a + b) / 2 for blk, a, b in spans if blk],
-                [blk for blk, _, _ in spans if blk],
-                fontsize=fontsize + 1,
-                fontweight="bold",
+
+def _label_stages(ax: Any, timeline: _Timeline) -> None:
+    """The late stage shaded, and each stage named where it is wide enough."""
+    first, last, switch = timeline.first, timeline.last, timeline.switch
+    if switch is None:
+        return
+    ax.axvspan(switch, last, color="#fbe3c8", zorder=0, linewidth=0)
+    for x0, x1, text in ((first, switch, "early stage"), (switch, last, "late stage")):
+        if x1 - x0 > 0.08 * timeline.span:
+            ax.text(
+                (x0 + x1) / 2,
+                0.97,
+                text,
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="top",
+                fontsize=9,
+                color="0.3",
+                style="italic",
             )
-            outer.tick_params(axis="y", length=0, pad=0.62 * fontsize * widest + 8)
-        right = heat.twinx()
-        right.set_ylim(units, 0)
-        right.set_yticks(centers, finals, fontsize=fontsize, family="monospace")
-        right.tick_params(axis="y", length=0)
-        heat.annotate(
-            "final ranks / initial",
-            (1, 1),
-            xycoords="axes fraction",
-            xytext=(3, 3),
-            textcoords="offset points",
-            ha="left",
-            va="bottom",
-            fontsize=8,
+
+
+def _plot_size_curves(ax: Any, params: Mapping[str, Any], timeline: _Timeline) -> tuple[list[Any], str]:
+    """Parameters on ``ax``, the compression ratio on its twin; the legend's handles and the panel's title."""
+    import numpy as np
+    from matplotlib.ticker import EngFormatter
+
+    steps = timeline.steps
+    active, allocated, dense = (
+        np.array([np.nan if v is None else v for v in _values_at(params["steps"], params[key], steps)], dtype=float)
+        for key in ("active", "allocated", "dense_equivalent")
+    )
+    handles = ax.plot(steps, active, color="tab:blue", linewidth=1.6, label="active parameters")
+    if np.nanmax(allocated - active) > 0:
+        handles += ax.plot(
+            steps, allocated, color="tab:blue", linewidth=1.0, linestyle=":", label="allocated parameters"
         )
-        mark_events(heat, label=False)
-        heat.set_xlabel("optimiser step", fontsize=9)
-        heat.tick_params(axis="x", labelsize=8)
-        what = "bond" if per_bond else "layer (summed bond ranks)"
-        heat.set_title(
-            f"active rank per {what} as a share of its initial rank ({len(names)} layers, {bonds} bonds)",
-            fontsize=10,
-            loc="left",
+    ax.set_ylim(0, np.nanmax(allocated) * 1.12)
+    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.set_ylabel("parameters", color="tab:blue", fontsize=9)
+    ratio = dense / np.maximum(active, 1)
+    twin = ax.twinx()
+    handles += twin.plot(steps, ratio, color="tab:red", linewidth=1.6, label="compression ratio")
+    top = np.nanmax(ratio)
+    target = timeline.events.get("target_size")
+    if target:
+        goal = float(dense[-1]) / float(target)
+        handles.append(
+            twin.axhline(goal, color="tab:red", linestyle="--", linewidth=1.0, label=f"target compression {goal:.1f}x")
         )
-        bar = fig.colorbar(
-            mesh, ax=heat, location="bottom", fraction=0.12 / map_height, aspect=60, pad=0.2 / map_height, shrink=0.5
+        top = max(top, goal)
+    twin.set_ylim(0, top * 1.12)
+    twin.set_ylabel("compression ratio (dense / active)", color="tab:red", fontsize=9)
+    twin.yaxis.set_major_formatter(lambda v, _: f"{v:g}x")
+    twin.tick_params(labelsize=8)
+    twin.annotate(
+        f"{ratio[-1]:.1f}x",
+        (steps[-1], ratio[-1]),
+        xytext=(-4, -6),
+        textcoords="offset points",
+        ha="right",
+        va="top",
+        fontsize=9,
+        color="tab:red",
+        fontweight="bold",
+        path_effects=_outline(),
+    )
+    title = (
+        f"model size: {_millions(active[0])} \u2192 {_millions(active[-1])} active parameters, "
+        f"compression {ratio[0]:.1f}x \u2192 {ratio[-1]:.1f}x"
+    )
+    return handles, title
+
+
+def _plot_ranks(fig: Any, heat: Any, ranks: _RankRows, timeline: _Timeline, map_height: float) -> None:
+    """The heatmap panel: active rank shares, layer and block labels, final ranks, the events, a colour bar."""
+    import numpy as np
+    from matplotlib import colormaps
+
+    steps, first, last = timeline.steps, timeline.first, timeline.last
+    mids = [(a + b) / 2 for a, b in pairwise(steps)]
+    x_edges = [first, *mids, last] if len(steps) > 1 else [first, first + timeline.span]
+    values = np.ma.masked_invalid(np.array(ranks.rows, dtype=float))
+    cmap = colormaps["viridis"].with_extremes(bad="0.85")
+    mesh = heat.pcolormesh(
+        x_edges, ranks.row_edges, values, cmap=cmap, vmin=0.0, vmax=1.0, shading="flat", rasterized=True
+    )
+    units = ranks.row_edges[-1]
+    heat.set_ylim(units, 0)
+    pitch = 72 * map_height / units * min(b - a for a, b in ranks.layer_rows)  # points of the thinnest layer
+    fontsize = max(4.5, min(8.0, 0.7 * pitch))
+    centers = [(a + b) / 2 for a, b in ranks.layer_rows]
+    _label_layers(heat, ranks, centers, fontsize)
+    right = heat.twinx()
+    right.set_ylim(units, 0)
+    right.set_yticks(centers, ranks.finals, fontsize=fontsize, family="monospace")
+    right.tick_params(axis="y", length=0)
+    heat.annotate(
+        "final ranks / initial",
+        (1, 1),
+        xycoords="axes fraction",
+        xytext=(3, 3),
+        textcoords="offset points",
+        ha="left",
+        va="bottom",
+        fontsize=8,
+    )
+    _mark_events(heat, timeline, label=False)
+    heat.set_xlabel("optimiser step", fontsize=9)
+    heat.tick_params(axis="x", labelsize=8)
+    what = "bond" if ranks.per_bond else "layer (summed bond ranks)"
+    heat.set_title(
+        f"active rank per {what} as a share of its initial rank ({len(ranks.names)} layers, {ranks.bonds} bonds)",
+        fontsize=10,
+        loc="left",
+    )
+    bar = fig.colorbar(
+        mesh, ax=heat, location="bottom", fraction=0.12 / map_height, aspect=60, pad=0.2 / map_height, shrink=0.5
+    )
+    bar.set_label("active rank / initial rank", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+
+
+def _label_layers(heat: Any, ranks: _RankRows, centers: list[float], fontsize: float) -> None:
+    """Every layer's name at its rows; numbered blocks (``layers.0``, ``layers.1``, ...) between thick separators,
+    with one label per block further left."""
+    blocks, inner = zip(*((_cut(b), _cut(n)) for b, n in map(_split_block, _short_names(ranks.names))), strict=True)
+    heat.set_yticks(centers, inner, fontsize=fontsize)
+    heat.tick_params(axis="y", length=0)
+    spans: list[tuple[str, float, float]] = []  # (block, top, bottom)
+    for block, (start, stop) in zip(blocks, ranks.layer_rows, strict=True):
+        if spans and spans[-1][0] == block:
+            spans[-1] = (block, spans[-1][1], stop)
+        else:
+            spans.append((block, start, stop))
+    for start, _ in ranks.layer_rows[1:]:
+        heat.axhline(start, color="white", linewidth=0.5)
+    for _, start, _ in spans[1:]:
+        heat.axhline(start, color="white", linewidth=2.0)
+    if any(blocks):
+        outer = heat.secondary_yaxis("left")
+        outer.spines["left"].set_visible(False)
+        widest = max(len(t) for b, t in zip(blocks, inner, strict=True) if b)
+        outer.set_yticks(
+            [(a + b) / 2 for blk, a, b in spans if blk],
+            [blk for blk, _, _ in spans if blk],
+            fontsize=fontsize + 1,
+            fontweight="bold",
         )
-        bar.set_label("active rank / initial rank", fontsize=8)
-        bar.ax.tick_params(labelsize=7)
-        ax.tick_params(labelbottom=False)
-    else:
-        ax.set_xlabel("optimiser step", fontsize=9)
-    fig.suptitle("CoMERA rank evolution", fontsize=12, fontweight="bold")
-    fig.savefig(path, dpi=100)
+        outer.tick_params(axis="y", length=0, pad=0.62 * fontsize * widest + 8)

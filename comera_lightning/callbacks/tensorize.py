@@ -23,7 +23,7 @@ checkpoint with :func:`comera_lightning.load_from_checkpoint` instead. ``strateg
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -32,51 +32,63 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from ..nn.tensorize import TensorizeRecord, tensorize, tensorize_like, tensorize_specs, tt_layers
+from ..nn.tensorize import (
+    TensorizeOptions,
+    TensorizeRecord,
+    tensorize_like,
+    tensorize_options,
+    tensorize_specs,
+    tt_layers,
+)
 
 __all__ = ["Tensorize"]
+
+
+# tensorize()'s arguments the callback reports by name (its checkpoint state's "arguments"); the rest are layer
+# arguments ("layer_kwargs")
+_NAMED = ("rank", "min_features", "include", "exclude", "linears", "embeddings", "embedding_rank", "decompose")
 
 
 class Tensorize(Callback):
     """Replace a LightningModule's large ``nn.Linear`` / ``nn.Embedding`` by comera layers at setup.
 
     Args:
-        rank, min_features, include, exclude, linears, embeddings, embedding_rank, decompose: as for
-            :func:`~comera_lightning.nn.tensorize` (``include``/``exclude`` match names relative to the
-            LightningModule, e.g. ``"model\\.layers"``).
-        layer_kwargs: forwarded to the layer constructors (e.g. ``{"rank_threshold": 0.01}``); the keyword form
-            ``Tensorize(rank_threshold=0.01)`` works too.
+        options: what to replace and how, as for :func:`~comera_lightning.nn.tensorize`
+            (``include``/``exclude`` match names relative to the LightningModule, e.g. ``"model\\.layers"``);
+            a rank in its place is ``rank`` (``Tensorize(16)``, as ``tensorize(model, 16)``).
+        kwargs: or the options by name, as :func:`~comera_lightning.nn.tensorize` takes them
+            (``Tensorize(rank=16, min_features=64)``, the form YAML and the command line use); a name
+            :class:`~comera_lightning.nn.TensorizeOptions` has no field for is a layer constructor argument
+            (``Tensorize(init_std=0.02)``, or ``layer_kwargs={"init_std": 0.02}``).
     """
 
-    def __init__(
-        self,
-        rank: int | Sequence[int] = 30,
-        *,
-        min_features: int = 128,
-        include: str | None = None,
-        exclude: str | None = None,
-        linears: bool = True,
-        embeddings: bool = True,
-        embedding_rank: int | Sequence[int] | None = None,
-        decompose: bool = False,
-        layer_kwargs: dict[str, Any] | None = None,
-        **extra_layer_kwargs: Any,
-    ) -> None:
-        self.arguments: dict[str, Any] = dict(
-            rank=list(rank) if isinstance(rank, (list, tuple)) else rank,
-            min_features=min_features,
-            include=include,
-            exclude=exclude,
-            linears=linears,
-            embeddings=embeddings,
-            embedding_rank=list(embedding_rank) if isinstance(embedding_rank, (list, tuple)) else embedding_rank,
-            decompose=decompose,
-        )
-        self.layer_kwargs: dict[str, Any] = {**(layer_kwargs or {}), **extra_layer_kwargs}
+    def __init__(self, options: TensorizeOptions | None = None, **kwargs: Any) -> None:
+        if options is not None and not isinstance(options, TensorizeOptions):
+            kwargs["rank"] = options  # Tensorize(16): the rank by position, as tensorize(model, 16)
+            options = None
+        given = tensorize_options(**kwargs)
+        if options is not None and _changed(given):  # a CLI passes every field, at its default where not set
+            raise TypeError(
+                f"Tensorize takes a TensorizeOptions or its fields by name, not both (got {sorted(_changed(given))})"
+            )
+        #: what the callback swaps, and how
+        self.options: TensorizeOptions = given if options is None else options
         #: what the swaps of this run did, one record per replaced module
         self.records: list[TensorizeRecord] = []
         self._module: LightningModule | None = None
         self._hook: RemovableHandle | None = None
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The options that select the modules, and their ranks."""
+        return {name: getattr(self.options, name) for name in _NAMED}
+
+    @property
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The other options that differ from their defaults, and the layer constructor arguments."""
+        changed = _changed(self.options)
+        extra = changed.pop("layer_kwargs", {})
+        return {**{k: v for k, v in changed.items() if k not in _NAMED}, **extra}
 
     @property
     @override
@@ -88,13 +100,13 @@ class Tensorize(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._module = pl_module
-        records = tensorize(pl_module, **self.arguments, **self.layer_kwargs)
+        records = self.options.apply(pl_module)
         self.records += records
         if not records and not tt_layers(pl_module):
             warnings.warn(
                 f"{type(self).__name__} found no nn.Linear / nn.Embedding in {type(pl_module).__name__} with both "
-                f"sides >= min_features={self.arguments['min_features']} matching include={self.arguments['include']!r}"
-                f" / exclude={self.arguments['exclude']!r}; lower min_features or widen include",
+                f"sides >= min_features={self.options.min_features} matching include={self.options.include!r}"
+                f" / exclude={self.options.exclude!r}; lower min_features or widen include",
                 UserWarning,
                 stacklevel=2,
             )
@@ -144,6 +156,16 @@ class Tensorize(Callback):
             "specs": tensorize_specs(self._module) if self._module is not None else {},
             "ranks": {name: layer.ranks for name, layer in layers},
         }
+
+
+def _changed(options: TensorizeOptions) -> dict[str, Any]:
+    """The fields of ``options`` that differ from their defaults (``layer_kwargs`` when not empty)."""
+    defaults = TensorizeOptions()
+    return {
+        f.name: getattr(options, f.name)
+        for f in fields(TensorizeOptions)
+        if getattr(options, f.name) != getattr(defaults, f.name)
+    }
 
 
 def _describe(specs: list[dict[str, Any]]) -> str:

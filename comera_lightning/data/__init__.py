@@ -9,10 +9,13 @@
   module, other module) built offline from source files, by default the Python standard library.
 * :class:`CriteoDataModule`: Criteo-format CTR data from TSV files, or synthetic power-law data.
 
-Shared pieces: byte-level BPE tokenizers trained offline and cached (:mod:`.tokenizer`), stable hashing,
-file discovery and caches (:mod:`.common`).
+All six are built on :class:`ComeraDataModule` (:mod:`.base`): the options they share (``batch_size``, ``num_workers``,
+``seed``, ``cache_dir``) checked in one place, and the same loaders. Shared pieces: byte-level BPE tokenizers
+trained offline and cached (:mod:`.tokenizer`), the code corpus (:mod:`.corpus`), stable hashing and file discovery
+(:mod:`.common`), verified caches (:mod:`.cache`).
 """
 
+from .base import ComeraDataModule
 from .code_lm import CodeLMDataModule, LMCollator, pack_stream
 from .code_mlm import CodeMLMDataModule, MLMCollator, mask_tokens, stdlib_root
 from .code_pairs import CODE_PAIR_LABELS, CodePairsDataModule, extract_documented_functions
@@ -45,6 +48,7 @@ __all__ = [
     "CodeLMDataModule",
     "CodeMLMDataModule",
     "CodePairsDataModule",
+    "ComeraDataModule",
     "CriteoDataModule",
     "LMCollator",
     "MLMCollator",

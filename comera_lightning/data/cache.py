@@ -31,27 +31,22 @@ reports progress (``progress(text)`` from the builder) every ``PROGRESS_EVERY_S`
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..utilities.atomic import atomic_write, fsync_dir
+from ..utilities.atomic import atomic_write, file_lock, fsync_dir
 from .common import cache_key
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no lock, atomic renames only
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "CACHE_FORMAT",
@@ -193,21 +188,6 @@ def verify_cache(
 
 
 # ---------------------------------------------------------------------------------------------- building
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``.<name>.lock`` beside ``path`` (between processes; a no-op without ``fcntl``)."""
-    if fcntl is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 class _Reporter:
     """Says what is built, from what and where; a long build's progress at most every ``PROGRESS_EVERY_S``."""
 
@@ -229,12 +209,28 @@ class _Reporter:
         )
 
 
+def _new_folder_beside(path: Path, suffix: str) -> Path:
+    """A new empty hidden folder ``.<name>.<random><suffix>`` beside ``path``.
+
+    Made with the mode a plain ``mkdir`` gives (``0o777`` less the umask), not ``tempfile.mkdtemp``'s private
+    ``0o700``: a folder entry is this folder renamed into place, and must be as readable as the files in it.
+    """
+    for _ in range(100):
+        folder = path.with_name(f".{path.name}.{secrets.token_hex(4)}{suffix}")
+        try:
+            folder.mkdir(0o777)  # the kernel applies the umask (and a default ACL) as for any mkdir
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(errno.EEXIST, f"no free temporary folder name beside {str(path)!r}")
+
+
 def _remove(path: Path, files: Sequence[str] | None) -> None:
     """Remove an entry that does not verify (a folder is renamed away first, so its name never holds half a
     folder), and its manifest."""
     manifest_path(path, files).unlink(missing_ok=True)
     if path.is_dir() and not path.is_symlink():
-        doomed = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+        doomed = _new_folder_beside(path, ".old")
         os.replace(path, doomed / path.name)
         shutil.rmtree(doomed, ignore_errors=True)
     else:
@@ -256,7 +252,7 @@ def _build(
         _write_manifest(manifest_path(path), kind, version, source, _describe_files(path.parent, [path.name]))
         reporter.done(path.stat().st_size)
         return
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = _new_folder_beside(path, ".tmp")
     try:
         build(tmp, reporter)
         described = _describe_files(tmp, files)
@@ -312,7 +308,7 @@ def load_or_build(
         loaded, reason = _try_load(path, load)
         if reason is None:
             return loaded, False
-    with _locked(path):
+    with file_lock(path):
         # again under the lock: another process may have built it (or be the one replacing it) meanwhile
         reason = verify_cache(path, kind=kind, version=version, source=source, files=files)
         if reason is None:
@@ -364,7 +360,7 @@ def cached_tensors(
 
     def build(target: Path, progress: Progress) -> None:
         made.append(make())
-        with open(target, "wb") as fh:  # a file object: a full disk is an OSError (training.atomic)
+        with open(target, "wb") as fh:  # a file object: a full disk is an OSError (utilities.atomic)
             torch.save(made[0], fh)
 
     def load(target: Path) -> Any:

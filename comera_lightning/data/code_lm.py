@@ -14,21 +14,18 @@ document boundary, as in GPT/LLaMA pre-training). The last, partial row is padde
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .cache import cached_tensors
+from .base import ComeraDataModule
 from .code_mlm import _compact
-from .common import TensorDictDataset, cache_key, read_source_text, rows_loader
+from .common import TensorDictDataset, check_limit, check_val_fraction
 from .corpus import SourceCorpus
-from .tokenizer import encode_texts, file_sha1
 
 __all__ = ["CodeLMDataModule", "LMCollator", "pack_stream"]
 
@@ -65,45 +62,30 @@ class LMCollator:
         return {k: v.long() for k, v in batch.items() if self.keep_index or k != "index"}
 
 
-class CausalLMEvaluation(pl.LightningDataModule):
-    """The loaders both causal-LM datamodules serve from their validation rows, their prompts and ``decode``.
+class CausalLMEvaluation(ComeraDataModule):
+    """What both causal-LM data modules share: their batches, prompts for prediction and ``decode``.
 
-    A datamodule using it sets ``train_dataset`` and ``val_dataset`` in ``setup``, provides ``_eval_loader(rows)``
-    (its in-order loader), and has ``batch_size``, ``prompt_len``, ``num_prompts`` and ``tokenizer``.
+    A module built on it sets ``train_dataset`` and ``val_dataset`` (rows of ``input_ids`` and ``labels``) in
+    ``setup`` and has a ``tokenizer``; ``test`` runs on the validation rows.
     """
 
-    # rows with __len__ and __getitems__ (TensorDictDataset, TokenRows); None until set up
-    train_dataset: Any
-    val_dataset: Any
-    batch_size: int
-    prompt_len: int
-    num_prompts: int
     tokenizer: Any
-    _eval_loader: Callable[[Any], DataLoader]
 
-    def _datasets(self, stage: str) -> tuple[Any, Any]:
-        """The training and validation rows, set up for ``stage`` on first use."""
-        if self.train_dataset is None or self.val_dataset is None:
-            self.setup(stage)
-        return self.train_dataset, self.val_dataset
-
-    def _validation_rows_loader(self, stage: str) -> DataLoader | list:
-        rows = self._datasets(stage)[1]
-        return [] if len(rows) == 0 else self._eval_loader(rows)
+    def __init__(
+        self, batch_size: int, num_workers: int, seed: int, cache_dir: str | None, prompt_len: int, num_prompts: int
+    ) -> None:
+        if prompt_len < 1 or num_prompts < 1:
+            raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
+        super().__init__(batch_size, num_workers, seed, cache_dir)
+        self.prompt_len, self.num_prompts = prompt_len, num_prompts
 
     @override
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation rows in order; ``[]`` without validation rows."""
-        return self._validation_rows_loader("validate")
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        """The validation rows again (the corpus is split into training and validation only)."""
-        return self._validation_rows_loader("test")
+    def _collate_fn(self, train: bool) -> LMCollator:
+        return LMCollator()
 
     def prompts(self) -> torch.Tensor:
         """``(n, prompt_len)`` prompts: the first tokens of up to ``num_prompts`` validation rows, evenly spread."""
-        rows = self._datasets("predict")[1]
+        rows = self._rows("val_dataset", "predict")
         if len(rows) == 0:
             return torch.zeros(0, self.prompt_len, dtype=torch.long)
         picks = torch.linspace(0, len(rows) - 1, min(self.num_prompts, len(rows))).round().long().unique()
@@ -125,7 +107,7 @@ class CausalLMEvaluation(pl.LightningDataModule):
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule):
+class CodeLMDataModule(CausalLMEvaluation, SourceCorpus):
     """Packed next-token batches from a local corpus of source files (default: the Python standard library).
 
     Batches: ``input_ids`` (B, T) and ``labels`` (B, T) long (``-100`` only on the padded end of the last
@@ -150,6 +132,9 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         seed: seeds the training shuffle and the ``max_sequences`` subset (not the split).
     """
 
+    _encoded_name = "code-lm"
+    _encoded_what = "encoded token streams"
+
     def __init__(
         self,
         root: str | None = None,
@@ -169,30 +154,15 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_sequences is not None and max_sequences < 1:
-            raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
-        if max_val_sequences is not None and max_val_sequences < 1:
-            raise ValueError(f"max_val_sequences must be >= 1 or None, got {max_val_sequences}")
-        if prompt_len < 1 or num_prompts < 1:
-            raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
+        check_val_fraction(val_fraction)
+        check_limit("max_sequences", max_sequences)
+        check_limit("max_val_sequences", max_val_sequences)
+        super().__init__(batch_size, num_workers, seed, cache_dir, prompt_len, num_prompts)
         self.save_hyperparameters()
-        self.root, self.pattern, self.include_tests = root, pattern, include_tests
-        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
-        self.val_fraction, self.max_files, self.max_sequences = val_fraction, max_files, max_sequences
-        self.max_val_sequences = max_val_sequences
-        self.cache_dir, self.tokenizer_path = cache_dir, tokenizer_path
-        self.prompt_len, self.num_prompts = prompt_len, num_prompts
-        self.num_workers, self.seed = num_workers, seed
-        self._init_corpus()
-        self.train_dataset: TensorDictDataset | None = None
-        self.val_dataset: TensorDictDataset | None = None
+        self.seq_len, self.max_sequences, self.max_val_sequences = seq_len, max_sequences, max_val_sequences
+        self._init_corpus(root, pattern, include_tests, max_files, val_fraction, vocab_size, tokenizer_path)
 
     @property
     def eos_id(self) -> int:
@@ -200,19 +170,13 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         return self.special_ids.sep
 
     # ------------------------------------------------------------------ encoding and caching
-    def _stream_cache_path(self) -> Path:
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-lm-{cache_key(self._stream_source())}.pt"
+    @override
+    def _encoded_source(self) -> dict[str, Any]:
+        return {**super()._encoded_source(), "version": _STREAM_VERSION}
 
-    def _stream_source(self) -> dict[str, Any]:
-        return {
-            "tokenizer": file_sha1(self._ensure_tokenizer_file()),
-            "train": self._fingerprint("train"),
-            "val": self._fingerprint("val"),
-            "version": _STREAM_VERSION,
-        }
-
-    def _encode_split(self, files: list[str]) -> torch.Tensor:
-        docs = encode_texts(self.tokenizer, [read_source_text(self.corpus_root / rel) for rel in files])
+    @override
+    def _encode_split(self, split: str) -> torch.Tensor:
+        docs = self._encode_files(split)
         eos = np.asarray([self.eos_id], dtype=np.int64)
         parts = [part for doc in docs if len(doc) for part in (doc, eos)]
         stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -220,19 +184,7 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
 
     def streams(self) -> dict[str, torch.Tensor]:
         """The encoded ``train`` and ``val`` token streams (cached)."""
-        train, val = self.split_files()
-        return cached_tensors(
-            self._stream_cache_path(),
-            source=self._stream_source(),
-            make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
-            what="encoded token streams",
-            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
-        )
-
-    @override
-    def prepare_data(self) -> None:
-        """Train/cache the tokenizer and encode/cache both streams (Lightning calls this on local rank 0)."""
-        self.streams()
+        return self._encoded_splits()
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -244,45 +196,14 @@ class CodeLMDataModule(CausalLMEvaluation, SourceCorpus, pl.LightningDataModule)
         splits = {}
         for name in ("train", "val"):
             inputs, labels = pack_stream(data[name], self.seq_len, pad)
-            splits[name] = (_compact(inputs, self.vocab_size_actual), _compact(labels, self.vocab_size_actual))
-        if len(splits["train"][0]) == 0:
+            splits[name] = {
+                "input_ids": _compact(inputs, self.vocab_size_actual),
+                "labels": _compact(labels, self.vocab_size_actual),
+            }
+        if len(splits["train"]["input_ids"]) == 0:
             raise ValueError(
                 f"the training files under {str(self.corpus_root)!r} contain fewer than two tokens; add non-empty files"
             )
-        g = torch.Generator().manual_seed(self.seed)
-        n_val = self.max_val_sequences
-        if n_val is None and self.max_sequences is not None:
-            n_val = max(1, round(self.max_sequences * self.val_fraction / (1.0 - self.val_fraction)))
-        for name, keep in (("train", self.max_sequences), ("val", n_val)):
-            rows = len(splits[name][0])
-            if keep is not None and rows > keep:
-                chosen = torch.randperm(rows, generator=g)[:keep].sort().values
-                inputs, labels = splits[name]
-                splits[name] = inputs[chosen], labels[chosen]
-        self.train_dataset = TensorDictDataset(input_ids=splits["train"][0], labels=splits["train"][1])
-        self.val_dataset = TensorDictDataset(input_ids=splits["val"][0], labels=splits["val"][1])
-
-    # ------------------------------------------------------------------ loaders
-
-    def _eval_loader(self, rows: TensorDictDataset) -> DataLoader:
-        return rows_loader(
-            rows,
-            batch_size=self.batch_size,
-            collate_fn=LMCollator(),
-            train=False,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled rows (order a function of seed and epoch), resumable mid-epoch."""
-        rows = self._datasets("fit")[0]
-        return rows_loader(
-            rows,
-            batch_size=self.batch_size,
-            collate_fn=LMCollator(),
-            train=True,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
+        rows = self._capped(splits, self.max_sequences, self.max_val_sequences)
+        self.train_dataset = TensorDictDataset(**rows["train"])
+        self.val_dataset = TensorDictDataset(**rows["val"])

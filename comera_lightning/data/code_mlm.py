@@ -22,26 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import get_worker_info
 from typing_extensions import override
 
-from .cache import cached_tensors
-from .common import (
-    KeepIndex,
-    TensorDictDataset,
-    cache_key,
-    read_source_text,
-    rows_loader,
-    uses_validation_rows_notice,
-)
+from .common import TensorDictDataset, check_limit, check_val_fraction
 from .corpus import SourceCorpus, stdlib_root
-from .tokenizer import encode_texts, file_sha1
 
 __all__ = ["CodeMLMDataModule", "MLMCollator", "chunk_stream", "mask_tokens", "stdlib_root"]
 
@@ -217,16 +206,11 @@ def chunk_stream(docs: Sequence[np.ndarray], seq_len: int, *, cls_id: int, sep_i
     return torch.from_numpy(out)
 
 
-def _read_text(path: Path) -> str:
-    """A corpus file's text (binary files were skipped or refused by ``discover_files``)."""
-    return read_source_text(path)
-
-
 def _compact(t: torch.Tensor, vocab: int) -> torch.Tensor:
     return t.to(torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32)
 
 
-class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
+class CodeMLMDataModule(SourceCorpus):
     """Masked-LM batches from a local corpus of source files (default: the Python standard library).
 
     ``prepare_data`` (local rank zero) trains and caches the tokenizer and the encoded splits; ``setup``
@@ -238,7 +222,12 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
     trains/loads the tokenizer on first access).
 
     Batches: ``input_ids`` (B, T) long with masks applied, ``attention_mask`` (B, T) long (0 on padding),
-    ``labels`` (B, T) long, the original id at masked positions and -100 elsewhere.
+    ``labels`` (B, T) long, the original id at masked positions and -100 elsewhere; prediction batches add
+    ``index`` (B,) long, the row number. Training rows are shuffled with fresh masks every epoch (position and
+    mask generator are part of the checkpoint, so a run resumed mid-epoch draws the same); validation masks are
+    fixed by (seed, row). ``test`` and ``predict`` run on the VALIDATION rows with the same masks (the corpus is
+    split into training and validation files only; said once at info level), so ``comera test`` scores exactly
+    the task validation scores.
 
     Args:
         root: folder searched recursively for the corpus; ``None`` is the standard library of the running
@@ -264,6 +253,9 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
     """
 
     require_mask = True
+    _encoded_name = "code-mlm"
+    _encoded_what = "encoded masked-LM rows"
+    _no_test_split = _NO_TEST_SPLIT
 
     def __init__(
         self,
@@ -282,103 +274,53 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if seq_len < 3:
             raise ValueError(f"seq_len must be >= 3 ([CLS] token [SEP]), got {seq_len}")
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if max_sequences is not None and max_sequences < 1:
-            raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
+        check_val_fraction(val_fraction)
+        check_limit("max_sequences", max_sequences)
+        super().__init__(batch_size, num_workers, seed, cache_dir)
         self.save_hyperparameters()
-        self.root = root
-        self.pattern = pattern
-        self.vocab_size = vocab_size
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.mlm_probability = mlm_probability
-        self.val_fraction = val_fraction
-        self.max_files = max_files
-        self.max_sequences = max_sequences
-        self.cache_dir = cache_dir
-        self.tokenizer_path = tokenizer_path
-        self.include_tests = include_tests
-        self.num_workers = num_workers
-        self.seed = seed
-        self._files: tuple[Path, list[str], list[str]] | None = None
-        self._fingerprints: dict[str, str] = {}
-        self._tokenizer_file: Path | None = None
-        self._tokenizer: Any = None
-        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
-        self.train_dataset: TensorDictDataset | None = None
-        self.val_dataset: TensorDictDataset | None = None
+        self.seq_len, self.mlm_probability, self.max_sequences = seq_len, mlm_probability, max_sequences
+        self._init_corpus(root, pattern, include_tests, max_files, val_fraction, vocab_size, tokenizer_path)
 
     # ------------------------------------------------------------------ encoding and caching
-    def _encoded_cache_path(self) -> Path:
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-mlm-{cache_key(self._encoded_source())}.pt"
-
+    @override
     def _encoded_source(self) -> dict[str, Any]:
-        tok_file = self._ensure_tokenizer_file()
-        return {
-            "tokenizer": file_sha1(tok_file),
-            "train": self._fingerprint("train"),
-            "val": self._fingerprint("val"),
-            "seq_len": self.seq_len,
-            "version": _ENCODING_VERSION,
-        }
-
-    def _encode_split(self, files: list[str]) -> torch.Tensor:
-        ids = self.special_ids
-        docs = encode_texts(self.tokenizer, [_read_text(self.corpus_root / rel) for rel in files])
-        rows = chunk_stream(docs, self.seq_len, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
-        return _compact(rows, self.vocab_size_actual)
-
-    def _load_or_build_encoded(self) -> dict[str, torch.Tensor]:
-        train, val = self.split_files()
-        return cached_tensors(
-            self._encoded_cache_path(),
-            source=self._encoded_source(),
-            make=lambda: {"train": self._encode_split(train), "val": self._encode_split(val)},
-            what="encoded masked-LM rows",
-            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
-        )
+        return {**super()._encoded_source(), "seq_len": self.seq_len, "version": _ENCODING_VERSION}
 
     @override
-    def prepare_data(self) -> None:
-        """Train/cache the tokenizer and encode/cache both splits (Lightning calls this on local rank 0)."""
-        self._load_or_build_encoded()
+    def _encode_split(self, split: str) -> torch.Tensor:
+        ids = self.special_ids
+        docs = self._encode_files(split)
+        rows = chunk_stream(docs, self.seq_len, cls_id=ids.cls, sep_id=ids.sep, pad_id=ids.pad)
+        return _compact(rows, self.vocab_size_actual)
 
     @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached tokenizer and encoded rows and build the datasets.
 
         Every stage (``fit``, ``validate``, ``test``, ``predict``) loads both splits from the one cache file:
-        ``test`` and ``predict`` run on the validation rows (see :meth:`test_dataloader`).
+        ``test`` and ``predict`` run on the validation rows, with the validation masks.
         """
         if self.train_dataset is not None:
             return
         _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
-        data = self._load_or_build_encoded()
-        train, val = data["train"], data["val"]
-        if len(train) == 0:
+        data = self._encoded_splits()
+        if len(data["train"]) == 0:
             raise ValueError(
                 f"the training files under {str(self.corpus_root)!r} contain no tokens; add non-empty files"
             )
-        if self.max_sequences is not None:
-            g = torch.Generator().manual_seed(self.seed)
-            if len(train) > self.max_sequences:
-                train = train[torch.randperm(len(train), generator=g)[: self.max_sequences].sort().values]
-            n_val = max(1, round(self.max_sequences * self.val_fraction / (1.0 - self.val_fraction)))
-            if len(val) > n_val:
-                val = val[torch.randperm(len(val), generator=g)[:n_val].sort().values]
-        self.train_dataset = TensorDictDataset(input_ids=train)
-        self.val_dataset = TensorDictDataset(input_ids=val)
+        rows = self._capped({split: {"input_ids": data[split]} for split in ("train", "val")}, self.max_sequences)
+        self.train_dataset = TensorDictDataset(**rows["train"])
+        self.val_dataset = TensorDictDataset(**rows["val"])
 
     # ------------------------------------------------------------------ loaders
-    def _collator(self, deterministic: bool) -> MLMCollator:
+    @override
+    def _collate_fn(self, train: bool) -> MLMCollator:
+        """Fresh BERT masks for training (the generator is part of the loader's state, so a resumed run draws
+        the same); masks fixed by (seed, row) for the others."""
         ids = self.special_ids
         return MLMCollator(
             mask_id=ids.mask,  # type: ignore[arg-type]
@@ -387,62 +329,6 @@ class CodeMLMDataModule(SourceCorpus, pl.LightningDataModule):
             mlm_probability=self.mlm_probability,
             pad_id=ids.pad,
             seed=self.seed,
-            deterministic=deterministic,
+            deterministic=not train,
             rank=self.trainer.global_rank if self.trainer is not None else 0,
         )
-
-    def _loader(self, dataset: TensorDictDataset, train: bool) -> DataLoader:
-        return rows_loader(
-            dataset,
-            batch_size=self.batch_size,
-            collate_fn=self._collator(deterministic=not train),
-            train=train,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled rows (order a function of seed and epoch) with fresh BERT masks every epoch; resumable
-        mid-epoch (position and mask generator are part of the checkpoint)."""
-        if self.train_dataset is None:
-            self.setup("fit")
-        return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        """Validation rows in order with masks fixed by (seed, row); ``[]`` when there is no validation file."""
-        rows = self._eval_rows("validate")
-        return self._loader(rows, train=False) if len(rows) else []
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        """The VALIDATION rows again, with the same masks: the corpus is split into training and validation
-        files only, so ``comera test`` scores exactly the task validation scores (said once, at info level).
-        ``[]`` when there is no validation file."""
-        rows = self._eval_rows("test")
-        uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
-        return self._loader(rows, train=False) if len(rows) else []
-
-    @override
-    def predict_dataloader(self) -> DataLoader | list:
-        """The validation rows with the same deterministic masks as :meth:`val_dataloader`, plus ``index``
-        (the row number, long): batches ``input_ids`` (masked), ``attention_mask``, ``labels`` (the true id at
-        masked positions, -100 elsewhere) and ``index``. ``[]`` when there is no validation file."""
-        rows = self._eval_rows("predict")
-        uses_validation_rows_notice(self, "predict", _NO_TEST_SPLIT)
-        if not len(rows):
-            return []
-        return rows_loader(
-            rows,
-            batch_size=self.batch_size,
-            collate_fn=KeepIndex(self._collator(deterministic=True)),
-            train=False,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
-
-    def _eval_rows(self, stage: str) -> TensorDictDataset:
-        if self.val_dataset is None:
-            self.setup(stage)
-        return self.val_dataset  # type: ignore[return-value]

@@ -40,27 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .cache import cached_tensors
-from .code_mlm import stdlib_root
-from .common import (
-    KeepIndex,
-    TensorDictDataset,
-    cache_key,
-    discover_files,
-    fingerprint_files,
-    read_source_text,
-    rows_loader,
-    split_by_hash,
-    uses_validation_rows_notice,
-)
-from .glue import PairCollator, encode_pair_rows
-from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, file_sha1, min_bpe_vocab_size
+from .common import TensorDictDataset, read_source_text, validation_share
+from .corpus import SourceCorpus
+from .glue import PairClassification, encode_pair_rows
+from .tokenizer import cached_bpe_tokenizer, min_bpe_vocab_size
 
 __all__ = [
     "CODE_PAIR_LABELS",
@@ -234,7 +221,7 @@ def _draw_other(
     return candidates[int(rng.integers(len(candidates)))] if candidates else None
 
 
-class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
+class CodePairsDataModule(PairClassification, SourceCorpus):
     """Docstring/body pair classification on a local tree of ``.py`` files (default: the standard library).
 
     An offline stand-in for MNLI with the same batch layout, for
@@ -277,6 +264,11 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
             depends only on file paths).
     """
 
+    label_names = CODE_PAIR_LABELS
+    _encoded_name = "code-pairs"
+    _encoded_what = "encoded code-pair examples"
+    _no_test_split = _NO_TEST_SPLIT
+
     def __init__(
         self,
         root: str | None = None,
@@ -291,7 +283,6 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(
                 f"val_fraction must be in (0, 1) (the share of files held out for validation), got {val_fraction}"
@@ -303,8 +294,6 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
                 f"vocab_size must be >= {min_bpe_vocab_size()} for a byte-level BPE (5 special tokens + 256 "
                 f"bytes), got {vocab_size}"
             )
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_files is not None and max_files < 4:
             raise ValueError(
                 "max_files must be >= 4 or None (each split needs two files with documented functions), "
@@ -312,56 +301,20 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
             )
         if max_examples is not None and max_examples < 3:
             raise ValueError(f"max_examples must be >= 3 (one example per class) or None, got {max_examples}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        super().__init__(batch_size, num_workers, seed, cache_dir)
         self.save_hyperparameters()
-        self.root = root
-        self.include_tests = include_tests
-        self.max_files = max_files
-        self.max_examples = max_examples
-        self.val_fraction = val_fraction
-        self.vocab_size = vocab_size
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.cache_dir = cache_dir
-        self.num_workers = num_workers
-        self.seed = seed
-        self._files: tuple[list[str], list[str]] | None = None
-        self._fingerprints: dict[str, str] = {}
+        self.max_examples, self.seq_len = max_examples, seq_len
+        self._init_corpus(root, "*.py", include_tests, max_files, val_fraction, vocab_size, None)
         self._functions: dict[str, list[DocumentedFunction]] = {}
         self._examples: dict[str, list[CodePair]] = {}
-        self._tokenizer_file: Path | None = None
-        self._tokenizer: Any = None
-        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
-        self.train_dataset: TensorDictDataset | None = None
-        self.val_dataset: TensorDictDataset | None = None
 
-    # ------------------------------------------------------------------ corpus and examples
-    @property
-    def corpus_root(self) -> Path:
-        """The resolved corpus folder."""
-        return Path(self.root if self.root is not None else stdlib_root()).expanduser()
-
-    def split_files(self) -> tuple[list[str], list[str]]:
-        """(train, validation) file lists, relative POSIX paths under :attr:`corpus_root`."""
-        if self._files is None:
-            files = discover_files(self.corpus_root, "*.py", include_tests=self.include_tests, max_files=self.max_files)
-            self._files = split_by_hash(files, self.val_fraction)
-        return self._files
-
-    def _fingerprint(self, split: str) -> str:
-        if split not in self._fingerprints:
-            train, val = self.split_files()
-            self._fingerprints[split] = fingerprint_files(self.corpus_root, train if split == "train" else val)
-        return self._fingerprints[split]
-
+    # ------------------------------------------------------------------ examples
     def functions(self, split: str) -> list[DocumentedFunction]:
         """The usable documented functions of a split's files (``"train"`` or ``"val"``), files sorted."""
         if split not in self._functions:
-            train, val = self.split_files()
             root = self.corpus_root
             found: list[DocumentedFunction] = []
-            for rel in train if split == "train" else val:
+            for rel in self._files_of(split):
                 found += extract_documented_functions(read_source_text(root / rel), rel)
             self._functions[split] = found
         return self._functions[split]
@@ -370,9 +323,7 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         if self.max_examples is None:
             return None
         train = max(1, self.max_examples // 3)
-        if split == "train":
-            return train
-        return max(1, round(train * self.val_fraction / (1.0 - self.val_fraction)))
+        return train if split == "train" else validation_share(train, self.val_fraction)
 
     def examples(self, split: str) -> list[CodePair]:
         """A split's examples (``"train"`` or ``"val"``), unencoded; a clear error when there are none."""
@@ -383,8 +334,7 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
             rng = np.random.default_rng([self.seed, 0 if split == "train" else 1])
             pairs = make_code_pairs(functions, rng, self._max_anchors(split))
             if not pairs:
-                train, val = self.split_files()
-                files = train if split == "train" else val
+                files = self._files_of(split)
                 n_files = len({fn.path for fn in functions})
                 name = "training" if split == "train" else "validation"
                 raise ValueError(
@@ -402,57 +352,39 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
     def _clip(self, text: str) -> str:
         return text[: CHARS_PER_POSITION * self.seq_len]
 
-    def _ensure_tokenizer_file(self) -> Path:
-        if self._tokenizer_file is None:
-            train, _ = self.split_files()
+    @override
+    def _train_tokenizer(self) -> tuple[Path, bool]:
+        train, _ = self.split_files()
 
-            def texts() -> list[str]:
-                self.examples("train"), self.examples("val")  # an unusable tree fails before any training
-                return [self._clip(t) for fn in self.functions("train") for t in (fn.docstring, fn.body)]
+        def texts() -> list[str]:
+            self.examples("train"), self.examples("val")  # an unusable tree fails before any training
+            return [self._clip(t) for fn in self.functions("train") for t in (fn.docstring, fn.body)]
 
-            self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
-                self.cache_dir,
-                "code-pairs",
-                {
-                    "corpus": self._fingerprint("train"),
-                    "files": len(train),
-                    "clip": CHARS_PER_POSITION * self.seq_len,
-                    "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS],
-                },
-                texts,
-                self.vocab_size,
-                add_prefix_space=False,
-                origin=f"the functions of {len(train):,} training files under {self.corpus_root}",
-            )
-        return self._tokenizer_file
-
-    @property
-    def num_classes(self) -> int:
-        """3: ``match``, ``same_module``, ``other_module`` (:data:`CODE_PAIR_LABELS`)."""
-        return len(CODE_PAIR_LABELS)
-
-    @property
-    def class_names(self) -> list[str]:
-        """Label names by id: :data:`CODE_PAIR_LABELS`."""
-        return list(CODE_PAIR_LABELS)
+        return cached_bpe_tokenizer(
+            self.cache_dir,
+            "code-pairs",
+            {
+                "corpus": self._fingerprint("train"),
+                "files": len(train),
+                "clip": CHARS_PER_POSITION * self.seq_len,
+                "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS],
+            },
+            texts,
+            self.vocab_size,
+            add_prefix_space=False,
+            origin=f"the functions of {len(train):,} training files under {self.corpus_root}",
+        )
 
     # ------------------------------------------------------------------ encoding and caching
-    def _encoded_cache_path(self) -> Path:
-        return Path(self.cache_dir).expanduser() / "encoded" / f"code-pairs-{cache_key(self._encoded_source())}.pt"
-
+    @override
     def _encoded_source(self) -> dict[str, Any]:
-        return {
-            "tokenizer": file_sha1(self._ensure_tokenizer_file()),
-            "train": self._fingerprint("train"),
-            "val": self._fingerprint("val"),
-            "val_fraction": self.val_fraction,
-            "max_examples": self.max_examples,
-            "seq_len": self.seq_len,
-            "seed": self.seed,
-            "extraction": [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION],
-        }
+        # every option that changes which examples are drawn or how they are encoded
+        options = {name: getattr(self, name) for name in ("val_fraction", "max_examples", "seq_len", "seed")}
+        extraction = [_EXTRACTION_VERSION, MIN_DOC_WORDS, MIN_BODY_TOKENS, CHARS_PER_POSITION]
+        return {**super()._encoded_source(), **options, "extraction": extraction}
 
-    def _encode(self, split: str) -> dict[str, torch.Tensor]:
+    @override
+    def _encode_split(self, split: str) -> dict[str, torch.Tensor]:
         pairs = self.examples(split)
         return encode_pair_rows(
             self.tokenizer,
@@ -463,21 +395,6 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
             self.special_ids,
         )
 
-    def _load_or_build_encoded(self) -> dict[str, dict[str, torch.Tensor]]:
-        train, val = self.split_files()
-        return cached_tensors(
-            self._encoded_cache_path(),
-            source=self._encoded_source(),
-            make=lambda: {"train": self._encode("train"), "val": self._encode("val")},
-            what="encoded code-pair examples",
-            origin=f"{len(train) + len(val):,} files under {self.corpus_root}",
-        )
-
-    @override
-    def prepare_data(self) -> None:
-        """Train/cache the tokenizer and build/encode/cache both splits (Lightning calls this on local rank 0)."""
-        self._load_or_build_encoded()
-
     @override
     def setup(self, stage: str | None = None) -> None:
         """Load the cached tokenizer and encoded splits (building them when missing) and make the datasets.
@@ -487,46 +404,6 @@ class CodePairsDataModule(TokenizerLifecycle, pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         _ = self.tokenizer  # loads it and checks its size against vocab_size, even when the rows are cached
-        data = self._load_or_build_encoded()
+        data = self._encoded_splits()
         self.train_dataset = TensorDictDataset(**data["train"])
         self.val_dataset = TensorDictDataset(**data["val"])
-
-    # ------------------------------------------------------------------ loaders
-    def _loader(self, train: bool, collate_fn: Any = None) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup(None)
-        dataset = self.train_dataset if train else self.val_dataset
-        if dataset is None:
-            raise RuntimeError("CodePairsDataModule: setup() left no dataset to load")
-        return rows_loader(
-            dataset,
-            batch_size=self.batch_size,
-            collate_fn=collate_fn or PairCollator(),
-            train=train,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training pairs (order a function of seed and epoch), resumable mid-epoch."""
-        return self._loader(train=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        """Validation pairs in order (anchor by anchor, each anchor's three examples together)."""
-        return self._loader(train=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        """The VALIDATION examples again, in the same order (there is no separate test split): ``comera test``
-        scores them (said once at info level)."""
-        uses_validation_rows_notice(self, "test", _NO_TEST_SPLIT)
-        return self._loader(train=False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        """The validation examples as in :meth:`test_dataloader`, with ``index`` added (the example's number in
-        :meth:`examples` ``("val")``, which gives its functions' paths and names)."""
-        uses_validation_rows_notice(self, "predict", _NO_TEST_SPLIT)
-        return self._loader(train=False, collate_fn=KeepIndex(PairCollator()))

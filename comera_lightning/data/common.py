@@ -34,18 +34,22 @@ __all__ = [
     "ResumableDataLoader",
     "TensorDictDataset",
     "cache_key",
+    "check_limit",
+    "check_val_fraction",
     "discover_files",
     "fingerprint_files",
     "identity_collate",
     "is_binary_bytes",
     "read_source_text",
     "rows_loader",
+    "seeded_subsets",
     "split_by_hash",
     "stable_hash",
     "stable_hash_many",
     "stable_unit",
     "text_files_only",
     "uses_validation_rows_notice",
+    "validation_share",
 ]
 
 #: directory names never searched for corpus files (installed packages, byte code, VCS, caches)
@@ -253,6 +257,43 @@ def read_source_text(path: str | os.PathLike[str]) -> str:
     return data.decode("utf-8")
 
 
+def check_val_fraction(val_fraction: float) -> None:
+    """Refuse a held-out share outside ``[0, 1)`` (something must be left to train on)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+
+def check_limit(name: str, value: int | None) -> None:
+    """Refuse a limit on rows or examples below one (``None``: no limit)."""
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1 or None, got {value}")
+
+
+def validation_share(train_count: int, val_fraction: float) -> int:
+    """How many validation items go with ``train_count`` training items at ``val_fraction`` (at least one)."""
+    return max(1, round(train_count * val_fraction / (1.0 - val_fraction)))
+
+
+def seeded_subsets(
+    splits: Mapping[str, dict[str, torch.Tensor]], keep: Mapping[str, int | None], seed: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each split's rows, at most ``keep[split]`` of them: a random subset drawn from ``seed``, in row order.
+
+    ``splits`` maps a split name to equally long tensors (the rows' columns); the splits draw one after the
+    other, in the order of ``splits``, from one generator, and a split that fits (or ``keep`` ``None``) draws
+    nothing.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, columns in splits.items():
+        rows, limit = len(next(iter(columns.values()))), keep.get(name)
+        if limit is not None and rows > limit:
+            chosen = torch.randperm(rows, generator=g)[:limit].sort().values
+            columns = {column: t[chosen] for column, t in columns.items()}
+        out[name] = columns
+    return out
+
+
 def split_by_hash(rel_paths: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Split files into (train, validation) by a stable hash of each relative path.
 
@@ -260,8 +301,7 @@ def split_by_hash(rel_paths: Sequence[str], val_fraction: float) -> tuple[list[s
     ``val_fraction > 0`` and there are at least two files, validation gets at least one file (the one with
     the smallest hash) and training keeps at least one.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_val_fraction(val_fraction)
     units = {rel: stable_unit(rel, "split") for rel in rel_paths}
     val = [rel for rel in rel_paths if units[rel] < val_fraction]
     if val_fraction > 0 and not val and len(rel_paths) >= 2:
@@ -509,11 +549,13 @@ def rows_loader(
     train: bool,
     seed: int = 0,
     num_workers: int = 0,
+    sampler: Sampler[int] | None = None,
 ) -> DataLoader:
     """The loader every comera data module uses.
 
-    Training: a :class:`ResumableDataLoader` over an :class:`EpochShuffleSampler` (order a function of
-    ``(seed, epoch)``, position restored on resume). Evaluation: a plain loader in order. Both get their
+    Training: a :class:`ResumableDataLoader` over ``sampler``, by default an :class:`EpochShuffleSampler`
+    (order a function of ``(seed, epoch)``, position restored on resume; a given sampler's order must be a
+    function of the epoch too). Evaluation: a plain loader over ``sampler``, by default in order. Both get their
     own ``torch.Generator`` so creating an iterator (which draws the workers' base seed) never consumes the
     global torch random stream that dropout and the rest of training use.
     """
@@ -525,6 +567,9 @@ def rows_loader(
         generator=torch.Generator().manual_seed(seed),
     )
     if train:
-        sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
+        if sampler is None:
+            sampler = EpochShuffleSampler(len(dataset), seed)  # type: ignore[arg-type]
         return ResumableDataLoader(dataset, sampler=sampler, **common)
+    if sampler is not None:
+        return DataLoader(dataset, sampler=sampler, **common)
     return DataLoader(dataset, shuffle=False, **common)

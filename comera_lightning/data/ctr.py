@@ -23,20 +23,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .base import ComeraDataModule
 from .cache import cached_tensors
 from .common import (
-    KeepIndex,
     TensorDictDataset,
-    cache_key,
-    rows_loader,
+    check_val_fraction,
     stable_hash_many,
     uses_validation_rows_notice,
 )
@@ -302,7 +298,7 @@ def _criteo_files(data_dir: Path) -> list[Path]:
     return files
 
 
-class CriteoDataModule(pl.LightningDataModule):
+class CriteoDataModule(ComeraDataModule):
     """Criteo-format CTR batches for DLRM-style models, from local TSV files or synthetic rows.
 
     Batches: ``dense`` (B, 13) float32, ``sparse`` (B, 26) int64 with column ``t`` in
@@ -345,32 +341,22 @@ class CriteoDataModule(pl.LightningDataModule):
         seed: int = 0,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__()
         if data_dir is not None and synthetic:
             raise ValueError("pass either data_dir= (Criteo TSV files) or synthetic=True, not both")
         if data_dir is None and not synthetic:
             raise ValueError("no data: pass data_dir= a folder of Criteo-format TSV files, or synthetic=True")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        check_val_fraction(val_fraction)
         if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
             raise ValueError(
                 f"test_fraction must be in [0, 1) and val_fraction + test_fraction < 1 (rows must be left to train "
                 f"on), got test_fraction={test_fraction}, val_fraction={val_fraction}"
             )
+        super().__init__(batch_size, num_workers, seed, cache_dir)
         self.save_hyperparameters()
-        self.data_dir = data_dir
-        self.synthetic = synthetic
-        self.num_samples = num_samples
+        self.data_dir, self.synthetic, self.num_samples = data_dir, synthetic, num_samples
         self.table_sizes = _check_table_sizes(table_sizes)
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.test_fraction = test_fraction
-        self.num_workers = num_workers
-        self.seed = seed
-        self.cache_dir = cache_dir
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.num_dense_features = NUM_DENSE
-        self.train_dataset: TensorDictDataset | None = None
-        self.val_dataset: TensorDictDataset | None = None
         self.test_dataset: TensorDictDataset | None = None
 
     def load(self) -> dict[str, torch.Tensor]:
@@ -391,9 +377,8 @@ class CriteoDataModule(pl.LightningDataModule):
             return parse()
         stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         source = {"files": stats, "table_sizes": self.table_sizes, "version": 1}
-        path = Path(self.cache_dir).expanduser() / "encoded" / f"criteo-{cache_key(source)}.pt"
         return cached_tensors(
-            path,
+            self._cache_file("criteo", source),
             source=source,
             make=parse,
             what="parsed Criteo rows",
@@ -437,45 +422,14 @@ class CriteoDataModule(pl.LightningDataModule):
             TensorDictDataset(**{k: v[test_cut:] for k, v in data.items()}) if n_test else self.val_dataset
         )
 
-    def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
-        return rows_loader(
-            dataset,
-            batch_size=self.batch_size,
-            collate_fn=collate_fn or CTRCollator(),
-            train=train,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
+    @override
+    def _collate_fn(self, train: bool) -> CTRCollator:
+        return CTRCollator()
 
     @override
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        return self._loader(self.train_dataset, train=True)  # type: ignore[arg-type]
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            self.setup("validate")
-        if len(self.val_dataset) == 0:  # type: ignore[arg-type]
-            return []
-        return self._loader(self.val_dataset, train=False)  # type: ignore[arg-type]
-
     def _test_rows(self, stage: str) -> TensorDictDataset:
-        if self.test_dataset is None:
-            self.setup(stage)
-        if self.test_dataset is self.val_dataset:
+        """The test rows in order (the last ``test_fraction``; the validation rows when it is 0)."""
+        rows = self._rows("test_dataset", stage)
+        if rows is self.val_dataset:
             uses_validation_rows_notice(self, stage, "test_fraction=0; set test_fraction= to hold out the last rows")
-        return self.test_dataset  # type: ignore[return-value]
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        """The test rows in order (the last ``test_fraction``; the validation rows when it is 0); ``[]`` when empty."""
-        rows = self._test_rows("test")
-        return self._loader(rows, train=False) if len(rows) else []
-
-    @override
-    def predict_dataloader(self) -> DataLoader | list:
-        """The :meth:`test_dataloader` rows with ``index`` added (the row's number in that slice)."""
-        rows = self._test_rows("predict")
-        return self._loader(rows, train=False, collate_fn=KeepIndex(CTRCollator())) if len(rows) else []
+        return rows

@@ -31,7 +31,7 @@ import csv
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,31 +39,24 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from .base import ComeraDataModule
 from .cache import cached_tensors
-from .common import (
-    KeepIndex,
-    TensorDictDataset,
-    cache_key,
-    fingerprint_files,
-    rows_loader,
-    uses_validation_rows_notice,
-)
+from .common import TensorDictDataset, check_limit, fingerprint_files, uses_validation_rows_notice
 from .tokenizer import (
     SpecialTokenIds,
     TokenizerLifecycle,
     cached_bpe_tokenizer,
     encode_texts,
     file_sha1,
-    load_tokenizer,
 )
 
 __all__ = [
     "MNLI_LABELS",
     "TEST_SPLITS",
     "MNLIDataModule",
+    "PairClassification",
     "PairCollator",
     "detect_mnli_format",
     "encode_pair_rows",
@@ -150,40 +143,41 @@ def _pick(row: dict[str, Any], names: Sequence[str], where: str, default: Any = 
     raise ValueError(f"{where}: none of the columns {list(names)} (has {sorted(row)})")
 
 
-def _read_tsv(path: Path, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
-    a, b, y = [], [], []
+def _labelled_pairs(
+    rows: Iterable[tuple[str, dict[str, Any]]], columns: Sequence[Sequence[str]], label_optional: bool
+) -> tuple[list[str], list[str], list[int]]:
+    """(premises, hypotheses, labels) of the labelled ones of ``(where, row)`` rows.
+
+    ``columns``: the names of the label, premise and hypothesis columns, each as a list, the preferred first.
+    """
+    label_names, premise_names, hypothesis_names = columns
     no_label = None if label_optional else _REQUIRED  # a test file may have no label column at all
+    a, b, y = [], [], []
+    for where, row in rows:
+        label = _label_id(_pick(row, label_names, where, no_label), where)
+        if label is None:
+            continue
+        a.append(_pick(row, premise_names, where) or "")
+        b.append(_pick(row, hypothesis_names, where) or "")
+        y.append(label)
+    return a, b, y
+
+
+def _read_tsv(path: Path, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with open(path, encoding="utf-8", newline="") as fh:
         # GLUE TSVs contain unbalanced quotes: read with quoting off, as the GLUE baselines do
         reader = csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for line, row in enumerate(reader, start=2):
-            where = f"{path}:{line}"
-            label = _label_id(_pick(row, ("gold_label", "label"), where, no_label), where)
-            if label is None:
-                continue
-            a.append(_pick(row, ("sentence1", "premise"), where) or "")
-            b.append(_pick(row, ("sentence2", "hypothesis"), where) or "")
-            y.append(label)
-    return a, b, y
+        rows = ((f"{path}:{line}", row) for line, row in enumerate(reader, start=2))
+        columns = (("gold_label", "label"), ("sentence1", "premise"), ("sentence2", "hypothesis"))
+        return _labelled_pairs(rows, columns, label_optional)
 
 
 def _read_jsonl(path: Path, label_optional: bool = False) -> tuple[list[str], list[str], list[int]]:
-    a, b, y = [], [], []
-    no_label = None if label_optional else _REQUIRED  # a test file may have no label column at all
     with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            row = json.loads(line)
-            label = _label_id(_pick(row, ("label", "gold_label"), where, no_label), where)
-            if label is None:
-                continue
-            a.append(_pick(row, ("premise", "sentence1"), where) or "")
-            b.append(_pick(row, ("hypothesis", "sentence2"), where) or "")
-            y.append(label)
-    return a, b, y
+        rows = ((f"{path}:{n}", json.loads(line)) for n, line in enumerate(fh, start=1) if line.strip())
+        columns = (("label", "gold_label"), ("premise", "sentence1"), ("hypothesis", "sentence2"))
+        return _labelled_pairs(rows, columns, label_optional)
 
 
 def _datasets_module():
@@ -345,7 +339,28 @@ class PairCollator:
         }
 
 
-class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
+class PairClassification(ComeraDataModule):
+    """What the sentence-pair classification modules share: their batches (:class:`PairCollator`) and class names."""
+
+    #: class names by label id
+    label_names: tuple[str, ...]
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes the labels name."""
+        return len(self.label_names)
+
+    @property
+    def class_names(self) -> list[str]:
+        """Label names by id."""
+        return list(self.label_names)
+
+    @override
+    def _collate_fn(self, train: bool) -> PairCollator:
+        return PairCollator()
+
+
+class MNLIDataModule(TokenizerLifecycle, PairClassification):
     """GLUE MNLI sentence-pair classification from a local folder (no download).
 
     Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` (B, seq_len) long and ``labels`` (B,)
@@ -378,6 +393,9 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         seed: seeds the training shuffle.
     """
 
+    label_names = tuple(MNLI_LABELS)
+    cache_dir: str
+
     def __init__(
         self,
         data_dir: str,
@@ -393,7 +411,6 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if not data_dir:
             raise ValueError(
                 "MNLIDataModule needs data_dir= the folder with the MNLI files (GLUE TSVs, JSONL or a "
@@ -409,30 +426,16 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
             raise ValueError(f"test_split must be one of {list(TEST_SPLITS)} or None (choose), got {test_split!r}")
         if seq_len < 3:
             raise ValueError(f"seq_len must be >= 3, got {seq_len}")
-        if max_train_samples is not None and max_train_samples < 1:
-            raise ValueError(f"max_train_samples must be >= 1 or None, got {max_train_samples}")
+        check_limit("max_train_samples", max_train_samples)
+        super().__init__(batch_size, num_workers, seed, cache_dir)
         self.save_hyperparameters()
-        self.data_dir = data_dir
-        self.format = format
-        self.tokenizer_path = tokenizer_path
-        self.vocab_size = vocab_size
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.validation_split = validation_split
-        self.test_split = test_split
-        self._test_split: str | None = None
+        self.data_dir, self.format, self.tokenizer_path, self.vocab_size = data_dir, format, tokenizer_path, vocab_size
+        self.seq_len, self.validation_split, self.test_split = seq_len, validation_split, test_split
         self.max_train_samples = max_train_samples
-        self.cache_dir = cache_dir
-        self.num_workers = num_workers
-        self.seed = seed
+        self._test_split: str | None = None
         self._format: str | None = None
         self._splits: dict[str, tuple[list[str], list[str], list[int]]] = {}
         self._fingerprints: dict[str, str] = {}
-        self._tokenizer_file: Path | None = None
-        self._tokenizer: Any = None
-        self.tokenizer_trained = False  #: whether this instance trained (rather than loaded) the tokenizer
-        self.train_dataset: TensorDictDataset | None = None
-        self.val_dataset: TensorDictDataset | None = None
         self.test_dataset: TensorDictDataset | None = None
 
     @property
@@ -474,36 +477,21 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
             self._splits[split] = (a, b, y)
         return self._splits[split]
 
-    def _ensure_tokenizer_file(self) -> Path:
-        if self._tokenizer_file is None:
-            if self.tokenizer_path is not None:
-                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
-                load_tokenizer(self._tokenizer_file)
-            else:
+    @override
+    def _train_tokenizer(self) -> tuple[Path, bool]:
+        def texts() -> list[str]:
+            a, b, _ = self._read("train")
+            return [*a, *b]
 
-                def texts() -> list[str]:
-                    a, b, _ = self._read("train")
-                    return [*a, *b]
-
-                self._tokenizer_file, self.tokenizer_trained = cached_bpe_tokenizer(
-                    self.cache_dir,
-                    "mnli",
-                    {"train": self._source_fingerprint("train"), "max_train_samples": self.max_train_samples},
-                    texts,
-                    self.vocab_size,
-                    add_prefix_space=True,
-                    origin=f"the MNLI training split under {self.root}",
-                )
-        return self._tokenizer_file
-
-    @property
-    def num_classes(self) -> int:
-        return len(MNLI_LABELS)
-
-    @property
-    def class_names(self) -> list[str]:
-        """Label names by id: ``["entailment", "neutral", "contradiction"]``."""
-        return list(MNLI_LABELS)
+        return cached_bpe_tokenizer(
+            self.cache_dir,
+            "mnli",
+            {"train": self._source_fingerprint("train"), "max_train_samples": self.max_train_samples},
+            texts,
+            self.vocab_size,
+            add_prefix_space=True,
+            origin=f"the MNLI training split under {self.root}",
+        )
 
     @property
     def resolved_test_split(self) -> str:
@@ -525,9 +513,8 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
         return self.validation_split
 
     def _encoded(self, split: str) -> dict[str, torch.Tensor]:
-        tok_file = self._ensure_tokenizer_file()
         source = {
-            "tokenizer": file_sha1(tok_file),
+            "tokenizer": file_sha1(self._ensure_tokenizer_file()),
             "source": self._source_fingerprint(split),
             "format": self.resolved_format,
             "split": split,
@@ -535,14 +522,13 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
             "max_train_samples": self.max_train_samples if split == "train" else None,
             "version": _ENCODING_VERSION,
         }
-        path = Path(self.cache_dir).expanduser() / "encoded" / f"mnli-{split}-{cache_key(source)}.pt"
 
         def make() -> dict[str, torch.Tensor]:
             a, b, y = self._read(split)
             return encode_pair_rows(self.tokenizer, a, b, y, self.seq_len, self.special_ids)
 
         return cached_tensors(
-            path,
+            self._cache_file(f"mnli-{split}", source),
             source=source,
             make=make,
             what=f"encoded MNLI split {split!r}",
@@ -574,46 +560,15 @@ class MNLIDataModule(TokenizerLifecycle, pl.LightningDataModule):
             else:
                 self.test_dataset = TensorDictDataset(**self._encoded(split))
 
-    def _dataset(self, name: str, stage: str) -> TensorDictDataset:
-        if getattr(self, name) is None:
-            self.setup(stage)
-        return getattr(self, name)
-
-    def _loader(self, dataset: TensorDictDataset, train: bool, collate_fn: Any = None) -> DataLoader:
-        return rows_loader(
-            dataset,
-            batch_size=self.batch_size,
-            collate_fn=collate_fn or PairCollator(),
-            train=train,
-            seed=self.seed,
-            num_workers=self.num_workers,
-        )
-
     @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train_dataset", "fit"), train=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("val_dataset", "validate"), train=False)
-
     def _test_rows(self, stage: str) -> TensorDictDataset:
-        rows = self._dataset("test_dataset", stage)
+        """Labelled pairs of :attr:`resolved_test_split`, in file order."""
+        rows = self._rows("test_dataset", stage)
         if self.resolved_test_split == self.validation_split:
             uses_validation_rows_notice(
                 self, stage, f"{str(self.root)!r} has no other labelled split; set test_split= to choose one"
             )
         return rows
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        """Labelled pairs of :attr:`resolved_test_split`, in file order."""
-        return self._loader(self._test_rows("test"), train=False)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        """The :meth:`test_dataloader` pairs with ``index`` (the row number in that split) added."""
-        return self._loader(self._test_rows("predict"), train=False, collate_fn=KeepIndex(PairCollator()))
 
 
 def _trainer_fn(datamodule: pl.LightningDataModule) -> str | None:

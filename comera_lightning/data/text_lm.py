@@ -26,16 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from .cache import Progress, load_or_build
-from .code_lm import CausalLMEvaluation, LMCollator
-from .common import ResumableDataLoader, cache_key, stable_unit
+from .code_lm import CausalLMEvaluation
+from .common import cache_key, check_val_fraction, stable_unit
 from .corpus import stdlib_root
 from .text_sources import Piece, TextSource, dataset_sources, iter_pieces, resolve_files, sources_fingerprint
 from .token_store import (
@@ -46,7 +43,7 @@ from .token_store import (
     read_token_store,
     token_dtype,
 )
-from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, encode_texts, file_sha1, load_tokenizer
+from .tokenizer import TokenizerLifecycle, cached_bpe_tokenizer, encode_texts, file_sha1
 
 __all__ = ["EOS_TOKEN_NAMES", "TextLMDataModule"]
 
@@ -57,7 +54,7 @@ _STORE_VERSION = 1
 _BATCH_BYTES = 4 << 20
 
 
-class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataModule):
+class TextLMDataModule(TokenizerLifecycle, CausalLMEvaluation):
     """Packed next-token batches from local text, JSON lines, Parquet or a ``datasets`` folder (module docstring).
 
     Batches: ``input_ids`` and ``labels`` (B, ``seq_len``) long; ``labels`` is ``-100`` only on the padded end
@@ -87,6 +84,8 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         seed: the training order and the validation split.
     """
 
+    cache_dir: str
+
     def __init__(
         self,
         files: str | list[str] | None = None,
@@ -108,7 +107,6 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
         if (files is None) == (dataset_path is None):
             raise ValueError(
                 "pass exactly one corpus: data.files (globs of .txt/.jsonl/.parquet files) or data.dataset_path "
@@ -119,26 +117,18 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 "val_files= goes with files=; a dataset_path's validation comes from its 'validation' "
                 "split or val_fraction"
             )
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        check_val_fraction(val_fraction)
         if seq_len < 2 or batch_size < 1:
             raise ValueError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
-        if prompt_len < 1 or num_prompts < 1:
-            raise ValueError(f"prompt_len and num_prompts must be >= 1, got {prompt_len}, {num_prompts}")
         if tokenizer_sample_mb <= 0:
             raise ValueError(f"tokenizer_sample_mb must be > 0, got {tokenizer_sample_mb}")
+        super().__init__(batch_size, num_workers, seed, cache_dir, prompt_len, num_prompts)
         self.save_hyperparameters()
         self.files, self.dataset_path, self.text_field = files, dataset_path, text_field
         self.val_files, self.val_fraction, self.root = val_files, val_fraction, root
         self.tokenizer_path, self.eos_token, self.vocab_size = tokenizer_path, eos_token, vocab_size
-        self.seq_len, self.batch_size, self.token_dir, self.cache_dir = seq_len, batch_size, token_dir, cache_dir
-        self.tokenizer_sample_mb = tokenizer_sample_mb
-        self.prompt_len, self.num_prompts, self.num_workers, self.seed = prompt_len, num_prompts, num_workers, seed
-        self._tokenizer_file: Path | None = None
-        self._tokenizer: Any = None
+        self.seq_len, self.token_dir, self.tokenizer_sample_mb = seq_len, token_dir, tokenizer_sample_mb
         self._sources: dict[str, list[TextSource]] | None = None
-        self.train_dataset: TokenRows | None = None
-        self.val_dataset: TokenRows | None = None
 
     # ------------------------------------------------------------------ corpus
     def sources(self) -> dict[str, list[TextSource]]:
@@ -178,21 +168,16 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 yield side, piece
 
     # ------------------------------------------------------------------ tokenizer
-    def _ensure_tokenizer_file(self) -> Path:
-        if self._tokenizer_file is None:
-            if self.tokenizer_path is not None:
-                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
-                load_tokenizer(self._tokenizer_file)  # a missing file fails here, clearly
-            else:
-                budget = int(self.tokenizer_sample_mb * 2**20)
-                self._tokenizer_file, _ = cached_bpe_tokenizer(
-                    self.cache_dir,
-                    "text",
-                    {"corpus": self._corpus_fingerprint(), "text_field": self.text_field, "sample_bytes": budget},
-                    lambda: self._sample_text(budget),
-                    self.vocab_size,
-                )
-        return self._tokenizer_file
+    @override
+    def _train_tokenizer(self) -> tuple[Path, bool]:
+        budget = int(self.tokenizer_sample_mb * 2**20)
+        return cached_bpe_tokenizer(
+            self.cache_dir,
+            "text",
+            {"corpus": self._corpus_fingerprint(), "text_field": self.text_field, "sample_bytes": budget},
+            lambda: self._sample_text(budget),
+            self.vocab_size,
+        )
 
     def _sample_text(self, budget: int) -> Iterator[str]:
         seen = 0
@@ -369,25 +354,10 @@ class TextLMDataModule(CausalLMEvaluation, TokenizerLifecycle, pl.LightningDataM
                 "data.val_files"
             )
 
-    def _loader(
-        self, rows: Any, sampler: ShardedShuffleSampler, loader: type[DataLoader] = DataLoader, keep_index: bool = False
-    ) -> DataLoader:
-        return loader(
-            rows,
-            sampler=sampler,
-            batch_size=self.batch_size,
-            collate_fn=LMCollator(keep_index),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
-
     @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled rows, this rank's share (order a function of seed and epoch), resumable mid-epoch."""
-        rows = self._datasets("fit")[0]
-        return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=True, seed=self.seed), ResumableDataLoader)
-
-    def _eval_loader(self, rows: TokenRows) -> DataLoader:
-        """In order, this rank's share."""
-        return self._loader(rows, ShardedShuffleSampler(len(rows), shuffle=False))
+    def _sampler(self, rows: Any, train: bool) -> ShardedShuffleSampler:
+        """This rank's share of the rows: shuffled for training (the order a function of seed and epoch), else
+        in order."""
+        if train:
+            return ShardedShuffleSampler(len(rows), shuffle=True, seed=self.seed)
+        return ShardedShuffleSampler(len(rows), shuffle=False)

@@ -252,18 +252,33 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
 class TokenizerLifecycle:
     """The tokenizer of a text data module: one place for loading, size checking and special ids.
 
-    A data module mixes this in and implements ``_ensure_tokenizer_file()`` (train and cache, or take a given
-    file); it sets ``vocab_size``, ``_tokenizer_file = None`` and ``_tokenizer = None`` in its constructor.
+    A data module mixes this in, sets ``vocab_size`` (and ``tokenizer_path`` when it takes one) and implements
+    ``_train_tokenizer()``: train and cache its byte-level BPE, used when no ``tokenizer_path`` is given.
     ``require_mask`` says whether the task needs a ``[MASK]`` token (masked-LM).
     """
 
     vocab_size: int
-    _tokenizer_file: Path | None
-    _tokenizer: Any
+    #: a local tokenizer.json to use instead of training one
+    tokenizer_path: str | None = None
+    #: whether this instance trained (rather than loaded) the tokenizer
+    tokenizer_trained: bool = False
     require_mask: bool = False
+    _tokenizer_file: Path | None = None
+    _tokenizer: Any = None
 
-    def _ensure_tokenizer_file(self) -> Path:  # pragma: no cover - abstract
+    def _train_tokenizer(self) -> tuple[Path, bool]:  # pragma: no cover - abstract
+        """``(tokenizer.json, trained)`` of :func:`cached_bpe_tokenizer` on this module's training text."""
         raise NotImplementedError
+
+    def _ensure_tokenizer_file(self) -> Path:
+        """The tokenizer.json in use: ``tokenizer_path`` (checked to load), else the trained and cached BPE."""
+        if self._tokenizer_file is None:
+            if self.tokenizer_path is not None:
+                self._tokenizer_file = Path(self.tokenizer_path).expanduser()
+                load_tokenizer(self._tokenizer_file)  # a missing or damaged file fails here, clearly
+            else:
+                self._tokenizer_file, self.tokenizer_trained = self._train_tokenizer()
+        return self._tokenizer_file
 
     @property
     def tokenizer(self) -> Any:

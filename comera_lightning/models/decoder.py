@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import TTEmbedding
-from ..nn.dropout import attention, dropout_layer
+from ..nn.dropout import dropout_layer
+from .attention import HeadedAttention
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
@@ -135,13 +136,11 @@ def window_mask(
     return (key_pos <= query_pos) & (query_pos - key_pos < window)
 
 
-class _CausalSelfAttention(nn.Module):
+class _CausalSelfAttention(HeadedAttention):
     def __init__(
         self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float, packed_dropout: bool
     ) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
-        self.packed_dropout = packed_dropout
+        super().__init__(d_model, num_heads, dropout, packed_dropout)
         self.q_proj = factory.linear(f"{prefix}q_proj", d_model, d_model, bias=False)
         self.k_proj = factory.linear(f"{prefix}k_proj", d_model, d_model, bias=False)
         self.v_proj = factory.linear(f"{prefix}v_proj", d_model, d_model, bias=False)
@@ -156,28 +155,10 @@ class _CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        batch, seq_len, d_model = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-
-        q = apply_rotary(heads(self.q_proj(x)), cos, sin)
-        k = apply_rotary(heads(self.k_proj(x)), cos, sin)
-        v = heads(self.v_proj(x))
-        # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if cache is not None:
-            k, v = cache.extend(layer, k, v)
-        attended = attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0,
-            packed_masks=self.packed_dropout,
-        )
-        return self.o_proj(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+        q = apply_rotary(self.heads(self.q_proj(x)), cos, sin)
+        k = apply_rotary(self.heads(self.k_proj(x)), cos, sin)
+        v = self.heads(self.v_proj(x))
+        return self.attend(q, k, v, self.o_proj, attn_mask=mask, is_causal=mask is None, cache=cache, layer=layer)
 
 
 class _SwiGLU(nn.Module):

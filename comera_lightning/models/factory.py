@@ -25,13 +25,11 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..config import GroupedOptions
-from ..nn.builder import LayerKind, TTLayerOptions, build_tt_layer
+from ..nn.builder import LayerKind, LayerModes, TTLayerOptions, build_tt_layer
 from ..tt import BOTTLENECK_ACTIVATIONS
 from ..tt.parameterization import check_parameterization
 
 __all__ = ["LayerConfig", "LayerFactory"]
-
-Modes = tuple[Sequence[int] | None, Sequence[int] | None]
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:
@@ -220,7 +218,7 @@ class LayerFactory:
         return self._tt_layer("embedding", name, shape, modes, padding_idx=padding_idx, **tt_kwargs)
 
     def _tt_layer(
-        self, kind: LayerKind, name: str, shape: tuple[int, int], modes: Modes, **layer_kwargs: Any
+        self, kind: LayerKind, name: str, shape: tuple[int, int], modes: LayerModes, **layer_kwargs: Any
     ) -> nn.Module:
         """The TT layer ``name`` as the config says: its rank, one mode per side where ``low_rank_linears`` /
         ``low_rank_embeddings`` match it, the bottleneck activation where ``activation_layers`` does."""

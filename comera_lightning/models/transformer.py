@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.dropout import attention, dropout_layer
+from ..nn.dropout import dropout_layer
+from .attention import HeadedAttention
 from .checkpointing import run_block
 from .factory import LayerConfig, LayerFactory
 
@@ -108,38 +109,21 @@ class _Embeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-class _SelfAttention(nn.Module):
+class _SelfAttention(HeadedAttention):
     """Multi-head self-attention with separate q/k/v/output projections and a key padding mask."""
 
     def __init__(
         self, factory: LayerFactory, prefix: str, d_model: int, num_heads: int, dropout: float, packed_dropout: bool
     ) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.dropout = num_heads, d_model // num_heads, dropout
-        self.packed_dropout = packed_dropout
+        super().__init__(d_model, num_heads, dropout, packed_dropout)
         self.query = _linear(factory, f"{prefix}query", d_model, d_model)
         self.key = _linear(factory, f"{prefix}key", d_model, d_model)
         self.value = _linear(factory, f"{prefix}value", d_model, d_model)
         self.output = _linear(factory, f"{prefix}output", d_model, d_model)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq_len, d_model = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        # projections may differ in dtype under autocast (a dense and a TT one); SDPA wants one dtype
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = attention(
-            q,
-            k,
-            v,
-            attn_mask=key_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            packed_masks=self.packed_dropout,
-        )
-        return self.output(attended.transpose(1, 2).reshape(batch, seq_len, d_model))
+        q, k, v = self.heads(self.query(x)), self.heads(self.key(x)), self.heads(self.value(x))
+        return self.attend(q, k, v, self.output, attn_mask=key_mask)
 
 
 class _EncoderLayer(nn.Module):
@@ -266,23 +250,16 @@ class TransformerEncoder(nn.Module):
         return x
 
 
-class SequenceClassifier(nn.Module):
-    """The paper's MNLI model: encoder, BERT pooler (dense + tanh on ``[CLS]``), dropout, classifier.
+class _EncoderWithHead(nn.Module):
+    """A :class:`TransformerEncoder` (its layers named ``encoder.*``) and a head on its hidden states."""
 
-    Layer names: ``encoder.<encoder names>``, ``pooler``, ``classifier``; :attr:`layer_kinds` lists all.
-    Takes the :class:`TransformerEncoder` arguments plus ``num_classes``; returns logits ``(B, num_classes)``.
-    """
-
-    def __init__(self, vocab_size: int, num_classes: int = 3, **encoder_kwargs: Any) -> None:
+    def __init__(self, vocab_size: int, **encoder_kwargs: Any) -> None:
         super().__init__()
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         self.encoder = TransformerEncoder(vocab_size, **encoder_kwargs, name_prefix="encoder.")
-        factory, d_model = LayerFactory(self.encoder.layer_config), self.encoder.d_model
-        self.pooler = _linear(factory, "pooler", d_model, d_model)
-        self.dropout = dropout_layer(self.encoder.dropout_p, self.encoder.packed_dropout)
-        self.classifier = _linear(factory, "classifier", d_model, num_classes)
-        self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
+
+    def _list_layers(self, head_factory: LayerFactory) -> None:
+        """:attr:`layer_kinds`: the encoder's layers, then those the head built through ``head_factory``."""
+        self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **head_factory.layers}
 
     def forward(
         self,
@@ -290,8 +267,32 @@ class SequenceClassifier(nn.Module):
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``(B, num_classes)`` from the first (``[CLS]``) position; arguments as the encoder's."""
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+        """The head's output (see the class) on the encoder's hidden states; arguments as the encoder's."""
+        return self.head_output(self.encoder(input_ids, attention_mask, token_type_ids))
+
+    def head_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SequenceClassifier(_EncoderWithHead):
+    """The paper's MNLI model: encoder, BERT pooler (dense + tanh on ``[CLS]``), dropout, classifier.
+
+    Layer names: ``encoder.<encoder names>``, ``pooler``, ``classifier``; :attr:`layer_kinds` lists all.
+    Takes the :class:`TransformerEncoder` arguments plus ``num_classes``; returns logits ``(B, num_classes)``.
+    """
+
+    def __init__(self, vocab_size: int, num_classes: int = 3, **encoder_kwargs: Any) -> None:
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        super().__init__(vocab_size, **encoder_kwargs)
+        factory, d_model = LayerFactory(self.encoder.layer_config), self.encoder.d_model
+        self.pooler = _linear(factory, "pooler", d_model, d_model)
+        self.dropout = dropout_layer(self.encoder.dropout_p, self.encoder.packed_dropout)
+        self.classifier = _linear(factory, "classifier", d_model, num_classes)
+        self._list_layers(factory)
+
+    def head_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, num_classes)`` from the first (``[CLS]``) position."""
         pooled = torch.tanh(self.pooler(hidden[:, 0]))
         return self.classifier(self.dropout(pooled))
 
@@ -309,7 +310,7 @@ class _MLMHead(nn.Module):
         return self.decoder(self.norm(F.gelu(self.dense(hidden))))
 
 
-class MaskedLanguageModel(nn.Module):
+class MaskedLanguageModel(_EncoderWithHead):
     """Encoder plus the BERT MLM head: dense, GELU, LayerNorm, decoder to the vocabulary (with bias).
 
     The decoder is not tied to the word embedding (a TT embedding and a TT linear have different
@@ -319,18 +320,11 @@ class MaskedLanguageModel(nn.Module):
     """
 
     def __init__(self, vocab_size: int, **encoder_kwargs: Any) -> None:
-        super().__init__()
-        self.encoder = TransformerEncoder(vocab_size, **encoder_kwargs, name_prefix="encoder.")
+        super().__init__(vocab_size, **encoder_kwargs)
         factory = LayerFactory(self.encoder.layer_config)
         self.head = _MLMHead(factory, "head.", self.encoder.d_model, vocab_size)
-        self.layer_kinds: dict[str, str] = {**self.encoder.layer_kinds, **factory.layers}
+        self._list_layers(factory)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``(B, T, vocab_size)`` at every position; arguments as the encoder's."""
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+    def head_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, vocab_size)`` at every position."""
         return self.head(hidden)

@@ -11,18 +11,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..tt import rank as tt_rank
 from ..tt.cores import keep_grad_layout
-from ..tt.rank import (
-    CoreSelection,
-    apply_gates,
-    bond_weights,
-    leading_share,
-    minimum_train_size,
-    refresh_mask,
-    select_rank_slices,
-    train_parameter_count,
-    truncate_train,
-)
 from .distributed import full_tensor, is_sharded, write_full_
 
 __all__ = [
@@ -160,19 +150,19 @@ class TTLayer(nn.Module):
 
     def active_parameters(self) -> int:
         """Parameters of the train restricted to active slices (what truncation would leave)."""
-        return train_parameter_count(self.mode_sizes, self.active_ranks)
+        return tt_rank.train_parameter_count(self.mode_sizes, self.active_ranks)
 
     def allocated_parameters(self) -> int:
         """Core parameters currently stored (before truncation this includes masked slices)."""
-        return train_parameter_count(self.mode_sizes, self.ranks)
+        return tt_rank.train_parameter_count(self.mode_sizes, self.ranks)
 
     def slice_parameters(self) -> list[float]:
         """Parameters one active slice of each internal bond holds (the weighted rank penalty's bond weights)."""
-        return bond_weights(self.mode_sizes, self.active_ranks)
+        return tt_rank.bond_weights(self.mode_sizes, self.active_ranks)
 
     def minimum_parameters(self) -> int:
         """Parameters left with every bond at rank 1: the floor of rank adaptation."""
-        return minimum_train_size(self.mode_sizes)
+        return tt_rank.minimum_train_size(self.mode_sizes)
 
     @property
     def dense_parameters(self) -> int:  # pragma: no cover - abstract
@@ -183,7 +173,7 @@ class TTLayer(nn.Module):
         """Cores with the masked gates folded into their trailing rank index (differentiable); the cores'
         gradients arrive in their own layout, as DDP wants them."""
         # sharded parameters (FSDP2, outside its forward) are combined with the masks as their full values
-        return apply_gates(
+        return tt_rank.apply_gates(
             [keep_grad_layout(full_tensor(core)) for core in self.cores],
             [full_tensor(gate) for gate in self.gates],
             self.rank_masks,
@@ -279,7 +269,7 @@ class TTLayer(nn.Module):
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1) (gates start at 1), got {threshold}")
         for gate, mask in zip(self.gates, self.rank_masks, strict=True):
-            mask.copy_(refresh_mask(full_tensor(gate.detach()), mask, threshold))
+            mask.copy_(tt_rank.refresh_mask(full_tensor(gate.detach()), mask, threshold))
         return self.active_ranks
 
     @torch.no_grad()
@@ -337,7 +327,7 @@ class TTLayer(nn.Module):
         record = TruncationRecord()
         if all(bool(m.all()) for m in self.rank_masks):
             return record
-        core_sel, gate_sel = truncate_train(self.rank_masks, len(self.cores))
+        core_sel, gate_sel = tt_rank.truncate_train(self.rank_masks, len(self.cores))
         record.extend([*zip(self.cores, core_sel, strict=True), *zip(self.gates, gate_sel, strict=True)])
         return record
 
@@ -355,7 +345,7 @@ class TTLayer(nn.Module):
         ``slice_optimizer_state`` (or, in Lightning, ``after_truncation``) so an optimiser keeps training exactly.
         """
         for gate in self.gates:
-            gate[leading_share(gate.numel(), keep) :] = 0.0
+            gate[tt_rank.leading_share(gate.numel(), keep) :] = 0.0
         self.refresh_masks_()
         return self.truncate_()
 
@@ -402,6 +392,13 @@ class TTLayer(nn.Module):
             gate.grad = None
         self.reset_masks_to_ranks_(ranks[1:-1])
 
+    @torch.no_grad()
+    def _copy_factors_(self, factors: Sequence[torch.Tensor]) -> None:
+        """Take ``factors`` as the cores, with their ranks (a decomposition may end below the layer's)."""
+        self._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        for core, factor in zip(self.cores, factors, strict=True):
+            core.copy_(factor)
+
     def reset_masks_to_ranks_(self, bond_ranks: Sequence[int]) -> None:
         """All-active masks of the given internal bond ranks (after the parameters were resized to them)."""
         self.clear_inference_cache()
@@ -439,10 +436,10 @@ class TTLayer(nn.Module):
         return f"ranks={self.ranks}, active_ranks={self.active_ranks}, threshold={self.rank_threshold}"
 
 
-def _resize_parameter(param: nn.Parameter, selection: CoreSelection) -> None:
-    param.data = select_rank_slices(param.data, selection)
+def _resize_parameter(param: nn.Parameter, selection: tt_rank.CoreSelection) -> None:
+    param.data = tt_rank.select_rank_slices(param.data, selection)
     if param.grad is not None:
-        param.grad = select_rank_slices(param.grad, selection)
+        param.grad = tt_rank.select_rank_slices(param.grad, selection)
 
 
 def _torch_factors(tt: Any, ndim: int, where: str, expected: str) -> list[torch.Tensor]:

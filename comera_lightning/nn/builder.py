@@ -19,11 +19,12 @@ from .base import TTLayer
 from .embedding import TTEmbedding
 from .linear import TTLinear
 
-__all__ = ["LayerKind", "LayerShape", "TTLayerOptions", "build_tt_layer", "freeze_gates_", "layer_shape"]
+__all__ = ["LayerKind", "LayerModes", "LayerShape", "TTLayerOptions", "build_tt_layer", "freeze_gates_", "layer_shape"]
 
 #: ``"linear"`` (shape ``(in_features, out_features)``) or ``"embedding"`` (shape ``(rows, width)``)
 LayerKind = Literal["linear", "embedding"]
-Modes = tuple[Sequence[int] | None, Sequence[int] | None]
+#: the modes of each side (``(in_modes, out_modes)`` or ``(vocab_modes, dim_modes)``); None picks balanced ones
+LayerModes = tuple[Sequence[int] | None, Sequence[int] | None]
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def build_tt_layer(
     shape: tuple[int, int],
     options: TTLayerOptions,
     *,
-    modes: Modes = (None, None),
+    modes: LayerModes = (None, None),
     dense: nn.Module | None = None,
     **layer_kwargs: Any,
 ) -> tuple[TTLinear | TTEmbedding, float | None]:
@@ -128,10 +129,10 @@ def build_tt_layer(
     return layer, error
 
 
-Dense = TypeVar("Dense", nn.Linear, nn.Embedding)
+_Dense = TypeVar("_Dense", nn.Linear, nn.Embedding)
 
 
-def _checked(dense: nn.Module, expected: type[Dense], shape: tuple[int, int]) -> Dense:
+def _checked(dense: nn.Module, expected: type[_Dense], shape: tuple[int, int]) -> _Dense:
     """``dense`` as the ``expected`` module of ``shape``, or a ValueError."""
     if isinstance(dense, expected):
         actual = dense.weight.shape if isinstance(dense, nn.Embedding) else dense.weight.shape[::-1]

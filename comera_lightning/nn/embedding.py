@@ -117,11 +117,8 @@ class TTEmbedding(TTLayer):
             device=embedding.weight.device,
             **kwargs,
         )
-        factors = ttm_from_dense(embedding.weight.detach(), layer.vocab_modes, layer.dim_modes, layer.ranks)
-        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        layer._copy_factors_(ttm_from_dense(embedding.weight.detach(), layer.vocab_modes, layer.dim_modes, layer.ranks))
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors, strict=True):
-                core.copy_(factor)
             reference = embedding.weight
             error = (layer.weight_dense() - reference).norm() / reference.norm().clamp_min(1e-30)
         return layer, float(error)
@@ -208,10 +205,7 @@ class TTEmbedding(TTLayer):
             device=factors[0].device,
             **kwargs,
         )
-        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
-        with torch.no_grad():
-            for core, factor in zip(layer.cores, factors, strict=True):
-                core.copy_(factor)
+        layer._copy_factors_(factors)
         return layer
 
     def extra_repr(self) -> str:

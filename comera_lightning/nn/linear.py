@@ -126,11 +126,8 @@ class TTLinear(TTLayer):
             **kwargs,
         )
         weight = linear.weight.detach().transpose(0, 1)
-        factors = tt_from_dense(weight, layer.in_modes, layer.out_modes, layer.ranks)
-        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
+        layer._copy_factors_(tt_from_dense(weight, layer.in_modes, layer.out_modes, layer.ranks))
         with torch.no_grad():
-            for core, factor in zip(layer.cores, factors, strict=True):
-                core.copy_(factor)
             if linear.bias is not None:
                 assert layer.bias is not None  # built with bias=linear.bias is not None
                 layer.bias.copy_(linear.bias)
@@ -257,12 +254,10 @@ class TTLinear(TTLayer):
             device=factors[0].device,
             **kwargs,
         )
-        layer._adopt_core_shapes([tuple(f.shape) for f in factors], "")
-        with torch.no_grad():
-            for core, factor in zip(layer.cores, factors, strict=True):
-                core.copy_(factor)
-            if bias is not None:
-                assert layer.bias is not None  # built with bias=bias is not None
+        layer._copy_factors_(factors)
+        if bias is not None:
+            assert layer.bias is not None  # built with bias=bias is not None
+            with torch.no_grad():
                 layer.bias.copy_(bias)
         return layer
 

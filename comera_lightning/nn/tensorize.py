@@ -70,39 +70,6 @@ class TensorizeRecord:
         return cls(name, kind, shape, ranks, layer.dense_parameters, parameters, error)
 
 
-_FIELD_NAMES = frozenset(
-    (
-        "rank",
-        "min_features",
-        "include",
-        "exclude",
-        "linears",
-        "embeddings",
-        "embedding_rank",
-        "decompose",
-        "low_rank",
-        "bottleneck_activation",
-        "learn_gates",
-        "rank_threshold",
-        "parameterization",
-    )
-)
-# the keys of a recorded call, in their order; rank_threshold and parameterization, when given, and the other layer
-# arguments are under "layer_kwargs" (decompose is not recorded: the weights come from the state dict)
-_SPEC_KEYS = (
-    "rank",
-    "min_features",
-    "include",
-    "exclude",
-    "linears",
-    "embeddings",
-    "embedding_rank",
-    "low_rank",
-    "bottleneck_activation",
-    "learn_gates",
-)
-
-
 @dataclass(frozen=True)
 class TensorizeOptions:
     """The arguments of :func:`tensorize` as one object: which modules it swaps, and how it builds their TT layers.
@@ -208,7 +175,11 @@ class TensorizeOptions:
         return tensorize_options(**arguments, layer_kwargs=dict(spec.get("layer_kwargs") or {}))
 
 
-_DEFAULTS = {f.name: f.default for f in fields(TensorizeOptions)}
+_DEFAULTS = {f.name: f.default for f in fields(TensorizeOptions) if f.name != "layer_kwargs"}
+_FIELD_NAMES = frozenset(_DEFAULTS)
+# the keys of a recorded call, in their order; rank_threshold and parameterization, when given, and the other layer
+# arguments are under "layer_kwargs" (decompose is not recorded: the weights come from the state dict)
+_SPEC_KEYS = tuple(name for name in _DEFAULTS if name not in ("decompose", "rank_threshold", "parameterization"))
 
 
 def tensorize_options(**arguments: Any) -> TensorizeOptions:

@@ -52,6 +52,16 @@ def planned_steps(trainer: Trainer) -> int | None:
     return int(total) if total is not None and math.isfinite(total) else None
 
 
+def _at_least(value: float | None, low: float) -> bool:
+    """``value`` is None or at least ``low``."""
+    return value is None or value >= low
+
+
+def _finite(value: float | None) -> bool:
+    """``value`` is None or a finite number."""
+    return value is None or math.isfinite(value)
+
+
 class RankAdaptation(Callback):
     """Learn the ranks of every comera layer while training, towards a target model size.
 
@@ -101,54 +111,15 @@ class RankAdaptation(Callback):
         loss_key: str = "loss",
         loss_smoothing: float = 0.9,
     ) -> None:
-        if penalty not in ("weighted", "mean"):
-            raise ValueError(f"penalty must be 'weighted' or 'mean', got {penalty!r}")
-        for name, value, ok, rule in (
-            ("gamma", gamma, math.isfinite(gamma) and gamma >= 0, ">= 0 and finite"),
-            (
-                "target_compression",
-                target_compression,
-                target_compression is None or (math.isfinite(target_compression) and target_compression > 1.0),
-                "> 1 (dense / compressed) and finite",
-            ),
-            ("late_start_epoch", late_start_epoch, late_start_epoch is None or late_start_epoch >= 0, ">= 0 or None"),
-            ("late_start_step", late_start_step, late_start_step is None or late_start_step >= 0, ">= 0 or None"),
-            (
-                "late_start_loss",
-                late_start_loss,
-                late_start_loss is None or math.isfinite(late_start_loss),
-                "a finite number or None",
-            ),
-            (
-                "late_start_fraction",
-                late_start_fraction,
-                late_start_fraction is None or 0.0 <= late_start_fraction < 1.0,
-                "in [0, 1) (a share of the run's optimiser steps) or None",
-            ),
-            ("target_loss", target_loss, target_loss is None or math.isfinite(target_loss), "a finite number or None"),
-            ("target_size", target_size, target_size is None or target_size >= 1, "a positive parameter count"),
-            ("target_size_ratio", target_size_ratio, 0.0 < target_size_ratio < 1.0, "in (0, 1)"),
-            ("threshold", threshold, threshold is None or 0.0 <= threshold < 1.0, "in [0, 1) (gates start at 1)"),
-            ("mask_every_n_steps", mask_every_n_steps, mask_every_n_steps >= 1, ">= 1"),
-            (
-                "truncate_every_n_steps",
-                truncate_every_n_steps,
-                truncate_every_n_steps is None or truncate_every_n_steps >= 1,
-                ">= 1 or None",
-            ),
-            ("min_dead_fraction", min_dead_fraction, 0.0 < min_dead_fraction <= 1.0, "in (0, 1]"),
-            ("loss_smoothing", loss_smoothing, 0.0 <= loss_smoothing < 1.0, "in [0, 1)"),
-        ):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {value}")
         self.penalty, self.gamma, self.threshold = penalty, gamma, threshold
-        self.late_stage = late_stage_policy(late_stage)
         self.late_start_epoch, self.late_start_step = late_start_epoch, late_start_step
         self.late_start_loss, self.late_start_fraction = late_start_loss, late_start_fraction
         self.target_compression, self.target_size_arg = target_compression, target_size
         self.target_size_ratio, self.target_loss_arg = target_size_ratio, target_loss
         self.mask_every_n_steps, self.truncate_every_n_steps = mask_every_n_steps, truncate_every_n_steps
         self.min_dead_fraction, self.loss_key, self.loss_smoothing = min_dead_fraction, loss_key, loss_smoothing
+        self._check_settings()
+        self.late_stage = late_stage_policy(late_stage)
         # state (checkpointed)
         self.stage = EARLY
         self.target_size: float | None = None
@@ -164,6 +135,45 @@ class RankAdaptation(Callback):
         self._nonfinite_steps = 0  # optimiser steps whose gate gradients were not finite (penalty not added)
         self._warned_nonfinite = False
         self._late_start_from_fraction: int | None = None  # late_start_fraction in steps, known at train start
+
+    def _check_settings(self) -> None:
+        """Refuse a setting outside its range, naming it and the rule."""
+        if self.penalty not in ("weighted", "mean"):
+            raise ValueError(f"penalty must be 'weighted' or 'mean', got {self.penalty!r}")
+        compression, fraction, every = self.target_compression, self.late_start_fraction, self.truncate_every_n_steps
+        for name, value, ok, rule in (
+            ("gamma", self.gamma, math.isfinite(self.gamma) and self.gamma >= 0, ">= 0 and finite"),
+            (
+                "target_compression",
+                compression,
+                compression is None or (math.isfinite(compression) and compression > 1.0),
+                "> 1 (dense / compressed) and finite",
+            ),
+            ("late_start_epoch", self.late_start_epoch, _at_least(self.late_start_epoch, 0), ">= 0 or None"),
+            ("late_start_step", self.late_start_step, _at_least(self.late_start_step, 0), ">= 0 or None"),
+            ("late_start_loss", self.late_start_loss, _finite(self.late_start_loss), "a finite number or None"),
+            (
+                "late_start_fraction",
+                fraction,
+                fraction is None or 0.0 <= fraction < 1.0,
+                "in [0, 1) (a share of the run's optimiser steps) or None",
+            ),
+            ("target_loss", self.target_loss_arg, _finite(self.target_loss_arg), "a finite number or None"),
+            ("target_size", self.target_size_arg, _at_least(self.target_size_arg, 1), "a positive parameter count"),
+            ("target_size_ratio", self.target_size_ratio, 0.0 < self.target_size_ratio < 1.0, "in (0, 1)"),
+            (
+                "threshold",
+                self.threshold,
+                self.threshold is None or 0.0 <= self.threshold < 1.0,
+                "in [0, 1) (gates start at 1)",
+            ),
+            ("mask_every_n_steps", self.mask_every_n_steps, self.mask_every_n_steps >= 1, ">= 1"),
+            ("truncate_every_n_steps", every, _at_least(every, 1), ">= 1 or None"),
+            ("min_dead_fraction", self.min_dead_fraction, 0.0 < self.min_dead_fraction <= 1.0, "in (0, 1]"),
+            ("loss_smoothing", self.loss_smoothing, 0.0 <= self.loss_smoothing < 1.0, "in [0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value}")
 
     # --- policy (override to change the schedule) ----------------------------------------------------
     def should_enter_late_stage(self, trainer: Trainer) -> bool:

@@ -90,13 +90,30 @@ class PlanCost:
     seconds: float
 
 
-def _side_merge_cost(modes: Sequence[int], ranks: Sequence[int]) -> tuple[int, int]:
-    """(flops, kernels) of merging a side's cores into one matrix (forward only)."""
+class _MergeCost(NamedTuple):
+    flops: int
+    kernels: int
+
+
+def _side_merge_cost(modes: Sequence[int], ranks: Sequence[int]) -> _MergeCost:
+    """Merging a side's cores into one matrix (forward only)."""
     flops, rows = 0, ranks[0] * modes[0]
     for k in range(1, len(modes)):
         flops += 2 * rows * ranks[k] * modes[k] * ranks[k + 1]
         rows *= modes[k]
-    return flops, max(len(modes) - 1, 0)
+    return _MergeCost(flops, max(len(modes) - 1, 0))
+
+
+class _SideCost(NamedTuple):
+    """Forward cost of one side of a plan over a batch (elements, not bytes), and of merging its cores first."""
+
+    flops: int
+    moved: int  # elements read and written
+    kernels: int
+    saved: int  # elements saved for backward
+    peak: int  # the largest temporary
+    merge_flops: int = 0  # batch-free: merging the side's cores into one matrix (merged plans only)
+    merge_kernels: int = 0
 
 
 def plan_costs(
@@ -108,84 +125,73 @@ def plan_costs(
     element_bytes: int = 4,
 ) -> list[PlanCost]:
     """Cost of every plan (forward + backward, weights and input both needing gradients)."""
-    p, in_ranks, out_ranks = len(in_modes), ranks[: len(in_modes) + 1], ranks[len(in_modes) :]
+    p = len(in_modes)
+    in_ranks, out_ranks, model = ranks[: p + 1], ranks[p:], _DEVICE_MODELS.get(device_type, _DEVICE_MODELS["cpu"])
     M, N, r, B = math.prod(in_modes), math.prod(out_modes), ranks[p], rows
-    model = _DEVICE_MODELS.get(device_type, _DEVICE_MODELS["cpu"])
-    merge_in, k_merge_in = _side_merge_cost(in_modes, in_ranks)
-    merge_out, k_merge_out = _side_merge_cost(out_modes, out_ranks)
-
-    # input side, batch part: flops, elements moved, kernels, elements saved for backward, largest temp
-    merge_in_batch = (2 * B * M * r, B * M + B * r, 1, B * r, B * r)
-    sweep_flops = sweep_moved = sweep_saved = sweep_peak = 0
-    rest = M
-    for k in range(p):
-        rest //= in_modes[k]
-        size_in = B * rest * in_modes[k] * in_ranks[k]
-        sweep_flops += 2 * size_in * in_ranks[k + 1]
-        sweep_moved += 2 * size_in + B * rest * in_ranks[k + 1]  # permute copy + GEMM read + write
-        sweep_saved += size_in
-        sweep_peak = max(sweep_peak, size_in)
-    sweep_in_batch = (sweep_flops, sweep_moved, 2 * p, sweep_saved, sweep_peak)
-
-    merge_out_batch = (2 * B * r * N, B * r + B * N, 1, 0, B * N)
-    sweep_flops = sweep_moved = sweep_saved = sweep_peak = 0
-    done = 1
-    for k in range(len(out_modes)):
-        size_in = B * done * out_ranks[k]
-        done *= out_modes[k]
-        size_out = B * done * out_ranks[k + 1]
-        sweep_flops += 2 * size_in * out_modes[k] * out_ranks[k + 1]
-        sweep_moved += size_in + size_out
-        sweep_saved += size_in
-        sweep_peak = max(sweep_peak, size_out)
-    sweep_out_batch = (sweep_flops, sweep_moved, len(out_modes), sweep_saved, sweep_peak)
-
-    costs = []
-    # backward of a batch GEMM costs two more GEMMs of the same size; of a merge, two more too.
-    for plan, in_side, out_side in (
-        ("half_merge", merge_in_batch, merge_out_batch),
-        ("sweep", sweep_in_batch, sweep_out_batch),
-        ("merge_in_sweep_out", merge_in_batch, sweep_out_batch),
-        ("sweep_in_merge_out", sweep_in_batch, merge_out_batch),
-    ):
-        batch_flops = 3 * (in_side[0] + out_side[0])
-        setup = (merge_in if in_side is merge_in_batch else 0) + (merge_out if out_side is merge_out_batch else 0)
-        kernels = 3 * (in_side[2] + out_side[2])
-        kernels += 3 * (
-            (k_merge_in if in_side is merge_in_batch else 0) + (k_merge_out if out_side is merge_out_batch else 0)
+    merge_in, merge_out = _side_merge_cost(in_modes, in_ranks), _side_merge_cost(out_modes, out_ranks)
+    merged_in = _SideCost(2 * B * M * r, B * M + B * r, 1, B * r, B * r, *merge_in)
+    merged_out = _SideCost(2 * B * r * N, B * r + B * N, 1, 0, B * N, *merge_out)
+    swept_in, swept_out = _sweep_in_cost(in_modes, in_ranks, B), _sweep_out_cost(out_modes, out_ranks, B)
+    costs = [
+        _plan_cost(plan, in_side, out_side, element_bytes, model)
+        for plan, in_side, out_side in (
+            ("half_merge", merged_in, merged_out),
+            ("sweep", swept_in, swept_out),
+            ("merge_in_sweep_out", merged_in, swept_out),
+            ("sweep_in_merge_out", swept_in, merged_out),
         )
-        moved = 3 * (in_side[1] + out_side[1])
-        costs.append(
-            _finish(
-                plan,
-                batch_flops + 3 * setup,
-                moved,
-                kernels,
-                in_side[3] + out_side[3],
-                max(in_side[4], out_side[4]),
-                element_bytes,
-                model,
-            )
-        )
-    dense_setup = merge_in + merge_out + 2 * M * r * N
+    ]
+    dense_setup = merge_in.flops + merge_out.flops + 2 * M * r * N
     dense_flops = 3 * (2 * B * M * N + dense_setup)
     dense_moved = 3 * (B * M + M * N + B * N)
+    dense_kernels = 3 * (1 + 1 + merge_in.kernels + merge_out.kernels)
     costs.append(
-        _finish(
-            "dense",
-            dense_flops,
-            dense_moved,
-            3 * (1 + 1 + k_merge_in + k_merge_out),
-            M * N,
-            max(M * N, B * N),
-            element_bytes,
-            model,
-        )
+        _finish("dense", dense_flops, dense_moved, dense_kernels, M * N, max(M * N, B * N), element_bytes, model)
     )
     return costs
 
 
-def _finish(plan, flops, moved, kernels, saved, peak, element_bytes, model) -> PlanCost:
+def _sweep_in_cost(modes: Sequence[int], ranks: Sequence[int], rows: int) -> _SideCost:
+    """Contracting the input with one input core at a time."""
+    flops = moved = saved = peak = 0
+    rest = math.prod(modes)
+    for k, mode in enumerate(modes):
+        rest //= mode
+        size_in = rows * rest * mode * ranks[k]
+        flops += 2 * size_in * ranks[k + 1]
+        moved += 2 * size_in + rows * rest * ranks[k + 1]  # permute copy + GEMM read + write
+        saved += size_in
+        peak = max(peak, size_in)
+    return _SideCost(flops, moved, 2 * len(modes), saved, peak)
+
+
+def _sweep_out_cost(modes: Sequence[int], ranks: Sequence[int], rows: int) -> _SideCost:
+    """Expanding the bottleneck through one output core at a time."""
+    flops = moved = saved = peak = 0
+    done = 1
+    for k, mode in enumerate(modes):
+        size_in = rows * done * ranks[k]
+        done *= mode
+        size_out = rows * done * ranks[k + 1]
+        flops += 2 * size_in * mode * ranks[k + 1]
+        moved += size_in + size_out
+        saved += size_in
+        peak = max(peak, size_out)
+    return _SideCost(flops, moved, len(modes), saved, peak)
+
+
+def _plan_cost(plan: str, in_side: _SideCost, out_side: _SideCost, element_bytes: int, model: DeviceModel) -> PlanCost:
+    # backward of a batch GEMM costs two more GEMMs of the same size; of a merge, two more too
+    flops = 3 * (in_side.flops + out_side.flops) + 3 * (in_side.merge_flops + out_side.merge_flops)
+    kernels = 3 * (in_side.kernels + out_side.kernels) + 3 * (in_side.merge_kernels + out_side.merge_kernels)
+    moved = 3 * (in_side.moved + out_side.moved)
+    saved, peak = in_side.saved + out_side.saved, max(in_side.peak, out_side.peak)
+    return _finish(plan, flops, moved, kernels, saved, peak, element_bytes, model)
+
+
+def _finish(
+    plan: str, flops: int, moved: int, kernels: int, saved: int, peak: int, element_bytes: int, model: DeviceModel
+) -> PlanCost:
     seconds = flops / model.flops_per_s + moved * element_bytes / model.bytes_per_s + kernels * model.seconds_per_kernel
     return PlanCost(plan, int(flops), int(moved * element_bytes), int(kernels), int(saved), int(peak), seconds)
 

@@ -106,7 +106,15 @@ def test_tensorize_from_the_command_line():
         "--trainer.callbacks+=comera_lightning.callbacks.Tensorize",
         "--trainer.callbacks.rank=8",
         "--trainer.callbacks.min_features=16",
+        "--trainer.callbacks.parameterization=mup",
+        "--trainer.callbacks.layer_kwargs={init_std: 0.1}",
     ]
     found = _added(_trainer(args).callbacks)
     assert [type(c) for c in found] == [Tensorize]
     assert found[0].arguments["rank"] == 8 and found[0].arguments["min_features"] == 16
+    # every option of tensorize() is a field of the callback's TensorizeOptions, hence an argument
+    assert found[0].options.parameterization == "mup" and found[0].options.layer_kwargs == {"init_std": 0.1}
+    # or as one options object
+    as_options = "{class_path: comera_lightning.callbacks.Tensorize, init_args: {options: {rank: 8, min_features: 16}}}"
+    (callback,) = _added(_trainer([f"--trainer.callbacks+={as_options}"]).callbacks)
+    assert callback.arguments["rank"] == 8 and callback.arguments["min_features"] == 16

@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -79,6 +80,25 @@ def test_a_bad_entry_is_rebuilt_with_a_warning_naming_it(tmp_path, how, files):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a good entry: used as it is, silently
         assert load_or_build(path, source=source, build=_writer(b"z", files), **kw)[1] is False
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_a_folder_entry_gets_the_mode_plain_mkdir_gives_under_the_umask(tmp_path, mask):
+    previous = os.umask(mask)
+    try:
+        (tmp_path / "plain").mkdir()
+        path = tmp_path / "store"
+        kw = dict(kind="test", version=1, files=["train.bin"])
+        load_or_build(path, source=SOURCE, build=_writer(b"x", ["train.bin"]), **kw)
+        expected = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+        assert expected == 0o777 & ~mask
+        assert stat.S_IMODE(path.stat().st_mode) == expected  # not tempfile.mkdtemp's 0o700
+        with pytest.warns(UserWarning, match="is stale"):  # a rebuilt entry too
+            load_or_build(path, source={**SOURCE, "corpus": "new"}, build=_writer(b"y", ["train.bin"]), **kw)
+        assert stat.S_IMODE(path.stat().st_mode) == expected
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".store.lock", "plain", "store"]  # nothing left over
+    finally:
+        os.umask(previous)
 
 
 def test_another_version_is_rebuilt_and_an_entry_that_cannot_be_rebuilt_names_the_file_and_the_fix(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from helpers.code_tree import small_source_tree
 
 from comera_lightning.data import CodeLMDataModule, CodeMLMDataModule, pack_stream
-from comera_lightning.data import code_lm as code_lm_mod
+from comera_lightning.data import corpus as corpus_mod
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_second_instance_reads_the_cache_and_seq_len_needs_no_reencoding(tree, t
     def refuse(*args, **kwargs):
         raise AssertionError("encoded again")
 
-    monkeypatch.setattr(code_lm_mod, "encode_texts", refuse)
+    monkeypatch.setattr(corpus_mod, "encode_texts", refuse)
     again = _dm(tree, tmp_path, seq_len=16)
     again.setup("fit")
     assert again.train_dataset.tensors["input_ids"].shape[1] == 16

@@ -140,7 +140,7 @@ def test_validation_masks_identical_across_epochs_and_batch_sizes(stdlib_dm, std
     third = list(other.val_dataloader())
     assert torch.equal(torch.cat([b["labels"] for b in first]), torch.cat([b["labels"] for b in third]))
     # the training masks, in contrast, are redrawn each epoch
-    coll = stdlib_dm._collator(deterministic=False)
+    coll = stdlib_dm._collate_fn(train=True)
     rows = stdlib_dm.train_dataset.__getitems__(list(range(16)))
     assert not torch.equal(coll(rows)["labels"], coll(rows)["labels"])
 

@@ -1,4 +1,4 @@
-"""Stable hashing, file discovery and the by-file split."""
+"""Stable hashing, file discovery, the by-file split, seeded row subsets and the loaders' samplers."""
 
 from __future__ import annotations
 
@@ -10,12 +10,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from comera_lightning.data import common
 from comera_lightning.data.common import (
+    ResumableDataLoader,
+    TensorDictDataset,
+    check_limit,
     discover_files,
+    identity_collate,
     is_binary_bytes,
     read_source_text,
+    rows_loader,
+    seeded_subsets,
     split_by_hash,
     stable_hash,
     stable_hash_many,
@@ -200,3 +207,33 @@ def test_split_by_hash_disjoint_stable_and_insensitive_to_other_files():
     assert split_by_hash(files, 0.0)[1] == []
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\), got 1.0"):
         split_by_hash(files, 1.0)
+
+
+def test_seeded_subsets_keep_rows_in_order_and_draw_split_after_split():
+    splits = {"train": {"x": torch.arange(10), "y": -torch.arange(10)}, "val": {"x": torch.arange(6)}}
+    out = seeded_subsets(splits, {"train": 4, "val": 2}, seed=3)
+    g = torch.Generator().manual_seed(3)  # one generator, training first
+    train_rows = torch.randperm(10, generator=g)[:4].sort().values
+    val_rows = torch.randperm(6, generator=g)[:2].sort().values
+    assert torch.equal(out["train"]["x"], train_rows) and torch.equal(out["train"]["y"], -train_rows)
+    assert torch.equal(out["val"]["x"], val_rows)
+    # a split that fits (or has no cap) is kept whole and draws nothing
+    fits = seeded_subsets(splits, {"train": 10, "val": 2}, seed=3)
+    assert torch.equal(fits["train"]["x"], torch.arange(10))
+    first_draw = torch.randperm(6, generator=torch.Generator().manual_seed(3))[:2].sort().values
+    assert torch.equal(fits["val"]["x"], first_draw)
+    assert torch.equal(seeded_subsets(splits, {"train": None}, seed=3)["val"]["x"], torch.arange(6))
+    with pytest.raises(ValueError, match="max_rows must be >= 1 or None, got 0"):
+        check_limit("max_rows", 0)
+
+
+def test_rows_loader_takes_a_sampler_for_training_and_evaluation():
+    rows = TensorDictDataset(x=torch.arange(6))
+    backwards = list(range(5, -1, -1))
+    train = rows_loader(rows, batch_size=4, collate_fn=identity_collate, train=True, sampler=backwards)
+    assert isinstance(train, ResumableDataLoader)
+    evaluation = rows_loader(rows, batch_size=4, collate_fn=identity_collate, train=False, sampler=backwards)
+    for loader in (train, evaluation):
+        assert [int(x) for batch in loader for x in batch["x"]] == backwards
+    in_order = rows_loader(rows, batch_size=4, collate_fn=identity_collate, train=False)
+    assert [int(x) for batch in in_order for x in batch["x"]] == list(range(6))

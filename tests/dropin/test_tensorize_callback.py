@@ -171,3 +171,27 @@ def test_callback_warns_when_nothing_qualifies(tmp_path):
         trainer(tmp_path, [Tensorize(min_features=1000)], max_steps=1, enable_checkpointing=False).fit(
             UserModel(), loader(16)
         )
+
+
+def test_callback_takes_the_options_object_or_its_fields():
+    from comera_lightning.nn import TensorizeOptions
+
+    by_fields = Tensorize(rank=16, min_features=32, rank_threshold=0.05, init_std=0.1)
+    options = TensorizeOptions(rank=16, min_features=32, rank_threshold=0.05, layer_kwargs={"init_std": 0.1})
+    assert by_fields.options == options == Tensorize(options).options
+    assert Tensorize(16, min_features=32).options == TensorizeOptions(rank=16, min_features=32)  # rank by position
+    assert Tensorize(layer_kwargs={"learn_gates": False}).options.learn_gates is False
+    # what the checkpoint state reports, as before the options object
+    assert by_fields.arguments == dict(
+        rank=16, min_features=32, include=None, exclude=None, linears=True, embeddings=True, embedding_rank=None,
+        decompose=False,
+    )  # fmt: skip
+    assert by_fields.layer_kwargs == {"rank_threshold": 0.05, "init_std": 0.1}
+    assert Tensorize(rank=16, min_features=32).state_key == (
+        "Tensorize{'rank': 16, 'min_features': 32, 'include': None, 'exclude': None, 'linears': True, "
+        "'embeddings': True, 'embedding_rank': None}"
+    )
+    with pytest.raises(TypeError, match=r"takes a TensorizeOptions or its fields by name, not both"):
+        Tensorize(options, rank=8)
+    with pytest.raises(ValueError, match="min_features must be >= 1, got 0"):
+        Tensorize(min_features=0)

@@ -284,3 +284,103 @@ def test_cola_and_fixed_rank_kinds_through_tensorize_and_back():
         match=r"decompose=True initialises each layer .*train it from scratch \(decompose=False\) or drop the",
     ):
         tensorize(mlp(), 3, min_features=8, decompose=True, bottleneck_activation="silu")
+
+
+# --- the options object and the recorded calls -------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(100, 32, padding_idx=1), nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32))
+
+
+def test_the_recorded_call_keeps_its_format():
+    """Checkpoints carry this dict: its keys and their places must not change (tensorize_like reads old ones)."""
+    from comera_lightning.nn import tensorize_specs
+
+    model = _mlp()
+    tensorize(model, (3,), min_features=16, exclude="0", low_rank=True, parameterization="mup", init_std=0.1)
+    (spec,) = tensorize_specs(model.state_dict())[""]
+    assert list(spec) == [
+        "rank",
+        "min_features",
+        "include",
+        "exclude",
+        "linears",
+        "embeddings",
+        "embedding_rank",
+        "low_rank",
+        "bottleneck_activation",
+        "learn_gates",
+        "layer_kwargs",
+    ]
+    assert spec == {
+        "rank": [3],
+        "min_features": 16,
+        "include": None,
+        "exclude": "0",
+        "linears": True,
+        "embeddings": True,
+        "embedding_rank": None,
+        "low_rank": True,
+        "bottleneck_activation": None,
+        "learn_gates": True,
+        "layer_kwargs": {"parameterization": "mup", "init_std": 0.1},
+    }
+
+
+def test_a_call_recorded_by_an_earlier_release_rebuilds_the_layers():
+    """A spec as an earlier release wrote it (``decompose`` recorded, no low-rank or gate keys) still loads."""
+    from collections import OrderedDict
+
+    from comera_lightning.nn import tensorize_like
+
+    model = _mlp()
+    tensorize(model, 4, min_features=16, rank_threshold=0.05)
+    state = OrderedDict(model.state_dict())
+    old = {
+        "rank": 4,
+        "min_features": 16,
+        "include": None,
+        "exclude": None,
+        "linears": True,
+        "embeddings": True,
+        "embedding_rank": None,
+        "decompose": False,
+        "layer_kwargs": {"rank_threshold": 0.05},
+    }
+    state._metadata = OrderedDict({"": {"version": 1, "comera_tensorize": [old]}})  # type: ignore[attr-defined]
+    fresh = _mlp()
+    records = tensorize_like(fresh, state)
+    assert [r.name for r in records] == ["0", "1", "3"] and fresh[1].rank_threshold == 0.05
+    fresh.load_state_dict(state)
+    ids = torch.randint(0, 100, (2, 5))
+    torch.testing.assert_close(fresh(ids), model(ids))
+
+
+def test_options_object_is_the_same_call():
+    from comera_lightning.nn import TensorizeOptions, tensorize_options, tensorize_specs
+
+    by_keywords, by_options = _mlp(), _mlp()
+    torch.manual_seed(1)
+    tensorize(by_keywords, 3, min_features=16, rank_threshold=0.05, init_std=0.2)
+    torch.manual_seed(1)
+    options = TensorizeOptions(rank=3, min_features=16, layer_kwargs={"rank_threshold": 0.05, "init_std": 0.2})
+    assert options.rank_threshold == 0.05 and options.layer_kwargs == {"init_std": 0.2}  # a field moves out
+    options.apply(by_options)
+    assert tensorize_specs(by_options) == tensorize_specs(by_keywords)
+    for a, b in zip(by_keywords.state_dict().values(), by_options.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert tensorize_options(rank=3, init_std=0.2, layer_kwargs={"deduplicate": True}) == TensorizeOptions(
+        rank=3, layer_kwargs={"init_std": 0.2, "deduplicate": True}
+    )
+    assert TensorizeOptions.from_spec(options.to_spec()) == options
+    with pytest.raises(ValueError, match=r"rank_threshold is given twice, as 0.1 and as layer_kwargs"):
+        TensorizeOptions(rank_threshold=0.1, layer_kwargs={"rank_threshold": 0.2})
+
+
+def test_a_layer_argument_a_checkpoint_cannot_carry_is_named():
+    from comera_lightning.nn import tensorize_like
+
+    model = _mlp()
+    tensorize(model, 3, min_features=16, exclude="0", init_std=torch.tensor(0.1))
+    with pytest.raises(ValueError, match=r"was called with init_std=tensor\(0.1000\), which a checkpoint cannot"):
+        tensorize_like(_mlp(), model.state_dict())
