@@ -87,6 +87,7 @@ from .callbacks.host_memory import KeepFreedMemory, keeps_freed_memory_here
 from .callbacks.model_summary import CompactModelSummary
 from .callbacks.predictions import PredictionWriter
 from .callbacks.progress import LogProgress, StepProgressBar
+from .data.tokenizer import TokenizerLifecycle
 from .export import export_checkpoint, export_model, read_export_metadata
 from .lit.base import ComeraTask
 from .lit.checks import check_checkpoint_file, check_output_dirs
@@ -677,14 +678,16 @@ def export_final_model(trainer: Trainer, model: LightningModule) -> Path | None:
     }
     metadata = {"mlflow_run_id": next(iter(run_ids))} if run_ids else None
     out = Path(folder).parent / "model.safetensors"
+    datamodule = getattr(trainer, "datamodule", None)
+    tokenizer = datamodule.tokenizer_file if isinstance(datamodule, TokenizerLifecycle) else None
     if any(is_sharded(p) for p in model.parameters()):
         # FSDP2: this process holds only its shards (and runs alone here), so export what the run last saved
         saved = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
         if not saved:
             return None
-        path = export_checkpoint(saved, out, metadata=metadata, overwrite=True)
+        path = export_checkpoint(saved, out, metadata=metadata, overwrite=True, tokenizer=tokenizer)
     else:
-        path = export_model(model, out, metadata, overwrite=True)
+        path = export_model(model, out, metadata, overwrite=True, tokenizer=tokenizer)
     for run_id, logger in run_ids.items():
         logger.experiment.log_artifact(run_id, str(path), "model")
     return path
@@ -875,12 +878,17 @@ def _export_command(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="the .safetensors file to write")
     parser.add_argument("--task", default=None, help="the task's class path, for checkpoints that do not record it")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json for the export to carry (load_exported_tokenizer reads it)"
+    )
     options = parser.parse_args(argv)
     try:
         if options.ckpt_path == LATEST:
             options.ckpt_path = str(latest_checkpoint())
             print(f"comera: --ckpt_path last: {options.ckpt_path}")
-        path = export_checkpoint(options.ckpt_path, options.out, task=options.task, overwrite=options.overwrite)
+        path = export_checkpoint(
+            options.ckpt_path, options.out, task=options.task, overwrite=options.overwrite, tokenizer=options.tokenizer
+        )
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         parser.exit(2, f"comera export: {error}\n")
     meta = read_export_metadata(path)["size"]

@@ -32,10 +32,20 @@ from .nn.linear import TTLinear
 from .nn.tensorize import size_report
 from .utilities.atomic import atomic_write
 
-__all__ = ["EXPORT_KEY", "export_checkpoint", "export_model", "load_exported", "read_export_metadata"]
+__all__ = [
+    "EXPORT_KEY",
+    "TOKENIZER_KEY",
+    "export_checkpoint",
+    "export_model",
+    "load_exported",
+    "load_exported_tokenizer",
+    "read_export_metadata",
+]
 
 EXPORT_KEY = "comera"
 """Safetensors metadata key of the export's JSON record."""
+TOKENIZER_KEY = "tokenizer"
+"""Safetensors metadata key of the tokenizer.json the model was trained with (when the export carries one)."""
 _FORMAT_VERSION = 1
 _CHECKPOINT_TASK_KEY = "comera_task"  # written by ComeraTask.on_save_checkpoint
 
@@ -46,6 +56,7 @@ def export_model(
     metadata: Mapping[str, str] | None = None,
     *,
     overwrite: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write ``module``'s state dict, TT cores at their active ranks, to a safetensors file.
 
@@ -57,6 +68,8 @@ def export_model(
         metadata: extra string entries for the safetensors header (e.g. a run id); ``"comera"`` and
             ``"format"`` are reserved.
         overwrite: replace an existing file; without it an existing file is refused.
+        tokenizer: the tokenizer.json the model was trained with (a data module's ``tokenizer_file``); the export
+            carries it, so :func:`load_exported_tokenizer` can turn text into the model's token ids.
 
     Returns:
         The path written.
@@ -71,7 +84,7 @@ def export_model(
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise ValueError(f"metadata must map str to str (safetensors headers hold strings), got {key!r}: {value!r}")
-        if key in (EXPORT_KEY, "format"):
+        if key in (EXPORT_KEY, TOKENIZER_KEY, "format"):
             raise ValueError(f"metadata key {key!r} is reserved by the export; choose another name")
         header[key] = value
     state, layers = _active_state_dict(module)
@@ -83,6 +96,8 @@ def export_model(
         "size": {k: v for k, v in size_report(module).as_dict().items() if k != "layers"},
     }
     header[EXPORT_KEY] = json.dumps(record)
+    if tokenizer is not None:
+        header[TOKENIZER_KEY] = _tokenizer_text(tokenizer)
     try:
         with atomic_write(out, overwrite=overwrite) as tmp:
             save_file(state, str(tmp), metadata=header)
@@ -99,6 +114,7 @@ def export_checkpoint(
     task: str | None = None,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Export a Lightning checkpoint written by a comera task (see :func:`export_model`).
 
@@ -136,7 +152,7 @@ def export_checkpoint(
         )
     module = _build(class_path, hparams)
     _load_state(module, checkpoint["state_dict"])
-    return export_model(module, out_path, metadata, overwrite=overwrite)
+    return export_model(module, out_path, metadata, overwrite=overwrite, tokenizer=tokenizer)
 
 
 def load_exported(
@@ -168,6 +184,36 @@ def load_exported(
     model.to(map_location)
     _load_state(model, load_file(Path(path).expanduser(), device=str(torch.device(map_location))))
     return model.eval()
+
+
+def load_exported_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The ``tokenizers.Tokenizer`` an export carries (written with ``export_model(..., tokenizer=)``, as ``comera
+    fit`` does for its text tasks)."""
+    with safe_open(str(Path(path).expanduser()), framework="pt") as handle:
+        text = (handle.metadata() or {}).get(TOKENIZER_KEY)
+    if text is None:
+        raise ValueError(
+            f"{os.fspath(path)} carries no tokenizer (it was exported without one, or from a task without text); "
+            f"load the tokenizer.json it was trained with: tokenizers.Tokenizer.from_file(<path>)"
+        )
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(text)
+
+
+def _tokenizer_text(tokenizer: str | os.PathLike[str]) -> str:
+    path = Path(tokenizer).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_str(text)
+    except Exception as err:  # unreadable, not UTF-8, or not a tokenizer (tokenizers raises plain Exceptions)
+        raise ValueError(
+            f"tokenizer {os.fspath(tokenizer)!r} is not a readable tokenizer.json [{type(err).__name__}: {err}]; pass "
+            f"the file the data module trained or loaded (its tokenizer_file)"
+        ) from err
+    return text
 
 
 def read_export_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:

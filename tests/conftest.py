@@ -27,3 +27,22 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     write_synthetic_mnli(tmp_path / "mnli", num_train=256, num_val=64, fmt="tsv", seed=0)
     return tmp_path
+
+
+@pytest.fixture
+def rank_zero_log(caplog):
+    """``caplog`` that also sees Lightning's ``rank_zero_info`` messages: the ``lightning.pytorch`` logger stops
+    propagating to the root logger when it was imported before the root had a handler, which depends on which tests
+    ran first."""
+    import logging
+
+    logger = logging.getLogger("lightning.pytorch")
+    propagate = logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.propagate = False  # each record reaches caplog once, through the handler added here
+    try:
+        with caplog.at_level(logging.INFO):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate

@@ -216,3 +216,49 @@ def _fresh_shared() -> Shared:
     model = Shared()
     tensorize(model, rank=4, min_features=8)
     return model
+
+
+def _run_on_text_block() -> str:
+    """The python block of docs/export.md's "Running an export on text"."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    section = page.split("## Running an export on text", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "docs/export.md lost its run-on-text example"
+    return match.group(1)
+
+
+def test_the_export_carries_the_tokenizer_and_the_docs_example_generates_text(tmp_path, monkeypatch, capsys):
+    from comera_lightning.data.tokenizer import train_bpe_tokenizer
+    from comera_lightning.export import load_exported_tokenizer
+    from comera_lightning.lit import CausalLM
+
+    texts = ["def read_config(path):\n    return open(path).read()\n", "import os\nprint(os.getcwd())\n"] * 20
+    tokenizer = train_bpe_tokenizer(texts, 300)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    task = CausalLM(
+        vocab_size=300, d_model=32, num_heads=2, d_ff=64, num_layers=1, max_len=64,
+        layer_config={"rank": 4, "embedding_rank": 4, "min_features": 16},
+    )  # fmt: skip
+    export_model(task, tmp_path / "model.safetensors", tokenizer=tmp_path / "tokenizer.json")
+    loaded = load_exported_tokenizer(tmp_path / "model.safetensors")
+    assert loaded.encode("def f(x):").ids == tokenizer.encode("def f(x):").ids
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_run_on_text_block(), "docs/export.md", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out
+    assert printed.startswith("def read_config(path):")  # the prompt, then 24 generated tokens as text
+
+
+def test_an_export_without_a_tokenizer_says_how_to_load_one(tmp_path):
+    from comera_lightning.export import load_exported_tokenizer
+
+    path = export_model(_task(), tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"carries no tokenizer .* tokenizers\.Tokenizer\.from_file"):
+        load_exported_tokenizer(path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"is not a readable tokenizer\.json .* pass the file the data module"):
+        export_model(_task(), tmp_path / "other.safetensors", tokenizer=tmp_path / "bad.json")
+    assert not (tmp_path / "other.safetensors").exists()

@@ -281,6 +281,12 @@ class TokenizerLifecycle:
         return self._tokenizer_file
 
     @property
+    def tokenizer_file(self) -> Path:
+        """The tokenizer.json this module encodes with (trained and cached on first use): what an export carries so
+        the model can be run on text."""
+        return self._ensure_tokenizer_file()
+
+    @property
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` (trained or loaded on first access, refused if larger than ``vocab_size``)."""
         if self._tokenizer is None:

@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from tiny import TinyRegressor, regression_loader
 
-from comera_lightning.callbacks import checkpoint_io
 from comera_lightning.callbacks.fault_tolerance import FaultTolerance, checkpoint_files, find_resume_checkpoint
 from comera_lightning.data.common import rows_loader
+from comera_lightning.utilities import checkpoint_io
 
 
 class NoisyRegressor(TinyRegressor):

@@ -44,7 +44,8 @@ def test_evaluating_without_a_checkpoint_names_the_flag(subcommand):
 
 
 @pytest.mark.slow
-def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, caplog, capsys):
+def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, rank_zero_log, capsys):
+    caplog = rank_zero_log
     config = f"--config={CONFIGS / 'dlrm_criteo.yaml'}"
     overrides = [*_tiny_overrides("dlrm_criteo.yaml", workdir), *TINY_TRAINER]
     with pytest.warns(UserWarning, match=r"comera validate: no --ckpt_path.*random"):

@@ -174,7 +174,7 @@ def test_system_metrics_interval_must_be_positive():
 @pytest.mark.slow
 def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(workdir, capsys):
     from comera_lightning.cli import main
-    from comera_lightning.export import load_exported, read_export_metadata
+    from comera_lightning.export import load_exported, load_exported_tokenizer, read_export_metadata
 
     cli = _run("fit", QUICKSTART, *_overrides(workdir), *TINY_TRAINER)
     run_id = cli.trainer.logger.run_id
@@ -183,6 +183,10 @@ def test_fit_exports_the_compact_model_to_mlflow_and_comera_export_writes_one(wo
     exported = Path(cli.trainer.checkpoint_callback.dirpath).parent / "model.safetensors"
     assert f"compact model: {exported}" in capsys.readouterr().out
     assert read_export_metadata(exported)["size"]["compression_ratio"] > 1
+    # the fit's export carries the data module's tokenizer: text in, the model's ids out
+    tokenizer = load_exported_tokenizer(exported)
+    text = "def f(x):\n    return x"
+    assert tokenizer.encode(text).ids == cli.datamodule.tokenizer.encode(text).ids
 
     checkpoint = cli.trainer.checkpoint_callback.last_model_path
     out = workdir / "export" / "quickstart.safetensors"

@@ -4,8 +4,6 @@ validation rows for test and predict unless a module holds out others)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -87,12 +85,12 @@ def test_the_loaders_set_up_on_first_use_and_serve_the_rows():
     assert dm.setups == ["fit"]  # set up once
 
 
-def test_test_and_predict_run_on_the_validation_rows_said_once(caplog):
+def test_test_and_predict_run_on_the_validation_rows_said_once(rank_zero_log):
+    caplog = rank_zero_log
     dm = _Rows()
-    with caplog.at_level(logging.INFO):
-        assert _xs(dm.test_dataloader()) == [100, 101, 102, 103]
-        dm.test_dataloader()
-        batches = list(dm.predict_dataloader())
+    assert _xs(dm.test_dataloader()) == [100, 101, 102, 103]
+    dm.test_dataloader()
+    batches = list(dm.predict_dataloader())
     assert dm.setups == ["test"]
     assert [int(i) for b in batches for i in b["index"]] == [0, 1, 2, 3]  # the row numbers
     said = [r.getMessage() for r in caplog.records if "runs on the validation examples" in r.getMessage()]
