@@ -63,23 +63,14 @@ def test_the_old_checkpoint_resumes_training(workdir):
         "    - class_path: ContractionPlanner\n    - class_path: ModelCheckpoint\n      init_args:\n"
         "        save_last: true\n"
     )
+    from helpers.cli import TINY_ENCODER
+
     args = [
         "fit",
         f"--config={CONFIGS / 'llm_cpu.yaml'}",
         f"--config={callbacks}",
-        "--model.d_model=32",
-        "--model.num_heads=2",
-        "--model.d_ff=64",
-        "--model.num_layers=1",
-        "--model.max_len=16",
-        "--model.vocab_size=512",
-        "--model.layer_config.rank=4",
-        "--model.layer_config.embedding_rank=4",
-        "--model.layer_config.min_features=16",
+        *TINY_ENCODER,
         "--model.layer_config.layer_ranks={lm_head: 8}",
-        "--data.vocab_size=512",
-        "--data.seq_len=16",
-        "--data.batch_size=8",
         "--data.max_files=20",
         "--data.max_sequences=400",
         "--trainer.max_steps=16",

@@ -105,19 +105,26 @@ def test_the_study_refuses_a_file_of_another_protocol(tmp_path, monkeypatch):
         ws.Study(path, plan(), quick=False, cache_dir=tmp_path)
 
 
+GRID = [0.0025, 0.005, 0.01, 0.02, 0.04]
+
+
 def state_of(runs: list[dict]) -> dict:
-    return {"protocol": {"transfer_widths": [128, 512], "widths": {}, "seeds": [0]}, "runs": runs}
+    return {"protocol": {"transfer_widths": [128, 512], "widths": {}, "seeds": [0], "grid": GRID}, "runs": runs}
 
 
 def test_the_report_measures_how_far_the_best_rate_moved_per_parameterisation():
     runs = []
     for param, best in (("standard", {128: 0.02, 512: 0.005}), ("mup", {128: 0.02, 512: 0.02})):
         for width in (128, 512):
-            for lr in (0.005, 0.01, 0.02, 0.04):
+            for lr in GRID:
                 loss = 3 + abs(math.log2(lr / best[width]))
                 runs.append(finished(ws.Job("transfer", "tt", width, param, 0, lr, 10), loss))
     moved = wr.transfer(state_of(runs))
     assert moved["standard"]["moved"] == pytest.approx(4.0) and moved["mup"]["moved"] == pytest.approx(1.0)
+    # a sweep still running reports no best rate, not the best of what has run so far
+    half = [r for r in runs if not (r["parameterization"] == "mup" and r["width"] == 512 and r["lr"] > 0.005)]
+    found = wr.transfer(state_of(half))["mup"]
+    assert found["best"][512] is None and found["moved"] is None
 
 
 def test_the_report_reads_dense_loss_off_its_front_at_a_rivals_cost():
