@@ -335,6 +335,11 @@ def quiet_upstream_messages() -> None:
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
+    # under bf16-mixed Lightning's summary says it "will not be accurate. Using 32 bits": the weights of a mixed run
+    # are float32, so 32 bits is right, and the fit's own summary counts the CoMERA sizes exactly
+    warnings.filterwarnings(
+        "ignore", message=r"Precision bf16-mixed is not supported by the model summary", category=UserWarning
+    )
 
 
 #: configs made for GPUs, and the CPU config that trains the same kind of model in minutes

@@ -78,3 +78,21 @@ def test_a_gpu_config_fitted_without_a_gpu_warns_and_names_the_cpu_config(workdi
     assert gpu_config_warning([CONFIGS / "llm_60m.yaml"], cuda_available=True) is None
     assert gpu_config_warning([CONFIGS / "quickstart.yaml"], cuda_available=False) is None
     assert "--config code_pairs" in gpu_config_warning(["mnli_6enc.yaml"], cuda_available=False)
+
+
+def test_the_bf16_model_summary_notice_is_filtered_and_other_warnings_are_not():
+    import warnings
+
+    from comera_lightning.cli import quiet_upstream_messages
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_upstream_messages()
+        warnings.warn(
+            "Precision bf16-mixed is not supported by the model summary.  Estimated model size in MB will not be "
+            "accurate. Using 32 bits instead.",
+            UserWarning,
+            stacklevel=1,
+        )
+        warnings.warn("Precision 16-mixed is something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["Precision 16-mixed is something else"]
