@@ -18,7 +18,7 @@ pages would count towards its resident size over an epoch). :class:`ShardedShuff
 rows with a keyed pseudo-random permutation computed index by index (a Feistel network with cycle
 walking) instead of materialising ``randperm(rows)``, and gives every DDP rank its own strided share.
 
-Why not ``litdata`` (Lightning's streaming format, the issue's first choice): measured on this project's
+Why not ``litdata`` (Lightning's streaming format, the obvious first choice): measured on this project's
 CPU setup, ``pip install litdata`` requires ``torchvision``, which replaced the pinned CPU torch 2.13.0
 with torch 2.14.1 and 13 CUDA packages (several GB); its resume goes through the loader's own state, the
 mechanism this project measured inexact inside a Lightning fit (``StatefulDataLoader``), where

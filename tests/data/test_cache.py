@@ -151,7 +151,7 @@ def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog, monkeypat
         for r in caplog.records
     )
     reference = path.read_text()
-    path.write_text(reference[: len(reference) // 2])  # the "EOF while parsing a string"
+    path.write_text(reference[: len(reference) // 2])  # a truncated JSON file: "EOF while parsing a string"
     with pytest.raises(ValueError, match=rf"tokenizer file '{path}' does not load .*copy it again"):
         load_tokenizer(path)  # as a user's own tokenizer_path: the file and the fix
     with pytest.warns(

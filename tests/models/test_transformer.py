@@ -247,7 +247,7 @@ def test_paper_modes_and_ranks():
         [12, 16, 16],
         [1, 12, 30, 30, 30, 16, 1],
     )
-    # METHOD.md section 2: fc2 is [16,16,12] x [8,8,12] with ranks [1,16,r,r,r,12,1]
+    # docs/method.md, "Formats": fc2 is [16,16,12] x [8,8,12] with ranks [1,16,r,r,r,12,1]
     assert (layer.fc2.in_modes, layer.fc2.out_modes, layer.fc2.ranks) == (
         [16, 16, 12],
         [8, 8, 12],
