@@ -41,7 +41,8 @@ def _trainer(tmp_path, callbacks, max_steps=40) -> Trainer:
 
 # ---------------------------------------------------------------------------------------------- size target
 def test_ratio_target_applies_to_the_compressible_part_only():
-    # the six-encoder case of the first quality study: 754k dense parameters are 42 % of S, 0.2 * S is below the rank-1 floor
+    # the six-encoder case of the first quality study: 754k dense parameters are 42 % of S,
+    # 0.2 * S is below the rank-1 floor
     other, size, floor = 754_000, 1_789_000, 757_000
     assert 0.2 * size < floor
     target = compressible_target_size(size, other, 0.2)
