@@ -105,15 +105,9 @@ def comera_parameter_groups(
 
 def __getattr__(name: str):  # the old home of slice_optimizer_state, kept for one release
     if name == "slice_optimizer_state":
-        import warnings
-
         from .rank_adaptation.cuts import slice_optimizer_state
+        from .utilities.deprecation import warn_moved
 
-        warnings.warn(
-            "comera_lightning.optim.slice_optimizer_state has moved to comera_lightning.rank_adaptation; import it "
-            "from there (the old path will be removed in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_moved(f"{__name__}.{name}", "comera_lightning.rank_adaptation")
         return slice_optimizer_state
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
