@@ -30,19 +30,14 @@ def workdir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def rank_zero_log(caplog):
-    """``caplog`` that also sees Lightning's ``rank_zero_info`` messages: the ``lightning.pytorch`` logger stops
-    propagating to the root logger when it was imported before the root had a handler, which depends on which tests
-    ran first."""
-    import logging
+def rank_zero_said(monkeypatch):
+    """``rank_zero_said(module)``: the list that collects every ``rank_zero_info`` message ``module`` sends from now
+    on. Read from the call, not from logging: whether Lightning's loggers reach pytest's capture depends on which
+    tests ran first."""
 
-    logger = logging.getLogger("lightning.pytorch")
-    propagate = logger.propagate
-    logger.addHandler(caplog.handler)
-    logger.propagate = False  # each record reaches caplog once, through the handler added here
-    try:
-        with caplog.at_level(logging.INFO):
-            yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
-        logger.propagate = propagate
+    def record(module) -> list[str]:
+        said: list[str] = []
+        monkeypatch.setattr(module, "rank_zero_info", lambda message, *args, **kwargs: said.append(str(message)))
+        return said
+
+    return record

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 
@@ -44,8 +43,10 @@ def test_evaluating_without_a_checkpoint_names_the_flag(subcommand):
 
 
 @pytest.mark.slow
-def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, rank_zero_log, capsys):
-    caplog = rank_zero_log
+def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, rank_zero_said, capsys):
+    import comera_lightning.cli as cli_module
+
+    messages = rank_zero_said(cli_module)
     config = f"--config={CONFIGS / 'dlrm_criteo.yaml'}"
     overrides = [*_tiny_overrides("dlrm_criteo.yaml", workdir), *TINY_TRAINER]
     with pytest.warns(UserWarning, match=r"comera validate: no --ckpt_path.*random"):
@@ -57,10 +58,10 @@ def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, ran
 
     main(["fit", config, *overrides])
     fitted = latest_checkpoint()  # runs/ of the working directory, as the CLI looks
-    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         main(["validate", config, *overrides, "--ckpt_path", "last"])
-    assert f"--ckpt_path last: {fitted}" in caplog.text
+    assert f"comera: --ckpt_path last: {fitted}" in messages
     assert not [str(w.message) for w in caught if "random" in str(w.message)]
 
     out = workdir / "model.safetensors"

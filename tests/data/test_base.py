@@ -85,15 +85,17 @@ def test_the_loaders_set_up_on_first_use_and_serve_the_rows():
     assert dm.setups == ["fit"]  # set up once
 
 
-def test_test_and_predict_run_on_the_validation_rows_said_once(rank_zero_log):
-    caplog = rank_zero_log
+def test_test_and_predict_run_on_the_validation_rows_said_once(rank_zero_said):
+    from comera_lightning.data import common
+
+    messages = rank_zero_said(common)
     dm = _Rows()
     assert _xs(dm.test_dataloader()) == [100, 101, 102, 103]
     dm.test_dataloader()
     batches = list(dm.predict_dataloader())
     assert dm.setups == ["test"]
     assert [int(i) for b in batches for i in b["index"]] == [0, 1, 2, 3]  # the row numbers
-    said = [r.getMessage() for r in caplog.records if "runs on the validation examples" in r.getMessage()]
+    said = [m for m in messages if "runs on the validation examples" in m]
     assert said == [
         "_Rows: test runs on the validation examples (there are two splits only)",
         "_Rows: predict runs on the validation examples (there are two splits only)",
