@@ -5,7 +5,8 @@ the same batches in the same order (samplers and MLM masks depend on the data se
 optimiser steps. The training clock (:class:`StudyRecorder`) counts everything a training step costs and leaves the
 validation passes out; ``/proc/stat`` gives the CPU other processes took during each run. The studies' tasks come
 from :func:`study_spec`: the decoder of a CausalLM config (:func:`spec_from_config`) or the quickstart's masked LM
-(:func:`mlm_spec`), on a corpus of Python sources. :class:`Progress` keeps a study's JSON, rewritten after every run.
+(:func:`mlm_spec`), on a corpus of Python sources. :func:`run_pool` runs a study's jobs on worker processes, asking its
+plan again after each one.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -501,3 +504,44 @@ def run_one(
     if rank_cb is not None:
         result["rank_adaptation"] = {**rank_cb.state_dict(), "metrics": rank_cb.comera_metrics()}
     return result
+
+
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def run_pool(
+    pending: Callable[[], Sequence[Any]],
+    submit: Callable[[ProcessPoolExecutor, Any], Future],
+    finish: Callable[[Any, dict[str, Any] | BaseException, float], None],
+    workers: int,
+    threads: int,
+    deadline: float | None,
+) -> None:
+    """Run a study's jobs on ``workers`` spawned processes of ``threads`` torch threads each until none is left.
+
+    The plan is asked again after each finished run, so a run's result can add jobs (a sweep that must widen, the
+    finals once the rates are known). A job is anything with a ``key``; one already running is not started twice.
+    ``finish`` gets each job with its record, or with the exception that failed it (a failed run must not stop the
+    others), and the run's wall seconds. No run starts after ``deadline`` (a ``time.time()``); running ones finish.
+    """
+    running: dict[Future, tuple[Any, float]] = {}
+    context = get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_set_threads, initargs=(threads,)) as pool:
+        while True:
+            busy = {job.key for job, _ in running.values()}
+            waiting = [job for job in pending() if job.key not in busy]
+            out_of_time = deadline is not None and time.time() > deadline
+            while waiting and len(running) < workers and not out_of_time:
+                job = waiting.pop(0)
+                running[submit(pool, job)] = (job, time.time())
+            if not running:
+                return
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job, started = running.pop(future)
+                try:
+                    outcome: dict[str, Any] | BaseException = future.result()
+                except Exception as err:
+                    outcome = err
+                finish(job, outcome, time.time() - started)

@@ -53,9 +53,8 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -437,12 +436,6 @@ def knob_for(spec, family: str, size: float, full: int) -> float | None:
 _DATAMODULES: dict[tuple, Any] = {}
 
 
-def _worker_init(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def training_loss(task, batch):
     """The loss a training step of ``task`` backpropagates: the masked LM's over its masked positions, the decoder's
     over every next token (the tasks' own loss code, without their logging)."""
@@ -729,60 +722,40 @@ class Study:
         tmp.replace(self.path)
 
     def run(self, workers: int, threads: int, deadline: float | None) -> None:
-        ctx = get_context("spawn")
-        running: dict[Future, Job] = {}
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
-            while True:
-                busy = {j.key for j in running.values()}
-                pending = [j for j in self.plan.pending(self.runs) if j.key not in busy]
-                out_of_time = deadline is not None and time.time() > deadline
-                while pending and len(running) < workers and not out_of_time:
-                    job = pending.pop(0)
-                    ranks = comera_ranks(self.runs, job.size, self.plan.seeds[0]) if job.family == "tt" else None
-                    knob = self.knob(job.family, job.size)
-                    print(
-                        f"[{time.strftime('%H:%M:%S')}] start {job.phase} {job.family} x{job.size:g} seed "
-                        f"{job.seed} lr {job.lr:.3g} ({job.steps} steps, knob {knob})",
-                        flush=True,
-                    )
-                    running[
-                        pool.submit(
-                            run_job,
-                            asdict(job),
-                            self.task,
-                            self.corpus,
-                            self.quick,
-                            knob,
-                            ranks,
-                            str(self.cache_dir),
-                            self.overrides,
-                        )
-                    ] = job
-                if not running:
-                    break
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    job = running.pop(future)
-                    try:
-                        record = future.result()
-                    except Exception as err:  # a failed run is recorded as such: it must not stop the others
-                        record = {
-                            **asdict(job),
-                            "knob": self.knob(job.family, job.size),
-                            "error": repr(err),
-                            "val_loss": math.nan,
-                            "tokens": 0,
-                            "params_active": 0,
-                            "curve": [],
-                        }
-                        print(f"    FAILED {job}: {err!r}", flush=True)
-                    self.runs.append(record)
-                    self.save()
-                    print(
-                        f"[{time.strftime('%H:%M:%S')}] done  {job.phase} {job.family} x{job.size:g} seed {job.seed}"
-                        f" lr {job.lr:.3g}: val loss {record['val_loss']:.4f}, {record['params_active']:,} params",
-                        flush=True,
-                    )
+        from benchmarks.studies.common import run_pool
+
+        run_pool(lambda: self.plan.pending(self.runs), self._submit, self._finish, workers, threads, deadline)
+
+    def _submit(self, pool: ProcessPoolExecutor, job: Job) -> Future:
+        ranks = comera_ranks(self.runs, job.size, self.plan.seeds[0]) if job.family == "tt" else None
+        knob = self.knob(job.family, job.size)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] start {job.phase} {job.family} x{job.size:g} seed "
+            f"{job.seed} lr {job.lr:.3g} ({job.steps} steps, knob {knob})",
+            flush=True,
+        )
+        args = (self.task, self.corpus, self.quick, knob, ranks, str(self.cache_dir), self.overrides)
+        return pool.submit(run_job, asdict(job), *args)
+
+    def _finish(self, job: Job, outcome: dict[str, Any] | BaseException, wall_s: float) -> None:
+        if isinstance(outcome, BaseException):
+            print(f"    FAILED {job}: {outcome!r}", flush=True)
+            outcome = {
+                **asdict(job),
+                "knob": self.knob(job.family, job.size),
+                "error": repr(outcome),
+                "val_loss": math.nan,
+                "tokens": 0,
+                "params_active": 0,
+                "curve": [],
+            }
+        self.runs.append(outcome)
+        self.save()
+        print(
+            f"[{time.strftime('%H:%M:%S')}] done  {job.phase} {job.family} x{job.size:g} seed {job.seed}"
+            f" lr {job.lr:.3g}: val loss {outcome['val_loss']:.4f}, {outcome['params_active']:,} params",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,9 +42,8 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -414,37 +413,27 @@ class Study:
         tmp.replace(self.path)
 
     def run(self, workers: int, threads: int, deadline: float | None) -> None:
-        running: dict[Future, tuple[Job, float]] = {}
-        ctx = get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=ts._worker_init, initargs=(threads,)) as pool:
-            while True:
-                busy = {job.key for job, _ in running.values()}
-                pending = [j for j in self.plan.pending(self.runs) if j.key not in busy]
-                out_of_time = deadline is not None and time.time() > deadline
-                while pending and len(running) < workers and not out_of_time:
-                    job = pending.pop(0)
-                    rank = self.rank(job)
-                    print(f"[{time.strftime('%H:%M:%S')}] start {job} rank {rank}", flush=True)
-                    future = pool.submit(run_job, asdict(job), rank, self.quick, str(self.cache_dir))
-                    running[future] = (job, time.time())
-                if not running:
-                    break
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    job, started = running.pop(future)
-                    try:
-                        record = future.result()
-                    except Exception as err:  # a failed run is recorded as such: it must not stop the others
-                        record = {**asdict(job), "rank": self.rank(job), "error": repr(err), "val_loss": math.nan}
-                        print(f"    FAILED {job}: {err!r}", flush=True)
-                    record["wall_s"] = time.time() - started
-                    self.runs.append(record)
-                    self.save()
-                    print(
-                        f"[{time.strftime('%H:%M:%S')}] done  {job}: val loss {record['val_loss']:.4f}, "
-                        f"{record.get('params_active', 0):,} params",
-                        flush=True,
-                    )
+        from benchmarks.studies.common import run_pool
+
+        run_pool(lambda: self.plan.pending(self.runs), self._submit, self._finish, workers, threads, deadline)
+
+    def _submit(self, pool: ProcessPoolExecutor, job: Job) -> Future:
+        rank = self.rank(job)
+        print(f"[{time.strftime('%H:%M:%S')}] start {job} rank {rank}", flush=True)
+        return pool.submit(run_job, asdict(job), rank, self.quick, str(self.cache_dir))
+
+    def _finish(self, job: Job, outcome: dict[str, Any] | BaseException, wall_s: float) -> None:
+        if isinstance(outcome, BaseException):
+            print(f"    FAILED {job}: {outcome!r}", flush=True)
+            outcome = {**asdict(job), "rank": self.rank(job), "error": repr(outcome), "val_loss": math.nan}
+        outcome["wall_s"] = wall_s
+        self.runs.append(outcome)
+        self.save()
+        print(
+            f"[{time.strftime('%H:%M:%S')}] done  {job}: val loss {outcome['val_loss']:.4f}, "
+            f"{outcome.get('params_active', 0):,} params",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,3 +55,38 @@ def test_bad_settings_are_refused():
         study.run_one(spec, "dense", "epochs", dm=None)
     with pytest.raises(ValueError, match="unknown method"):
         study.build_task(spec, "galore")
+
+
+def test_run_pool_runs_until_the_plan_is_empty_and_hands_failures_on():
+    import math
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Job:
+        x: float
+
+        @property
+        def key(self) -> float:
+            return self.x
+
+    done: dict[float, object] = {}
+
+    def pending() -> list[Job]:
+        # the second job only appears once the first has finished: the plan is asked again after each run
+        return [Job(x) for x in ((4.0, -1.0) if 4.0 in done else (4.0,)) if x not in done]
+
+    def submit(pool: ProcessPoolExecutor, job: Job):
+        return pool.submit(math.sqrt, job.x)
+
+    def finish(job: Job, outcome, wall_s: float) -> None:
+        assert wall_s >= 0
+        done[job.x] = outcome
+
+    study.run_pool(pending, submit, finish, workers=2, threads=1, deadline=None)
+    assert done[4.0] == 2.0
+    assert isinstance(done[-1.0], ValueError)  # math domain error: recorded, not raised
+
+    done.clear()
+    study.run_pool(pending, submit, finish, workers=1, threads=1, deadline=0.0)  # past its deadline: starts nothing
+    assert done == {}
