@@ -66,6 +66,9 @@ DATA = (
     "data.max_val_sequences=640",
 )
 PHASES = ("sweep", "check", "transfer", "final")
+# a check starts at the swept rate /2, x1 and x2 and may have to move far (dense's rate falls 8x from d 64 to 512):
+# it grows past its edge this many times before a rate still at the edge is taken
+CHECK_EXTENSIONS = 5
 
 
 def data_settings(quick: bool) -> tuple[str, ...]:
@@ -149,7 +152,7 @@ class Plan:
         if best_small is None:
             return jobs, None
         checked = self._short(runs, ("check", "transfer"), family, large, param)
-        missing, best_large = ts.sweep_rates(checked, ts.check_rates(best_small))
+        missing, best_large = ts.sweep_rates(checked, ts.check_rates(best_small), CHECK_EXTENSIONS)
         jobs += [Job("check", family, large, param, self.seeds[0], lr, self.sweep_steps) for lr in missing]
         if best_large is None:
             return jobs, None
@@ -370,6 +373,7 @@ class Study:
             "sweep_steps": plan.sweep_steps,
             "grid": plan.grid,
             "transfer_widths": plan.transfer_widths,
+            "check_extensions": CHECK_EXTENSIONS,
             "target_compression": TARGET_COMPRESSION,
             "gate_lr": ts.GATE_LR,
             "final_lr_ratio": ts.FINAL_LR_RATIO,

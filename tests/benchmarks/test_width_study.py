@@ -70,6 +70,18 @@ def test_the_plan_sweeps_at_the_smallest_width_checks_at_the_largest_and_interpo
     assert [(j.family, j.width) for j in finals][:2] == [("tt", 512), ("dense", 256)]  # largest widths first
 
 
+def test_a_check_keeps_growing_past_its_edge_until_the_best_rate_is_inside():
+    # dense's best rate falls 16x from 64 to 256 (0.04 -> 0.0025): the check starts at 0.02/0.04/0.08 and must
+    # grow downwards three times before 0.0025 has a worse rate on both sides
+    p = plan()
+    centre = valley(lambda j: 0.04 * (64 / j.width) ** 2 if j.family == "dense" else 0.02)
+    runs = run_until(p, centre, ("sweep", "check"))
+    checked = sorted(r["lr"] for r in runs if r["phase"] == "check" and r["family"] == "dense")
+    assert checked == pytest.approx([0.00125, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08])
+    _, chosen = p.rates(runs, "dense")
+    assert chosen == pytest.approx({64: 0.04, 256: 0.0025})
+
+
 def test_a_plan_needs_two_widths_per_family_and_known_families():
     with pytest.raises(ValueError, match="at least two widths"):
         ws.Plan(["dense"], {"dense": (64,)}, "mup", [0], 10, 5)
