@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .tuned import check_rates, sweep_rates
+from .tuned import MAX_EXTENSIONS, check_rates, sweep_rates
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
@@ -115,10 +115,10 @@ def rates_table(state: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def settled(losses: dict[float, float], grid: Sequence[float]) -> float | None:
-    """The rate a finished sweep over ``grid`` (grown past an edge, as the study grows it) chose; None while the
-    sweep still has rates to run, so a half-run sweep never reports a best rate."""
-    return sweep_rates(losses, grid)[1] if losses else None
+def settled(losses: dict[float, float], grid: Sequence[float], extensions: int = MAX_EXTENSIONS) -> float | None:
+    """The rate a finished sweep over ``grid`` (grown past an edge up to ``extensions`` times, as the study grows it)
+    chose; None while the sweep still has rates to run, so a half-run sweep never reports a best rate."""
+    return sweep_rates(losses, grid, extensions)[1] if losses else None
 
 
 def transfer(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -146,7 +146,8 @@ def protocol_transfer(state: dict[str, Any]) -> list[tuple[str, int, float, int,
         swept = settled(short_runs(state, family, small, param), grid)
         if swept is None:
             continue
-        checked = settled(short_runs(state, family, large, param), check_rates(swept))
+        extensions = state["protocol"].get("check_extensions", MAX_EXTENSIONS)
+        checked = settled(short_runs(state, family, large, param), check_rates(swept), extensions)
         if checked is not None:
             rows.append((family, small, swept, large, checked))
     return rows

@@ -148,3 +148,21 @@ def test_the_report_reads_dense_loss_off_its_front_at_a_rivals_cost():
     rows = wr.against_dense(state_of(runs), "tt", "train_flops")
     assert rows[0] == (128, 3.2, pytest.approx(3.5))  # halfway between 1e12 and 4e12 in log FLOPs
     assert rows[1] == (512, 2.9, None)  # beyond dense's largest: not extrapolated
+
+
+def test_the_report_reads_the_protocols_check_as_the_study_grew_it():
+    # dense swept at 64 (best 0.02) and checked at 256 down to 0.0025, still at the edge: the study's five
+    # extensions ask for 0.00125 next, so the report must not call 0.0025 the checked rate yet
+    sweep = [
+        finished(ws.Job("sweep", "dense", 64, "standard", 0, lr, 10), 3 + abs(math.log2(lr / 0.02))) for lr in GRID
+    ]
+    check = [
+        finished(ws.Job("check", "dense", 256, "standard", 0, lr, 10), 3 + math.log2(lr / 0.0025))
+        for lr in (0.0025, 0.005, 0.01, 0.02, 0.04)
+    ]
+    state = state_of(sweep + check)
+    state["protocol"].update(widths={"dense": [64, 256]}, check_extensions=5)
+    assert wr.protocol_transfer(state) == []
+    deeper = finished(ws.Job("check", "dense", 256, "standard", 0, 0.00125, 10), 3.5)
+    state["runs"].append(deeper)
+    assert wr.protocol_transfer(state) == [("dense", 64, 0.02, 256, 0.0025)]
