@@ -62,3 +62,19 @@ def test_the_old_training_package_still_offers_the_callbacks_and_the_logger():
     from comera_lightning.loggers import ResilientMLFlowLogger
 
     assert training.KeepFreedMemory is KeepFreedMemory and training.ResilientMLFlowLogger is ResilientMLFlowLogger
+    # the names it offers are those that lived there: the generic callbacks and the logger, no more, no fewer
+    assert training.__all__ == [
+        "CompactModelSummary",
+        "Compile",
+        "CudaGraphs",
+        "DeadRankWatchdog",
+        "DivergenceError",
+        "DivergenceGuard",
+        "FaultTolerance",
+        "FinalValidation",
+        "KeepFreedMemory",
+        "LogProgress",
+        "PredictionWriter",
+        "ResilientMLFlowLogger",
+        "StepProgressBar",
+    ]

@@ -139,13 +139,8 @@ class Compile(Callback):
         self._compile(pl_module)
         self._forget_stale_code(pl_module)
 
-    @override
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._compile(pl_module)
-
-    @override
-    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._compile(pl_module)
+    # testing and predicting compile as fitting does (whichever of them comes first)
+    on_test_start = on_predict_start = on_fit_start
 
     @override
     def on_train_batch_end(
@@ -165,29 +160,8 @@ class Compile(Callback):
     ) -> None:
         self._check_something_ran_compiled(pl_module)
 
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_something_ran_compiled(pl_module)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_something_ran_compiled(pl_module)
+    # the other evaluation loops' batches are checked as validation's are
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -84,35 +84,43 @@ def _clock_text(seconds: float | None) -> str:
     return "-:--:--" if seconds is None else str(timedelta(seconds=int(seconds)))
 
 
-class _StepTimeColumn(ProgressColumn):
-    """``elapsed • remaining`` from the task's ``elapsed_s``/``remaining_s`` fields; other tasks as ``fallback``."""
+class _StepFieldColumn(ProgressColumn):
+    """A column drawn from the fields the step bar sets on its training task (when ``field`` is among them);
+    other tasks as ``fallback``."""
+
+    field: str
+
+    def __init__(self, fallback: ProgressColumn, style: Any) -> None:
+        super().__init__()
+        self.fallback, self.style = fallback, style
+
+    def render(self, task: Task) -> Any:
+        if self.field not in task.fields:
+            return self.fallback.render(task)
+        return Text(self.text(task.fields), style=self.style)
+
+    def text(self, fields: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+class _StepTimeColumn(_StepFieldColumn):
+    """``elapsed • remaining`` from the task's ``elapsed_s``/``remaining_s`` fields."""
 
     max_refresh = 0.5
+    field = "elapsed_s"
 
-    def __init__(self, fallback: ProgressColumn, style: Any) -> None:
-        super().__init__()
-        self.fallback, self.style = fallback, style
-
-    def render(self, task: Task) -> Any:
-        if "elapsed_s" not in task.fields:
-            return self.fallback.render(task)
-        return Text(
-            f"{_clock_text(task.fields['elapsed_s'])} • {_clock_text(task.fields['remaining_s'])}", style=self.style
-        )
+    def text(self, fields: dict[str, Any]) -> str:
+        return f"{_clock_text(fields['elapsed_s'])} • {_clock_text(fields['remaining_s'])}"
 
 
-class _StepRateColumn(ProgressColumn):
-    """Optimiser steps per second from the task's ``steps_per_s`` field; other tasks as ``fallback``."""
+class _StepRateColumn(_StepFieldColumn):
+    """Optimiser steps per second from the task's ``steps_per_s`` field."""
 
-    def __init__(self, fallback: ProgressColumn, style: Any) -> None:
-        super().__init__()
-        self.fallback, self.style = fallback, style
+    field = "steps_per_s"
 
-    def render(self, task: Task) -> Any:
-        if "steps_per_s" not in task.fields:
-            return self.fallback.render(task)
-        rate = task.fields["steps_per_s"]
-        return Text(f"{'-.--' if rate is None else f'{rate:.2f}'} steps/s", style=self.style)
+    def text(self, fields: dict[str, Any]) -> str:
+        rate = fields["steps_per_s"]
+        return f"{'-.--' if rate is None else f'{rate:.2f}'} steps/s"
 
 
 class StepProgressBar(RichProgressBar):

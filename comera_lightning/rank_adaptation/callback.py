@@ -17,7 +17,7 @@ are never refreshed from non-finite gates (which would switch off every slice bu
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -425,24 +425,24 @@ class RankAdaptation(Callback):
             metrics["comera/loss_ema"] = self.loss_ema
         return metrics
 
+    # what a checkpoint keeps of the run, besides the late-stage policy's own state
+    _STATE: ClassVar[tuple[str, ...]] = (
+        "stage",
+        "target_size",
+        "target_loss",
+        "loss_ema",
+        "switch_step",
+        "truncations",
+    )
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "target_size": self.target_size,
-            "target_loss": self.target_loss,
-            "loss_ema": self.loss_ema,
-            "switch_step": self.switch_step,
-            "truncations": self.truncations,
-            "late_stage": self.late_stage.state_dict(),
-        }
+        return {**{key: getattr(self, key) for key in self._STATE}, "late_stage": self.late_stage.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key in self._STATE:
+            setattr(self, key, state_dict.get(key))
         self.stage = int(state_dict.get("stage", EARLY))
-        self.target_size = state_dict.get("target_size")
-        self.target_loss = state_dict.get("target_loss")
-        self.loss_ema = state_dict.get("loss_ema")
-        self.switch_step = state_dict.get("switch_step")
         self.truncations = int(state_dict.get("truncations", 0))
         self.late_stage.load_state_dict(state_dict.get("late_stage", {}))

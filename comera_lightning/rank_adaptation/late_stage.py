@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -316,29 +316,26 @@ class ScheduledLateStage(LateStagePolicy):
     def metrics(self) -> dict[str, float]:
         return {"comera/size_goal": self._goal, "comera/slices_cut": float(self.slices_cut)}
 
+    # what a checkpoint keeps of the schedule, besides the saliency tensors
+    _STATE: ClassVar[tuple[str, ...]] = (
+        "start_step",
+        "start_size",
+        "target_size",
+        "ramp",
+        "last_cut_step",
+        "loss_before_last_cut",
+        "slices_cut",
+        "layer_sizes_at_start",
+    )
+
     def state_dict(self) -> dict[str, Any]:
         return {
-            "start_step": self.start_step,
-            "start_size": self.start_size,
-            "target_size": self.target_size,
-            "ramp": self.ramp,
-            "last_cut_step": self.last_cut_step,
-            "loss_before_last_cut": self.loss_before_last_cut,
-            "slices_cut": self.slices_cut,
-            "layer_sizes_at_start": self.layer_sizes_at_start,
+            **{key: getattr(self, key) for key in self._STATE},
             "saliency": {k: v.clone() for k, v in self.saliency.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key in (
-            "start_step",
-            "start_size",
-            "target_size",
-            "ramp",
-            "last_cut_step",
-            "loss_before_last_cut",
-            "layer_sizes_at_start",
-        ):
+        for key in self._STATE:
             setattr(self, key, state_dict.get(key))
         self.slices_cut = int(state_dict.get("slices_cut", 0))
         self.saliency = {k: v.clone() for k, v in state_dict.get("saliency", {}).items()}

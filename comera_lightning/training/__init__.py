@@ -5,22 +5,10 @@ This package keeps the old import paths (and configs' ``comera_lightning.trainin
 warning, for one release.
 """
 
+import pkgutil
 import warnings
 
-from ..callbacks import (
-    CompactModelSummary,
-    Compile,
-    CudaGraphs,
-    DeadRankWatchdog,
-    DivergenceError,
-    DivergenceGuard,
-    FaultTolerance,
-    FinalValidation,
-    KeepFreedMemory,
-    LogProgress,
-    PredictionWriter,
-    StepProgressBar,
-)
+from .. import callbacks as _callbacks
 from ..loggers import ResilientMLFlowLogger
 
 warnings.warn(
@@ -31,18 +19,13 @@ warnings.warn(
     stacklevel=2,
 )
 
-__all__ = [
-    "CompactModelSummary",
-    "Compile",
-    "CudaGraphs",
-    "DeadRankWatchdog",
-    "DivergenceError",
-    "DivergenceGuard",
-    "FaultTolerance",
-    "FinalValidation",
-    "KeepFreedMemory",
-    "LogProgress",
-    "PredictionWriter",
-    "ResilientMLFlowLogger",
-    "StepProgressBar",
-]
+# the callbacks that lived here: those whose module left a shim module in this package
+_shims = {module.name for module in pkgutil.iter_modules(__path__)}
+_moved = {
+    name: getattr(_callbacks, name)
+    for name in _callbacks.__all__
+    if getattr(_callbacks, name).__module__.removeprefix(f"{_callbacks.__name__}.") in _shims
+}
+globals().update(_moved)
+
+__all__ = sorted([*_moved, ResilientMLFlowLogger.__name__])
