@@ -49,12 +49,7 @@ def build_parser():
     parser.add_argument("--layers", type=harness.positive_int, default=harness.Quick(1, 6))
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--mode", default=None, help="torch.compile mode (default: torch's)")
-    parser.add_argument(
-        "--profile",
-        choices=["auto", "always", "never"],
-        default="auto",
-        help="profile compiled CoMERA against compiled dense (auto: when the target is missed)",
-    )
+    parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto", help="auto: on a miss")
     return parser
 
 
@@ -90,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in cands
     ]
     table = harness.table(
-        ["candidate", "parameters", "step ms", "vs dense compiled", "vs its eager self", "graph breaks", "compile s"],
-        rows,
+        "candidate|parameters|step ms|vs dense compiled|vs its eager self|graph breaks|compile s", rows
     )
     speedup = harness.ratio(median[f"{DENSE} compiled"], median[f"{COMERA} compiled"])
     verdict = (
@@ -103,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile == "always" or (args.profile == "auto" and missed):
         by_name = {c.name: c for c in cands}
         profile = {
-            "comera": harness.profile_ops(by_name[f"{COMERA} compiled"].step),
-            "other": harness.profile_ops(by_name[f"{DENSE} compiled"].step),
+            k: harness.profile_ops(by_name[f"{n} compiled"].step) for k, n in (("comera", COMERA), ("other", DENSE))
         }
         profile["why"] = explain(profile["comera"], profile["other"], f"{DENSE} compiled")
         verdict += f"\n\nwhy (profile of the compiled steps): {profile['why']}"

@@ -1,10 +1,9 @@
 """CUDA graphs (comera_lightning.training.CudaGraphs) against eager training on one GPU: same result, how much faster.
 
-Per model size (``quickstart``; ``base`` without ``--quick``) and precision (``32-true``, ``bf16-mixed``): the
-tensorised masked-LM trained by Lightning eagerly and captured from one seed, with a forced truncation half-way
-(one re-capture), losses and parameters compared; then the bare step timed interleaved at every
-``--timing-batches`` size (default: 1 and the size's own batch), with peak CUDA memory. Without CUDA it prints
-``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
+Per size (``quickstart``; ``base`` without ``--quick``) and precision: the tensorised masked-LM trained by Lightning
+eagerly and captured from one seed, with a forced truncation half-way (one re-capture), losses and parameters
+compared; then the bare step timed interleaved at every ``--timing-batches`` size, with peak CUDA memory. Without
+CUDA it prints ``no CUDA device: skipped``; ``--backend replay`` runs the identity check on the CPU.
 
     python -m benchmarks.bench_cuda_graphs              # on a GPU: both sizes, fp32 and bf16-mixed (about a minute)
     python -m benchmarks.bench_cuda_graphs --quick --backend replay   # CPU dry run of the identity check
@@ -314,24 +313,11 @@ def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
                     t["noise"] if t else "-",
                 ]
             )
-    return harness.table(
-        [
-            "size",
-            "precision",
-            "batch",
-            "eager step",
-            "graphed step",
-            "speed-up",
-            "paired range",
-            "in Lightning loop",
-            "peak mem eager / graphs",
-            "update / loss rel diff (own batch)",
-            "identical",
-            "captures / re-captures",
-            "clean rounds",
-        ],
-        rows,
+    headers = (
+        "size|precision|batch|eager step|graphed step|speed-up|paired range|in Lightning loop|peak mem eager / graphs"
+        "|update / loss rel diff (own batch)|identical|captures / re-captures|clean rounds"
     )
+    return harness.table(headers, rows)
 
 
 def verdicts(timings: list[dict]) -> list[dict]:
@@ -339,9 +325,7 @@ def verdicts(timings: list[dict]) -> list[dict]:
     return [
         {
             "target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",
-            "size": t["size"],
-            "precision": t["precision"],
-            "batch": t["batch"],
+            **{k: t[k] for k in ("size", "precision", "batch")},
             "measured": t["speedup"],
             "met": t["speedup"] >= TARGET_SPEEDUP,
         }
@@ -361,63 +345,38 @@ def plot(timings: list[dict]):
     for i, t in enumerate(timings):
         ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.axhline(
-        TARGET_SPEEDUP,
-        color="tab:red",
-        linewidth=0.8,
-        linestyle="--",
-        label=f"target at batch {TARGET_BATCH}: {TARGET_SPEEDUP:g}x",
-    )
-    ax.legend(fontsize=7)
-    ax.set_ylabel("eager / graphed step time")
-    ax.set_title("CUDA graphs speed-up (bare training step)")
+    label = f"target at batch {TARGET_BATCH}: {TARGET_SPEEDUP:g}x"
+    ax.axhline(TARGET_SPEEDUP, color="tab:red", linewidth=0.8, linestyle="--", label=label)
+    harness.label_axes(ax, ylabel="eager / graphed step time", title="CUDA graphs speed-up (bare training step)")
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     """Identity check (and, on a GPU, step timing) per size and precision; exit 1 when a run is not identical."""
     parser = harness.bench_parser(__doc__.split("\n\n")[0], repeats=(5, 5))
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=harness.Quick(20, 40),
-        help="training steps of the identity check (default 40, --quick 20)",
-    )
-    parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
-    parser.add_argument(
-        "--backend",
-        choices=["cuda", "replay"],
-        default="cuda",
-        help="replay: identity check with the eager replay backend on the CPU (no timing)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--steps", type=int, default=harness.Quick(20, 40), help="training steps of the identity check (40, quick 20)")
+    add("--precision", nargs="+", default=list(TOLERANCE), choices=list(TOLERANCE))
+    add("--backend", choices=["cuda", "replay"], default="cuda", help="replay: the identity check on the CPU")
+    add(
         "--timing-batches",
         type=harness.positive_int,
         nargs="+",
         default=None,
         metavar="B",
-        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own "
-        "batch, 32); the identity check always runs at the size's own batch",
+        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own batch)",
     )
     args = harness.parse(parser, argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
     if args.timing_batches and args.backend == "replay":
-        parser.error(
-            "--timing-batches sets the step timing, which only the cuda backend runs; drop it or use --backend cuda"
-        )
+        parser.error("--timing-batches sets the step timing, which only the cuda backend runs")
     on_gpu = args.backend == "cuda"
     json_path = args.out_dir / "cuda_graphs.json"
     if on_gpu and not torch.cuda.is_available():
+        reason = "no CUDA device: torch.cuda.is_available() is False on this machine"
         print("no CUDA device: skipped (torch.cuda.is_available() is False on this machine)")
-        harness.write_json(
-            json_path,
-            {
-                "skipped": True,
-                "machine": harness.machine_info(),
-                "reason": "no CUDA device: torch.cuda.is_available() is False on this machine",
-            },
-        )
+        harness.write_json(json_path, {"skipped": True, "machine": harness.machine_info(), "reason": reason})
         return 0
     steps = args.steps
     sizes = ([QUICKSTART] if args.quick else [QUICKSTART, BASE]) if on_gpu else ([TINY] if args.quick else [QUICKSTART])
@@ -432,22 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     print(report(identity, timings, on_gpu))
     checks = verdicts(timings)
     if checks:
-        print(
-            "\n"
-            + harness.table(
-                ["target", "size", "precision", "measured", "verdict"],
-                [
-                    [
-                        c["target"],
-                        c["size"],
-                        c["precision"],
-                        harness.times(c["measured"]),
-                        "met" if c["met"] else "MISSED",
-                    ]
-                    for c in checks
-                ],
-            )
-        )
+        verdict = {True: "met", False: "MISSED"}
+        rows = [
+            [c["target"], c["size"], c["precision"], harness.times(c["measured"]), verdict[c["met"]]] for c in checks
+        ]
+        print("\n" + harness.table("target|size|precision|measured|verdict", rows))
     settings = {
         "steps": steps,
         "precision": args.precision,
@@ -457,18 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         "tolerance": TOLERANCE,
         "timing_batches": {s.name: timing_batches(s, args.timing_batches) for s in sizes} if on_gpu else {},
     }
-    harness.emit(
-        json_path,
-        {
-            "skipped": False,
-            "machine": harness.machine_info(),
-            "settings": settings,
-            "identity": identity,
-            "timing": timings,
-            "verdicts": checks,
-        },
-        fig=plot(timings) if timings else None,
-    )
+    payload = {"skipped": False, "machine": harness.machine_info(), "settings": settings, "identity": identity}
+    harness.emit(json_path, {**payload, "timing": timings, "verdicts": checks}, fig=plot(timings) if timings else None)
     return 0 if all(check["identical"] for check in identity) else 1
 
 

@@ -1,17 +1,12 @@
-"""Inference of trained-shape models: decoding with and without the key/value cache, and batch-1 / batch-32 forward.
+"""Inference of trained-shape models, every part's candidates interleaved in one process (ratios of medians):
 
-Two parts, each with all its candidates interleaved in one process (ratios of medians):
-
-* ``decode``: ``CausalLM.generate`` of ``--new-tokens`` tokens after a 16-token prompt, greedy, at d_model 512 and
-  1024 (4 layers, vocabulary 8192), batch 1 and 8. CoMERA is the decoder recipe of ``configs/llm_cpu.yaml``
-  (TT layers, low-rank head) cut to ``--compression`` (10x) of its dense twin's parameters; each model decodes
-  with its KV cache and by re-running the whole sequence for every token (``use_cache=False``).
-  Reports tokens/s and the peak of live tensors during one generation.
-* ``forward``: the six-encoder classifier (``configs/mnli_6enc.yaml``'s shape, the paper's rank 30) and the
-  masked LM on the same encoder, in eval mode without gradients, at batch 1 and 32 (x 128 tokens): CoMERA with
-  its TT layers, CoMERA untensorised (``untensorize``: each TT layer replaced by the dense weight it computes,
-  which is what ``load_exported`` gives after ``untensorize``), and the dense model. Reports latency per batch
-  and the peak of live tensors.
+* ``decode``: ``CausalLM.generate`` of ``--new-tokens`` after a 16-token prompt, greedy, d_model 512 and 1024 (4
+  layers, vocabulary 8192), batch 1 and 8: CoMERA (the ``configs/llm_cpu.yaml`` recipe cut to ``--compression`` of
+  its dense twin's parameters) and dense, each with its KV cache and re-running the whole sequence per token;
+  tokens/s and the peak of live tensors during a generation.
+* ``forward``: the six-encoder classifier and masked LM of ``configs/mnli_6enc.yaml``'s shape, eval mode without
+  gradients, batch 1 and 32 x 128: TT layers, untensorised (``untensorize``: the dense weights they compute) and
+  dense; latency and the peak of live tensors.
 
     python -m benchmarks.bench_inference                       # both parts (about 15 minutes on 2 cores)
     python -m benchmarks.bench_inference --part decode --quick # the plumbing in seconds
@@ -25,7 +20,6 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -87,11 +81,8 @@ def peak_bytes(step: Callable[[], object], model: nn.Module) -> int:
 
 
 def decoder_task(d_model: int, tt: bool, layers: int = DECODER_LAYERS, vocab: int = VOCAB) -> CausalLM:
-    """A CausalLM of the llm_cpu recipe at ``d_model`` (heads of 64, SwiGLU width 8/3 d_model), dense or TT.
-
-    The TT ranks start at ``d_model / 8`` (the head's at twice that): below 10x at every width measured (5.7x at
-    512, 5.2x at 1024), so :func:`cut_to_compression` can cut to the target exactly; the llm_cpu recipe's fixed
-    rank 32 starts at 16x (512) and 41x (1024)."""
+    """A CausalLM of the llm_cpu recipe at ``d_model`` (heads of 64, SwiGLU width 8/3 d_model), dense or TT, its
+    ranks from ``d_model / 8`` (the head's twice that): below 10x, so :func:`cut_to_compression` can reach it."""
     torch.manual_seed(0)
     rank = max(8, d_model // 8)
     layer_config = (
@@ -203,24 +194,12 @@ def decode_table(results: dict) -> str:
                 r["noise"],
             ]
         )
-    return harness.table(
-        [
-            "shape",
-            "CoMERA size",
-            "CoMERA cache tok/s",
-            "dense cache tok/s",
-            "CoMERA no cache",
-            "dense no cache",
-            "cache vs none (CoMERA)",
-            "CoMERA vs dense (cache)",
-            "checked once vs per call (CoMERA)",
-            "CoMERA peak MiB",
-            "dense peak MiB",
-            "same tokens",
-            "clean rounds",
-        ],
-        rows,
+    headers = (
+        "shape|CoMERA size|CoMERA cache tok/s|dense cache tok/s|CoMERA no cache|dense no cache|cache vs none (CoMERA)"
+        "|CoMERA vs dense (cache)|checked once vs per call (CoMERA)|CoMERA peak MiB|dense peak MiB|same tokens"
+        "|clean rounds"
     )
+    return harness.table(headers, rows)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -275,22 +254,11 @@ def forward_table(results: dict) -> str:
                 r["noise"],
             ]
         )
-    return harness.table(
-        [
-            "model, batch",
-            "CoMERA size",
-            "TT ms",
-            "untensorised ms",
-            "dense ms",
-            "TT vs dense",
-            "untensorised vs dense",
-            "TT peak MiB",
-            "untensorised peak MiB",
-            "dense peak MiB",
-            "clean rounds",
-        ],
-        rows,
+    headers = (
+        "model, batch|CoMERA size|TT ms|untensorised ms|dense ms|TT vs dense|untensorised vs dense|TT peak MiB"
+        "|untensorised peak MiB|dense peak MiB|clean rounds"
     )
+    return harness.table(headers, rows)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -310,17 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layers, args.vocab = (1, 512) if quick else (DECODER_LAYERS, VOCAB)
     shape = paper_shape()
     if quick:
-        shape = replace(
-            shape,
-            d_model=64,
-            num_heads=2,
-            d_ff=128,
-            num_layers=1,
-            vocab_size=1000,
-            seq_len=16,
-            rank=4,
-            embedding_rank=4,
-        )
+        tiny = dict(d_model=64, num_heads=2, d_ff=128, num_layers=1, vocab_size=1000, seq_len=16, rank=4)
+        shape = replace(shape, **tiny, embedding_rank=4)
     payload: dict = {"machine": harness.machine_info(), "settings": harness.settings(args)}
     markdown = []
     if args.part in ("decode", "all"):
@@ -337,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     text = "\n\n".join(markdown)
     print(text)
-    harness.emit(Path(args.out_dir) / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)
+    harness.emit(args.out_dir / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -31,14 +31,7 @@ from benchmarks.harness import Shape, build_model, make_batch, paper_shape, scal
 from comera_lightning.models import SequenceClassifier
 from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
 from comera_lightning.optim import comera_parameter_groups
-from comera_lightning.rank_adaptation import slice_optimizer_state
-from comera_lightning.rank_adaptation.objectives import (
-    add_rank_objective_,
-    all_finite,
-    early_stage_weights,
-    rank_gates,
-    refresh_masks_,
-)
+from comera_lightning.rank_adaptation import objectives, slice_optimizer_state
 from comera_lightning.tt.rank import leading_share, train_parameter_count
 
 DENSE, GALORE, COMERA, QUARTER = "dense+AdamW", "dense+GaLore", "CoMERA r30", "CoMERA 1/4"
@@ -51,9 +44,8 @@ DEVICES, PRECISIONS = ("cpu", "cuda"), ("32-true", "bf16-mixed")
 
 @dataclass(frozen=True)
 class Execution:
-    """Where and how every candidate runs: its model, optimiser state and batch live on ``device``; with
-    ``precision`` ``bf16-mixed`` its forward and loss run under bfloat16 autocast while parameters, gradients and
-    optimiser state stay float32 (Lightning's ``bf16-mixed``); ``32-true`` is plain float32."""
+    """Where every candidate's model, optimiser state and batch live, and its precision: ``bf16-mixed`` runs forward
+    and loss under bfloat16 autocast with float32 parameters and state (as Lightning's), ``32-true`` plain float32."""
 
     device: str = "cpu"
     precision: str = "32-true"
@@ -72,26 +64,19 @@ class Execution:
 
     @property
     def stem(self) -> str:
-        """Suffix of the output files: empty for float32 on the CPU (the default), else e.g. ``_cuda_bf16``."""
+        """Suffix of the output files: empty for float32 on the CPU, else e.g. ``_cuda_bf16``."""
         device = "" if self.device == "cpu" else f"_{self.device}"
         return device + ("_bf16" if self.precision == "bf16-mixed" else "")
 
     def describe(self) -> str:
         """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed CUDA (NVIDIA H200)``."""
         precision = "float32" if self.precision == "32-true" else "bf16-mixed (float32 weights)"
-        where = (
-            f"CPU, {torch.get_num_threads()} threads"
-            if self.device == "cpu"
-            else f"CUDA ({torch.cuda.get_device_name()})"
-        )
-        return f"{precision} {where}"
+        if self.device == "cuda":
+            return f"{precision} CUDA ({torch.cuda.get_device_name()})"
+        return f"{precision} CPU, {torch.get_num_threads()} threads"
 
 
 CPU_FP32 = Execution()
-
-
-# ------------------------------------------------------------------------------------------------------
-# models
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -105,7 +90,7 @@ def tt_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 # ------------------------------------------------------------------------------------------------------
-# candidates: one training setup each (also those of studies/llm.py and bench_activation_memory.py)
+# candidates: one training setup each (also those of studies/llm.py)
 
 
 @dataclass
@@ -154,28 +139,24 @@ def train_step(
 
 
 class RankAdaptationWork:
-    """What ``RankAdaptation`` does on every optimiser step of the early stage, through the same functions.
-
-    ``before_step``: the gate-gradient finiteness check and the weighted rank-penalty gradient on the gates;
-    ``after_step``: the gate finiteness check and the mask refresh. Truncation (every ``truncate_every_n_steps``
-    steps, not every step) and the late stage are not per-step work.
-    """
+    """What ``RankAdaptation`` does on every optimiser step of the early stage, through the same functions (truncation
+    and the late stage are not per-step work)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, gamma: float = 0.01) -> None:
         self.layers = [layer for _, layer in tt_layers(model)]
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.weights = early_stage_weights(gamma)
+        self.weights = objectives.early_stage_weights(gamma)
 
     def before_step(self) -> None:
         """Before ``optimizer.step()``: the rank penalty's gradient added to finite gate gradients."""
-        gates, masks, slice_parameters = rank_gates(self.layers, self.params)
-        if gates and all_finite(g.grad for g in gates):
-            add_rank_objective_(self.params, gates, masks, self.weights, slice_parameters)
+        gates, masks, slice_parameters = objectives.rank_gates(self.layers, self.params)
+        if gates and objectives.all_finite(g.grad for g in gates):
+            objectives.add_rank_objective_(self.params, gates, masks, self.weights, slice_parameters)
 
     def after_step(self) -> None:
         """After ``optimizer.step()``: the masks refreshed from finite gates."""
-        if all_finite(g.detach() for layer in self.layers for g in layer.gates):
-            refresh_masks_(self.layers)
+        if objectives.all_finite(g.detach() for layer in self.layers for g in layer.gates):
+            objectives.refresh_masks_(self.layers)
 
 
 def comera_candidate(
@@ -207,12 +188,8 @@ def galore_optimizer(
         return None
     target_ids = {id(p) for p in targets}
     others = [p for p in params if id(p) not in target_ids]
-    return cls(
-        [{"params": others}, {"params": targets, **settings}],
-        lr=lr,
-        weight_decay=weight_decay,
-        no_deprecation_warning=True,
-    )
+    groups = [{"params": others}, {"params": targets, **settings}]
+    return cls(groups, lr=lr, weight_decay=weight_decay, no_deprecation_warning=True)
 
 
 def galore_candidate(
@@ -224,9 +201,8 @@ def galore_candidate(
     weight_decay: float,
     settings: dict,
 ) -> Candidate:
-    """A GaLore step: ``step`` at steady state (the projection refresh skipped), ``info['refresh_step']`` one
-    that refreshes every projection (SVD); primed (which computes the projectors). Skipped, with the install
-    command, when galore-torch is missing."""
+    """A GaLore step at steady state (no projection refresh), ``info['refresh_step']`` one that refreshes every
+    projection (SVD); primed. Skipped, with the install command, when galore-torch is missing."""
     optimizer = galore_optimizer(model.parameters(), targets, lr, weight_decay, settings)
     if optimizer is None:
         return Candidate(name, skipped=import_galore()[1])
@@ -284,9 +260,8 @@ def dense_adamw(
     """Dense model + ``torch.optim.AdamW``; primed."""
     model = build_model(shape, tt=False, seed=seed, device=execution.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
-    return Candidate(
-        DENSE, model, optimizer, train_step(optimizer, classifier_loss(model, ids, labels, execution))
-    ).prime()
+    step = train_step(optimizer, classifier_loss(model, ids, labels, execution))
+    return Candidate(DENSE, model, optimizer, step).prime()
 
 
 def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
@@ -304,15 +279,9 @@ def dense_galore(
 ) -> Candidate:
     """Dense model + ``GaLoreAdamW`` (:func:`galore_candidate`)."""
     model = build_model(shape, tt=False, seed=seed, device=execution.device)
-    return galore_candidate(
-        GALORE,
-        model,
-        galore_targets(model),
-        classifier_loss(model, ids, labels, execution),
-        shape.lr_other,
-        0.0,
-        GALORE_SETTINGS if settings is None else settings,
-    )
+    loss = classifier_loss(model, ids, labels, execution)
+    settings = GALORE_SETTINGS if settings is None else settings
+    return galore_candidate(GALORE, model, galore_targets(model), loss, shape.lr_other, 0.0, settings)
 
 
 def comera(
@@ -345,12 +314,9 @@ def parameters_after_cut(model: nn.Module, keep: float) -> int:
 
 
 def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, int]:
-    """The kept share of every bond whose cut brings the model closest to ``fraction`` of its parameters.
-
-    Aims at ``fraction`` of all trainable parameters when the parameters that truncation cannot touch
-    (dense layers, biases, norms) leave room for it; otherwise at ``fraction`` of the TT layers' own
-    parameters (cores and gates). Returns ``(keep, basis, target)`` with basis ``"total"`` or ``"tt"``.
-    """
+    """``(keep, basis, target)``: the kept share of every bond that brings the model closest to ``fraction`` of all
+    its trainable parameters (basis ``"total"``), or of its TT layers' own when the parameters truncation cannot
+    touch leave no room for that (``"tt"``)."""
     total = trainable_parameters(model)
     tt_total = sum(p.numel() for p in tt_parameters(model))
     if fraction * total > parameters_after_cut(model, 0.0):
@@ -379,22 +345,16 @@ def comera_quarter(
     gamma: float = 0.01,
     execution: Execution = CPU_FP32,
 ) -> Candidate:
-    """A copy of ``base``'s CoMERA model physically truncated to about ``fraction`` of its parameters.
-
-    The copy gets its own AdamW and one step (so its state exists, as in a real run) before the cut."""
+    """A copy of ``base``'s CoMERA model with its own AdamW, stepped once and then physically truncated to about
+    ``fraction`` of its parameters."""
     model = copy.deepcopy(base.model)
     cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER, execution=execution)
     keep, basis, target = quarter_keep(model, fraction)
     cut(model, cand.optimizer, keep)
     cand.prime()
-    cand.info.update(
-        keep=keep,
-        basis=basis,
-        target_parameters=target,
-        parameters=trainable_parameters(model),
-        tt_parameters=sum(p.numel() for p in tt_parameters(model)),
-        ranks={n: layer.ranks for n, layer in tt_layers(model)},
-    )
+    cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model))
+    cand.info.update(tt_parameters=sum(p.numel() for p in tt_parameters(model)))
+    cand.info.update(ranks={n: layer.ranks for n, layer in tt_layers(model)})
     return cand
 
 
@@ -412,13 +372,10 @@ def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
 def measure(
     cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0, **timing
 ) -> tuple[harness.Timing, dict]:
-    """The candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords), then per
-    candidate its trainable parameters, median and fastest step, peak memory, page faults and system time of a
-    step, and its ``info``; a skipped candidate gets why. A candidate on CUDA also gets ``cuda_peak_bytes``, the
-    allocator's peak over one step (``harness.peak_memory``'s ``cuda_allocator_peak_bytes``: the peak stats are
-    reset before the step), which counts everything resident on the GPU, the other candidates too, and
-    ``cuda_step_peak_bytes``, that peak less what was allocated before the step (what the step itself adds).
-    Returns (timing, entries by name)."""
+    """``(timing, entries by name)``: the candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s
+    keywords), then per candidate its trainable parameters, median and fastest step, peak memory, page faults and
+    system time of a step, its ``info`` (a skipped one: why). On CUDA also ``cuda_peak_bytes``, the allocator's peak
+    over a step (every candidate resident), and ``cuda_step_peak_bytes``, what the step itself added."""
     inputs = list(inputs)
     live = [c for c in cands if c.skipped is None]
     timing = harness.interleave({c.name: c.step for c in live}, seed=seed, **timing)
@@ -462,9 +419,8 @@ def time_galore_refresh(cand: Candidate, samples: int) -> dict:
 
 
 def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> str:
-    """A "why" line from two ``harness.profile_ops``: CoMERA's top ops, and the op types it did not make at least
-    2x cheaper than ``against`` (their time alone caps the speedup at the other's total / their total). Host
-    (CPU) time; profiles of a CUDA step add a sentence on the GPU's own time and CoMERA's costliest ops there."""
+    """A "why" line from two ``harness.profile_ops``: CoMERA's top ops, and the op types it did not make 2x cheaper
+    than ``against`` (their time alone caps the speedup); CUDA profiles add a sentence on the GPU's own time."""
     top = ", ".join(f"{t['op']} {t['share']:.0%}" for t in comera_profile["top"][:4])
     c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
@@ -499,12 +455,11 @@ def run_batch(
     batch: int,
     refresh_samples: int,
     seed: int = 0,
-    log: Callable[[str], None] = print,
     execution: Execution = CPU_FP32,
     **timing,
 ) -> tuple[dict, dict]:
-    """All four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's refresh step and the TT
-    layers' sizes; returns (results, candidates)."""
+    """``(results, candidates)``: all four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's
+    refresh step and the TT layers' sizes."""
     ids, labels = make_batch(shape, batch, seed, execution.device)
     t0 = time.perf_counter()
     base = comera(shape, ids, labels, seed, execution=execution)
@@ -514,9 +469,9 @@ def run_batch(
         base,
         comera_quarter(base, shape, ids, labels, execution=execution),
     ]
-    log(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
+    print(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     timing, entries = measure(cands, (ids, labels), seed=seed, **timing)
-    log(f"  timed ({timing.noise_cell()} clean rounds) and measured at {time.perf_counter() - t0:.0f} s")
+    print(f"  timed ({timing.noise_cell()} clean rounds) and measured at {time.perf_counter() - t0:.0f} s")
     live = [c for c in cands if c.skipped is None]
     for c in live:
         if c.name == GALORE and refresh_samples > 0:
@@ -570,74 +525,106 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
 
 def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     """The targets, judged on the measured ratios of the batches measured so far."""
+
+    def verdict(target: str, batch: int, measured: float | None, met: Callable[[float], bool]) -> dict:
+        judged = None if measured is None else met(measured)
+        return {"target": target, "batch": batch, "measured": measured, "met": judged}
+
     out = []
     if realistic in results:
-        speed = results[realistic]["ratios"]["time dense/CoMERA"]
         seq = results[realistic]["tokens_per_step"] // realistic
         out.append(
-            {
-                "target": f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})",
-                "batch": realistic,
-                "measured": speed,
-                "met": speed >= TARGET_SPEEDUP_VS_DENSE,
-            }
+            verdict(
+                f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})",
+                realistic,
+                results[realistic]["ratios"]["time dense/CoMERA"],
+                lambda r: r >= TARGET_SPEEDUP_VS_DENSE,
+            )
         )
     if 1 in results:
-        mem = results[1]["ratios"]["memory GaLore/CoMERA"]
+        ratios = results[1]["ratios"]
         out.append(
-            {
-                "target": f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)",
-                "batch": 1,
-                "measured": mem,
-                "met": None if mem is None else mem >= TARGET_MEMORY_VS_GALORE,
-            }
+            verdict(
+                f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)",
+                1,
+                ratios["memory GaLore/CoMERA"],
+                lambda r: r >= TARGET_MEMORY_VS_GALORE,
+            )
         )
-        t = results[1]["ratios"]["time GaLore(amortised)/CoMERA"]
         out.append(
-            {
-                "target": "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)",
-                "batch": 1,
-                "measured": t,
-                "met": None if t is None else t > 1.0,
-            }
+            verdict(
+                "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)",
+                1,
+                ratios["time GaLore(amortised)/CoMERA"],
+                lambda r: r > 1.0,
+            )
         )
     return out
 
 
 def quarter_note(cands: dict) -> str:
     """How CoMERA 1/4 was cut, and what its parameter count is a quarter of; GaLore's projector storage."""
-    lines = []
-    q, c = cands[QUARTER], cands[COMERA]
-    tt_before = c["parameters"] - c["size_report"]["other_parameters"]
+    q, c, g = cands[QUARTER], cands[COMERA], cands[GALORE]
+    other = c["size_report"]["other_parameters"]
     what = (
         "of all trainable parameters"
         if q["basis"] == "total"
-        else f"of the TT layers' parameters (cores + gates: {tt_before:,} -> {q['tt_parameters']:,}); a quarter of "
-        f"all {c['parameters']:,} is out of reach, {c['size_report']['other_parameters']:,} of them are in "
-        f"layers truncation does not touch (dense pooler, position embeddings, biases, norms)"
+        else f"of the TT layers' parameters (cores + gates: {c['parameters'] - other:,} -> {q['tt_parameters']:,}); a "
+        f"quarter of all {c['parameters']:,} is out of reach, {other:,} of them are in layers truncation does not "
+        f"touch (dense pooler, position embeddings, biases, norms)"
     )
-    lines.append(
-        f"CoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
+    note = (
+        f"\n\nCoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
         f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}."
     )
-    g = cands[GALORE]
     if not g["skipped"]:
-        lines.append(
-            f"dense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms "
-            f"extra once per {g['settings']['update_proj_gap']} steps; its projectors hold "
-            f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for "
-            f"{harness.mib(g['projector_bytes'])} MiB of matrices (galore-torch keeps slices of the SVD "
-            f"factors), counted under 'other'."
+        note += (
+            f"\n\ndense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms extra "
+            f"once per {g['settings']['update_proj_gap']} steps; its projectors hold "
+            f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for {harness.mib(g['projector_bytes'])} MiB "
+            f"of matrices (galore-torch keeps slices of the SVD factors), counted under 'other'."
         )
-    return "".join(f"\n\n{line}" for line in lines)
+    return note
 
 
 CUDA_HEADER = "CUDA peak MiB (all resident; + this step)"
+STEP_HEADERS = (
+    "candidate|trainable params|step ms (median)|tokens/s|peak MiB|params|grads|opt state|opt-step work|activations"
+    "|temporaries|other"
+)
 
 
 def _cuda_cell(entry: dict) -> str:
     """A table cell: the CUDA allocator's peak over the step (every candidate resident), + what the step added."""
     return f"{harness.mib(entry['cuda_peak_bytes'])} (+{harness.mib(entry['cuda_step_peak_bytes'])})"
+
+
+def _step_row(name: str, e: dict, cuda: bool) -> list:
+    """One candidate's row of a batch's table."""
+    if e["skipped"]:
+        return [name, "-", "skipped: " + e["skipped"], *["-"] * (11 if cuda else 10)]
+    m = e["memory"]
+    step = harness.ms(e["median_s"]) + (f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e else "")
+    persistent = m.get("optimizer_state_persistent", m["optimizer_state"])
+    memory = (
+        m["total"],
+        m["parameters"],
+        m["gradients"],
+        persistent,
+        max(m["optimizer_state"] - persistent, 0),
+        m["activations"],
+        m["temporaries"],
+        m["other"] + m["buffers"],
+    )
+    return [
+        name,
+        f"{e['parameters']:,}",
+        step,
+        f"{e['tokens_per_s']:,.0f}",
+        *map(harness.mib, memory),
+        *([_cuda_cell(e)] if cuda else []),
+        f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s",
+    ]
 
 
 def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
@@ -646,80 +633,20 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     parts = []
     for batch, res in results.items():
         cuda = any("cuda_peak_bytes" in e for e in res["candidates"].values())
-        rows = []
-        for name, e in res["candidates"].items():
-            if e["skipped"]:
-                rows.append([name, "-", "skipped: " + e["skipped"], *["-"] * (11 if cuda else 10)])
-                continue
-            m = e["memory"]
-            step = harness.ms(e["median_s"]) + (
-                f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e else ""
-            )
-            persistent = m.get("optimizer_state_persistent", m["optimizer_state"])
-            rows.append(
-                [
-                    name,
-                    f"{e['parameters']:,}",
-                    step,
-                    f"{e['tokens_per_s']:,.0f}",
-                    *(
-                        harness.mib(v)
-                        for v in (
-                            m["total"],
-                            m["parameters"],
-                            m["gradients"],
-                            persistent,
-                            max(m["optimizer_state"] - persistent, 0),
-                            m["activations"],
-                            m["temporaries"],
-                            m["other"] + m["buffers"],
-                        )
-                    ),
-                    *([_cuda_cell(e)] if cuda else []),
-                    f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s",
-                ]
-            )
+        headers = STEP_HEADERS + (f"|{CUDA_HEADER}" if cuda else "") + "|page faults / system time"
         parts.append(
             f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
             f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
-            + harness.table(
-                [
-                    "candidate",
-                    "trainable params",
-                    "step ms (median)",
-                    "tokens/s",
-                    "peak MiB",
-                    "params",
-                    "grads",
-                    "opt state",
-                    "opt-step work",
-                    "activations",
-                    "temporaries",
-                    "other",
-                    *([CUDA_HEADER] if cuda else []),
-                    "page faults / system time",
-                ],
-                rows,
-            )
+            + harness.table(headers, [_step_row(n, e, cuda) for n, e in res["candidates"].items()])
             + quarter_note(res["candidates"])
         )
-    keys = list(next(iter(results.values()))["ratios"])
     ratio = lambda x: "skipped" if x is None else harness.times(x)  # noqa: E731
-    parts.append(
-        harness.table(
-            ["ratio", *(f"batch {b}" for b in results)],
-            [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys],
-        )
-    )
-    parts.append(
-        harness.table(
-            ["target", "measured", "verdict"],
-            [
-                [c["target"], ratio(c["measured"]), {True: "met", False: "MISSED", None: "n/a (skipped)"}[c["met"]]]
-                for c in checks
-            ],
-        )
-    )
+    keys = list(next(iter(results.values()))["ratios"])
+    rows = [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys]
+    parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)], rows))
+    verdict = {True: "met", False: "MISSED", None: "n/a (skipped)"}
+    rows = [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
+    parts.append(harness.table("target|measured|verdict", rows))
     return "\n\n".join(parts)
 
 
@@ -732,15 +659,11 @@ def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU
         ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
     ]
     for ax, (label, value) in zip(axes, panels, strict=True):
-        harness.bars(
-            ax,
-            names,
-            {
-                f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n]) for n in names]
-                for b, r in results.items()
-            },
-            label,
-        )
+        series = {
+            f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n]) for n in names]
+            for b, r in results.items()
+        }
+        harness.bars(ax, names, series, label)
     fig.suptitle(
         f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
         f"vocab {shape.vocab_size}), {execution.describe()}"
@@ -755,13 +678,11 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
     profiles: dict[str, dict] = {}
     for b in batches:
         print(f"batch {b}:", flush=True)
-        # by default samples of >= 1 s (several steps each at batch 1) and >= 40 s of clean rounds in all: single
-        # short steps varied by 30 % from run to run, more than the differences being measured
-        refresh = args.refresh_samples if b == 1 else 0
+        # by default samples of >= 1 s and >= 40 s of clean rounds in all: single short steps varied by 30 %
         res, cands = run_batch(
             shape,
             b,
-            refresh,
+            args.refresh_samples if b == 1 else 0,
             min_sample_s=0.01 if args.quick else 1.0,
             min_total_s=args.min_total_s,
             execution=execution,
@@ -778,12 +699,8 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
             # batch 1's targets compare CoMERA with GaLore, the realistic batch's with dense
             other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
             print(f"  profiling the {COMERA} and {other} steps", flush=True)
-            prof = {
-                "batch": b,
-                "against": other,
-                "comera": harness.profile_ops(cands[COMERA].step),
-                "other": harness.profile_ops(cands[other].step),
-            }
+            prof = {"batch": b, "against": other}
+            prof.update(comera=harness.profile_ops(cands[COMERA].step), other=harness.profile_ops(cands[other].step))
             profiles[str(b)] = {**prof, "why": explain(prof["comera"], prof["other"], other)}
         del cands
     checks = verdicts(results, batches[-1])
@@ -798,18 +715,16 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
 
 
 def _modes(model: nn.Module) -> dict:
+    """The TT layers' modes and ranks, one entry per layer shape (other shapes than the paper's get automatic ones)."""
     out = {}
     for name, layer in tt_layers(model):
         short = name.split(".")[-1] if "layers." in name else name
         if isinstance(layer, TTLinear):
-            out.setdefault(
-                f"{short} {layer.in_features}x{layer.out_features}",
-                {"in_modes": layer.in_modes, "out_modes": layer.out_modes, "ranks": layer.ranks},
-            )
+            modes = {"in_modes": layer.in_modes, "out_modes": layer.out_modes}
+            out.setdefault(f"{short} {layer.in_features}x{layer.out_features}", {**modes, "ranks": layer.ranks})
         elif isinstance(layer, TTEmbedding):
-            out.setdefault(
-                short, {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes, "ranks": layer.ranks}
-            )
+            modes = {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes}
+            out.setdefault(short, {**modes, "ranks": layer.ranks})
     return out
 
 
@@ -819,7 +734,6 @@ def run_scaling(
     num_layers: int,
     batch: int,
     seed: int = 0,
-    log: Callable[[str], None] = print,
     execution: Execution = CPU_FP32,
     **timing,
 ) -> list[dict]:
@@ -829,7 +743,7 @@ def run_scaling(
         shape = scaling_shape(d, num_layers, base)
         ids, labels = make_batch(shape, batch, seed, execution.device)
         cands = [
-            dense_adamw(shape, ids, labels, seed, execution=execution),
+            dense_adamw(shape, ids, labels, seed, execution),
             comera(shape, ids, labels, seed, execution=execution),
         ]
         timing_, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
@@ -847,10 +761,8 @@ def run_scaling(
                 "memory dense/CoMERA": entries[DENSE]["memory"]["total"] / entries[COMERA]["memory"]["total"],
             }
         )
-        log(
-            f"  d_model {d}: dense {harness.ms(timing_.median(DENSE))} ms, "
-            f"CoMERA {harness.ms(timing_.median(COMERA))} ms ({timing_.noise_cell()})"
-        )
+        dense_ms, comera_ms = harness.ms(timing_.median(DENSE)), harness.ms(timing_.median(COMERA))
+        print(f"  d_model {d}: dense {dense_ms} ms, CoMERA {comera_ms} ms ({timing_.noise_cell()})")
     return rows
 
 
@@ -875,22 +787,13 @@ def scaling_table(rows: list[dict]) -> str:
                 f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}",
             ]
         )
-    return harness.table(
-        [
-            "d_model",
-            "dense params",
-            "CoMERA params",
-            "dense step ms",
-            "CoMERA step ms",
-            "time dense/CoMERA",
-            "dense peak MiB",
-            "CoMERA peak MiB",
-            "memory dense/CoMERA",
-            *([f"dense {CUDA_HEADER}", f"CoMERA {CUDA_HEADER}"] if cuda else []),
-            "rounds",
-        ],
-        body,
+    headers = (
+        "d_model|dense params|CoMERA params|dense step ms|CoMERA step ms|time dense/CoMERA|dense peak MiB"
+        "|CoMERA peak MiB|memory dense/CoMERA"
+        + (f"|dense {CUDA_HEADER}|CoMERA {CUDA_HEADER}" if cuda else "")
+        + "|rounds"
     )
+    return harness.table(headers, body)
 
 
 def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
@@ -907,10 +810,10 @@ def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ds, [str(d) for d in ds])
         harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
-    r0 = rows[0]
+    shape = rows[0]["shape"]
     fig.suptitle(
-        f"{r0['shape']['num_layers']} layers, batch {r0['batch']} x {r0['shape']['seq_len']}, "
-        f"vocab {r0['shape']['vocab_size']}, {execution.describe()}"
+        f"{shape['num_layers']} layers, batch {rows[0]['batch']} x {shape['seq_len']}, vocab {shape['vocab_size']}, "
+        f"{execution.describe()}"
     )
     return fig
 
@@ -925,9 +828,7 @@ def _d_models(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 64 or v % 64 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"d_model values must be positive multiples of 64 (heads of 64), e.g. 256,512; got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"d_model values must be positive multiples of 64, e.g. 256,512; got {text!r}")
     return values
 
 
@@ -935,75 +836,24 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line: the shared options and the parts' own."""
     quick, positive = harness.Quick, harness.positive_int
     parser = harness.bench_parser(__doc__, repeats=(2, 3))
-    parser.add_argument(
-        "--part",
-        choices=["step", "scaling", "all"],
-        default="all",
-        help="step: candidates at the paper's shapes; scaling: cost against d_model; all: both",
-    )
-    parser.add_argument(
-        "--min-total-s",
-        type=float,
-        default=quick(0.0, 40.0),
-        help="clean timed seconds per candidate and batch at least (default 40, quick 0)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=positive,
-        default=quick(4, 32),
-        help="the realistic batch of the step part (sequences of 128 tokens; default 32, quick 4)",
-    )
-    parser.add_argument(
-        "--layers",
-        type=positive,
-        default=quick(1, None),
-        help="encoder layers of the step part (default: the config's 6; quick 1)",
-    )
-    parser.add_argument(
-        "--d-models",
-        type=_d_models,
-        default=quick([256, 512], [256, 512, 1024, 2048]),
-        help="scaling: d_model values (default 256,512,1024,2048; quick 256,512)",
-    )
-    parser.add_argument("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
-    parser.add_argument("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
-    parser.add_argument(
-        "--refresh-samples",
-        type=int,
-        default=quick(1, 2),
-        help="GaLore projection-refresh steps timed at batch 1 (default 2, quick 1; 0 skips)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--part", choices=["step", "scaling", "all"], default="all", help="step: the paper's shapes; scaling: d_model")
+    add("--min-total-s", type=float, default=quick(0.0, 40.0), help="clean timed seconds per candidate and batch (40)")
+    add("--batch", type=positive, default=quick(4, 32), help="step: the realistic batch (32 sequences, quick 4)")
+    add("--layers", type=positive, default=quick(1, None), help="step: encoder layers (default the config's 6)")
+    add("--d-models", type=_d_models, default=quick([256, 512], [256, 512, 1024, 2048]), help="scaling: d_model values")
+    add("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
+    add("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
+    add("--refresh-samples", type=int, default=quick(1, 2), help="GaLore refresh steps timed at batch 1 (0 skips)")
+    add(
         "--profile",
         choices=["auto", "always", "never"],
         default="auto",
-        help="profile CoMERA against dense at the realistic batch and against GaLore at batch 1 (auto: "
-        "the realistic batch when any target is missed, batch 1 when one of its targets is)",
+        help="profile CoMERA against dense (realistic batch) and GaLore (batch 1); auto: where a target is missed",
     )
-    parser.add_argument(
-        "--keep-freed-memory",
-        action="store_true",
-        help="glibc malloc keeps freed memory (comera_lightning.training.host_memory)",
-    )
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cpu",
-        help="where every candidate's model, optimiser state and batch live (default cpu)",
-    )
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="32-true",
-        help="32-true: float32; bf16-mixed: forward and loss under bfloat16 autocast, parameters and "
-        "optimiser state float32, as Lightning's bf16-mixed (default 32-true)",
-    )
-    parser.add_argument(
-        "--torch-dropout",
-        action="store_true",
-        help="every candidate with torch's dropout masks instead of the models' default packed ones "
-        "(SequenceClassifier(packed_dropout=False))",
-    )
+    add("--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory, as KeepFreedMemory does")
+    add("--device", choices=DEVICES, default="cpu", help="where every candidate lives (default cpu)")
+    add("--precision", choices=PRECISIONS, default="32-true", help="bf16-mixed: autocast as Lightning's bf16-mixed")
     return parser
 
 
@@ -1019,20 +869,16 @@ def main(argv: list[str] | None = None) -> int:
             f"is a CPU-only build); run on a GPU machine with a CUDA build of torch, or use --device cpu"
         )
     execution = Execution(args.device, args.precision)
-    paper = replace(paper_shape(), packed_dropout=not args.torch_dropout)
-    stem = execution.stem + ("_torch_dropout" if args.torch_dropout else "")
+    paper, stem = paper_shape(), execution.stem
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
-    cuda = execution.device == "cuda"
     settings = {
         **harness.settings(args),
         "threads": torch.get_num_threads(),
         "dtype": "float32",
-        "device": execution.device,
-        "precision": execution.precision,
         "autocast_dtype": "bfloat16" if execution.precision == "bf16-mixed" else None,
-        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+        "cuda_device": torch.cuda.get_device_name() if execution.device == "cuda" else None,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "argv": argv or sys.argv[1:],
     }
@@ -1046,13 +892,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         payload = run_step_part(args, shape, batches, execution)
+        step_settings = {**settings, "shape": shape.__dict__, "batches": batches, "galore": GALORE_SETTINGS}
         harness.emit(
             args.out_dir / f"training_step{stem}.json",
-            {
-                "machine": harness.machine_info(),
-                "settings": {**settings, "shape": shape.__dict__, "batches": batches, "galore": GALORE_SETTINGS},
-                **payload,
-            },
+            {"machine": harness.machine_info(), "settings": step_settings, **payload},
             fig=plot_step(payload["results"], shape, execution),
         )
     if args.part in ("scaling", "all"):
@@ -1061,14 +904,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{paper.seq_len}, {args.repeats} rounds, {execution.describe()}",
             flush=True,
         )
-        rows = run_scaling(
-            paper,
-            args.d_models,
-            args.scaling_layers,
-            args.scaling_batch,
-            execution=execution,
-            **harness.timing_options(args),
-        )
+        timing = harness.timing_options(args)
+        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch, execution=execution, **timing)
         print("\n" + scaling_table(rows))
         harness.emit(
             args.out_dir / f"training_scaling{stem}.json",

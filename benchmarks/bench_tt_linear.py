@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import tensorly as tl
 import torch
@@ -41,6 +40,7 @@ FULL_GRID = dict(shapes=tuple(SHAPES), rows=(1, 32, 512, 4096), ranks=(8, 30, 64
 QUICK_GRID = dict(shapes=("768x768",), rows=(1, 32, 512), ranks=(8, 64))
 EINSUM_NAMES = ("torch.einsum", "tensorly+oe")
 JSON_NAME, PNG_NAME = "tt_linear.json", "tt_linear.png"
+PAIRED = ("shape", "rows", "rank")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def make_candidates(case: Case, seed: int) -> tuple[dict[str, tuple[Callable, li
 
 
 def measure_memory(forward: Callable, params: list, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
-    """Unique storages saved for backward (split into input / parameters / other), params and grads, in bytes."""
+    """Unique storages saved for backward (input / parameters / other), parameters and gradients, in bytes."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -162,15 +162,8 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     best_einsum = min(EINSUM_NAMES, key=med.get)
     paired = timing.paired_ratios("nn.Linear", "planner")  # a noise indicator for the headline ratio
     return {
-        "shape": case.shape,
-        "in_features": in_f,
-        "out_features": out_f,
-        "in_modes": list(layer.in_modes),
-        "out_modes": list(layer.out_modes),
-        "rows": case.rows,
-        "rank": case.rank,
-        "ranks": ranks,
-        "main": case.is_main,
+        **{"shape": case.shape, "in_features": in_f, "out_features": out_f, "rows": case.rows, "rank": case.rank},
+        **{"in_modes": list(layer.in_modes), "out_modes": list(layer.out_modes), "ranks": ranks, "main": case.is_main},
         **{k: summary[k] for k in ("rounds_total", "rounds_clean", "contended", "other_load_median", "rounds")},
         "rounds_used": len(paired),
         "noise_cell": timing.noise_cell(),
@@ -215,9 +208,7 @@ def evaluate_targets(results: list[dict]) -> dict:
     """Verdicts: TTLinear >= 5x faster than nn.Linear on the main cases; planner never slower than einsum."""
     speed = [
         {
-            "shape": r["shape"],
-            "rows": r["rows"],
-            "rank": r["rank"],
+            **{k: r[k] for k in PAIRED},
             "speedup": r["ratios"]["dense_time_over_tt_time"],
             "speedup_of_minima": r["ratios"]["dense_time_over_tt_time_of_minima"],
             "met": r["ratios"]["dense_time_over_tt_time"] >= TARGET_SPEEDUP,
@@ -228,9 +219,7 @@ def evaluate_targets(results: list[dict]) -> dict:
     ]
     einsum = [
         {
-            "shape": r["shape"],
-            "rows": r["rows"],
-            "rank": r["rank"],
+            **{k: r[k] for k in PAIRED},
             "best_einsum": r["best_einsum"],
             "best_einsum_over_planner": (ratio := r["ratios"]["best_einsum_time_over_planner_time"]),
             "met": ratio >= 1.0,
@@ -271,9 +260,7 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
         c = r["candidates"]
         rows.append(
             [
-                r["shape"],
-                r["rows"],
-                r["rank"],
+                *(r[k] for k in PAIRED),
                 r["planner_pick"],
                 ms(c["nn.Linear"]["median_s"]),
                 ms(c["planner"]["median_s"]),
@@ -284,33 +271,17 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
                 r["noise_cell"],
             ]
         )
-    out.append(
-        table(
-            [
-                "shape",
-                "rows",
-                "rank",
-                "plan",
-                "nn.Linear ms",
-                "TTLinear ms",
-                "dense/tt time",
-                "nn.Linear MiB",
-                "TTLinear MiB",
-                "dense/tt mem",
-                "rounds",
-            ],
-            rows,
-        )
+    headers = (
+        "shape|rows|rank|plan|nn.Linear ms|TTLinear ms|dense/tt time|nn.Linear MiB|TTLinear MiB|dense/tt mem|rounds"
     )
+    out.append(table(headers, rows))
     out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms; `*`: the planner's pick)", ""]
     rows = []
     for r in results:
         c = r["candidates"]
         rows.append(
             [
-                r["shape"],
-                r["rows"],
-                r["rank"],
+                *(r[k] for k in PAIRED),
                 *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES)),
                 f"{r['ratios']['best_einsum_time_over_planner_time']:.2f}",
                 *(ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS),
@@ -319,35 +290,19 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
             ]
         )
     out.append(
-        table(
-            [
-                "shape",
-                "rows",
-                "rank",
-                "planner",
-                "torch.einsum",
-                "tensorly+oe",
-                "best einsum/planner",
-                *PLANS,
-                "fastest",
-                "pick/fastest",
-            ],
-            rows,
-        )
+        table([*PAIRED, "planner", *EINSUM_NAMES, "best einsum/planner", *PLANS, "fastest", "pick/fastest"], rows)
     )
     out += ["", "## Targets", ""]
     t1, t2 = targets["tt_at_least_5x_faster_than_dense"], targets["planner_never_slower_than_best_einsum"]
     flag = lambda x: " (contended!)" if x["contended"] else ""  # noqa: E731
+    met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
     detail = ", ".join(
         f"{s['shape']} r{s['rank']} {s['rows']} rows: {s['speedup']:.2f}x "
         f"[ratio of minima {s['speedup_of_minima']:.2f}x]{flag(s)}"
         for s in t1["cases"]
     )
-    out.append(
-        f"- TTLinear >= {TARGET_SPEEDUP:g}x faster than nn.Linear (fwd+bwd): "
-        f"{'MET' if t1['met'] else 'NOT MET'} ({detail})"
-    )
-    line = f"- Planner never slower than the better einsum baseline: {'MET' if t2['met'] else 'NOT MET'}"
+    out.append(f"- TTLinear >= {TARGET_SPEEDUP:g}x faster than nn.Linear (fwd+bwd): {met(t1['met'])} ({detail})")
+    line = f"- Planner never slower than the better einsum baseline: {met(t2['met'])}"
     if t2["violations"]:
         line += (
             f" ({len(t2['violations'])} case(s); within {NOISE_TOL:.0%} noise: "
@@ -364,7 +319,7 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
         elif t2["contended_cases"]:
             line += (
                 f"\n  - on the {len(results) - t2['contended_cases']} cases measured without contention: "
-                f"{'MET' if t2['met_on_uncontended_cases'] else 'NOT MET'}"
+                f"{met(t2['met_on_uncontended_cases'])}"
             )
     out.append(line)
     worse = [r for r in results if r["ratios"]["picked_forced_time_over_fastest_forced"] > 1 + NOISE_TOL]
@@ -399,37 +354,20 @@ def plot(results: list[dict]):
             ax.plot([r["rows"] for r in rs], [r["ratios"][key] for r in rs], marker="o", label=f"{shape} r{rank}")
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         harness.label_axes(ax, "rows (tokens)", xlog=True, ylog=True, title=f"time ratio {title}", legend=ax is axes[0])
-    fig.suptitle(
-        "TT linear forward+backward: contraction planner vs einsum baselines, and vs dense (> 1: planner faster)"
-    )
+    fig.suptitle("TT linear forward+backward: the planner vs einsum baselines, and vs dense (> 1: planner faster)")
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the report, write ``tt_linear.json`` and ``tt_linear.png``."""
     parser = harness.bench_parser(__doc__, repeats=(3, 5))
-    parser.add_argument(
-        "--min-sample-ms",
-        type=float,
-        default=harness.Quick(5.0, 10.0),
-        help="inner loop length per sample (default 10, quick 5)",
-    )
-    parser.add_argument(
-        "--min-case-s",
-        type=float,
-        default=harness.Quick(1.0, 1.5),
-        help="keep adding rounds until the clean ones took this long (default 1.5, quick 1)",
-    )
+    quick = harness.Quick
+    parser.add_argument("--min-sample-ms", type=float, default=quick(5.0, 10.0), help="inner loop per sample (10)")
+    parser.add_argument("--min-case-s", type=float, default=quick(1.0, 1.5), help="clean seconds per case (1.5)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
     parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts")
     parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks")
-    parser.add_argument(
-        "--keep-freed-memory",
-        action="store_true",
-        help="glibc's malloc keeps freed memory, as the KeepFreedMemory callback does in training: "
-        "outputs above 32 MiB stop being page-faulted in on every step",
-    )
-    parser.add_argument("--out", type=Path, default=None, help=f"the JSON's path (default <out-dir>/{JSON_NAME})")
+    parser.add_argument("--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory (training)")
     args = harness.parse(parser, argv)
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
@@ -477,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - started
     targets = evaluate_targets(results)
     print(render(results, targets, meta))
-    harness.emit(
-        args.out or args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results)
-    )
+    harness.emit(args.out_dir / JSON_NAME, {"meta": meta, "targets": targets, "cases": results}, fig=plot(results))
     return 0
 
 

@@ -18,6 +18,7 @@ import argparse
 import torch
 from torch import nn
 
+from benchmarks import harness
 from comera_lightning.nn import TTLinear
 from comera_lightning.optim import comera_parameter_groups
 
@@ -63,19 +64,17 @@ def coordinate_check(
 
 def table(widths=WIDTHS) -> str:
     """The markdown table of every (parameterisation, layer kind, quantity) across ``widths``, with its spread."""
-    lines = [
-        "| parameterisation | layers | RMS of | " + " | ".join(f"d {w}" for w in widths) + " | largest / smallest |",
-        "|---|---|---|" + "---|" * len(widths) + "---|",
-    ]
+    rows = []
     for parameterization in ("standard", "mup"):
         for kind in KINDS:
-            rows = [coordinate_check(parameterization, kind, w) for w in widths]
+            checks = [coordinate_check(parameterization, kind, w) for w in widths]
             for key in ("output", "hidden_change", "output_change"):
-                values = [r[key] for r in rows]
-                cells = " | ".join(f"{v:.3f}" for v in values)
-                what = key.replace("_", " ")
-                lines.append(f"| {parameterization} | {kind} | {what} | {cells} | {max(values) / min(values):.2f}x |")
-    return "\n".join(lines)
+                values = [c[key] for c in checks]
+                spread = f"{max(values) / min(values):.2f}x"
+                rows.append([parameterization, kind, key.replace("_", " "), *(f"{v:.3f}" for v in values), spread])
+    return harness.table(
+        ["parameterisation", "layers", "RMS of", *(f"d {w}" for w in widths), "largest / smallest"], rows
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

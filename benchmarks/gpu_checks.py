@@ -1,35 +1,22 @@
-"""The GPU checks in one run: CUDA graphs, the six-encoder training step in bf16, a bf16
-``comera fit`` that truncates and resumes (plain, and under FSDP2 on one GPU), the ``Compile`` callback, and
-``llm_60m`` dense against CoMERA at equal wall-clock.
+"""The GPU checks in one run, each in its own process under a time limit, cheapest first, the summary rewritten after
+every check (a run cut off still returns what it finished):
 
-Each check runs in its own process under a time limit, in this order (cheapest and most certain first, the long
-llm check last), and the summary is rewritten after every check, so a run cut off by the device's limit still
-returns what it finished:
+1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, captured against eager at the quickstart size, fp32 and bf16-mixed:
+   identity, and speed-up at batch 1 and 32;
+2. ``training_step``: ``bench_training_step --part step`` in bf16-mixed on CUDA (dense + AdamW, dense + GaLore, CoMERA
+   r30 and 1/4 at batch 1 and 32 x 128), with ``torch.cuda.max_memory_allocated`` and profiles;
+3. ``fit_resume``: a bf16 ``comera fit`` of the quickstart with the tuned study's early late stage (from 10 % of the
+   steps, the target by 50 %) that truncates, has a finite validation loss and resumes from its last checkpoint;
+4. ``fsdp2``: the same under ``callbacks/fsdp2.yaml`` (one GPU), resumed from its distributed checkpoint folder;
+5. ``compile``: quickstart fits eager, with the ``Compile`` callback and with ``mode: reduce-overhead`` (rank callbacks
+   in mask mode, no validation): finished, graphs compiled, steps/s against eager, graph breaks;
+6. ``llm_60m``: ``studies.llm`` on ``configs/llm_60m.yaml`` and the standard library, dense and CoMERA each training
+   ``--llm-budget-s`` seconds (or what the deadline leaves) by the ``matched`` protocol.
 
-1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, captured against eager at the quickstart size, fp32 and
-   bf16-mixed, identity and speed-up (batch 1 and 32);
-2. ``training_step``: ``bench_training_step --part step``, dense + AdamW, dense + GaLore, CoMERA r30 at batch 1
-   and 32 x 128, bf16-mixed, with ``torch.cuda.max_memory_allocated`` and profiles;
-3. ``fit_resume``: ``comera fit`` of the quickstart on CUDA in bf16-mixed with the quality study's early late-stage
-   schedule (the tuned study's ``comera_early``: the late stage from 10 % of the steps, the size target reached by
-   50 %, ``ScheduledLateStage(ramp_steps=...)``): ranks shrink, truncations happen, the final validation loss is
-   finite, and the last checkpoint (written after the cuts) resumes;
-4. ``fsdp2``: the same fit and resume with ``callbacks/fsdp2.yaml`` (FSDP2 through ``FSDP2Strategy``, one GPU):
-   the cuts are resharded and the distributed checkpoint folder resumes;
-5. ``compile``: short quickstart fits (rank callbacks in mask mode, no validation) eager, with the ``Compile``
-   callback (``callbacks/compile.yaml`` with its default modules: MaskedLM's ``model.encoder`` and ``model.head``)
-   and with ``mode: reduce-overhead``, one after the other:
-   whether each finishes and compiles graphs, its median steps/s as a ratio to the eager fit's, torch's graph,
-   graph-break and CUDA-graph-skip counts;
-6. ``llm_60m``: ``studies.llm`` on ``configs/llm_60m.yaml`` (the standard library as corpus, a BPE tokenizer
-   trained on it): dense and CoMERA, each ``--llm-budget-s`` seconds of training by the ``matched`` protocol, or
-   what the deadline leaves.
-
-Output in ``--out`` (few files, for a machine that returns only a few): ``summary.md`` and ``summary.json`` (targets and
-verdicts; a check that failed or timed out shows as FAILED), ``checks.log`` (this driver's log), ``results.tar.gz``
-(every check's JSON, markdown, PNG and log). Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs
-tiny versions of all six on the CPU to test the plumbing (32-true; FSDP2 over gloo; ``Compile`` with the
-``aot_eager`` backend). ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
+``--out`` gets ``summary.md`` and ``summary.json`` (targets and verdicts; a check that failed or timed out is FAILED),
+``checks.log`` and ``results.tar.gz`` (every check's outputs and log). Without CUDA the checks are skipped (exit 0);
+``--cpu-dry-run`` runs tiny versions on the CPU (32-true, FSDP2 over gloo, ``Compile`` with ``aot_eager``).
+``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
 
     python -m benchmarks.gpu_checks --out /tmp/gpu_checks                 # on a GPU machine
     python -m benchmarks.gpu_checks --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 10 minutes)
@@ -63,19 +50,13 @@ from benchmarks import harness
 from benchmarks.studies.tuned import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "benchmarks"
-# the targets the checks judge
-TARGET_STEP_SPEEDUP = 2.0  # CoMERA's step vs dense at batch 32, bf16
-TARGET_MEMORY_VS_GALORE = 9.0  # dense + GaLore's peak memory over CoMERA's at batch 1
-TARGET_GRAPHS_SPEEDUP = 1.3  # CUDA graphs vs eager at batch 1
-# the llm check besides its two training budgets: corpus, tokenizer, step timing, validations, imports
-LLM_OVERHEAD_S = 120.0
-# the fit checks: the first fit's steps, then the resume's (both end on a validation, every 50 steps)
-FIT_STEPS, RESUME_STEPS = 200, 250
-# the fits under the checks that end with FAILED when they did not finish
+# the targets: CoMERA's bf16 step vs dense at batch 32, dense + GaLore's peak memory over CoMERA's at batch 1, CUDA
+# graphs vs eager at batch 1
+TARGET_STEP_SPEEDUP, TARGET_MEMORY_VS_GALORE, TARGET_GRAPHS_SPEEDUP = 2.0, 9.0, 1.3
+LLM_OVERHEAD_S = 120.0  # the llm check besides its two training budgets: corpus, tokenizer, timing, imports
+FIT_STEPS, RESUME_STEPS = 200, 250  # the fit checks' first fit, then the resume (validated every 50 steps)
 FIT_CHECKS = ("fit_resume", "fsdp2")
-# every check, in the order they run (--only picks some)
-CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "llm_60m")
+CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "llm_60m")  # in order
 # the compile check's fits, in order: None is the eager reference, else Compile's mode ("default": torch's)
 COMPILE_VARIANTS: dict[str, str | None] = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
 COMPILE_STEPS, COMPILE_WARMUP = 120, 30  # dry: 40 and 10
@@ -91,13 +72,14 @@ class Check:
     limit_s: float
 
 
-def _python(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", f"benchmarks.{module}", *args]
+def _python(command: str, *args: str) -> list[str]:
+    """``python -m benchmarks.<module> ...`` of ``command`` (the module and its fixed arguments, space-separated)."""
+    module, *fixed = command.split()
+    return [sys.executable, "-m", f"benchmarks.{module}", *fixed, *args]
 
 
 def _env() -> dict[str, str]:
-    """The checks' environment: unbuffered logs, and the benchmarks and the repository importable (the fits'
-    ``benchmarks.gpu_checks.FitProbe`` callback is imported by ``comera fit``)."""
+    """Unbuffered logs, and the repository importable (``comera fit`` imports ``benchmarks.gpu_checks.FitProbe``)."""
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -107,36 +89,19 @@ def _env() -> dict[str, str]:
 
 def checks(work: Path, dry: bool) -> list[Check]:
     """The first five checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the sixth."""
-    cuda_graphs = _python("bench_cuda_graphs", "--out-dir", str(work / "cuda_graphs"))
-    step = _python(
-        "bench_training_step",
-        "--part",
-        "step",
-        "--precision",
-        "bf16-mixed",
-        "--profile",
-        "always",
-        "--out-dir",
-        str(work / "training_step"),
-    )
-    me = _python("gpu_checks")
-    fit = [*me, "--fit-check", str(work / "fit_resume")]
-    fsdp2 = [*me, "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2"]
-    compiled = [*me, "--compile-check", str(work / "compile")]
-    # on the GPU the CUDA-graph check takes the quickstart size only (launch-bound, where graphs matter): the base
-    # size would double its minutes, which the llm check needs more
-    cuda_graphs += ["--quick"] + (["--backend", "replay"] if dry else ["--repeats", "3"])
-    if dry:
-        step += ["--quick"]
-        for command in (fit, fsdp2, compiled):
-            command += ["--cpu-dry-run"]
-    else:
-        step += ["--device", "cuda", "--min-total-s", "5"]
-    # GPU limits (seconds): the five short checks' caps add up to the run's deadline (540), which also holds every
-    # check to what is left of it; the llm check trains for what they leave (it needs 150 s to run: --only
-    # llm_60m gives it a run of its own). A fit costs 10-20 s of start-up (imports, CUDA, the data cache: one
-    # tokenizer, built by fit_resume's first fit in about 5 s) and seconds of steps: fit_resume and fsdp2 two
-    # fits each (about 50-60 s), compile three fits and inductor's compilations (about 100-130 s).
+    # the quickstart size only: launch-bound, where graphs matter (the base size would take the llm check's minutes)
+    cuda_graphs = _python("bench_cuda_graphs --quick", "--out-dir", str(work / "cuda_graphs"))
+    cuda_graphs += ["--backend", "replay"] if dry else ["--repeats", "3"]
+    step = _python("bench_training_step --part step --precision bf16-mixed --profile always")
+    step += ["--out-dir", str(work / "training_step")]
+    step += ["--quick"] if dry else ["--device", "cuda", "--min-total-s", "5"]
+    dry_flag = ["--cpu-dry-run"] if dry else []
+    fit = _python("gpu_checks", "--fit-check", str(work / "fit_resume"), *dry_flag)
+    fsdp2 = _python("gpu_checks", "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2", *dry_flag)
+    compiled = _python("gpu_checks", "--compile-check", str(work / "compile"), *dry_flag)
+    # GPU limits (s) add up to the run's deadline (540), which also holds every check to what is left of it; the llm
+    # check trains for what they leave (--only llm_60m gives it a run of its own). A fit costs 10-20 s of start-up;
+    # fit_resume and fsdp2 run two fits each (50-60 s), compile three and inductor's compilations (100-130 s).
     # dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
     return [
         Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
@@ -150,40 +115,15 @@ def checks(work: Path, dry: bool) -> list[Check]:
 def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
     """``llm_60m`` dense and CoMERA, ``budget_s`` of training each by the matched protocol, on the standard library."""
     llm = _python(
-        "studies.llm",
-        "--config",
-        str(REPO / "configs" / "llm_60m.yaml"),
-        "--protocols",
-        "matched",
-        "--methods",
-        "dense",
-        "comera",
-        "--precision",
-        "bf16-mixed",
-        "--budget-s",
-        f"{budget_s:.0f}",
-        "--out-dir",
-        str(work / "llm_60m"),
-        "--cache-dir",
-        str(work / "cache"),
-        "--set",
-        "data.root=stdlib",
-        "--set",
-        "data.files='**/*.py'",
-        "--set",
-        "data.val_files=null",
-        "--set",
-        "data.tokenizer_path=null",
-        # 5 % of the standard library's 1,790 files (31 MB) held out: about 15 validation batches of 128 x 256
-        "--set",
-        "data.val_fraction=0.05",
-        "--set",
-        "data.tokenizer_sample_mb=16",
+        "studies.llm --protocols matched --methods dense comera --precision bf16-mixed",
+        *("--config", str(REPO / "configs" / "llm_60m.yaml"), "--budget-s", f"{budget_s:.0f}"),
+        *("--out-dir", str(work / "llm_60m"), "--cache-dir", str(work / "cache")),
     )
-    if dry:
-        llm += ["--quick", "--set", "data.files='*.py'", "--set", "data.num_workers=0"]
-    else:
-        llm += ["--accelerator", "cuda", "--repeats", "3"]
+    # the standard library's 1,790 files (31 MB), 5 % held out: about 15 validation batches of 128 x 256
+    data = ["root=stdlib", "files='**/*.py'", "val_files=null", "tokenizer_path=null", "val_fraction=0.05"]
+    data += ["tokenizer_sample_mb=16", *(["files='*.py'", "num_workers=0"] if dry else [])]
+    llm += [arg for value in data for arg in ("--set", f"data.{value}")]
+    llm += ["--quick"] if dry else ["--accelerator", "cuda", "--repeats", "3"]
     return Check("llm_60m", [llm], 400 if dry else 2 * budget_s + LLM_OVERHEAD_S)
 
 
@@ -192,11 +132,9 @@ def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
 
 
 class FitProbe(Callback):
-    """What a check's ``comera fit`` did, as one JSON line appended to ``path`` at the end of the fit (rank 0): steps,
-    the median step time after ``warmup_steps`` (CUDA synchronised at every step end, so the time is the device's),
-    the last validation's and training's losses, the strategy, precision and peak CUDA memory, and what the
-    ``Compile`` callback and torch's compiler did. The checks name it in their callbacks
-    (``benchmarks.gpu_checks.FitProbe``)."""
+    """What a check's ``comera fit`` did, one JSON line appended to ``path`` at its end (rank 0): steps, the median
+    step after ``warmup_steps`` (CUDA synchronised at every step end), the last losses, strategy, precision, peak
+    CUDA memory, and what the ``Compile`` callback and torch's compiler did."""
 
     def __init__(self, path: str, warmup_steps: int = 20) -> None:
         self.path = Path(path)
@@ -267,11 +205,10 @@ def read_probes(path: Path) -> list[dict[str, Any]]:
 def rank_callbacks(
     steps: int, probe: Path, *, truncate: bool = True, checkpoint: bool = True, warmup_steps: int = 20
 ) -> str:
-    """The fits' callbacks (a config replacing the quickstart's list): ``RankAdaptation`` with the quality study's
-    early schedule (the tuned study's ``comera_early``: the late stage from ``EARLY_LATE_FRACTION`` of ``steps``,
-    the 20x target reached ``EARLY_RAMP_FRACTION`` of them later), physical truncations every 20 steps (``truncate``;
-    else mask mode, which never changes a shape), the contraction planner, the :class:`FitProbe` writing to
-    ``probe`` (timing after ``warmup_steps``) and (``checkpoint``) the last checkpoint."""
+    """The fits' callbacks (replacing the quickstart's list): ``RankAdaptation`` with the tuned study's ``comera_early``
+    schedule (the late stage from ``EARLY_LATE_FRACTION`` of ``steps``, the 20x target ``EARLY_RAMP_FRACTION`` of them
+    later) truncating every 20 steps (``truncate``; else mask mode), the planner, RankMonitor, the :class:`FitProbe`
+    and (``checkpoint``) the last checkpoint."""
     rank = {
         "gamma": 0.005,
         "late_start_step": round(EARLY_LATE_FRACTION * steps),
@@ -301,22 +238,12 @@ def fit_command(folder: Path, dry: bool, configs: Sequence[str | Path], *args: s
     """``comera fit`` of the quickstart with ``configs`` after it, bf16-mixed on CUDA (``dry``: 32-true on the CPU,
     40 files), its data cached in the work folder's ``cache`` (one tokenizer for all the fits), then ``args``."""
     cli = [sys.executable, "-m", "comera_lightning", "fit", "--config", "quickstart"]
-    for config in configs:
-        cli += ["--config", str(config)]
-    cli += [
-        # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
-        "--trainer.precision",
-        "32-true" if dry else "bf16-mixed",
-        "--trainer.accelerator",
-        "cpu" if dry else "cuda",
-        "--trainer.default_root_dir",
-        str(folder),
-        "--data.cache_dir",
-        str(folder.parent / "cache" / "quickstart"),
-    ]
-    if dry:
-        cli += ["--data.max_files", "40", "--data.max_sequences", "2000"]
-    return cli + list(args)
+    cli += [arg for config in configs for arg in ("--config", str(config))]
+    # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
+    precision, accelerator = ("32-true", "cpu") if dry else ("bf16-mixed", "cuda")
+    cli += ["--trainer.precision", precision, "--trainer.accelerator", accelerator]
+    cli += ["--trainer.default_root_dir", str(folder), "--data.cache_dir", str(folder.parent / "cache" / "quickstart")]
+    return cli + (["--data.max_files", "40", "--data.max_sequences", "2000"] if dry else []) + list(args)
 
 
 def _fit(command: list[str], folder: Path) -> float:
@@ -328,12 +255,9 @@ def _fit(command: list[str], folder: Path) -> float:
 
 
 def fit_check(folder: Path, dry: bool, configs: Sequence[str] = ()) -> dict[str, Any]:
-    """``comera fit`` of the quickstart in bf16-mixed (``dry``: 32-true on the CPU) with :func:`rank_callbacks` (the
-    early schedule: late stage from step 20, target by step 100) and ``configs`` after them (``callbacks/fsdp2``:
-    FSDP2 on the one device), ``FIT_STEPS`` steps validated every 50; then a resume from its last checkpoint
-    (written after the truncations; a folder under FSDP2) to ``RESUME_STEPS``. Returns :func:`inspect_fit` of both
-    checkpoints with each fit's :class:`FitProbe` record and wall time; writes it to ``fit_check.json`` only when
-    both fits ran."""
+    """A quickstart fit of ``FIT_STEPS`` with :func:`rank_callbacks` and ``configs`` after them (``callbacks/fsdp2``),
+    validated every 50 steps, then resumed from its last checkpoint to ``RESUME_STEPS``. Writes :func:`inspect_fit`
+    of both checkpoints with each fit's :class:`FitProbe` record to ``fit_check.json`` when both fits ran."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("fit_check.json", "fit_probe.jsonl"):
         (folder / stale).unlink(missing_ok=True)
@@ -392,14 +316,11 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
 
 
 def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
-    """Quickstart fits of ``COMPILE_STEPS`` steps (``dry``: 40), one per :data:`COMPILE_VARIANTS` entry, one after the
-    other in this check: eager, then the ``Compile`` callback of ``callbacks/compile.yaml`` (inductor; ``dry``: the
-    ``aot_eager`` backend, as inductor would compile C++ for minutes), then the same with ``mode: reduce-overhead``
-    (CUDA graphs). The callback compiles its default modules, what MaskedLM's steps call (``model.encoder`` and
-    ``model.head``, its ``compiled_modules``). The rank callbacks run in mask mode (no shape changes, so no
-    recompilation for them) and nothing is validated, so the median step after ``COMPILE_WARMUP`` steps measures the
-    step itself. Each fit's :class:`FitProbe` record and wall time go to ``compile_check.json`` as they finish; a fit
-    that fails is recorded and the next runs, and the check fails at the end."""
+    """Quickstart fits of ``COMPILE_STEPS`` steps (``dry``: 40), one per :data:`COMPILE_VARIANTS` entry: eager, the
+    ``Compile`` callback with its default modules (inductor; ``dry``: ``aot_eager``), and ``mode: reduce-overhead``.
+    Rank callbacks in mask mode (no recompilation) and no validation, so the median step after ``COMPILE_WARMUP``
+    measures the step itself. Each fit's :class:`FitProbe` record goes to ``compile_check.json`` as it finishes; a
+    failed fit is recorded, the next runs, and the check fails at the end."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "compile_check.json").unlink(missing_ok=True)
     steps, warmup = (40, 10) if dry else (COMPILE_STEPS, COMPILE_WARMUP)
@@ -412,28 +333,14 @@ def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
         callbacks = sub / "callbacks.yaml"
         callbacks.write_text(rank_callbacks(steps, probe, truncate=False, checkpoint=False, warmup_steps=warmup))
         configs: list[str | Path] = [callbacks]
-        if mode is not None:
-            init = {
-                "backend": "aot_eager" if dry else "inductor",
-                "mode": None if mode == "default" else mode,
-            }
+        if mode is not None:  # callbacks/compile.yaml with these init_args
+            init = {"backend": "aot_eager" if dry else "inductor", "mode": None if mode == "default" else mode}
             compile_callback = {"class_path": "comera_lightning.training.Compile", "init_args": init}
-            fragment = sub / "compile.yaml"  # callbacks/compile.yaml with these init_args
+            fragment = sub / "compile.yaml"
             fragment.write_text(yaml.safe_dump({"trainer": {"callbacks+": [compile_callback]}}, sort_keys=False))
             configs.append(fragment)
-        command = fit_command(
-            sub,
-            dry,
-            configs,
-            "--trainer.max_steps",
-            str(steps),
-            "--trainer.limit_val_batches",
-            "0",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.logger",
-            "false",
-        )
+        options = {"max_steps": steps, "limit_val_batches": 0, "enable_checkpointing": "false", "logger": "false"}
+        command = fit_command(sub, dry, configs, *(a for k, v in options.items() for a in (f"--trainer.{k}", str(v))))
         try:
             wall = _fit(command, sub)
         except subprocess.CalledProcessError as failure:
@@ -542,9 +449,8 @@ def fit_row(fit: dict[str, Any]) -> tuple[str, str]:
 
 
 def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list[str]]:
-    """A row per compiled variant of the compile check: it finished its steps and torch compiled graphs (the
-    verdict), and its median steps/s as a ratio to the eager fit's of the same run, with torch's graph, break and
-    CUDA-graph-skip counts."""
+    """A row per compiled variant: it finished and torch compiled graphs (the verdict); its steps/s against the eager
+    fit's of the same run, torch's graph, break and CUDA-graph-skip counts."""
     eager = compiled.get("eager") or {}
     rows = []
     for variant, mode in COMPILE_VARIANTS.items():
@@ -577,59 +483,53 @@ def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list
 def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: dict) -> str:
     """The summary: what ran, then the targets with verdicts (FAILED where the check failed)."""
     rows = [[name, s["status"], f"{s['wall_s']:.0f} s", s.get("detail", "")] for name, s in status.items()]
-    lines = [
-        f"## GPU checks on {machine.get('cuda') or 'no GPU (' + machine.get('cpu', '') + ')'}",
-        "",
-        harness.table(["check", "status", "wall", "detail"], rows),
-        "",
-    ]
+    where = machine.get("cuda") or f"no GPU ({machine.get('cpu', '')})"
+    lines = [f"## GPU checks on {where}", "", harness.table("check|status|wall|detail", rows), ""]
     ppl = results.get("llm_perplexity") or {}
-    fit_measured, fit_verdict = fit_row(results.get("fit_resume") or {})
-    fsdp2_measured, fsdp2_verdict = fit_row(results.get("fsdp2") or {})
-    targets = [
-        [
+    step, memory, graphs = (
+        results.get(k)
+        for k in ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
+    )
+    llm_verdict = verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"
+    targets = [  # (target, measured, verdict, the check that measures it)
+        (
             f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})",
-            harness.times(results.get("step_speedup_dense_over_comera")),
-            _judged(
-                verdict(results.get("step_speedup_dense_over_comera"), TARGET_STEP_SPEEDUP), "training_step", status
-            ),
-        ],
-        [
+            harness.times(step),
+            verdict(step, TARGET_STEP_SPEEDUP),
+            "training_step",
+        ),
+        (
             "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)",
-            harness.times(results.get("memory_galore_over_comera_batch1")),
-            _judged(
-                verdict(results.get("memory_galore_over_comera_batch1"), TARGET_MEMORY_VS_GALORE),
-                "training_step",
-                status,
-            ),
-        ],
-        [
+            harness.times(memory),
+            verdict(memory, TARGET_MEMORY_VS_GALORE),
+            "training_step",
+        ),
+        (
             "CUDA graphs >= 1.3x faster than eager (batch 1)",
-            harness.times(results.get("cuda_graphs_speedup_batch1")),
-            _judged(verdict(results.get("cuda_graphs_speedup_batch1"), TARGET_GRAPHS_SPEEDUP), "cuda_graphs", status),
-        ],
-        [
+            harness.times(graphs),
+            verdict(graphs, TARGET_GRAPHS_SPEEDUP),
+            "cuda_graphs",
+        ),
+        (
             "bf16 fit, early late stage: ranks shrink, truncations, val loss finite, the checkpoint resumes",
-            fit_measured,
-            _judged(fit_verdict, "fit_resume", status),
-        ],
-        [
+            *fit_row(results.get("fit_resume") or {}),
+            "fit_resume",
+        ),
+        (
             "FSDP2 on one GPU (bf16): ranks shrink, truncations, val loss finite, the checkpoint folder resumes",
-            fsdp2_measured,
-            _judged(fsdp2_verdict, "fsdp2", status),
-        ],
-        *compile_rows(results.get("compile") or {}, status),
-        [
+            *fit_row(results.get("fsdp2") or {}),
+            "fsdp2",
+        ),
+        (
             "llm_60m at equal wall-clock: CoMERA perplexity <= dense",
             " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-",
-            _judged(
-                verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a",
-                "llm_60m",
-                status,
-            ),
-        ],
+            llm_verdict,
+            "llm_60m",
+        ),
     ]
-    lines += [harness.table(["target", "measured", "verdict"], targets)]
+    rows = [[target, measured, _judged(judged, check, status)] for target, measured, judged, check in targets]
+    rows[5:5] = compile_rows(results.get("compile") or {}, status)
+    lines += [harness.table("target|measured|verdict", rows)]
     if results.get("llm_tokens_per_s"):
         lines += ["", "llm_60m tokens/s: " + ", ".join(f"{m} {v:,.0f}" for m, v in results["llm_tokens_per_s"].items())]
     for batch, why in (results.get("step_profiles") or {}).items():
@@ -700,8 +600,7 @@ def run_checks(
 
 
 def _worth_keeping(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    """The archive's filter: results and logs, not checkpoints, exported weights or data caches (fit_check.json
-    already holds what the checkpoints say), so the archive stays far below the device's 16 MiB a file."""
+    """The archive's filter: results and logs, not checkpoints, weights or data caches (far below 16 MiB)."""
     name = info.name
     if name.endswith((".ckpt", ".safetensors", ".bin", ".pt")) or "/cache" in name or "/.cache" in name:
         return None
@@ -722,30 +621,17 @@ def write_summary(out: Path, work: Path, status: dict[str, dict], machine: dict)
 def main(argv: list[str] | None = None) -> int:
     """Run the checks (or skip them without CUDA); exit 1 when a check failed or timed out."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(os.environ.get("OUT") or BENCH / "results" / "gpu_checks"),
-        help="where the summary and the archive go (default $OUT, else benchmarks/results/gpu_checks)",
-    )
+    out = Path(os.environ.get("OUT") or REPO / "benchmarks" / "results" / "gpu_checks")
+    parser.add_argument("--out", type=Path, default=out, help="summary and archive (default $OUT, else %(default)s)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=CHECK_NAMES,
-        default=None,
-        help="run these checks only, in the usual order (e.g. --only llm_60m: the llm check with the whole deadline)",
-    )
-    parser.add_argument(
-        "--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method (default 75)"
-    )
+    parser.add_argument("--only", nargs="+", choices=CHECK_NAMES, default=None, help="these checks only, in order")
+    parser.add_argument("--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method")
     parser.add_argument(
         "--deadline-s",
         type=float,
         default=None,
-        help="every check ends within this many seconds of the start; the llm check trains for what "
-        "the others leave (default 540: the device's 10-minute command less the install; "
-        "2100 with --cpu-dry-run, where bf16 is emulated)",
+        help="every check ends by then; the llm check trains for what the others leave (default 540: the device's "
+        "10-minute command less the install; 2100 with --cpu-dry-run)",
     )
     # the fit checks (3: plain, 4: --fit-config callbacks/fsdp2) and the compile check (5), each in its own process
     parser.add_argument("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)

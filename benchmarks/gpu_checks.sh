@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks, in two steps (benchmarks/gpu_checks.py says what they check: CUDA graphs,
-# the bf16 training step, a bf16 fit that truncates and resumes, the same under FSDP2, Compile, llm_60m):
-#   bash benchmarks/gpu_checks.sh wheels   # here, with network: the packages the GPU machine lacks, as Python 3.12
-#                                          # wheels in .whl/ (about 30 MiB; .git/info/exclude should list /.whl/)
-#   bash benchmarks/gpu_checks.sh [ARGS]   # on the GPU machine (carry .whl): installs .whl/ into /tmp/site, then
-#                                          # runs python -m benchmarks.gpu_checks --out "$OUT" ARGS (its deadline
-#                                          # is 540 s, plus the install)
-#   bash benchmarks/gpu_checks.sh rehearse [VENV]   # here, before device time: the GPU image's Python and packages
-#                                          # (IMAGE below; torch's CUDA build, about 5 GB, runs on the CPU) in VENV
-#                                          # (default /tmp/gpu_image), then this script with --cpu-dry-run in it
-# The GPU machine's image has torch (CUDA), lightning, torchmetrics, transformers, tokenizers, safetensors, pandas,
-# pyarrow, scipy and matplotlib; the list below is what a `comera fit` with the MLflow logger imports beyond them
-# (measured with importlib.metadata.packages_distributions on this project's CI environment). galore-torch imports
-# bitsandbytes for its 8-bit optimiser only: a 43 MiB wheel the checks never use, so a stand-in module that raises
-# on use is written instead.
+# The GPU checks (benchmarks/gpu_checks.py says what they check):
+#   bash benchmarks/gpu_checks.sh wheels           # here, with network: what the GPU machine lacks, as Python 3.12
+#                                                  # wheels in .whl/ (about 30 MiB; .git/info/exclude lists /.whl/)
+#   bash benchmarks/gpu_checks.sh [ARGS]           # on the GPU machine (carry .whl): installs .whl/ into /tmp/site,
+#                                                  # then python -m benchmarks.gpu_checks --out "$OUT" ARGS (540 s)
+#   bash benchmarks/gpu_checks.sh rehearse [VENV]  # here: the GPU image's Python and packages (IMAGE; torch's CUDA
+#                                                  # build, about 5 GB, runs on the CPU) in VENV, then --cpu-dry-run
+# WHEELS is what a `comera fit` with the MLflow logger imports beyond the image's packages. galore-torch imports
+# bitsandbytes for its 8-bit optimiser only (a 43 MiB wheel): a stand-in that raises on use is written instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +21,6 @@ WHEELS=(
   opentelemetry-semantic-conventions==0.66b2 truststore==0.10.5
 )
 
-# the GPU image's versions that matter here
 IMAGE=(
   torch==2.11.0 numpy==2.5.2 lightning==2.6.6 torchmetrics==1.9.0 transformers==5.17.0 tokenizers==0.23.2
   safetensors==0.8.0 scipy pandas pyarrow matplotlib rich pyyaml protobuf psutil requests pytest click jinja2

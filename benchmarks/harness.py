@@ -1,11 +1,7 @@
-"""Shared machinery of the benchmarks: interleaved timing, contention probing, peak memory, profiles, the
-six-encoder classifier built from a :class:`Shape`, the common command line, and markdown/JSON/PNG output.
-
-The machines we measure on are shared and noisy: candidates are timed in one process, round by round in a
-fresh random order; rounds during which other processes took more than a given share of the CPUs are left out
-of the medians (and retried), and every claim is a ratio of medians. Memory is measured, not estimated:
-``peak_memory`` runs one step under torch's ``MemTracker`` and reports the peak of live tensor bytes with its
-breakdown (parameters, gradients, optimiser state, activations, temporaries).
+"""Shared machinery of the benchmarks: interleaved timing with contention probing (the machines are shared: rounds
+during which other processes took more than a given share of the CPUs are left out and retried, and every claim is a
+ratio of medians), peak memory measured by torch's ``MemTracker``, profiles, the six-encoder classifier built from a
+:class:`Shape`, the common command line, and markdown/JSON/PNG output.
 """
 
 from __future__ import annotations
@@ -37,12 +33,7 @@ PAPER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mnli_6enc.yaml
 
 
 class ContentionProbe:
-    """CPU used by OTHER processes (and the hypervisor's steal) during an interval, from /proc/stat.
-
-    ``read()`` returns ``(other_load, own_share)``: other processes' CPU seconds per wall second as a
-    fraction of the whole machine, and this process's CPU seconds per wall second per torch thread.
-    ``other_load`` is None where /proc/stat is unavailable (then no round is ever rejected).
-    """
+    """CPU used by OTHER processes (and the hypervisor's steal) since the probe was made, from /proc/stat."""
 
     _tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -60,7 +51,8 @@ class ContentionProbe:
         return (sum(fields[:8]) - fields[3] - fields[4]) / cls._tick
 
     def read(self) -> tuple[float | None, float]:
-        """``(other_load, own_share)`` since the probe was made."""
+        """``(other_load, own_share)``: other processes' CPU seconds per wall second as a share of the machine (None
+        without /proc/stat: then no round is rejected), and this process's per torch thread."""
         wall = max(time.perf_counter() - self.wall, 1e-9)
         own = time.process_time() - self.cpu
         busy = self._busy()
@@ -156,14 +148,11 @@ def interleave(
 ) -> Timing:
     """Time every zero-argument ``steps[name]()`` round by round, interleaved, in a fresh random order.
 
-    Each sample is the mean over an inner loop at least ``min_sample_s`` long (so timer resolution and
-    one-off hiccups vanish); a candidate whose steps are that short gets one untimed step before its
-    sample, so it does not start cache-cold after the previous candidate. At least ``repeats`` clean
-    rounds are taken, and more while the clean rounds add up to less than ``min_total_s``. A round in
-    which other processes used more than ``max_other_load`` of the machine is kept in ``rounds`` but left
-    out of the samples and retried (at most ``repeats`` retries; ``max_other_load`` >= 1 keeps every round,
-    since /proc/stat's 10 ms ticks can put short rounds above 100 %); ``wait_quiet_s`` > 0 sleeps up to that
-    long for the machine to go quiet before the first round and before each retry.
+    Each sample is the mean over an inner loop at least ``min_sample_s`` long (a short step gets one untimed call
+    first, so it does not start cache-cold). At least ``repeats`` clean rounds, more while they add up to less than
+    ``min_total_s``. A round in which other processes used more than ``max_other_load`` of the machine stays in
+    ``rounds`` but is left out of the samples and retried (at most ``repeats`` retries; >= 1 keeps every round);
+    ``wait_quiet_s`` > 0 waits up to that long for a quiet machine before the first round and each retry.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -248,17 +237,12 @@ def peak_memory(
     optimizers: Iterable[torch.optim.Optimizer] = (),
     tensors: Iterable[torch.Tensor] = (),
 ) -> dict:
-    """Peak live tensor bytes during one ``step()``, with its breakdown at the peak, measured by MemTracker.
-
-    ``tensors`` are extra tensors that exist before the step (inputs, an optimiser's side buffers); tracking
-    them puts them under ``other`` instead of missing them. Run the step at least once before (optimiser
-    state exists from the first ``optimizer.step()`` on), so this measures the steady state. Categories at the
-    peak: ``parameters``, ``buffers``, ``gradients``,
-    ``optimizer_state`` (everything allocated inside ``optimizer.step()``: the persistent state AND the step's
-    transient work buffers, e.g. AdamW's denominators; ``optimizer_state_persistent`` is the persistent part
-    alone, read from ``optimizer.state`` after the step), ``activations`` (tensors produced in forward and kept
-    alive), ``temporaries`` (produced in backward), ``other`` (anything else, e.g. inputs), ``total``; all in
-    bytes, summed over devices. On CUDA, ``cuda_allocator_peak_bytes`` is the allocator's own peak for the step.
+    """Peak live tensor bytes during one ``step()`` (run it once before: the steady state), with the breakdown at the
+    peak by MemTracker: ``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` (all allocated inside
+    ``optimizer.step()``, its transient buffers too; ``optimizer_state_persistent``: ``optimizer.state`` alone),
+    ``activations`` (from forward), ``temporaries`` (from backward), ``other`` (e.g. the extra ``tensors`` given,
+    inputs or projectors), ``total``; bytes over all devices. On CUDA also the allocator's own peak for the step
+    (``cuda_allocator_peak_bytes``) and what was allocated before it (``cuda_allocated_before_bytes``).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -274,16 +258,9 @@ def peak_memory(
         base = torch.cuda.memory_allocated()
     with tracker:
         step()
-    names = {
-        "Parameter": "parameters",
-        "Buffer": "buffers",
-        "Gradient": "gradients",
-        "Optstate": "optimizer_state",
-        "Activation": "activations",
-        "Temp": "temporaries",
-        "Other": "other",
-        "Total": "total",
-    }
+    labels = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other", "Total")
+    categories = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
+    names = dict(zip(labels, (*categories, "total"), strict=True))
     out = {v: 0 for v in names.values()}
     for per_device in tracker.get_tracker_snapshot("peak").values():
         for key, nbytes in per_device.items():
@@ -303,20 +280,6 @@ def peak_memory(
     return out
 
 
-def backward_step(
-    forward: Callable[[], torch.Tensor], inputs: Iterable[torch.Tensor], upstream: torch.Tensor
-) -> Callable[[], None]:
-    """A forward + backward step: the ``inputs``' gradients cleared, ``forward()`` backpropagated from ``upstream``."""
-    inputs = list(inputs)
-
-    def step() -> None:
-        for t in inputs:
-            t.grad = None
-        forward().backward(upstream)
-
-    return step
-
-
 # ------------------------------------------------------------------------------------------------------
 # what a step costs besides time
 
@@ -333,32 +296,11 @@ def kernel_work(step: Callable[[], object]) -> dict:
     }
 
 
-def resident_bytes() -> int:
-    """Resident set of this process (``/proc/self/statm``, Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def slope(points: Sequence[tuple[float, float]]) -> float | None:
-    """Least-squares slope of ``(x, y)`` points (None with fewer than two distinct x)."""
-    if len({x for x, _ in points}) < 2:
-        return None
-    return statistics.linear_regression([x for x, _ in points], [y for _, y in points]).slope
-
-
-def _device_drain(key: str) -> bool:
-    """The runtime call that waits for the whole device (the end of a CUDA profile window), not host work of a step
-    (CUPTI may add an API version suffix to the name)."""
-    return key.startswith("cudaDeviceSynchronize")
-
-
 def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
-    """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls,
-    after one unprofiled call): the total, every op's seconds, and the ``top`` ops with calls and shares.
-
-    When CUDA is initialised the GPU is profiled too (the CPU times are then the host's side: dispatch and
-    launches, without the final wait for the GPU, which is ``device_drain_wait_s``), adding :func:`device_times`'
-    ``total_self_device_s`` and ``device_ops_s``, and ``self_device_s`` to every ``top`` entry."""
+    """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls after one
+    unprofiled call): the total, every op's seconds, the ``top`` ops with calls and shares. With CUDA initialised the
+    GPU is profiled too: the CPU times are the host's (without the final wait for the GPU, ``device_drain_wait_s``),
+    plus :func:`device_times` and ``self_device_s`` in every ``top`` entry."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -369,11 +311,8 @@ def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) 
             step()
         _synchronize()  # every kernel of the profiled calls finishes inside the profile
     averages = prof.key_averages()
-    # with CUDA profiled the averages also hold kernels, copies and memsets: no CPU time, counted by device_times.
-    # The window ends by draining the GPU (the synchronize above, and torch's profiler synchronises again on exit):
-    # that cudaDeviceSynchronize is host time spent waiting for the device, not the step's dispatch and launches
-    # (none of the profiled steps calls it), so it is reported apart and left out of the host ops.
-    drain = _device_drain if cuda else (lambda key: False)
+    # the window ends by draining the GPU (cudaDeviceSynchronize): host time waiting, not the step's own work
+    drain = (lambda key: key.startswith("cudaDeviceSynchronize")) if cuda else (lambda key: False)
     events = sorted(
         (e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and not drain(e.key)),
         key=lambda e: -e.self_cpu_time_total,
@@ -397,9 +336,8 @@ def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) 
 
 
 def device_times(events: Iterable, iterations: int = 1) -> dict:
-    """GPU time per call from a CUDA profile's key averages: ``total_self_device_s``, the device events' own time
-    (kernels, copies, memsets; as the profiler table's "Self CUDA time total"), and ``device_ops_s``, the self
-    device time of every CPU-side op that launched some (the kernels each op launched itself), largest first."""
+    """GPU time per call from a CUDA profile's key averages: ``total_self_device_s`` (kernels, copies, memsets) and
+    ``device_ops_s``, the self device time of every CPU-side op that launched some, largest first."""
     cpu = torch.autograd.DeviceType.CPU
     events = list(events)
 
@@ -418,24 +356,11 @@ def device_times(events: Iterable, iterations: int = 1) -> dict:
 
 def keep_freed_memory_for_run() -> None:
     """``--keep-freed-memory``: glibc's malloc keeps freed memory for the rest of the process, as the
-    ``KeepFreedMemory`` callback does for a training run (``comera_lightning.training.host_memory``), so large
-    outputs and activations stop being page-faulted in again on every step. Exits where that is impossible."""
+    ``KeepFreedMemory`` callback does in training (no page faults on large outputs every step)."""
     from comera_lightning.training.host_memory import keep_freed_memory
 
     if not keep_freed_memory(True):
         raise SystemExit("--keep-freed-memory needs glibc's malloc (mallopt); this C library has none")
-
-
-def module_command(module: str, *args: str) -> list[str]:
-    """The command line that runs the benchmark ``module`` (``__spec__.name``) in a fresh interpreter."""
-    return [sys.executable, "-m", module, *args]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment with the repository on ``PYTHONPATH`` (a child imports ``benchmarks`` from any
-    folder), plus ``extra``."""
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -460,7 +385,6 @@ class Shape:
     lr_cores: float = 1e-4
     lr_gates: float = 1e-3
     lr_other: float = 5e-5
-    packed_dropout: bool = True  # the models' default
 
 
 def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
@@ -486,13 +410,7 @@ def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task
     starts from the same weights)."""
     from comera_lightning.models import MaskedLanguageModel, SequenceClassifier
 
-    layers = dict(
-        tt_linears=tt,
-        tt_embeddings=tt,
-        rank=shape.rank,
-        embedding_rank=shape.embedding_rank,
-        dense_layers=shape.dense_layers,
-    )
+    layers = dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank)
     kwargs = dict(
         vocab_size=shape.vocab_size,
         d_model=shape.d_model,
@@ -501,8 +419,7 @@ def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task
         num_layers=shape.num_layers,
         max_len=shape.seq_len,
         dropout=shape.dropout,
-        packed_dropout=shape.packed_dropout,
-        layer_config=layers,
+        layer_config={**layers, "dense_layers": shape.dense_layers},
     )
     torch.manual_seed(seed)
     if task == "mlm":
@@ -541,59 +458,43 @@ def positive_int(text: str) -> int:
     return value
 
 
-def bench_parser(
-    doc: str, *, repeats: tuple[int, int] | None = None, threads: int | None = None, out_dir: Path | None = RESULTS_DIR
-) -> argparse.ArgumentParser:
-    """A parser with ``--quick``, ``--threads`` and ``--out-dir`` and, for scripts that time candidates with
-    :func:`interleave` (``repeats``: their default clean rounds, quick and full), ``--repeats``,
-    ``--max-other-load`` and ``--wait-quiet``. :func:`parse` checks and applies them."""
+def bench_parser(doc: str, *, repeats: tuple[int, int]) -> argparse.ArgumentParser:
+    """A parser with the shared options: ``--quick``, ``--threads``, ``--out-dir`` and, for :func:`interleave`,
+    ``--repeats`` (default ``repeats``: quick, full), ``--max-other-load`` and ``--wait-quiet``."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small version: the plumbing in seconds")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch decides)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where JSON/PNG go (default %(default)s)")
     parser.add_argument(
-        "--threads", type=int, default=threads, help=f"torch.set_num_threads (default: {threads or 'torch decides'})"
+        "--repeats", type=int, default=Quick(*repeats), help=f"clean rounds at least ({repeats[1]}, quick {repeats[0]})"
     )
-    if out_dir is not None:
-        parser.add_argument("--out-dir", type=Path, default=out_dir, help="where JSON/PNG go (default %(default)s)")
-    if repeats is not None:
-        parser.add_argument(
-            "--repeats",
-            type=int,
-            default=Quick(*repeats),
-            help=f"clean interleaved rounds at least (default {repeats[1]}, quick {repeats[0]})",
-        )
-        parser.add_argument(
-            "--max-other-load",
-            type=float,
-            default=0.15,
-            help="a round in which other processes took more than this share of the CPUs "
-            "(/proc/stat) is left out of the medians and retried (default 0.15; 1 keeps all)",
-        )
-        parser.add_argument(
-            "--wait-quiet",
-            type=float,
-            default=0.0,
-            metavar="SECONDS",
-            help="wait up to this long for a quiet machine before timing and before each retry",
-        )
+    parser.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.15,
+        help="a round in which other processes took more than this share of the CPUs (/proc/stat) is left out of "
+        "the medians and retried (default 0.15; 1 keeps all)",
+    )
+    parser.add_argument(
+        "--wait-quiet", type=float, default=0.0, metavar="SECONDS", help="wait up to this long for a quiet machine"
+    )
     return parser
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parse ``argv``, resolve the :class:`Quick` defaults, refuse impossible shared options (exit 2, naming the
-    fix) and apply ``--threads``."""
+    """Parse ``argv``, resolve the :class:`Quick` defaults, refuse impossible shared options and apply ``--threads``."""
     args = parser.parse_args(argv)
     for name, value in vars(args).items():
         if isinstance(value, Quick):
             setattr(args, name, value.quick if args.quick else value.full)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    if hasattr(args, "repeats"):
-        if args.repeats < 1:
-            parser.error(f"--repeats must be >= 1, got {args.repeats}")
-        if not 0.0 <= args.max_other_load <= 1.0:
-            parser.error(f"--max-other-load is a share of the machine in [0, 1], got {args.max_other_load}")
-        if args.wait_quiet < 0:
-            parser.error(f"--wait-quiet must be >= 0 seconds, got {args.wait_quiet}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0.0 <= args.max_other_load <= 1.0:
+        parser.error(f"--max-other-load is a share of the machine in [0, 1], got {args.max_other_load}")
+    if args.wait_quiet < 0:
+        parser.error(f"--wait-quiet must be >= 0 seconds, got {args.wait_quiet}")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
@@ -663,8 +564,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A markdown table."""
+def table(headers: str | Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table; ``headers`` a list, or one string of them separated by ``|``."""
+    if isinstance(headers, str):
+        headers = headers.split("|")
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)

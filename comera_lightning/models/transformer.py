@@ -82,7 +82,7 @@ class _Embeddings(nn.Module):
             vocab_modes=vocab_modes,
             dim_modes=dim_modes,
             # text repeats tokens (a 32 x 128 batch of stdlib code holds ~1000 distinct ids): each distinct id
-            # is looked up once, 2.5x faster and 2.7x lighter there (benchmarks/bench_embedding_lookup.py)
+            # is looked up once, 2.5x faster and 2.7x lighter there (docs/results.md, embedding lookup)
             deduplicate=True,
         )
         self.position_embeddings = factory.embedding(f"{prefix}position_embeddings", max_len, d_model)

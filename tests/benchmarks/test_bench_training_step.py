@@ -63,13 +63,11 @@ def test_scaling_shape_and_its_validation():
         harness.scaling_shape(100, 2, TINY)
 
 
-def test_the_dropout_choice_reaches_every_candidate(batch):
-    shape = replace(TINY, dropout=0.1)  # the models' default: packed masks
+def test_every_candidate_has_the_models_default_packed_dropout(batch):
+    shape = replace(TINY, dropout=0.1)
     for cand in (bts.dense_adamw(shape, *batch), bts.comera(shape, *batch)):
         assert any(isinstance(m, PackedDropout) for m in cand.model.modules())
         assert math.isfinite(float(cand.step()))
-    torch_dropout = replace(shape, packed_dropout=False)  # --torch-dropout
-    assert not any(isinstance(m, PackedDropout) for m in harness.build_model(torch_dropout, tt=True).modules())
 
 
 def test_dense_and_comera_candidates_train_with_finite_losses(batch):

@@ -76,14 +76,6 @@ def test_one_case_end_to_end_writes_tables_json_and_png(tmp_path, capsys):
     assert data["targets"]["planner_never_slower_than_best_einsum"]["met"] in (True, False)
 
 
-def test_out_still_names_the_json_and_the_png_goes_next_to_it(tmp_path, capsys):
-    target = tmp_path / "sub" / "tt.json"
-    assert bench.main([*ONE_CASE, "--out", str(target)]) == 0
-    capsys.readouterr()
-    assert json.loads(target.read_text())["cases"]
-    assert (tmp_path / "sub" / "tt.png").is_file()
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
