@@ -107,7 +107,7 @@ def test_comera_commands_parse(page, args, monkeypatch, tmp_path):
         def export(*_: Any, **__: Any) -> None:
             raise _Exported
 
-        monkeypatch.setattr(cli, "export_checkpoint", export)
+        monkeypatch.setattr("comera_lightning.cli.export.export_checkpoint", export)
         with pytest.raises(_Exported):
             cli.main(args)
         return

@@ -12,7 +12,7 @@ This logger is a drop-in MLFlowLogger (same arguments, ``isinstance(logger, MLFl
   (MLflow's limit) every ``flush_interval_s`` seconds from a daemon thread: the training loop only appends to a
   list. MLflow's own asynchronous logging (``MLFlowLogger(synchronous=False)``) queues one request per call
   instead: with 63 values a step to a local sqlite store it cost the training thread 0.82 ms a step against
-  0.07 ms here, and the step 81 % against 5 % (``benchmarks/bench_logging_load.py``, docs/results.md);
+  0.07 ms here, and the step 81 % against 5 % (docs/results.md, logging under load);
 * **bounds HTTP retries and timeouts** for http(s) tracking URIs (``http_max_retries``, ``http_timeout_s``,
   backoff factor 1; these set MLflow's ``MLFLOW_HTTP_REQUEST_*`` environment variables for the process
   unless they are already set, which then win): a dead server costs a few seconds once, not minutes a call;

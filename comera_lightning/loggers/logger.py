@@ -35,7 +35,16 @@ from ..utilities.internals import mlflow_logger_without_client
 from .fallback import FALLBACK_FOLDER, MAX_BATCH, METRICS_CSV, FallbackStore, Row, metric_rows
 from .sender import MetricSender
 
-__all__ = ["ResilientMLFlowLogger", "TrackingDegradedWarning"]
+__all__ = ["DEFAULT_TRACKING_URI", "ResilientMLFlowLogger", "TrackingDegradedWarning", "default_tracking_uri"]
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def default_tracking_uri() -> str:
+    """Where runs are tracked when no URI is given: ``MLFLOW_TRACKING_URI`` if set, else a sqlite file in the
+    working directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +137,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         log_system_metrics: bool = False,
         system_metrics_interval_s: float = 10.0,
     ) -> None:
-        tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+        tracking_uri = tracking_uri or default_tracking_uri()
         if flush_interval_s < 0 or retry_interval_s <= 0 or max_buffered < 1:
             raise ValueError("flush_interval_s must be >= 0, retry_interval_s > 0 and max_buffered >= 1")
         if sender not in ("thread", "inline"):

@@ -446,7 +446,7 @@ def bottleneck_padding(rank: int, device_type: str) -> int:
     18-49 ms at ranks 2-11 and 7-11 ms at rank 16. They take 12.8-16.7 ms at ranks 26-31 and 11.3 ms at 32,
     and the same pattern repeats below 48 and 64. Ranks 17-24 are cheaper unpadded (9-10 ms), and rank 1 runs
     as a matrix-vector product (3 ms). So: pad ranks 2-15 to 16, and larger ranks when they are at most 6 below
-    a multiple of 16 (``benchmarks/bench_rank_padding.py``, docs/results.md). Truncated layers land on exactly
+    a multiple of 16 (docs/results.md, rank padding). Truncated layers land on exactly
     these small ranks."""
     if device_type != "cpu" or rank <= 1:
         return 0

@@ -44,9 +44,9 @@ def test_evaluating_without_a_checkpoint_names_the_flag(subcommand):
 
 @pytest.mark.slow
 def test_validate_warns_without_a_checkpoint_and_last_finds_the_fit(workdir, rank_zero_said, capsys):
-    import comera_lightning.cli as cli_module
+    from comera_lightning.cli import comera_cli
 
-    messages = rank_zero_said(cli_module)
+    messages = rank_zero_said(comera_cli)  # where ComeraCLI names the checkpoint --ckpt_path last found
     config = f"--config={CONFIGS / 'dlrm_criteo.yaml'}"
     overrides = [*_tiny_overrides("dlrm_criteo.yaml", workdir), *TINY_TRAINER]
     with pytest.warns(UserWarning, match=r"comera validate: no --ckpt_path.*random"):

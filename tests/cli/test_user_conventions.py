@@ -84,7 +84,7 @@ def test_an_explicit_run_name_is_kept(workdir):
 
 @pytest.mark.slow
 def test_progress_bar_counts_towards_max_steps_across_epochs(workdir, monkeypatch):
-    monkeypatch.setattr("comera_lightning.cli._interactive_output", lambda: True)  # as on a terminal
+    monkeypatch.setattr("comera_lightning.cli.comera_cli._interactive_output", lambda: True)  # as on a terminal
     trainer_args = [
         a for a in TINY_TRAINER if "progress_bar" not in a and "limit_train_batches" not in a and "max_epochs" not in a
     ]
