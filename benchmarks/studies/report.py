@@ -38,6 +38,7 @@ from benchmarks.studies import width_report
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "docs" / "data"
 RESULTS = REPO / "docs" / "results.md"
+README = REPO / "README.md"
 IMAGES = REPO / "docs" / "img"
 ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "comera_early")
 RIVALS = ("narrow", "lowrank", "cola", "tt", "comera_act", "comera_early")
@@ -643,8 +644,8 @@ def replace_block(page: str, name: str, block: str, kind: str = "quality") -> st
     begin, end = markers(name, kind)
     if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
         raise StudyFileError(
-            f"docs/results.md needs exactly one '{begin}' line followed by one '{end}' line where "
-            f"the {name} tables go; add them and run again"
+            f"the page (docs/results.md; README.md for a width study's headline) needs exactly one '{begin}' line "
+            f"followed by one '{end}' line where the {name} tables go; add them and run again"
         )
     head, rest = page.split(begin)
     _, tail = rest.split(end)
@@ -658,10 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="update docs/results.md and the figures")
     mode.add_argument("--check", action="store_true", help="fail when docs/results.md is not what the data give")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--readme", type=Path, default=README, help="gets the width study's headline table")
     args = parser.parse_args(argv)
     files = args.files or sorted(DATA.glob("*.json"))
     page = args.results.read_text() if (args.write or args.check) else ""
-    updated = page
+    readme = args.readme.read_text() if (args.write or args.check) else ""
+    updated, updated_readme = page, readme
     try:
         # width studies (their own format and renderer); one still running is rendered from docs/data/partial
         # a study under way (docs/data/partial) changes after every run: --write renders it, --check leaves it out
@@ -675,6 +678,10 @@ def main(argv: list[str] | None = None) -> int:
                 block = f"**Under way** (`docs/data/partial/{path.name}`): what has finished so far.\n\n{block}"
             if args.write or args.check:
                 updated = replace_block(updated, path.stem, block + "\n", "width")
+                headline = width_report.headline(state)
+                if path.parent.name == "partial":
+                    headline = f"**Under way**: {headline}"
+                updated_readme = replace_block(updated_readme, path.stem, headline + "\n", "width-headline")
             else:
                 print(block)
         for path in [f for f in files if not f.stem.startswith("width_")]:
@@ -691,15 +698,16 @@ def main(argv: list[str] | None = None) -> int:
     except StudyFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.check and updated != page:
-        print(
-            f"{args.results} differs from what docs/data gives: run python -m benchmarks.studies.report --write",
-            file=sys.stderr,
-        )
-        return 1
-    if args.write and updated != page:
-        args.results.write_text(updated)
-        print(f"updated {args.results}")
+    for path, old, new in ((args.results, page, updated), (args.readme, readme, updated_readme)):
+        if args.check and new != old:
+            print(
+                f"{path} differs from what docs/data gives: run python -m benchmarks.studies.report --write",
+                file=sys.stderr,
+            )
+            return 1
+        if args.write and new != old:
+            path.write_text(new)
+            print(f"updated {path}")
     return 0
 
 

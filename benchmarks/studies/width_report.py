@@ -21,6 +21,7 @@ from .tuned import MAX_EXTENSIONS, check_rates, sweep_rates
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
+TENSORISED = ("comera", "tt")
 COLOURS = {"dense": "tab:blue", "comera": "tab:red", "tt": "tab:green"}
 FRONTS = (
     ("train_flops", "training FLOPs", 1e12, "TFLOPs"),
@@ -190,21 +191,67 @@ def against_dense(state: dict[str, Any], family: str, key: str) -> list[tuple[in
     ]
 
 
+def _against(loss: float, dense: float | None) -> str:
+    return "outside dense's range" if dense is None else f"{dense:.3f} ({(loss - dense) / dense:+.1%})"
+
+
 def moonshot_lines(state: dict[str, Any]) -> list[str]:
     """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width,
-    dense's loss read off its front (linear in log FLOPs or log parameters; '-' outside the widths dense ran)."""
+    dense's loss read off its front (linear in log FLOPs or log parameters; outside the widths dense ran: none)."""
     lines = []
-    for family in ("comera", "tt"):
+    for family in TENSORISED:
         for key, what in (("train_flops", "equal training FLOPs"), ("params_active", "equal active parameters")):
-            cells = []
-            for width, loss, dense in against_dense(state, family, key):
-                if dense is None:
-                    cells.append(f"d {width}: {loss:.3f} against - (outside dense's range)")
-                else:
-                    cells.append(f"d {width}: {loss:.3f} against {dense:.3f} ({(loss - dense) / dense:+.1%})")
+            cells = [
+                f"d {w}: {loss:.3f} against {_against(loss, d)}" for w, loss, d in against_dense(state, family, key)
+            ]
             if cells:
                 lines.append(f"- {LABELS[family]} against dense at {what}: " + "; ".join(cells) + ".")
     return lines
+
+
+def headline_table(state: dict[str, Any], family: str = "comera") -> str:
+    """``family``'s place on every front, one row per width: its loss, and dense's loss read off dense's front at
+    the same cost (the change: negative where ``family`` wins)."""
+    columns = [(key, label.split(" (")[0]) for key, label, _, _ in FRONTS]
+    per_front = {key: {w: d for w, _, d in against_dense(state, family, key)} for key, _ in columns}
+    lines = [
+        "| d_model | active params | val loss | "
+        + " | ".join(f"dense at equal {label}" for _, label in columns)
+        + " |",
+        "|---" * (3 + len(columns)) + "|",
+    ]
+    for r in finals(state):
+        if r["family"] != family:
+            continue
+        cells = [
+            _against(r["val_loss"], per_front[key].get(r["width"])) if _finite(r.get(key)) else "not measured"
+            for key, _ in columns
+        ]
+        lines.append(
+            f"| {r['width']} | {r['params_active'] / 1e3:,.0f} k | {r['val_loss']:.3f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def headline(state: dict[str, Any], family: str = "comera") -> str:
+    """The README's paragraph: ``family``'s place on each front at each width measured, and where it wins."""
+    protocol = state["protocol"]
+    done = [r for r in finals(state) if r["family"] in (family, "dense")]
+    expected = len(protocol["widths"].get(family, ())) + len(protocol["widths"].get("dense", ()))
+    wins, losses = [], []
+    for key, label, _, _ in FRONTS:
+        for width, loss, dense in against_dense(state, family, key):
+            if dense is not None:
+                (wins if loss < dense else losses).append(f"{label.split(' (')[0]} at d {width}")
+    runs = f"{protocol['steps']} steps ({protocol['steps'] * 2048 / 1e6:.1f} M tokens) a run, seed 0"
+    lead = (
+        f"{LABELS[family]}, tensorised families under `{protocol['parameterization']}`, against dense read off "
+        f"dense's own front at the same cost; {runs}; {len(done)} of {expected} of these finals finished."
+    )
+    if not any(r["family"] == family for r in done):
+        return f"{lead} No {LABELS[family]} final has finished yet."
+    verdict = f"Below dense at the same cost: {', '.join(wins) or 'nowhere'}. Above: {', '.join(losses) or 'nowhere'}."
+    return "\n".join([lead, "", headline_table(state, family), "", verdict])
 
 
 def compute_per_token(state: dict[str, Any]) -> str:

@@ -166,3 +166,28 @@ def test_the_report_reads_the_protocols_check_as_the_study_grew_it():
     deeper = finished(ws.Job("check", "dense", 256, "standard", 0, 0.00125, 10), 3.5)
     state["runs"].append(deeper)
     assert wr.protocol_transfer(state) == [("dense", 64, 0.02, 256, 0.0025)]
+
+
+def test_the_headline_places_comera_on_every_front_and_says_where_it_wins():
+    def final(family, width, loss, cost):
+        costs = dict(
+            train_flops=cost * 1e12, train_s=cost * 100, params_active=int(cost * 1e5), peak_memory=cost * 2**20
+        )
+        return finished(ws.Job("final", family, width, "mup", 0, 0.01, 10), loss, **costs)
+
+    runs = [final("dense", 64, 4.0, 1.0), final("dense", 128, 3.0, 4.0)]
+    runs += [final("comera", 128, 3.2, 2.0), final("comera", 768, 2.5, 8.0)]
+    state = state_of(runs)
+    state["protocol"].update(widths={"dense": [64, 128], "comera": [128, 768]}, steps=10, parameterization="mup")
+    table = wr.headline_table(state).splitlines()
+    assert len(table) == 4  # header, rule, one row per CoMERA width
+    # at d 128 CoMERA costs 2 on every front, halfway (in log cost) between dense's 1 and 4: dense's loss there is 3.5
+    assert table[2].startswith("| 128 | 200 k | 3.200 | 3.500 (-8.6%)") and table[2].count("3.500 (-8.6%)") == 4
+    assert table[3].count("outside dense's range") == 4  # beyond dense's largest cost: not extrapolated
+    text = wr.headline(state)
+    assert "4 of 4 of these finals finished" in text
+    assert "Below dense at the same cost: training FLOPs at d 128, training clock at d 128" in text
+    assert text.endswith("Above: nowhere.")
+    early = state_of(runs[:2])
+    early["protocol"].update(state["protocol"])
+    assert wr.headline(early).endswith("No CoMERA (early schedule) final has finished yet.")
