@@ -1,13 +1,11 @@
 """Decoder pre-training: dense + AdamW, dense + GaLore and CoMERA on a CausalLM config, at equal tokens or at equal
 training seconds (the GPU checks' ``llm_60m`` comparison).
 
-First the methods' training steps are timed interleaved, with their peak memory, at the config's batch and at batch
-1. Then each method trains from one seed on the same batches by a protocol: ``steps`` (the config's steps: the same
-tokens) or ``matched`` (``--budget-s`` training seconds as a step count fixed before training, from the step just
-timed; the config's warm-up, truncation and validation intervals keep their share of the run, so a cosine schedule
-runs its whole course). ``--accelerator cuda --precision bf16-mixed`` runs it all on a GPU; ``--set data.root=stdlib``
-changes one config value. GaLore needs ``pip install -e .[galore]`` (else reported as skipped). Output:
-``llm_study<tag>.{json,md}`` in ``--out-dir``; the JSON is written after every part, and a rerun resumes.
+The methods' training steps are timed interleaved, with their peak memory, at the config's batch and at batch 1; then
+each method trains from one seed on the same batches by a protocol: ``steps`` (the config's: the same tokens) or
+``matched`` (``--budget-s`` training seconds as a step count fixed before training from the step just timed, the
+config's intervals scaled with it, :func:`run_length`). GaLore needs ``pip install -e .[galore]`` (else skipped).
+Writes ``llm_study<tag>.{json,md}`` to ``--out-dir``; the JSON after every part, and a rerun resumes.
 
     python -m benchmarks.studies.llm --protocols steps                # configs/llm_cpu.yaml, the same tokens
     python -m benchmarks.studies.llm --config configs/llm_60m.yaml --protocols matched --budget-s 75 \
@@ -22,7 +20,6 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,12 +45,9 @@ def run_length(spec: StudySpec, steps: int) -> StudySpec:
     rank = dict(spec.rank_kwargs)
     if rank.get("truncate_every_n_steps"):
         rank["truncate_every_n_steps"] = max(1, round(rank["truncate_every_n_steps"] * scale))
+    val_every = max(1, round(spec.val_every * scale))
     return replace(
-        spec,
-        steps=steps,
-        val_every=max(1, round(spec.val_every * scale)),
-        rank_kwargs=rank,
-        task_kwargs={**spec.task_kwargs, "optim": optim},
+        spec, steps=steps, val_every=val_every, rank_kwargs=rank, task_kwargs={**spec.task_kwargs, "optim": optim}
     )
 
 
@@ -67,6 +61,14 @@ def galore_settings(d_model: int) -> dict[str, Any]:
     return {"rank": max(1, d_model // 4), "update_proj_gap": GALORE_GAP, "scale": GALORE_SCALE, "proj_type": "std"}
 
 
+def galore_optimizer(task) -> torch.optim.Optimizer | None:
+    """``GaLoreAdamW`` over a decoder task's parameters at its optimiser settings (None without galore-torch)."""
+    o, model = task.optim, task.model
+    return bts.galore_optimizer(
+        list(task.parameters()), galore_targets(model), o.lr_other, o.weight_decay, galore_settings(model.d_model)
+    )
+
+
 def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None = None):
     """The LightningModule of ``method``: the same decoder, TT (comera) or dense (dense, galore)."""
     if method != "galore":
@@ -78,14 +80,7 @@ def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None 
         """CausalLM whose optimiser is GaLoreAdamW, with the config's warmup and schedule."""
 
         def configure_optimizers(self):
-            o = self.optim
-            optimizer = bts.galore_optimizer(
-                list(self.parameters()),
-                galore_targets(self.model),
-                o.lr_other,
-                o.weight_decay,
-                galore_settings(self.model.d_model),
-            )
+            o, optimizer = self.optim, galore_optimizer(self)
             if o.warmup_steps == 0 and o.schedule == "constant":
                 return optimizer
             total = 1 if o.schedule == "constant" else max(1, int(self.trainer.estimated_stepping_batches))
@@ -108,7 +103,7 @@ def execution(spec: StudySpec) -> bts.Execution:
     return bts.Execution("cuda" if spec.accelerator in ("cuda", "gpu") else "cpu", spec.precision)
 
 
-def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str, torch.Tensor]) -> list:
+def step_candidates(spec: StudySpec, batch: dict[str, torch.Tensor]) -> list:
     """The three methods' training steps on ``batch`` (``bench_training_step.Candidate``s), each primed once, on the
     spec's device; forward and loss under bf16 autocast with ``precision="bf16-mixed"``, as Lightning does."""
     from comera_lightning.optim import comera_parameter_groups
@@ -116,7 +111,7 @@ def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[st
     run = execution(spec)
     cands = []
     for method in METHODS:
-        task = build_task(spec, "dense" if method == "galore" else method, task_kwargs).to(run.device)
+        task = build_task(spec, "dense" if method == "galore" else method).to(run.device)
 
         def loss(task=task) -> torch.Tensor:
             with run.autocast():
@@ -124,17 +119,9 @@ def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[st
 
         o = task.optim
         if method == "galore":
-            cands.append(
-                bts.galore_candidate(
-                    method,
-                    task,
-                    galore_targets(task.model),
-                    loss,
-                    o.lr_other,
-                    o.weight_decay,
-                    galore_settings(task.model.d_model),
-                )
-            )
+            settings = galore_settings(task.model.d_model)
+            targets = galore_targets(task.model)
+            cands.append(bts.galore_candidate(method, task, targets, loss, o.lr_other, o.weight_decay, settings))
             continue
         optimizer = torch.optim.AdamW(comera_parameter_groups(task, o.lr_cores, o.lr_gates, o.lr_other))
         if method == "comera":  # RankAdaptation's per-step work, around optimizer.step()
@@ -145,14 +132,14 @@ def step_candidates(spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[st
 
 
 def measure_steps(
-    spec: StudySpec, task_kwargs: dict[str, Any], batch: dict[str, torch.Tensor], min_sample_s: float, **timing: Any
+    spec: StudySpec, batch: dict[str, torch.Tensor], min_sample_s: float, **timing: Any
 ) -> dict[str, Any]:
-    """Interleaved step times, peak memory and parameters of the three methods on ``batch``
-    (``bench_training_step.measure``), with their active parameters and compression."""
+    """Interleaved step times, peak memory, active parameters and compression of the three methods on ``batch``
+    (``bench_training_step.measure``)."""
     from comera_lightning.nn import size_report
 
     batch = {k: v.to(execution(spec).device) for k, v in batch.items()}
-    cands = step_candidates(spec, task_kwargs, batch)
+    cands = step_candidates(spec, batch)
     timing, methods = bts.measure(cands, batch.values(), seed=spec.seed, min_sample_s=min_sample_s, **timing)
     for c in cands:
         if not c.skipped:
@@ -167,7 +154,7 @@ def measure_steps(
     out: dict[str, Any] = {
         "batch": int(batch["input_ids"].shape[0]),
         "seq_len": int(batch["input_ids"].shape[1]),
-        "d_model": task_kwargs["d_model"],
+        "d_model": spec.task_kwargs["d_model"],
         "timing": timing.summary(),
         "methods": methods,
     }
@@ -189,90 +176,50 @@ def first_rows(dm, size: int) -> dict[str, torch.Tensor]:
 # the study
 
 
-class Progress:
-    """A study's JSON, rewritten atomically after every run; a rerun of the same spec resumes from it.
-
-    A file at ``path`` that holds another spec is refused (ValueError) rather than mixed with this one's runs;
-    ``path`` None keeps the state in memory only.
-    """
-
-    def __init__(self, path: Path | None, spec: dict[str, Any]) -> None:
-        self.path = path
-        self.state: dict[str, Any] = harness.read_json(path) if path is not None and path.exists() else {}
-        if self.state and self.state.get("spec") != spec:
-            raise ValueError(f"{path} holds runs of another spec: delete it, or write elsewhere (--out-dir, --tag)")
-        self.state["spec"] = spec
-
-    def save(self, **fields: Any) -> dict[str, Any]:
-        """Update the state with ``fields`` and write it; returns the state."""
-        self.state.update(fields)
-        if self.path is not None:
-            harness.write_json(self.path, self.state)
-        return self.state
-
-
-def run_study(
-    spec: StudySpec,
-    progress: Progress,
-    *,
-    methods: tuple[str, ...] = METHODS,
-    protocols: tuple[str, ...] = PROTOCOLS,
-    cache_dir: Path = study.DEFAULT_CACHE,
-    min_sample_s: float = 0.5,
-    max_other_load: float = 0.15,
-    wait_quiet_s: float = 0.0,
-    repeats: int = 5,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+def run_study(spec: StudySpec, state: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Step/memory measurements first (interleaved), then every (protocol, method) run, one after the other;
-    ``progress`` holds what a cut-off earlier call finished, and gets the study's JSON after every part."""
-    spec.check()
+    ``state`` holds what a cut-off earlier call finished, and goes to ``path`` after every part."""
+
+    def save(**fields: Any) -> dict[str, Any]:
+        state.update(fields)
+        harness.write_json(path, state)
+        return state
+
     t0 = time.perf_counter()
-    dm = study.build_datamodule(spec, cache_dir)
+    dm = study.build_datamodule(spec, args.cache_dir)
+    methods = tuple(args.methods)
     if "galore" in methods and bts.import_galore()[1]:
-        log(f"galore skipped: {bts.GALORE_MISSING}")
+        print(f"galore skipped: {bts.GALORE_MISSING}")
         methods = tuple(m for m in methods if m != "galore")
-    fixed = {
-        "machine": harness.machine_info(),
-        "methods": list(methods),
-        "max_other_load": max_other_load,
-        "data": {"train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)},
-    }
-    steps = progress.state.get("step_measurements")
+    data = {"train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)}
+    fixed = {"machine": harness.machine_info(), "methods": list(methods), "max_other_load": args.max_other_load}
+    fixed["data"] = data
+    steps = state.get("step_measurements")
     if steps is None:
-        timing = dict(repeats=repeats, max_other_load=max_other_load, wait_quiet_s=wait_quiet_s)
-        batch_sizes = (spec.data_kwargs["batch_size"], 1)
         steps = []
-        for size in batch_sizes:
-            log(f"[step] batch {size}")
-            steps.append(measure_steps(spec, spec.task_kwargs, first_rows(dm, size), min_sample_s, **timing))
-        progress.save(**fixed, step_measurements=steps, runs=[])
-    runs = progress.state.get("runs", [])
+        for size in (spec.data_kwargs["batch_size"], 1):
+            print(f"[step] batch {size}")
+            min_sample_s = 0.05 if args.quick else 0.5
+            steps.append(measure_steps(spec, first_rows(dm, size), min_sample_s, **harness.timing_options(args)))
+        save(**fixed, step_measurements=steps, runs=[])
+    runs = state.get("runs", [])
     done = {(r["protocol"], r["method"]) for r in runs}
-    for protocol, method in [(p, m) for p in protocols for m in methods if (p, m) not in done]:
+    for protocol, method in [(p, m) for p in args.protocols for m in methods if (p, m) not in done]:
         run_spec = spec
         if protocol == "matched":  # the budget in this method's steps, timed at the config's width and batch
-            step_s = steps[0]["methods"][method]["median_s"]
-            run_spec = run_length(spec, max(1, round(spec.budget_s / step_s)))
-        log(f"[train] {method} / {protocol}" + (f": {run_spec.steps} steps" if protocol == "matched" else ""))
-        run = study.run_one(
-            run_spec,
-            method,
-            protocol,
-            dm,
-            task=build_task(run_spec, method),
-            max_other_load=max_other_load,
-            wait_quiet_s=wait_quiet_s,
-        )
+            run_spec = run_length(spec, max(1, round(spec.budget_s / steps[0]["methods"][method]["median_s"])))
+        print(f"[train] {method} / {protocol}" + (f": {run_spec.steps} steps" if protocol == "matched" else ""))
+        quiet = {"max_other_load": args.max_other_load, "wait_quiet_s": args.wait_quiet}
+        run = study.run_one(run_spec, method, protocol, dm, task=build_task(run_spec, method), **quiet)
         run["tokens"] = run["steps"] * spec.data_kwargs["batch_size"] * spec.data_kwargs["seq_len"]
         runs.append(run)
-        log(
+        print(
             f"    {run['steps']} steps, {run['train_s']:.1f} s training, {spec.metric} "
             f"{run['final']['metrics'].get(spec.metric, math.nan):.4f}, compression "
             f"{run['final']['compression_ratio']:.2f}x"
         )
-        progress.save(**fixed, runs=runs)
-    return progress.save(**fixed, step_measurements=steps, runs=runs, total_s=time.perf_counter() - t0)
+        save(**fixed, runs=runs)
+    return save(**fixed, step_measurements=steps, runs=runs, total_s=time.perf_counter() - t0)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -308,10 +255,9 @@ def markdown(result: dict[str, Any]) -> str:
                     harness.times(v.get("dense_peak_over_this", 1.0)),
                 ]
             steps.append([s["d_model"], s["batch"], method, *cells])
-    run_headers = ["method", "protocol", "steps", "tokens", "train s", "tokens/s", "median step ms"]
-    run_headers += ["val perplexity", "val loss", "trainable params", "compression", "other load"]
-    step_headers = ["d_model", "batch", "method", "step ms", "peak MiB", "trainable params"]
-    step_headers += ["dense step / this", "dense peak / this"]
+    run_headers = "method|protocol|steps|tokens|train s|tokens/s|median step ms|val perplexity|val loss|"
+    run_headers += "trainable params|compression|other load"
+    step_headers = "d_model|batch|method|step ms|peak MiB|trainable params|dense step / this|dense peak / this"
     return "\n".join(
         [
             f"### Decoder pre-training ({config}): dense + AdamW vs dense + GaLore vs CoMERA",
@@ -333,24 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=harness.positive_int, default=None, help="optimiser steps (default: the config's)")
     p.add_argument("--budget-s", type=float, default=None, help="training seconds of the matched protocol")
-    p.add_argument("--val-every", type=harness.positive_int, default=None, help="validate every this many steps")
     p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
     p.add_argument("--cache-dir", type=Path, default=study.DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
-    p.add_argument(
-        "--precision",
-        choices=["32-true", "bf16-mixed"],
-        default="32-true",
-        help="the Trainer's precision; the step timing autocasts the same way",
-    )
+    p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true", help="also the step timing's")
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="change one value of the config's model, data or RankAdaptation settings (a YAML "
-        "value; repeatable), e.g. --set data.root=stdlib --set rank.gamma=0.01",
+        help="one value (YAML) of the config's model, data or rank settings; repeatable, e.g. --set data.root=stdlib",
     )
     return p
 
@@ -370,29 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)  # Lightning's banners stay out of the report
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
     spec = study.spec_from_config(args.config, args.quick)
-    spec.seed, spec.steps = args.seed, args.steps or spec.steps
-    spec.budget_s, spec.val_every = args.budget_s or spec.budget_s, args.val_every or spec.val_every
+    spec.seed, spec.steps, spec.budget_s = args.seed, args.steps or spec.steps, args.budget_s or spec.budget_s
     spec.accelerator, spec.precision = args.accelerator, args.precision
     stem = f"llm_study{args.tag}"
     partial = args.out_dir / f"{stem}.partial.json"
     try:
         study.apply_overrides(spec, args.overrides)
         spec.check()
-        progress = Progress(partial, spec.json())
     except ValueError as err:
         parser.error(str(err))
-    progress.state["settings"] = harness.settings(args)
-    result = run_study(
-        spec,
-        progress,
-        methods=tuple(args.methods),
-        protocols=tuple(args.protocols),
-        cache_dir=args.cache_dir,
-        min_sample_s=0.05 if args.quick else 0.5,
-        repeats=args.repeats,
-        max_other_load=args.max_other_load,
-        wait_quiet_s=args.wait_quiet,
-    )
+    state = harness.read_json(partial) if partial.exists() else {}  # a rerun of the same spec resumes
+    if state and state.get("spec") != spec.json():
+        parser.error(f"{partial} holds runs of another spec: delete it, or write elsewhere (--out-dir, --tag)")
+    result = run_study(spec, {**state, "spec": spec.json(), "settings": harness.settings(args)}, partial, args)
     text = markdown(result)
     print("\n" + text, flush=True)
     harness.emit(args.out_dir / f"{stem}.json", result, markdown=text)

@@ -1,24 +1,15 @@
-"""Tables and plots of the tuned quality studies, generated from their raw results in ``docs/data/``.
+"""Tables and the figure of the tuned quality studies (``studies/tuned.py``), from their raw runs in ``docs/data/``.
 
-``docs/data/<task>_<corpus>.json`` (written by ``studies/tuned.py``) holds a list ``runs``; each run has at least
-``family``, ``size``, ``seed``, ``lr``, ``tokens``, ``params_active``, ``val_loss`` (final) and ``curve`` (a list
-of ``[tokens, val_loss]``), plus its ``phase`` (``sweep``, ``check`` or ``final``). A file that does not have that
-shape is refused with the run and the field at fault. From each file this script makes:
-
-- the headline table: every (family, size) at its chosen rate, validation perplexity as mean (min .. max) over the
-  seeds, active parameters, the compression they reach, training FLOPs (:func:`counted_flops`: a CoMERA run's
-  counted through its late stage's ramp) and peak training memory;
-- CoMERA against each rival at each size (perplexity ratio and seeds won), the output heads' ranks, and the
-  early late-stage schedule's FLOPs against the default's;
-- the learning-rate sweeps and checks, the full dense model's convergence over the last quarter of its run, and
-  each CoMERA family's late-stage spike and rise;
-- one figure: perplexity against active parameters, training FLOPs and peak memory, and the dense curves.
-
-The markdown goes between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md
-(``--write``); ``--check`` fails when the page differs from what the data give (the suite runs it).
+``docs/data/<task>_<corpus>.json`` holds a list ``runs``, each with at least the :data:`REQUIRED` fields and its
+``phase`` (``sweep``, ``check`` or ``final``); a file of another shape is refused, naming the run and the field. Per
+file: the headline table (perplexity over seeds at each family's chosen rate, parameters, compression, training
+FLOPs, peak memory), CoMERA against each rival, the output heads' ranks, the early late stage's FLOPs, the dense
+model's convergence, the late-stage spikes, the diverged finals, the rate sweeps, and one figure. The markdown goes
+between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md; the width studies'
+blocks (and README's headline) come from ``width_report``.
 
     python -m benchmarks.studies.report --write          # every docs/data/*.json into docs/results.md
-    python -m benchmarks.studies.report --check
+    python -m benchmarks.studies.report --check          # fail when the page differs from what the data give
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +33,7 @@ README = REPO / "README.md"
 IMAGES = REPO / "docs" / "img"
 ORDER = ("dense", "galore", "narrow", "lowrank", "cola", "tt", "comera", "comera_act", "comera_early")
 RIVALS = ("narrow", "lowrank", "cola", "tt", "comera_act", "comera_early")
+FULL_WIDTH = ("dense", "galore")
 LABELS = {
     "dense": "dense (full width)",
     "galore": "dense + GaLore",
@@ -53,25 +45,15 @@ LABELS = {
     "comera_act": "CoMERA + SiLU bottleneck",
     "comera_early": "CoMERA, early late stage",
 }
-REQUIRED = {
-    "family": str,
-    "size": (int, float),
-    "seed": int,
-    "lr": (int, float),
-    "tokens": int,
-    "params_active": int,
-    "val_loss": (int, float),
-    "curve": list,
-}
+REQUIRED = {"family": str, "size": (int, float), "seed": int, "lr": (int, float), "tokens": int, "params_active": int}
+REQUIRED |= {"val_loss": (int, float), "curve": list}
 FREE_TOLERANCE = 0.05  # "free compression": within 5 % of the full dense model's perplexity
 SPIKE_TOLERANCE = 0.05
-CONVERGENCE_SHARE = 0.25  # the convergence is read over the run's last quarter (validations at or before 3/4)
-# The late-stage schedules studies/tuned.py trains (its run_job), for counting FLOPs through them. The early family's
-# ramp is a share of the run (tuned.EARLY_RAMP_FRACTION); the default ScheduledLateStage's is a share of the
-# steps left at the switch: 0.6 for a size cut of up to 5x, longer for deeper cuts, at most 0.9
-# (comera_lightning.rank_adaptation.late_stage.ramp_fraction_for). The runs do not record the size at the switch,
-# so the default's ramp is taken at its shortest, 0.6: exact for cuts of up to 5x, a lower bound on its FLOPs for
-# deeper ones.
+CONVERGENCE_SHARE = 0.25  # the convergence is read over the run's last quarter
+# The late-stage ramps tuned.run_job trains, for counting FLOPs through them: the early family's is a share of the
+# run (tuned.EARLY_RAMP_FRACTION), the default's a share of the steps left at the switch, 0.6 for a cut of up to 5x
+# and longer for deeper ones (late_stage.ramp_fraction_for); the runs do not record the size at the switch, so it is
+# taken at 0.6 (a lower bound on the FLOPs beyond 5x).
 EARLY_RAMP_SHARE_OF_RUN = 0.4
 DEFAULT_RAMP_SHARE_OF_REST = 0.6
 RAMPS = {"comera_early": "run", "comera": "rest", "comera_act": "rest"}
@@ -84,30 +66,25 @@ class StudyFileError(ValueError):
 def validate(study: Any, where: str) -> dict[str, Any]:
     """``study`` when it has the documented shape; else a :class:`StudyFileError` naming the run and the field."""
     fix = "(docs/data files are written by benchmarks/studies/tuned.py; see benchmarks/studies/report.py's docstring)"
+
+    def refuse(what: str) -> StudyFileError:
+        return StudyFileError(f"{where}: {what} {fix}")
+
     if not isinstance(study, dict) or not isinstance(study.get("runs"), list):
-        raise StudyFileError(f"{where}: not a quality study: expected a JSON object with a list 'runs' {fix}")
+        raise refuse("not a quality study: expected a JSON object with a list 'runs'")
     for i, run in enumerate(study["runs"]):
         if not isinstance(run, dict):
-            raise StudyFileError(f"{where}: runs[{i}] is a {type(run).__name__}, not an object {fix}")
+            raise refuse(f"runs[{i}] is a {type(run).__name__}, not an object")
         for key, kind in REQUIRED.items():
             if key not in run:
-                raise StudyFileError(f"{where}: runs[{i}] has no '{key}' {fix}")
+                raise refuse(f"runs[{i}] has no '{key}'")
             if isinstance(run[key], bool) or not isinstance(run[key], kind):
-                raise StudyFileError(
-                    f"{where}: runs[{i}]['{key}'] is {run[key]!r}, which is not a "
-                    f"{getattr(kind, '__name__', 'number')} {fix}"
-                )
-        if "error" in run:
-            continue
-        for point in run["curve"]:
-            if not (
-                isinstance(point, list)
-                and len(point) == 2
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)
-            ):
-                raise StudyFileError(
-                    f"{where}: runs[{i}]['curve'] holds {point!r}; each point is [tokens, val_loss] {fix}"
-                )
+                kind_name = getattr(kind, "__name__", "number")
+                raise refuse(f"runs[{i}]['{key}'] is {run[key]!r}, which is not a {kind_name}")
+        for point in [] if "error" in run else run["curve"]:
+            pair = isinstance(point, list) and len(point) == 2
+            if not (pair and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)):
+                raise refuse(f"runs[{i}]['curve'] holds {point!r}; each point is [tokens, val_loss]")
     return study
 
 
@@ -130,9 +107,17 @@ def _final(run: dict[str, Any]) -> bool:
     return run.get("phase", "final") == "final" and "error" not in run
 
 
+def _rank(family: str) -> int:
+    return ORDER.index(family) if family in ORDER else 99
+
+
+def _mean(runs: Iterable[dict[str, Any]], value: Any) -> float:
+    """The mean of ``value(run)`` (a callable) or of ``run[value]`` (missing: NaN) over ``runs``."""
+    return statistics.fmean(value(r) if callable(value) else r.get(value, math.nan) for r in runs)
+
+
 def diverged(study: dict[str, Any]) -> list[dict[str, Any]]:
-    """The final runs that diverged (no finite validation loss): the study drops their rate for that size and runs
-    the finals again at a lower one (``tuned.Plan.chosen``)."""
+    """The final runs without a finite validation loss (the study reruns their size at a lower rate)."""
     return [r for r in study["runs"] if _final(r) and not math.isfinite(r["val_loss"])]
 
 
@@ -145,15 +130,12 @@ def finals(study: dict[str, Any]) -> dict[tuple[str, float], list[dict[str, Any]
             out.setdefault((run["family"], float(run["size"])), []).append(run)
     for runs in out.values():
         runs.sort(key=lambda r: r["seed"])
-    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], ORDER.index(kv[0][0]) if kv[0][0] in ORDER else 99)))
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], _rank(kv[0][0]))))
 
 
 def perplexities(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
-    return spread([math.exp(r["val_loss"]) for r in runs])
+    values = [math.exp(r["val_loss"]) for r in runs]
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def cell(stats: dict[str, float], digits: int = 2) -> str:
@@ -175,19 +157,16 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
         if family != "comera":
             continue
         mine = perplexities(runs)
-        params = statistics.fmean(r["params_active"] for r in runs)
-        row: dict[str, Any] = {"size": size, "comera": mine, "params": params}
+        row: dict[str, Any] = {"size": size, "comera": mine, "params": _mean(runs, "params_active")}
         for rival in RIVALS:
-            theirs = by.get((rival, size))
-            if not theirs:
+            if not (theirs := by.get((rival, size))):
                 continue
-            ppl = perplexities(theirs)
             seeds = {r["seed"]: r["val_loss"] for r in theirs}
             wins = [r["val_loss"] < seeds[r["seed"]] for r in runs if r["seed"] in seeds]
             row[rival] = {
-                "ratio": ppl["mean"] / mine["mean"] - 1.0,
+                "ratio": perplexities(theirs)["mean"] / mine["mean"] - 1.0,
                 "won": f"{sum(wins)}/{len(wins)}",
-                "params": statistics.fmean(r["params_active"] for r in theirs),
+                "params": _mean(theirs, "params_active"),
             }
         rows.append(row)
     return rows
@@ -195,8 +174,7 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
 
 def last_quarter_change(run: dict[str, Any]) -> tuple[float, float] | None:
     """(Relative fall of the validation loss from the last validation at or before 3/4 of the run's tokens to the
-    end, the share of the run's tokens that spans); None without such points. The validations come every twelfth
-    of the run, so the span is the last quarter give or take a validation interval's rounding."""
+    end, the share of the tokens that spans); None without such points."""
     curve = run["curve"]
     if len(curve) < 2:
         return None
@@ -216,8 +194,7 @@ def _switch_tokens(run: dict[str, Any]) -> float | None:
 
 
 def late_spike(run: dict[str, Any]) -> float | None:
-    """A CoMERA run's worst perplexity after the late-stage switch over its value at the switch (the last
-    validation before it), minus 1."""
+    """A CoMERA run's worst perplexity after the late-stage switch over its value at the switch, minus 1."""
     switch = _switch_tokens(run)
     if switch is None:
         return None
@@ -229,9 +206,8 @@ def late_spike(run: dict[str, Any]) -> float | None:
 
 
 def late_rise(run: dict[str, Any]) -> float | None:
-    """A CoMERA run's worst perplexity after the late-stage switch over the best one before it (its running
-    minimum), minus 1; negative when it never rose. Unlike :func:`late_spike` this also sees the rise of a schedule
-    that switches while the loss is still falling fast (the early one), whose value at the switch is no reference."""
+    """A CoMERA run's worst perplexity after the switch over the best before it, minus 1 (negative: it never rose);
+    unlike :func:`late_spike` it sees the rise of a schedule that switches while the loss still falls fast."""
     switch = _switch_tokens(run)
     if switch is None:
         return None
@@ -250,54 +226,36 @@ def late_stage_rows(study: dict[str, Any]) -> list[dict[str, Any]]:
         spikes, rises = [late_spike(r) for r in runs], [late_rise(r) for r in runs]
         if all(v is None for v in spikes + rises):
             continue
-        rows.append(
-            {
-                "family": family,
-                "size": size,
-                "switch": sorted({int(r["late_start_step"]) for r in runs if r.get("late_start_step") is not None}),
-                "seeds": [r["seed"] for r in runs],
-                "spike": spikes,
-                "rise": rises,
-            }
-        )
+        switch = sorted({int(r["late_start_step"]) for r in runs if r.get("late_start_step") is not None})
+        seeds = [r["seed"] for r in runs]
+        rows.append({"family": family, "size": size, "switch": switch, "seeds": seeds, "spike": spikes, "rise": rises})
     return rows
 
 
 def counted_flops(run: dict[str, Any]) -> float:
-    """A run's training FLOPs counted step by step through its late stage: the start model's step FLOPs until the
-    switch, then over the ramp a geometric fall from the start's to the end's (the size schedule is geometric,
-    ``objectives.scheduled_size``, and the step's FLOPs are taken as following the size), then the end model's to the
-    last step. Physical truncation every few dozen steps (50 in the decoder's config) makes the real fall a staircase
-    a little behind that curve.
-    Without a late stage, or for a schedule this report does not know, the FLOPs the run recorded (tuned.py
-    stores ``late * start + (steps - late) * (start + end) / 2``, a linear fall over every step after the switch)."""
+    """A run's training FLOPs step by step: the start model's until the late-stage switch, a geometric fall to the
+    end model's over the ramp (as the size schedule falls), the end model's after it. Without a late stage, or for a
+    schedule not in :data:`RAMPS`, the run's recorded ``train_flops`` (a linear fall after the switch)."""
     late, kind = run.get("late_start_step"), RAMPS.get(run["family"])
     start, end, steps = run.get("flops_per_step_start"), run.get("flops_per_step_end"), run.get("steps")
     if late is None or kind is None or start is None or end is None or not steps or start <= 0 or end <= 0:
         return float(run.get("train_flops", math.nan))
-    ramp = max(
-        1, round(EARLY_RAMP_SHARE_OF_RUN * steps if kind == "run" else DEFAULT_RAMP_SHARE_OF_REST * (steps - late))
-    )
-    total = 0.0
-    for step in range(steps):
-        progress = min(max((step - late) / ramp, 0.0), 1.0)
-        total += start * (end / start) ** progress
-    return total
+    share = EARLY_RAMP_SHARE_OF_RUN * steps if kind == "run" else DEFAULT_RAMP_SHARE_OF_REST * (steps - late)
+    ramp = max(1, round(share))
+    return sum(start * (end / start) ** min(max((step - late) / ramp, 0.0), 1.0) for step in range(steps))
 
 
 def early_flop_savings(study: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per size: the early schedule's mean training FLOPs over the default CoMERA's, minus 1 and negated (a saving),
-    counted through both ramps (``counted``) and as the runs stored them (``stored``)."""
+    """Per size: 1 - the early schedule's mean training FLOPs over the default CoMERA's, counted through both ramps
+    (``counted``) and as the runs stored them (``stored``)."""
     by = finals(study)
     out = []
     for (family, size), runs in by.items():
         default = by.get(("comera", size))
         if family != "comera_early" or not default:
             continue
-        counted = statistics.fmean(counted_flops(r) for r in runs) / statistics.fmean(counted_flops(r) for r in default)
-        stored = statistics.fmean(r.get("train_flops", math.nan) for r in runs) / statistics.fmean(
-            r.get("train_flops", math.nan) for r in default
-        )
+        counted = _mean(runs, counted_flops) / _mean(default, counted_flops)
+        stored = _mean(runs, "train_flops") / _mean(default, "train_flops")
         out.append({"size": size, "counted": 1.0 - counted, "stored": 1.0 - stored})
     return out
 
@@ -308,9 +266,8 @@ def _head_rank(run: dict[str, Any]) -> int | None:
 
 
 def head_ranks(study: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per size: the rank of CoMERA's low-rank output head (``lm_head``) at the start (twice its block rank, the
-    config's head share that tuned.family_kwargs keeps) and at the end (min, max over seeds), and the low-rank
-    and CoLA rivals' rank, which is their head's too."""
+    """Per size: the rank of CoMERA's output head (``lm_head``) at the start (twice its block rank) and at the end
+    (min, max over seeds), and the low-rank and CoLA rivals' rank (their head's too)."""
     by = finals(study)
     out = []
     for (family, size), runs in by.items():
@@ -323,14 +280,8 @@ def head_ranks(study: dict[str, Any]) -> list[dict[str, Any]]:
             for rival in ("lowrank", "cola")
             if (theirs := by.get((rival, size))) and theirs[0].get("knob") is not None
         }
-        out.append(
-            {
-                "size": size,
-                "comera_start": 2 * int(knobs.pop()) if len(knobs) == 1 and None not in knobs else None,
-                "comera": (min(ends), max(ends)),
-                "rivals": rivals,
-            }
-        )
+        start = 2 * int(knobs.pop()) if len(knobs) == 1 and None not in knobs else None
+        out.append({"size": size, "comera_start": start, "comera": (min(ends), max(ends)), "rivals": rivals})
     return out
 
 
@@ -361,6 +312,15 @@ def _range(values: Sequence[float], fmt: str, unit: str = "") -> str:
     return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _label(family: str) -> str:
+    return LABELS.get(family, family)
+
+
 def markdown(study: dict[str, Any], name: str) -> str:
     """Every table of one study as markdown (deterministic: the same data give the same text)."""
     protocol = study.get("protocol", {})
@@ -386,28 +346,23 @@ def markdown(study: dict[str, Any], name: str) -> str:
     rows = []
     for (family, size), runs in by.items():
         mem = runs[0].get("peak_memory", {}).get("total")
-        flops = statistics.fmean(counted_flops(r) for r in runs)
         reached = [full / r["params_active"] for r in runs if r["params_active"] > 0] if full else []
         rows.append(
             [
-                f"{size:g}x" if family not in ("dense", "galore") else "1x",
-                LABELS.get(family, family),
-                _k(statistics.fmean(r["params_active"] for r in runs)),
+                f"{size:g}x" if family not in FULL_WIDTH else "1x",
+                _label(family),
+                _k(_mean(runs, "params_active")),
                 _range(reached, ".1f", "x") if reached else "-",
                 f"{runs[0]['lr']:.3g}",
                 cell(perplexities(runs)),
                 len(runs),
-                f"{flops / 1e12:.2f}",
+                f"{_mean(runs, counted_flops) / 1e12:.2f}",
                 "-" if mem is None else f"{mem / 2**20:.1f}",
             ]
         )
-    lines += [
-        "| size | model | active params | compression reached (min-max) | lr | val perplexity, mean (min .. max) | "
-        "seeds | training TFLOPs | peak step memory, MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    lines.append("")
+    header = "size|model|active params|compression reached (min-max)|lr|val perplexity, mean (min .. max)|seeds|"
+    header += "training TFLOPs|peak step memory, MiB"
+    lines += [*_table(header.split("|"), rows), ""]
     if rows:
         lines += [
             "Compression reached: the full dense model's active parameters over the run's at the end (rivals are sized "
@@ -421,20 +376,19 @@ def markdown(study: dict[str, Any], name: str) -> str:
         ]
     compare = comparisons(study)
     if compare:
+        rows = []
+        for row in compare:
+            rows.append([f"{row['size']:g}x", _k(row["params"]), cell(row["comera"])])
+            for rival in RIVALS:
+                r = row.get(rival)
+                rows[-1].append("-" if r is None else f"{r['ratio']:+.1%}, {r['won']} ({_k(r['params'])})")
         lines += [
             "CoMERA against each rival at the same target size (rival perplexity / CoMERA's - 1: positive means "
             "CoMERA is better; seeds won: seeds where CoMERA's loss is lower than the same seed's rival):",
             "",
+            *_table(["size", "CoMERA active params", "CoMERA perplexity", *(LABELS[r] for r in RIVALS)], rows),
+            "",
         ]
-        header = ["size", "CoMERA active params", "CoMERA perplexity"] + [LABELS[r] for r in RIVALS]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for row in compare:
-            cells = [f"{row['size']:g}x", _k(row["params"]), cell(row["comera"])]
-            for rival in RIVALS:
-                r = row.get(rival)
-                cells.append("-" if r is None else f"{r['ratio']:+.1%}, {r['won']} ({_k(r['params'])})")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
     heads = head_ranks(study)
     if heads:
         described = "; ".join(
@@ -483,27 +437,29 @@ def markdown(study: dict[str, Any], name: str) -> str:
         lines.append("")
     late_rows = late_stage_rows(study)
     if late_rows:
+        rows = [
+            [
+                _label(row["family"]),
+                f"{row['size']:g}x",
+                "step " + "/".join(str(s) for s in row["switch"]),
+                " / ".join(str(s) for s in row["seeds"]),
+                *(" / ".join("-" if v is None else f"{100 * v:+.1f}" for v in row[key]) for key in ("spike", "rise")),
+            ]
+            for row in late_rows
+        ]
         lines += [
             "Late stage, per family and size, seed by seed: the spike is the worst perplexity after the switch over "
             f"the value at the switch (target at most +{SPIKE_TOLERANCE:.0%}); the rise, the worst perplexity after "
             "the switch over the best before it (negative: it never rose), which also shows the rise of a schedule "
             "that switches while the loss still falls fast.",
             "",
-            "| model | size | switch | seeds | spike, % | rise above the best before, % |",
-            "|---|---|---|---|---|---|",
+            *_table(["model", "size", "switch", "seeds", "spike, %", "rise above the best before, %"], rows),
+            "",
         ]
-        for row in late_rows:
-            shown = [" / ".join("-" if v is None else f"{100 * v:+.1f}" for v in row[key]) for key in ("spike", "rise")]
-            lines.append(
-                f"| {LABELS.get(row['family'], row['family'])} | {row['size']:g}x | step "
-                + "/".join(str(s) for s in row["switch"])
-                + f" | {' / '.join(str(s) for s in row['seeds'])} | {shown[0]} | {shown[1]} |"
-            )
-        lines.append("")
     lost = diverged(study)
     if lost:
         described = "; ".join(
-            f"{LABELS.get(r['family'], r['family'])} {float(r['size']):g}x seed {r['seed']} at lr {r['lr']:.3g}"
+            f"{_label(r['family'])} {float(r['size']):g}x seed {r['seed']} at lr {r['lr']:.3g}"
             + (f" (first non-finite validation at {first:,} tokens)" if (first := _first_nan(r)) is not None else "")
             for r in lost
         )
@@ -542,29 +498,21 @@ def sweep_table(study: dict[str, Any]) -> list[str]:
         return []
     chosen = {key: runs[0]["lr"] for key, runs in finals(study).items()}
     rates = sorted({lr for row in cells.values() for lr in row})
-    lines = [
+    rows = []
+    for (family, size), row in sorted(cells.items(), key=lambda kv: (_rank(kv[0][0]), kv[0][1])):
+        out = []
+        for lr in rates:
+            text = "" if lr not in row else "diverged" if not math.isfinite(row[lr]) else f"{row[lr]:.3f}"
+            best = lr in row and (family, size) in chosen and math.isclose(chosen[(family, size)], lr)
+            out.append(f"**{text}**" if best else text)
+        rows.append([_label(family), f"{size:g}x", *out])
+    return [
         f"Learning-rate sweeps and checks ({study.get('protocol', {}).get('sweep_steps')} steps, final "
         "validation loss; bold: the rate the finals use):",
         "",
-        "| model | size | " + " | ".join(f"{lr:.3g}" for lr in rates) + " |",
-        "|---|---|" + "---|" * len(rates),
+        *_table(["model", "size", *(f"{lr:.3g}" for lr in rates)], rows),
+        "",
     ]
-    for (family, size), row in sorted(
-        cells.items(), key=lambda kv: (ORDER.index(kv[0][0]) if kv[0][0] in ORDER else 99, kv[0][1])
-    ):
-        out = []
-        for lr in rates:
-            if lr not in row:
-                out.append("")
-                continue
-            text = "diverged" if not math.isfinite(row[lr]) else f"{row[lr]:.3f}"
-            out.append(
-                f"**{text}**"
-                if chosen.get((family, size)) is not None and math.isclose(chosen[(family, size)], lr)
-                else text
-            )
-        lines.append(f"| {LABELS.get(family, family)} | {size:g}x | " + " | ".join(out) + " |")
-    return [*lines, ""]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -573,59 +521,45 @@ def sweep_table(study: dict[str, Any]) -> list[str]:
 
 def figure(study: dict[str, Any], name: str):
     """Perplexity against active parameters, training FLOPs and peak memory; the full dense model's curves; every
-    family's curve at the middle size (which model left a plateau when)."""
+    family's curve at the middle size."""
     from benchmarks import harness
 
     fig, axes = harness.new_figure(5, width=4.6, height=4.0)
     by = finals(study)
     families = [f for f in ORDER if any(family == f for family, _ in by)]
+    values = {
+        "active parameters at the end": lambda runs: _mean(runs, "params_active"),
+        "training FLOPs": lambda runs: _mean(runs, counted_flops),
+        "peak step memory, bytes": lambda runs: runs[0].get("peak_memory", {}).get("total"),
+    }
     for i, family in enumerate(families):
         points = [(runs, perplexities(runs)) for (fam, _), runs in by.items() if fam == family]
-        for ax, key in zip(axes[:3], ("params_active", "train_flops", "peak_memory"), strict=True):
-            xs, ys, errs = [], [], [[], []]
-            for runs, ppl in points:
-                if key == "peak_memory":
-                    value = runs[0].get("peak_memory", {}).get("total")
-                elif key == "train_flops":
-                    value = statistics.fmean(counted_flops(r) for r in runs)
-                else:
-                    value = statistics.fmean(r.get(key, math.nan) for r in runs)
-                if value is None or not math.isfinite(value):
-                    continue
-                xs.append(value)
-                ys.append(ppl["mean"])
-                errs[0].append(ppl["mean"] - ppl["min"])
-                errs[1].append(ppl["max"] - ppl["mean"])
-            if xs:
-                order = sorted(range(len(xs)), key=xs.__getitem__)
+        for ax, value_of in zip(axes[:3], values.values(), strict=True):
+            found = [(x, ppl) for runs, ppl in points if (x := value_of(runs)) is not None and math.isfinite(x)]
+            found.sort(key=lambda p: p[0])
+            if found:
                 ax.errorbar(
-                    [xs[j] for j in order],
-                    [ys[j] for j in order],
-                    yerr=[[errs[0][j] for j in order], [errs[1][j] for j in order]],
+                    [x for x, _ in found],
+                    [p["mean"] for _, p in found],
+                    yerr=[[p["mean"] - p["min"] for _, p in found], [p["max"] - p["mean"] for _, p in found]],
                     marker="o",
                     capsize=3,
                     label=LABELS[family],
                     color=f"C{i}",
                 )
-    for ax, xlabel in zip(
-        axes[:3], ("active parameters at the end", "training FLOPs", "peak step memory, bytes"), strict=True
-    ):
+    for ax, xlabel in zip(axes[:3], values, strict=True):
         harness.label_axes(ax, xlabel, "validation perplexity", xlog=True, ylog=True)
     for run in by.get(("dense", 1.0), []):
         axes[3].plot([t for t, _ in run["curve"]], [math.exp(v) for _, v in run["curve"]], label=f"seed {run['seed']}")
     harness.label_axes(axes[3], "tokens", "full dense: validation perplexity", ylog=True)
-    sizes = sorted({size for family, size in by if family not in ("dense", "galore")})
+    sizes = sorted({size for family, size in by if family not in FULL_WIDTH})
     middle = 5.0 if 5.0 in sizes else (sizes[len(sizes) // 2] if sizes else None)
     for i, family in enumerate(families):
-        runs = by.get((family, 1.0 if family in ("dense", "galore") else middle), [])
-        if runs:
+        if runs := by.get((family, 1.0 if family in FULL_WIDTH else middle), []):
             run = min(runs, key=lambda r: r["seed"])
-            axes[4].plot(
-                [t for t, _ in run["curve"]],
-                [v for _, v in run["curve"]],
-                label=f"{LABELS[family]} (seed {run['seed']})",
-                color=f"C{i}",
-            )
+            curve = run["curve"]
+            label = f"{LABELS[family]} (seed {run['seed']})"
+            axes[4].plot([t for t, _ in curve], [v for _, v in curve], label=label, color=f"C{i}")
     harness.label_axes(axes[4], "tokens", f"validation loss at {middle:g}x (full width at 1x)" if middle else "")
     fig.suptitle(f"{name}: tuned quality study")
     return fig
@@ -635,13 +569,9 @@ def figure(study: dict[str, Any], name: str):
 # docs/results.md
 
 
-def markers(name: str, kind: str = "quality") -> tuple[str, str]:
-    return f"<!-- {kind}:{name} begin -->", f"<!-- {kind}:{name} end -->"
-
-
 def replace_block(page: str, name: str, block: str, kind: str = "quality") -> str:
     """``page`` with the text between ``name``'s markers replaced by ``block``."""
-    begin, end = markers(name, kind)
+    begin, end = f"<!-- {kind}:{name} begin -->", f"<!-- {kind}:{name} end -->"
     if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
         raise StudyFileError(
             f"the page (docs/results.md; README.md for a width study's headline) needs exactly one '{begin}' line "
@@ -658,52 +588,45 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="update docs/results.md and the figures")
     mode.add_argument("--check", action="store_true", help="fail when docs/results.md is not what the data give")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, default=README, help="gets the width study's headline table")
     args = parser.parse_args(argv)
+    edit = args.write or args.check
     files = args.files or sorted(DATA.glob("*.json"))
-    page = args.results.read_text() if (args.write or args.check) else ""
-    readme = args.readme.read_text() if (args.write or args.check) else ""
+    page, readme = (RESULTS.read_text(), README.read_text()) if edit else ("", "")
     updated, updated_readme = page, readme
     try:
-        # width studies (their own format and renderer); one still running is rendered from docs/data/partial
-        # a study under way (docs/data/partial) changes after every run: --write renders it, --check leaves it out
+        # width studies: one under way (docs/data/partial) changes after every run, so --check leaves it out; a
+        # finished file wins over a partial one
         found = [*([] if args.check else DATA.glob("partial/width_*.json")), *DATA.glob("width_*.json")]
-        widths = [] if args.files else sorted({p.stem: p for p in found}.values())  # a finished file wins
-        for path in widths:
+        for path in [] if args.files else sorted({p.stem: p for p in found}.values()):
             state = json.loads(path.read_text())
             source = path.relative_to(DATA.parent.parent).as_posix()
             block = width_report.render(state, path.stem, IMAGES if args.write else Path(tempfile.mkdtemp()), source)
-            if path.parent.name == "partial":
+            under_way = path.parent.name == "partial"
+            if under_way:
                 block = f"**Under way** (`docs/data/partial/{path.name}`): what has finished so far.\n\n{block}"
-            if args.write or args.check:
+            if edit:
                 updated = replace_block(updated, path.stem, block + "\n", "width")
-                headline = width_report.headline(state)
-                if path.parent.name == "partial":
-                    headline = f"**Under way**: {headline}"
+                headline = ("**Under way**: " if under_way else "") + width_report.headline(state)
                 updated_readme = replace_block(updated_readme, path.stem, headline + "\n", "width-headline")
             else:
                 print(block)
         for path in [f for f in files if not f.stem.startswith("width_")]:
             study = load(path)
             block = markdown(study, path.stem)
-            if args.write or args.check:
+            if edit:
                 updated = replace_block(updated, path.stem, block)
             else:
                 print(block)
             if args.write:
-                fig = figure(study, path.stem)
                 IMAGES.mkdir(parents=True, exist_ok=True)
-                fig.savefig(IMAGES / f"quality_{path.stem}.png", dpi=110, bbox_inches="tight")
+                figure(study, path.stem).savefig(IMAGES / f"quality_{path.stem}.png", dpi=110, bbox_inches="tight")
     except StudyFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for path, old, new in ((args.results, page, updated), (args.readme, readme, updated_readme)):
+    for path, old, new in ((RESULTS, page, updated), (README, readme, updated_readme)):
         if args.check and new != old:
-            print(
-                f"{path} differs from what docs/data gives: run python -m benchmarks.studies.report --write",
-                file=sys.stderr,
-            )
+            fix = "run python -m benchmarks.studies.report --write"
+            print(f"{path} differs from what docs/data gives: {fix}", file=sys.stderr)
             return 1
         if args.write and new != old:
             path.write_text(new)
