@@ -178,7 +178,8 @@ class Plan:
 
     def pending(self, runs: Sequence[dict[str, Any]]) -> list[Job]:
         """Every job whose inputs exist and that has not run: the sweeps and checks, the transfer sweeps (they test the
-        parameterisation the finals use), then the finals seed by seed, the largest widths first within a seed."""
+        parameterisation the finals use), then the finals seed by seed: within a seed dense's, smallest width first,
+        then the tensorised ones, largest width first."""
         jobs: list[Job] = []
         for family in self.families:
             short, chosen = self.rates(runs, family)
@@ -199,7 +200,9 @@ class Plan:
                 return (0, PHASES.index(job.phase), self.families.index(job.family), job.lr)
             if job.phase == "transfer":
                 return (1, job.width, job.parameterization, job.lr)
-            return (2, self.seeds.index(job.seed), -job.width, self.families.index(job.family))
+            # dense's front first, cheapest first: every tensorised final is read against it
+            dense = job.family == "dense"
+            return (2, self.seeds.index(job.seed), not dense, job.width if dense else -job.width, job.family)
 
         return sorted(todo, key=priority)
 

@@ -67,7 +67,8 @@ def test_the_plan_sweeps_at_the_smallest_width_checks_at_the_largest_and_interpo
     assert {(j.width, j.parameterization) for j in transfer} == {(128, "standard"), (512, "standard"), (512, "mup")}
     assert pending.index(transfer[-1]) < min(i for i, j in enumerate(pending) if j.phase == "final")
     finals = [j for j in pending if j.phase == "final"]
-    assert [(j.family, j.width) for j in finals][:2] == [("tt", 512), ("dense", 256)]  # largest widths first
+    # dense's front first (cheapest first), then the tensorised finals, largest first
+    assert [(j.family, j.width) for j in finals] == [("dense", 64), ("dense", 256), ("tt", 512), ("tt", 128)]
 
 
 def test_a_check_keeps_growing_past_its_edge_until_the_best_rate_is_inside():
