@@ -48,6 +48,10 @@ def test_ratio_target_applies_to_the_compressible_part_only():
     target = compressible_target_size(size, other, 0.2)
     assert target == pytest.approx(other + 0.2 * (size - other))
     assert target > floor
+    # nothing compressible left (the TT part already gone, or the count of other parameters above the size):
+    # the target is the other parameters alone
+    assert compressible_target_size(other, other, 0.2) == other
+    assert compressible_target_size(500_000, other, 0.2) == other
 
 
 def test_ratio_target_below_the_floor_warns_and_clamps(tmp_path):
@@ -99,6 +103,10 @@ def test_scheduled_size_is_a_geometric_ramp():
         scheduled_size(0, 0, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="sizes must be positive"):
         scheduled_size(0, 0, 5, 0.0, 1.0)
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        scheduled_size(0, 0, 5, 1.0, 0.0)
+    # any positive sizes, e.g. shares of the dense size below 1: halfway is the geometric mean
+    assert scheduled_size(5, 0, 10, 0.5, 0.125) == pytest.approx(0.25)
 
 
 def test_slice_importance_matches_hand_computation_and_ignores_gate_scaling():
@@ -119,6 +127,8 @@ def test_slice_importance_matches_hand_computation_and_ignores_gate_scaling():
     torch.testing.assert_close(after[1].double(), importance[1].double())
     layer.remove_slices_(0, [1])
     assert float(slice_importance(layer.gated_cores(), layer.rank_masks)[0][1]) == 0.0
+    with pytest.raises(ValueError, match=r"^a train of 4 cores has 3 bonds, got 1 masks$"):
+        slice_importance(layer.gated_cores(), layer.rank_masks[:1])
 
 
 def test_plan_rank_cuts_takes_least_important_first_within_the_bound():
@@ -140,6 +150,29 @@ def test_plan_rank_cuts_takes_least_important_first_within_the_bound():
     assert plan_rank_cuts([torch.tensor([1.0, 2.0])], [torch.ones(2, dtype=torch.bool)], [1.0], 1e9, 1.0) == [[0]]
     with pytest.raises(ValueError, match=r"max_cut_fraction must be in \(0, 1\]"):
         plan_rank_cuts(importances, masks, [1.0, 1.0], 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"max_cut_fraction must be in \(0, 1\]"):
+        plan_rank_cuts(importances, masks, [1.0, 1.0], 1.0, 1.5)
+    with pytest.raises(ValueError, match=r"^importances, masks and slice_parameters must have one entry per bond$"):
+        plan_rank_cuts(importances, masks[:1], [1.0, 1.0], 1.0, 0.5)
+    # a bond down to one slice gives nothing, and the bonds after it are still candidates
+    at_rank_one = [torch.tensor([1.0]), torch.tensor([0.3, 0.1, 0.2])]
+    at_rank_one_masks = [torch.ones(1, dtype=torch.bool), torch.ones(3, dtype=torch.bool)]
+    assert plan_rank_cuts(at_rank_one, at_rank_one_masks, [1.0, 1.0], 1e9, 1.0) == [[], [1, 2]]
+    # the ranking is per parameter, so the unit of the sizes does not matter (here thousands of parameters)
+    assert plan_rank_cuts(two, [torch.ones(2, dtype=torch.bool)] * 2, [0.1, 0.001], 0.05, 1.0) == [[0], []]
+
+
+def test_the_capped_pass_keeps_the_bound_stops_at_the_target_and_honours_fractional_caps():
+    ones = torch.ones(8, dtype=torch.bool)
+    # max(1, floor(0.25 * 8)) = 2 slices per call, however large the layer's cap
+    assert plan_rank_cuts([torch.arange(8.0)], [ones], [1.0], 1e9, 0.25, groups=[0], group_caps=[1e9]) == [[0, 1]]
+    # exactly the parameters asked for, then no more (caps wide open)
+    assert plan_rank_cuts([torch.arange(8.0)], [ones], [10.0], 20.0, 1.0, groups=[0], group_caps=[1e9]) == [[0, 1]]
+    # a layer below its cap, even by half a parameter, gives its cheapest slice (which overshoots the cap)
+    importances = [torch.tensor([0.1, 0.2, 5.0]), torch.tensor([1.0, 2.0, 5.0])]
+    masks = [torch.ones(3, dtype=torch.bool)] * 2
+    cuts = plan_rank_cuts(importances, masks, [1.0, 1.0], 2.0, 1.0, groups=[0, 1], group_caps=[0.5, 100.0])
+    assert cuts == [[0], [0]]
 
 
 def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
@@ -162,9 +195,10 @@ def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
     masks_low = [torch.ones(8, dtype=torch.bool), torch.tensor([True] + [False] * 7)]
     caps = layer_removal_caps([800.0, 10.0], [800.0, 10.0], 405.0, 1.0)
     spill = plan_rank_cuts(importances, masks_low, sizes_per_slice, 405.0, 1.0, groups=[0, 1], group_caps=caps)
-    assert len(spill[0]) == 5 and spill[1] == []
+    assert spill == [[0, 1, 2, 3, 4], []]  # the capped pass took 0..3, the second pass adds 4 (no slice twice)
     with pytest.raises(
-        ValueError, match=r"groups and group_caps go together: pass both \(capped per layer\) or neither \(global\)"
+        ValueError,
+        match=r"^groups and group_caps go together: pass both \(capped per layer\) or neither \(global\)$",
     ):
         plan_rank_cuts(importances, masks, sizes_per_slice, 1.0, 1.0, groups=[0, 1])
     with pytest.raises(ValueError, match="groups needs one layer index per bond: 1 for 2 bonds"):
@@ -173,6 +207,11 @@ def test_layer_caps_keep_a_cheap_layer_from_being_emptied():
         layer_removal_caps(layer_sizes, layer_sizes, 1.0, 1.5)
     with pytest.raises(ValueError, match="one reference size per layer: 1 for 2 layers"):
         layer_removal_caps(layer_sizes, [1.0], 1.0, 0.5)
+    # the caps are in the unit of the sizes (here thousands of parameters)
+    assert layer_removal_caps([0.8, 0.08], [0.8, 0.08], 0.44, 1.0) == pytest.approx([0.4, 0.04])
+    # asked to remove everything, a layer may give all it holds; with no reference (nothing at the start) too
+    assert layer_removal_caps(layer_sizes, layer_sizes, 1000.0, 1.0) == layer_sizes
+    assert layer_removal_caps([5.0, 3.0], [0.0, 0.0], 2.0, 1.0) == [5.0, 3.0]
     with pytest.raises(ValueError, match=r"layer_floor must be in \[0, 1\]"):
         ScheduledLateStage(layer_floor=-0.1)
 

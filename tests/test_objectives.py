@@ -12,6 +12,9 @@ from comera_lightning.rank_adaptation.objectives import (
     ObjectiveWeights,
     add_rank_objective_,
     all_finite,
+    early_stage_weights,
+    late_stage_weights,
+    layers_to_truncate,
     rank_gates,
     rank_penalty,
     refresh_masks_,
@@ -67,6 +70,7 @@ def test_all_finite():
     "weights, weighted",
     [
         (ObjectiveWeights(1.0, 0.3), True),
+        (ObjectiveWeights(2.0, 0.5), True),
         (ObjectiveWeights(0.1, 1.01, 1.0), True),
         (ObjectiveWeights(0.1, 1.01, 1.0), False),
     ],
@@ -91,6 +95,47 @@ def test_add_rank_objective_gives_the_gradient_of_the_weighted_sum(weights, weig
     assert penalty == pytest.approx(float(ref_penalty.detach()), rel=1e-12)
     for p, q in zip(params, [p for layer in reference for p in layer.parameters()], strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_rank_penalty_is_a_weighted_mean_over_active_entries_whatever_the_unit_of_the_weights():
+    gates = [torch.tensor([0.5, -0.25, 1.0], dtype=F64), torch.tensor([0.4, 0.2], dtype=F64)]
+    masks = [torch.tensor([True, True, False]), torch.tensor([True, True])]
+    assert float(rank_penalty(gates[:1], masks[:1])) == pytest.approx(0.375, rel=1e-15)  # one bond: (0.5 + 0.25) / 2
+    weighted = (2.0 * 0.75 + 1.0 * 0.6) / (2.0 * 2 + 1.0 * 2)
+    for unit in (1.0, 1e-3, 1e3):  # weights are relative: parameters or thousands of parameters give one value
+        assert float(rank_penalty(gates, masks, [2.0 * unit, 1.0 * unit])) == pytest.approx(weighted, rel=1e-12)
+
+
+def test_rank_penalty_refuses_mismatched_or_empty_bonds_with_its_message():
+    gate, mask = torch.ones(3, dtype=F64), torch.ones(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^gates, masks and weights must have one entry per bond$"):
+        rank_penalty([gate], [mask, mask])
+    with pytest.raises(ValueError, match=r"^gates, masks and weights must have one entry per bond$"):
+        rank_penalty([gate], [mask], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^rank_penalty needs at least one gate; the model has no comera layers$"):
+        rank_penalty([], [])
+
+
+def test_early_stage_weights_are_the_loss_plus_gamma_times_the_penalty():
+    assert early_stage_weights(0.3) == ObjectiveWeights(task=1.0, penalty=0.3, lam=0.0)
+
+
+def test_late_stage_weights_push_whichever_objective_is_relatively_further_from_its_target():
+    # the loss 5 % above its target, the size 50 % above its: push the size, (1.1 - 1) L + (0.01 + 1) R
+    weights = late_stage_weights(loss=2.0, size=100.0, target_loss=1.9, target_size=50.0)
+    assert (weights.task, weights.penalty, weights.lam) == pytest.approx((0.1, 1.01, 1.0))
+    # the loss 50 % above its target, the size 10 %: push the loss, 1.1 L + 0.01 R
+    weights = late_stage_weights(loss=2.0, size=100.0, target_loss=1.0, target_size=90.0)
+    assert (weights.task, weights.penalty, weights.lam) == pytest.approx((1.1, 0.01, 0.0))
+    # equally far (both 50 %): the size is not relatively further, so the loss is pushed
+    assert late_stage_weights(2.0, 100.0, 1.0, 50.0).lam == 0.0
+    weights = late_stage_weights(2.0, 100.0, 1.9, 50.0, task_base=3.0, penalty_base=0.5)
+    assert (weights.task, weights.penalty, weights.lam) == pytest.approx((2.0, 1.5, 1.0))
+    # the gaps are relative: the units of the loss and of the size (a count, a share of the dense size) do not
+    # change the decision
+    for loss_unit, size_unit in [(1e-3, 1.0), (1e3, 1.0), (1.0, 1e-4), (1.0, 1e4)]:
+        assert late_stage_weights(2.0 * loss_unit, 100.0 * size_unit, 1.9 * loss_unit, 50.0 * size_unit).lam == 1.0
+        assert late_stage_weights(2.0 * loss_unit, 100.0 * size_unit, 1.0 * loss_unit, 90.0 * size_unit).lam == 0.0
 
 
 def test_add_rank_objective_fills_missing_gate_gradients():
@@ -129,6 +174,15 @@ def test_truncate_dead_slices_only_where_enough_died_and_keeps_the_function():
     assert {id(p) for p, _ in record} == {id(p) for p in [*embedding.cores, *embedding.gates]}
     torch.testing.assert_close(embedding(ids), e, rtol=1e-12, atol=1e-14)
     assert not truncate_dead_slices_(layers, min_dead_fraction=0.01)
+
+
+def test_layers_to_truncate_lists_the_layers_with_enough_of_one_bond_masked_and_never_one_without_bonds():
+    linear, embedding = _layers()
+    single = TTEmbedding(50, 8, rank=4, vocab_modes=[50], dim_modes=[8]).to(F64)  # one core, no internal bond
+    assert single.num_bonds == 0
+    linear.remove_slices_(1, [1, 3])  # half of bond 1 of rank 4
+    assert layers_to_truncate([linear, embedding, single], 0.5) == [linear]
+    assert layers_to_truncate([single], 1e-9) == [] and layers_to_truncate([embedding], 1e-9) == []
 
 
 @pytest.mark.parametrize(

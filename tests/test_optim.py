@@ -4,9 +4,11 @@ from itertools import pairwise
 
 import pytest
 import torch
+from torch import nn
 
 from comera_lightning.lit import CausalLM, ClickThrough, MaskedLM, SequenceClassification
-from comera_lightning.optim import OptimConfig
+from comera_lightning.nn import TTLinear
+from comera_lightning.optim import OptimConfig, comera_parameter_groups
 
 TINY_ENCODER = dict(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_layers=1, max_len=8)
 TASKS = {
@@ -87,6 +89,25 @@ def test_decay_ends_at_final_lr_ratio_of_the_peak(schedule):
     midpoint = 0.55 if schedule == "linear" else 0.1 + 0.9 * 0.5  # both halfway between 1 and 0.1
     assert factors[60] == pytest.approx(midpoint)
     assert warmup_decay_factor(110, 10, 110, schedule) == pytest.approx(0.0)  # the default decays to zero
+
+
+def test_every_schedule_and_both_ends_of_final_lr_ratio_are_accepted():
+    for schedule in ("constant", "linear", "cosine"):
+        assert OptimConfig(schedule=schedule).schedule == schedule
+    assert OptimConfig(final_lr_ratio=0.0).final_lr_ratio == 0.0
+    assert OptimConfig(final_lr_ratio=1.0).final_lr_ratio == 1.0  # no decay
+
+
+def test_parameter_groups_default_to_the_papers_rates_in_a_fixed_order():
+    model = nn.Sequential(TTLinear(1024, 1024, 64, parameterization="mup"), TTLinear(64, 64, 4), nn.Linear(64, 64))
+    assert sorted(set(model[0].lr_scales)) == [0.25, 1.0]
+    groups = comera_parameter_groups(model)
+    # a checkpoint's optimiser state is matched to the groups by position: cores by falling multiplier (each group
+    # recording it), then the gates (never decayed), then the rest
+    assert [g["name"] for g in groups] == ["cores", "cores*0.25", "gates", "other"]
+    assert [g.get("lr_scale") for g in groups] == [1.0, 0.25, None, None]
+    assert [g["lr"] for g in groups] == pytest.approx([1e-4, 0.25e-4, 1e-3, 5e-5])
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_final_lr_ratio_outside_zero_one_is_refused():

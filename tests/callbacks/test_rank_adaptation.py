@@ -11,7 +11,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyRegressor, regression_loader
 
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
-from comera_lightning.nn import size_report, tt_layers
+from comera_lightning.nn import TTLinear, size_report, tt_layers
+from comera_lightning.nn.base import TruncationRecord
+from comera_lightning.rank_adaptation.cuts import cut_sharded_, slice_optimizer_state, truncate_sharded
 from comera_lightning.rank_adaptation.objectives import rank_penalty
 from comera_lightning.tt import bond_weights
 
@@ -338,3 +340,99 @@ def test_truncate_skips_layers_without_internal_bonds():
     record = callback.truncate(_Trainer(), model)
     assert record and all(p is not model.lookup.cores[0] for p, _ in record)
     assert model.lookup.ranks == [1, 1]
+
+
+# ---------------------------------------------------------------------------------------------- cuts
+def _masked_linear(dead: list[int]) -> TTLinear:
+    """A float64 TT linear of ranks [1, 3, 4, 4, 1] whose bond 1 has the slices ``dead`` masked."""
+    torch.manual_seed(0)
+    layer = TTLinear(12, 10, 4, in_modes=[3, 4], out_modes=[2, 5]).double()
+    layer.remove_slices_(1, dead)
+    return layer
+
+
+def _kept_on_bond_1(layer: TTLinear, values: list[torch.Tensor], keep: list[int]) -> list[torch.Tensor]:
+    """``values`` (one per core, then one per gate, shaped as before the cut) with bond 1 kept at ``keep``: core 1's
+    trailing rank index, core 2's leading one and gate 1."""
+    cores, gates = values[: len(layer.cores)], values[len(layer.cores) :]
+    keep_t = torch.tensor(keep)
+    cores = [c[..., keep_t] if k == 1 else c[keep_t] if k == 2 else c for k, c in enumerate(cores)]
+    gates = [g[keep_t] if k == 1 else g for k, g in enumerate(gates)]
+    return [*cores, *gates]
+
+
+def test_slice_optimizer_state_keeps_the_moments_of_the_kept_slices_only():
+    layer = _masked_linear([0, 2])
+    other = torch.nn.Linear(3, 3).double()
+    params = [*layer.cores, *layer.gates]
+    adam = torch.optim.AdamW([*params, *other.parameters()], lr=0.1)
+    unused = torch.optim.AdamW(params, lr=0.1)  # never stepped: no state to slice
+    gates_only = torch.optim.AdamW(layer.gates, lr=0.1)  # state for the gates, none for the cores listed before them
+    (
+        layer(torch.randn(5, 12, dtype=torch.float64)).pow(2).sum() + other(torch.ones(3, dtype=torch.float64)).sum()
+    ).backward()
+    adam.step()
+    gates_only.step()
+    moments = {key: [adam.state[p][key].clone() for p in params] for key in ("exp_avg", "exp_avg_sq")}
+    gate_moments = [gates_only.state[g]["exp_avg"].clone() for g in layer.gates]
+    other_moment = adam.state[other.weight]["exp_avg"].clone()
+    steps = [adam.state[p]["step"].clone() for p in params]
+    record = layer.truncate_()
+    slice_optimizer_state([unused, gates_only, adam], record)
+    assert not unused.state
+    cores_before = moments["exp_avg"][: len(layer.cores)]  # (shaped as before; only the gates are compared)
+    gates_kept = _kept_on_bond_1(layer, [*cores_before, *gate_moments], [1, 3])[len(layer.cores) :]
+    for gate, kept in zip(layer.gates, gates_kept, strict=True):
+        torch.testing.assert_close(gates_only.state[gate]["exp_avg"], kept, rtol=0, atol=0)
+    for key, before in moments.items():
+        for p, expected in zip(params, _kept_on_bond_1(layer, before, [1, 3]), strict=True):
+            assert adam.state[p][key].shape == p.shape
+            torch.testing.assert_close(adam.state[p][key], expected, rtol=0, atol=0)
+    for p, step in zip(params, steps, strict=True):  # the step count is no per-slice tensor
+        torch.testing.assert_close(adam.state[p]["step"], step, rtol=0, atol=0)
+    torch.testing.assert_close(adam.state[other.weight]["exp_avg"], other_moment, rtol=0, atol=0)
+
+
+def test_truncate_sharded_is_the_strategy_hook_when_it_has_one():
+    class Sharding:
+        def truncate_layers_(self, layers, min_dead_fraction):
+            return TruncationRecord()
+
+    class NotAHook:
+        truncate_layers_ = "a plan, not a method"
+
+    strategy = Sharding()
+    assert truncate_sharded(strategy) == strategy.truncate_layers_
+    assert truncate_sharded(NotAHook()) is None and truncate_sharded(object()) is None
+
+
+def test_cut_sharded_hands_the_sliced_values_to_reshard_and_cuts_only_layers_with_enough_masked():
+    cut, kept = _masked_linear([0, 2]), _masked_linear([1])  # half of bond 1 masked; a quarter
+    x = torch.randn(5, 12, dtype=torch.float64)
+    y, ranks = cut(x), cut.ranks
+    params = [*cut.cores, *cut.gates]
+    before = [p.detach().clone() for p in params]
+    kept_state = {k: v.clone() for k, v in kept.state_dict().items()}
+    calls = []
+
+    def reshard(values, convert):  # what the strategy does: write the new full values, convert the moments
+        calls.append((values, convert))
+        for param, value in values.items():
+            param.data = value
+
+    record = cut_sharded_([cut, kept], 0.4, reshard)
+    assert len(calls) == 1
+    values, convert = calls[0]
+    expected = _kept_on_bond_1(cut, before, [1, 3])
+    assert [id(p) for p, _ in record] == [id(p) for p in params] == [id(p) for p in values]
+    moments = [old + 1.0 for old in before]  # optimiser tensors shaped like the parameters were
+    for param, new, moment, new_moment in zip(
+        params, expected, moments, _kept_on_bond_1(cut, moments, [1, 3]), strict=True
+    ):
+        torch.testing.assert_close(param.detach(), new, rtol=0, atol=0)
+        torch.testing.assert_close(convert(param, moment), new_moment, rtol=0, atol=0)
+    assert cut.ranks == cut.active_ranks == [*ranks[:2], 2, *ranks[3:]]  # masks reset to the new ranks, all active
+    torch.testing.assert_close(cut(x), y, rtol=1e-12, atol=1e-14)
+    for key, value in kept.state_dict().items():  # a quarter masked is under 0.4: untouched
+        torch.testing.assert_close(value, kept_state[key], rtol=0, atol=0)
+    assert not cut_sharded_([kept], 0.4, reshard) and len(calls) == 1  # nothing to cut: no reshard

@@ -31,12 +31,24 @@ def test_fan_ins_of_a_tt_linear_and_a_ttm_embedding_by_hand():
         core_fan_ins(embedding, 3)
 
 
+def test_fan_ins_accept_both_ends_of_the_input_core_range():
+    # [0, len]: every core an output core, or every core an input core (each reads r_{k-1} * m_k)
+    linear = [(1, 4, 3), (3, 8, 5), (5, 6, 1)]
+    assert core_fan_ins(linear, 0) == [1, 3, 5]
+    assert core_fan_ins(linear, 3) == [4, 24, 30]
+
+
 def test_init_stds_and_rate_multipliers_follow_the_fan_in():
     assert mup_init_stds([4, 100], scale=3.0) == pytest.approx([0.5, 0.3])
+    # scale multiplies the last core's std only (not the second's), and leaves every std at 1 / sqrt(f) by default
+    assert mup_init_stds([4, 100, 16], scale=3.0) == pytest.approx([0.5, 0.1, 0.75])
+    assert mup_init_stds([4, 100, 16]) == pytest.approx([0.5, 0.1, 0.25])
     # at or below the base fan-in a core learns at the group's rate; above it, proportionally slower
     assert mup_lr_scales([1, MUP_BASE_FAN_IN, 4 * MUP_BASE_FAN_IN]) == [1.0, 1.0, 0.25]
     with pytest.raises(ValueError, match="base must be >= 1"):
         mup_lr_scales([4], base=0)
+    # the smallest base is allowed: a fan-in of 1 learns at the full rate, one of 4 at a quarter
+    assert mup_lr_scales([1, 4], base=1) == [1.0, 0.25]
 
 
 def test_init_cores_takes_one_std_or_one_per_core():
