@@ -180,56 +180,60 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None
     return None
 
 
-def against_dense(state: dict[str, Any], family: str, key: str) -> list[tuple[int, float, float | None]]:
-    """(width, family's loss, dense's loss at the same ``key`` interpolated on dense's front) per finished width."""
-    runs = finals(state)
-    dense = [(r[key], r["val_loss"]) for r in runs if r["family"] == "dense" and _finite(r.get(key))]
-    return [
-        (r["width"], r["val_loss"], interpolate(dense, r[key]))
-        for r in runs
-        if r["family"] == family and _finite(r.get(key))
-    ]
+def compare(state: dict[str, Any], family: str, key: str) -> list[tuple[int, float, str, bool | None]]:
+    """Per finished width of ``family``: (width, its loss, the cell text, whether it beats dense at that cost).
 
-
-def _against(loss: float, dense: float | None) -> str:
-    return "outside dense's range" if dense is None else f"{dense:.3f} ({(loss - dense) / dense:+.1%})"
+    Inside dense's range dense's loss is read off its front. Outside it nothing is extrapolated; the family still
+    loses where a dense model at no more cost has a lower loss, and wins where one at no less cost has a higher
+    loss. The verdict is None where neither holds."""
+    dense = [r for r in finals(state) if r["family"] == "dense" and _finite(r.get(key))]
+    rows = []
+    for r in finals(state):
+        if r["family"] != family or not _finite(r.get(key)):
+            continue
+        cost, loss = r[key], r["val_loss"]
+        read = interpolate([(d[key], d["val_loss"]) for d in dense], cost)
+        if read is not None:
+            rows.append((r["width"], loss, f"{read:.3f} ({(loss - read) / read:+.1%})", loss < read))
+            continue
+        cheaper_better = [d for d in dense if d[key] <= cost and d["val_loss"] < loss]
+        costlier_worse = [d for d in dense if d[key] >= cost and d["val_loss"] > loss]
+        if cheaper_better:
+            d = min(cheaper_better, key=lambda d: d["val_loss"])
+            rows.append((r["width"], loss, f"behind dense d {d['width']} ({d['val_loss']:.3f} at less)", False))
+        elif costlier_worse:
+            d = max(costlier_worse, key=lambda d: d["val_loss"])
+            rows.append((r["width"], loss, f"ahead of dense d {d['width']} ({d['val_loss']:.3f} at more)", True))
+        else:
+            rows.append((r["width"], loss, "outside dense's range", None))
+    return rows
 
 
 def moonshot_lines(state: dict[str, Any]) -> list[str]:
-    """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width,
-    dense's loss read off its front (linear in log FLOPs or log parameters; outside the widths dense ran: none)."""
+    """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width."""
     lines = []
     for family in TENSORISED:
         for key, what in (("train_flops", "equal training FLOPs"), ("params_active", "equal active parameters")):
-            cells = [
-                f"d {w}: {loss:.3f} against {_against(loss, d)}" for w, loss, d in against_dense(state, family, key)
-            ]
+            cells = [f"d {width}: {loss:.3f} against {text}" for width, loss, text, _ in compare(state, family, key)]
             if cells:
                 lines.append(f"- {LABELS[family]} against dense at {what}: " + "; ".join(cells) + ".")
     return lines
 
 
 def headline_table(state: dict[str, Any], family: str = "comera") -> str:
-    """``family``'s place on every front, one row per width: its loss, and dense's loss read off dense's front at
-    the same cost (the change: negative where ``family`` wins)."""
+    """``family``'s place on every front, one row per width: its loss, and dense's at the same cost (the change:
+    negative where ``family`` wins; see :func:`compare`)."""
     columns = [(key, label.split(" (")[0]) for key, label, _, _ in FRONTS]
-    per_front = {key: {w: d for w, _, d in against_dense(state, family, key)} for key, _ in columns}
+    per_front = {key: {width: text for width, _, text, _ in compare(state, family, key)} for key, _ in columns}
     lines = [
-        "| d_model | active params | val loss | "
-        + " | ".join(f"dense at equal {label}" for _, label in columns)
-        + " |",
+        "| d_model | active params | val loss | " + " | ".join(f"dense at equal {x}" for _, x in columns) + " |",
         "|---" * (3 + len(columns)) + "|",
     ]
     for r in finals(state):
-        if r["family"] != family:
-            continue
-        cells = [
-            _against(r["val_loss"], per_front[key].get(r["width"])) if _finite(r.get(key)) else "not measured"
-            for key, _ in columns
-        ]
-        lines.append(
-            f"| {r['width']} | {r['params_active'] / 1e3:,.0f} k | {r['val_loss']:.3f} | " + " | ".join(cells) + " |"
-        )
+        if r["family"] == family:
+            cells = [per_front[key].get(r["width"], "not measured") for key, _ in columns]
+            size = f"{r['params_active'] / 1e3:,.0f} k"
+            lines.append(f"| {r['width']} | {size} | {r['val_loss']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -238,11 +242,11 @@ def headline(state: dict[str, Any], family: str = "comera") -> str:
     protocol = state["protocol"]
     done = [r for r in finals(state) if r["family"] in (family, "dense")]
     expected = len(protocol["widths"].get(family, ())) + len(protocol["widths"].get("dense", ()))
-    wins, losses = [], []
+    verdicts: dict[bool, list[str]] = {True: [], False: []}
     for key, label, _, _ in FRONTS:
-        for width, loss, dense in against_dense(state, family, key):
-            if dense is not None:
-                (wins if loss < dense else losses).append(f"{label.split(' (')[0]} at d {width}")
+        for width, _, _, wins in compare(state, family, key):
+            if wins is not None:
+                verdicts[wins].append(f"{label.split(' (')[0]} at d {width}")
     runs = f"{protocol['steps']} steps ({protocol['steps'] * 2048 / 1e6:.1f} M tokens) a run, seed 0"
     lead = (
         f"{LABELS[family]}, tensorised families under `{protocol['parameterization']}`, against dense read off "
@@ -250,7 +254,8 @@ def headline(state: dict[str, Any], family: str = "comera") -> str:
     )
     if not any(r["family"] == family for r in done):
         return f"{lead} No {LABELS[family]} final has finished yet."
-    verdict = f"Below dense at the same cost: {', '.join(wins) or 'nowhere'}. Above: {', '.join(losses) or 'nowhere'}."
+    below, above = (", ".join(verdicts[w]) or "nowhere" for w in (True, False))
+    verdict = f"Below dense at the same cost: {below}. Above: {above}."
     return "\n".join([lead, "", headline_table(state, family), "", verdict])
 
 

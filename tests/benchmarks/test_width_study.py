@@ -140,15 +140,17 @@ def test_the_report_measures_how_far_the_best_rate_moved_per_parameterisation():
     assert found["best"][512] is None and found["moved"] is None
 
 
-def test_the_report_reads_dense_loss_off_its_front_at_a_rivals_cost():
+def test_the_report_reads_dense_loss_off_its_front_at_a_rivals_cost_and_never_extrapolates_it():
     def final(family, width, flops, loss):
         return finished(ws.Job("final", family, width, "mup", 0, 0.01, 10), loss, train_flops=flops, params_active=1)
 
     runs = [final("dense", 64, 1e12, 4.0), final("dense", 128, 4e12, 3.0), final("tt", 128, 2e12, 3.2)]
-    runs.append(final("tt", 512, 8e12, 2.9))
-    rows = wr.against_dense(state_of(runs), "tt", "train_flops")
-    assert rows[0] == (128, 3.2, pytest.approx(3.5))  # halfway between 1e12 and 4e12 in log FLOPs
-    assert rows[1] == (512, 2.9, None)  # beyond dense's largest: not extrapolated
+    runs += [final("tt", 512, 8e12, 2.9), final("tt", 1024, 16e12, 3.1), final("tt", 32, 0.5e12, 3.9)]
+    rows = {width: (text, wins) for width, _, text, wins in wr.compare(state_of(runs), "tt", "train_flops")}
+    assert rows[128] == ("3.500 (-8.6%)", True)  # halfway between 1e12 and 4e12 in log FLOPs: dense's 3.5
+    assert rows[512] == ("outside dense's range", None)  # beyond dense's largest, and better than it: no verdict
+    assert rows[1024] == ("behind dense d 128 (3.000 at less)", False)  # dense does better for less
+    assert rows[32] == ("ahead of dense d 64 (4.000 at more)", True)  # better than dense for less
 
 
 def test_the_report_reads_the_protocols_check_as_the_study_grew_it():
