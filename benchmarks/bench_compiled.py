@@ -27,12 +27,12 @@ DENSE, COMERA = "dense", "CoMERA"
 TARGET = 6.0
 
 
-def compiled(cand, backend: str, mode: str | None):
+def compiled(cand, backend: str):
     """``cand`` with its model compiled in place and primed (the compilation happens there); records the graph
     breaks, the frames that fell back to eager and the seconds the compilation took."""
     counters.clear()
     torch.compiler.reset()
-    cand.model.compile(backend=backend, **({"mode": mode} if mode else {}))
+    cand.model.compile(backend=backend)
     started = time.perf_counter()
     cand.prime()
     cand.step()  # the second step: the optimiser's state exists, nothing new to trace
@@ -43,18 +43,13 @@ def compiled(cand, backend: str, mode: str | None):
     return cand
 
 
-def build_parser():
+def main(argv: list[str] | None = None) -> int:
     parser = harness.bench_parser(__doc__, repeats=(2, 5))
     parser.add_argument("--batch", type=harness.positive_int, default=harness.Quick(2, 8))
     parser.add_argument("--layers", type=harness.positive_int, default=harness.Quick(1, 6))
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
-    parser.add_argument("--mode", default=None, help="torch.compile mode (default: torch's)")
     parser.add_argument("--profile", choices=["auto", "always", "never"], default="auto", help="auto: on a miss")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = harness.parse(build_parser(), argv)
+    args = harness.parse(parser, argv)
     shape = replace(paper_shape(), num_layers=args.layers)
     if args.quick:
         shape = replace(scaling_shape(64, 1, shape), vocab_size=512, seq_len=16, rank=4, embedding_rank=4)
@@ -66,35 +61,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     cands = [
         replace(dense_adamw(shape, ids, labels), name=DENSE),
-        replace(compiled(dense_adamw(shape, ids, labels), args.backend, args.mode), name=f"{DENSE} compiled"),
+        replace(compiled(dense_adamw(shape, ids, labels), args.backend), name=f"{DENSE} compiled"),
         replace(comera(shape, ids, labels), name=COMERA),
-        replace(compiled(comera(shape, ids, labels), args.backend, args.mode), name=f"{COMERA} compiled"),
+        replace(compiled(comera(shape, ids, labels), args.backend), name=f"{COMERA} compiled"),
     ]
     timing = harness.interleave({c.name: c.step for c in cands}, **harness.timing_options(args))
     median = {c.name: timing.median(c.name) for c in cands}
-    rows = [
-        [
-            c.name,
-            f"{c.parameters:,}",
-            harness.ms(median[c.name]),
-            harness.times(harness.ratio(median[f"{DENSE} compiled"], median[c.name])),
-            harness.times(harness.ratio(median[c.name.removesuffix(" compiled")], median[c.name])),
-            c.info.get("graph_breaks", "-"),
-            f"{c.info['compile_s']:.0f}" if "compile_s" in c.info else "-",
-        ]
-        for c in cands
-    ]
+    rows = []
+    for c in cands:
+        against = (median[f"{DENSE} compiled"], median[c.name.removesuffix(" compiled")])
+        cells = [c.name, f"{c.parameters:,}", harness.ms(median[c.name])]
+        cells += [harness.times(harness.ratio(m, median[c.name])) for m in against]
+        compile_s = f"{c.info['compile_s']:.0f}" if "compile_s" in c.info else "-"
+        rows.append([*cells, c.info.get("graph_breaks", "-"), compile_s])
     table = harness.table(
         "candidate|parameters|step ms|vs dense compiled|vs its eager self|graph breaks|compile s", rows
     )
     speedup = harness.ratio(median[f"{DENSE} compiled"], median[f"{COMERA} compiled"])
     verdict = (
         f"CoMERA compiled is {harness.times(speedup)} dense compiled at batch {args.batch} "
-        f"(target {TARGET:.0f}x: {'met' if speedup is not None and speedup >= TARGET else 'missed'})"
+        f"(target {TARGET:.0f}x: {harness.verdict(speedup, TARGET)})"
     )
     profile = None
-    missed = speedup is None or speedup < TARGET
-    if args.profile == "always" or (args.profile == "auto" and missed):
+    if args.profile == "always" or (args.profile == "auto" and (speedup is None or speedup < TARGET)):
         by_name = {c.name: c for c in cands}
         profile = {
             k: harness.profile_ops(by_name[f"{n} compiled"].step) for k, n in (("comera", COMERA), ("other", DENSE))

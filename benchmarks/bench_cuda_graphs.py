@@ -125,15 +125,17 @@ class StepTimer(Callback):
         self.losses: list[float] = []
         self._t0 = 0.0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    @staticmethod
+    def _now() -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._t0 = time.perf_counter()
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = self._now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self._t0)
+        self.times.append(self._now() - self._t0)
         self.losses.append(float(outputs["loss"]))
 
 
@@ -160,9 +162,8 @@ def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None
 
 def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
     """(||theta_a - theta_b|| / ||theta_b - theta_b_start|| over all parameters, largest absolute parameter
-    difference, the tensor holding it). A global norm, because parameters whose true gradient is zero (e.g. the
-    attention key bias: softmax ignores it) get Adam updates of pure rounding noise that no two runs share.
-    Tensors truncated on the way add their final difference to the numerator only."""
+    difference, its tensor). A global norm: parameters of zero true gradient (the attention key bias) get Adam
+    updates of rounding noise that no two runs share. Tensors truncated on the way count in the numerator only."""
     named_b = dict(b.named_parameters())
     diff_sq, update_sq, worst_abs, worst_name = 0.0, 0.0, 0.0, ""
     for name, p in a.named_parameters():
@@ -187,7 +188,7 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     losses_c, losses_e = timer_c.losses, timer_e.losses
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e, strict=True))
     tol, update_tol = TOLERANCE[precision], UPDATE_TOLERANCE[precision]
-    skip = graphs.warmup_steps + 1  # compare loop times of replayed steps only (not warm-up or capture)
+    skip = graphs.warmup_steps + 1  # loop times of replayed steps only (not warm-up or capture)
     loop_c, loop_e = (
         statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan for t in (timer_c, timer_e)
     )
@@ -205,10 +206,7 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
         "tolerance": {"update_rel": update_tol, "loss_rel": tol},
         "losses": {"graphs": losses_c, "eager": losses_e},
         "graphs": {
-            "captures": graphs.captures,
-            "step_captures": graphs.step_captures,
-            "replays": graphs.replays,
-            "eager_steps": graphs.eager_steps,
+            **{k: getattr(graphs, k) for k in ("captures", "step_captures", "replays", "eager_steps")},
             "invalidations": len(graphs.invalidations),
         },
         "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": timer_c.times, "times_eager": timer_e.times},
@@ -216,14 +214,13 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
 
 
 def timing_batches(size: Size, chosen: list[int] | None) -> list[int]:
-    """The batch sizes ``size`` is timed at: ``chosen`` (``--timing-batches``), else 1 and its own batch."""
-    return sorted(set(chosen if chosen else [1, size.batch]))
+    """``--timing-batches``, else 1 and the size's own batch."""
+    return sorted(set(chosen or [1, size.batch]))
 
 
 def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
     """Bare step time (no Lightning loop) at ``batch`` sequences, eager vs captured, interleaved (``timing``:
-    :func:`harness.interleave`'s keywords); plus peak CUDA memory of each (the graphs': peak allocated plus
-    their pool's idle bytes)."""
+    :func:`harness.interleave`'s keywords), and the peak CUDA memory of each."""
     batches = make_batches(replace(size, batch=batch), 8, "cuda", seed=1)
     bf16 = precision == "bf16-mixed"
     eager_module = BenchMLM(size, log_loss=False).cuda()
@@ -262,16 +259,10 @@ def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
         assert graphs.captures == 1 and graphs.replays > 0, "the captured step never replayed"
     finally:
         graphs.detach()
-    paired = timing.paired_ratios("eager", "graphs")
     return {
-        "size": size.name,
-        "precision": precision,
-        "batch": batch,
-        "speedup": timing.ratio("eager", "graphs"),
-        "paired_speedups": paired,
-        "timing": timing.summary(),
-        "noise": timing.noise_cell(),
-        "peak_memory_bytes": memory,
+        **{"size": size.name, "precision": precision, "batch": batch, "speedup": timing.ratio("eager", "graphs")},
+        "paired_speedups": timing.paired_ratios("eager", "graphs"),
+        **{"timing": timing.summary(), "noise": timing.noise_cell(), "peak_memory_bytes": memory},
     }
 
 
@@ -280,39 +271,23 @@ def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
     check (run at the size's own batch, which the Lightning-loop ratio is also measured at) and re-captures."""
     rows = []
     for check in identity:
-        loop = check["loop_step_s"]
-        tol = check["tolerance"]
-        own_batch = check["batch"]
-        timed = sorted(
-            (t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])),
-            key=lambda t: t["batch"],
-        )
-        for t in timed or [None]:
-            rows.append(
-                [
-                    check["size"],
-                    check["precision"],
-                    t["batch"] if t else own_batch,
-                    *(
-                        (
-                            harness.ms(t["timing"]["median_s"]["eager"]),
-                            harness.ms(t["timing"]["median_s"]["graphs"]),
-                            harness.times(t["speedup"]),
-                            f"{min(t['paired_speedups']):.2f}-{max(t['paired_speedups']):.2f}",
-                        )
-                        if t
-                        else ["-"] * 4
-                    ),
-                    harness.times(loop["eager"] / loop["graphs"])
-                    if on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch)
-                    else "-",
-                    " / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-",
-                    f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}",
-                    "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})",
-                    f"{check['graphs']['captures']} / {check['graphs']['invalidations']}",
-                    t["noise"] if t else "-",
-                ]
-            )
+        loop, tol, own_batch = check["loop_step_s"], check["tolerance"], check["batch"]
+        timed = [t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])]
+        identical = "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})"
+        tail = [f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}", identical]
+        tail += [f"{check['graphs']['captures']} / {check['graphs']['invalidations']}"]
+        for t in sorted(timed, key=lambda t: t["batch"]) or [None]:
+            in_loop = on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch)
+            cells = [check["size"], check["precision"], t["batch"] if t else own_batch]
+            if t:
+                median, paired = t["timing"]["median_s"], t["paired_speedups"]
+                cells += [harness.ms(median["eager"]), harness.ms(median["graphs"]), harness.times(t["speedup"])]
+                cells += [f"{min(paired):.2f}-{max(paired):.2f}"]
+            else:
+                cells += ["-"] * 4
+            cells.append(harness.times(loop["eager"] / loop["graphs"]) if in_loop else "-")
+            cells.append(" / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-")
+            rows.append([*cells, *tail, t["noise"] if t else "-"])
     headers = (
         "size|precision|batch|eager step|graphed step|speed-up|paired range|in Lightning loop|peak mem eager / graphs"
         "|update / loss rel diff (own batch)|identical|captures / re-captures|clean rounds"
@@ -322,13 +297,10 @@ def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
 
 def verdicts(timings: list[dict]) -> list[dict]:
     """The target, per size and precision timed at ``TARGET_BATCH``."""
+    target = f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}"
+    keys = ("size", "precision", "batch")
     return [
-        {
-            "target": f"CUDA graphs >= {TARGET_SPEEDUP:g}x faster than eager at batch {TARGET_BATCH}",
-            **{k: t[k] for k in ("size", "precision", "batch")},
-            "measured": t["speedup"],
-            "met": t["speedup"] >= TARGET_SPEEDUP,
-        }
+        {"target": target, **{k: t[k] for k in keys}, "measured": t["speedup"], "met": t["speedup"] >= TARGET_SPEEDUP}
         for t in timings
         if t["batch"] == TARGET_BATCH
     ]
@@ -378,31 +350,26 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: skipped (torch.cuda.is_available() is False on this machine)")
         harness.write_json(json_path, {"skipped": True, "machine": harness.machine_info(), "reason": reason})
         return 0
-    steps = args.steps
     sizes = ([QUICKSTART] if args.quick else [QUICKSTART, BASE]) if on_gpu else ([TINY] if args.quick else [QUICKSTART])
     identity, timings = [], []
     for size in sizes:
         for precision in args.precision:
-            identity.append(compare_training(size, steps, precision, "cuda" if on_gpu else "cpu", args.backend))
-            if on_gpu:
-                for batch in timing_batches(size, args.timing_batches):
-                    timings.append(time_steps(size, precision, batch, **harness.timing_options(args)))
-    print(f"CUDA graphs vs eager ({args.backend} backend, {steps} steps per identity run)\n")
+            identity.append(compare_training(size, args.steps, precision, "cuda" if on_gpu else "cpu", args.backend))
+            for batch in timing_batches(size, args.timing_batches) if on_gpu else []:
+                timings.append(time_steps(size, precision, batch, **harness.timing_options(args)))
+    print(f"CUDA graphs vs eager ({args.backend} backend, {args.steps} steps per identity run)\n")
     print(report(identity, timings, on_gpu))
     checks = verdicts(timings)
     if checks:
         verdict = {True: "met", False: "MISSED"}
         rows = [
-            [c["target"], c["size"], c["precision"], harness.times(c["measured"]), verdict[c["met"]]] for c in checks
+            [c["target"], *(c[k] for k in ("size", "precision")), harness.times(c["measured"]), verdict[c["met"]]]
+            for c in checks
         ]
         print("\n" + harness.table("target|size|precision|measured|verdict", rows))
     settings = {
-        "steps": steps,
-        "precision": args.precision,
-        "backend": args.backend,
-        "repeats": args.repeats,
-        "sizes": [asdict(s) for s in sizes],
-        "tolerance": TOLERANCE,
+        **{"steps": args.steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats},
+        **{"sizes": [asdict(s) for s in sizes], "tolerance": TOLERANCE},
         "timing_batches": {s.name: timing_batches(s, args.timing_batches) for s in sizes} if on_gpu else {},
     }
     payload = {"skipped": False, "machine": harness.machine_info(), "settings": settings, "identity": identity}

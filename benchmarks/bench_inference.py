@@ -85,11 +85,9 @@ def decoder_task(d_model: int, tt: bool, layers: int = DECODER_LAYERS, vocab: in
     ranks from ``d_model / 8`` (the head's twice that): below 10x, so :func:`cut_to_compression` can reach it."""
     torch.manual_seed(0)
     rank = max(8, d_model // 8)
-    layer_config = (
-        dict(rank=rank, embedding_rank=rank, low_rank_linears="lm_head", layer_ranks={"lm_head": 2 * rank})
-        if tt
-        else dict(tt_linears=False, tt_embeddings=False)
-    )
+    layer_config = dict(rank=rank, embedding_rank=rank, low_rank_linears="lm_head", layer_ranks={"lm_head": 2 * rank})
+    if not tt:
+        layer_config = dict(tt_linears=False, tt_embeddings=False)
     return CausalLM(
         vocab_size=vocab,
         d_model=d_model,
@@ -124,8 +122,8 @@ CHECKED = "comera cache, checked per call"
 
 
 def generate_checking_every_call(task: CausalLM, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy ``generate`` without the factor reuse: each TT layer checks its merged factors' stamp on every call
-    (per layer per token) instead of once per ``generate`` (``reusing_inference_factors`` made a no-op)."""
+    """Greedy ``generate`` with each TT layer checking its merged factors on every call instead of once per
+    ``generate`` (``reusing_inference_factors`` made a no-op)."""
     import comera_lightning.lit.causal_lm as causal_lm
 
     reusing = causal_lm.reusing_inference_factors
@@ -134,6 +132,18 @@ def generate_checking_every_call(task: CausalLM, prompt: torch.Tensor, new_token
         return task.generate(prompt, new_tokens, temperature=0.0, use_cache=True)
     finally:
         causal_lm.reusing_inference_factors = reusing
+
+
+def _generations(models: dict[str, CausalLM], prompt: torch.Tensor, new_tokens: int) -> dict[str, Callable]:
+    """Greedy generation by every model with and without its cache, and CoMERA's checking its factors per call."""
+    steps: dict[str, Callable[[], object]] = {}
+    for name, task in models.items():
+        for cached in (True, False):
+            steps[f"{name} {'cache' if cached else 'no cache'}"] = functools.partial(
+                task.generate, prompt, new_tokens, temperature=0.0, use_cache=cached
+            )
+    steps[CHECKED] = functools.partial(generate_checking_every_call, models["comera"], prompt, new_tokens)
+    return steps
 
 
 def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
@@ -145,55 +155,35 @@ def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
         models = {"dense": dense, "comera": comera}
         for batch in batches:
             prompt = torch.randint(0, args.vocab, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-            steps: dict[str, Callable[[], object]] = {}
-            for name, task in models.items():
-                for cached in (True, False):
-                    steps[f"{name} {'cache' if cached else 'no cache'}"] = (
-                        lambda task=task, cached=cached, prompt=prompt: task.generate(
-                            prompt, args.new_tokens, temperature=0.0, use_cache=cached
-                        )
-                    )
-            steps[CHECKED] = functools.partial(generate_checking_every_call, comera, prompt, args.new_tokens)
+            steps = _generations(models, prompt, args.new_tokens)
             same = torch.equal(steps["comera cache"](), steps["comera no cache"]())
             same = same and torch.equal(steps["comera cache"](), steps[CHECKED]())
             timing = harness.interleave(steps, warmup=0, min_sample_s=0.0, **harness.timing_options(args))
-            memory = {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()}
-            tokens = batch * args.new_tokens
+            tokens_per_s = {n: batch * args.new_tokens / timing.median(n) for n in steps}
             results[f"d{d_model} b{batch}"] = {
                 "d_model": d_model,
                 "batch": batch,
                 "compression": reached,
                 "cache_equals_rerun": same,
-                "tokens_per_s": {n: tokens / timing.median(n) for n in steps},
-                "peak_bytes": memory,
+                "tokens_per_s": tokens_per_s,
+                "peak_bytes": {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()},
                 "noise": timing.noise_cell(),
                 "timing": timing.summary(),
                 "parameters": {n: size_report(t.model).active_parameters for n, t in models.items()},
             }
-            print(
-                f"d{d_model} b{batch}: "
-                + ", ".join(f"{n} {v:.0f} tok/s" for n, v in results[f"d{d_model} b{batch}"]["tokens_per_s"].items())
-            )
+            print(f"d{d_model} b{batch}: " + ", ".join(f"{n} {v:.0f} tok/s" for n, v in tokens_per_s.items()))
     return results
 
 
 def decode_table(results: dict) -> str:
     rows = []
     for key, r in results.items():
-        tps = r["tokens_per_s"]
-        rows.append(
-            [
-                key,
-                f"{r['compression']:.1f}x",
-                *(f"{tps[n]:.0f}" for n in ("comera cache", "dense cache", "comera no cache", "dense no cache")),
-                harness.times(tps["comera cache"] / tps["comera no cache"]),
-                harness.times(tps["comera cache"] / tps["dense cache"]),
-                harness.times(tps["comera cache"] / tps[CHECKED]),
-                *(harness.mib(r["peak_bytes"][n]) for n in ("comera cache", "dense cache")),
-                "yes" if r["cache_equals_rerun"] else "NO",
-                r["noise"],
-            ]
-        )
+        tps, peak = r["tokens_per_s"], r["peak_bytes"]
+        cells = [key, f"{r['compression']:.1f}x"]
+        cells += [f"{tps[n]:.0f}" for n in ("comera cache", "dense cache", "comera no cache", "dense no cache")]
+        cells += [harness.times(tps["comera cache"] / tps[n]) for n in ("comera no cache", "dense cache", CHECKED)]
+        cells += [harness.mib(peak["comera cache"]), harness.mib(peak["dense cache"])]
+        rows.append([*cells, "yes" if r["cache_equals_rerun"] else "NO", r["noise"]])
     headers = (
         "shape|CoMERA size|CoMERA cache tok/s|dense cache tok/s|CoMERA no cache|dense no cache|cache vs none (CoMERA)"
         "|CoMERA vs dense (cache)|checked once vs per call (CoMERA)|CoMERA peak MiB|dense peak MiB|same tokens"
@@ -223,19 +213,17 @@ def run_forward(args, shape, batches: list[int]) -> dict:
             ids, _ = make_batch(shape, batch)
             steps = {name: (lambda m=model, ids=ids: torch.inference_mode()(m)(ids)) for name, model in models.items()}
             timing = harness.interleave(steps, **harness.timing_options(args))
+            latency = {n: timing.median(n) for n in steps}
             results[f"{kind} b{batch}"] = {
                 "kind": kind,
                 "batch": batch,
-                "latency_s": {n: timing.median(n) for n in steps},
+                "latency_s": latency,
                 "peak_bytes": {n: peak_bytes(step, models[n]) for n, step in steps.items()},
                 "compression": size_report(models["comera TT"]).compression_ratio,
                 "noise": timing.noise_cell(),
                 "timing": timing.summary(),
             }
-            print(
-                f"{kind} b{batch}: "
-                + ", ".join(f"{n} {harness.ms(v)} ms" for n, v in results[f"{kind} b{batch}"]["latency_s"].items())
-            )
+            print(f"{kind} b{batch}: " + ", ".join(f"{n} {harness.ms(v)} ms" for n, v in latency.items()))
     return results
 
 
@@ -243,17 +231,9 @@ def forward_table(results: dict) -> str:
     rows = []
     for key, r in results.items():
         lat = r["latency_s"]
-        rows.append(
-            [
-                key,
-                f"{r['compression']:.1f}x",
-                *(harness.ms(lat[n]) for n in lat),
-                harness.times(lat["dense"] / lat["comera TT"]),
-                harness.times(lat["dense"] / lat["comera untensorised"]),
-                *(harness.mib(r["peak_bytes"][n]) for n in lat),
-                r["noise"],
-            ]
-        )
+        cells = [key, f"{r['compression']:.1f}x", *(harness.ms(lat[n]) for n in lat)]
+        cells += [harness.times(lat["dense"] / lat[n]) for n in ("comera TT", "comera untensorised")]
+        rows.append([*cells, *(harness.mib(r["peak_bytes"][n]) for n in lat), r["noise"]])
     headers = (
         "model, batch|CoMERA size|TT ms|untensorised ms|dense ms|TT vs dense|untensorised vs dense|TT peak MiB"
         "|untensorised peak MiB|dense peak MiB|clean rounds"
@@ -267,14 +247,14 @@ def forward_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run, print the tables, write JSON/MD/PNG; returns 0 (run.py's contract)."""
     parser = harness.bench_parser(__doc__, repeats=(1, 3))
-    parser.add_argument("--part", choices=("decode", "forward", "all"), default="all")
-    parser.add_argument("--compression", type=float, default=10.0, help="CoMERA decoder size target (default 10)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 128, quick 8)")
+    add = parser.add_argument
+    add("--part", choices=("decode", "forward", "all"), default="all")
+    add("--compression", type=float, default=10.0, help="CoMERA decoder size target (default 10)")
+    add("--new-tokens", type=int, default=harness.Quick(8, 128), help="generated tokens (default 128, quick 8)")
     args = harness.parse(parser, argv)
     if args.compression <= 1:
         parser.error(f"--compression must be > 1, got {args.compression}")
     quick = args.quick
-    args.new_tokens = args.new_tokens or (8 if quick else 128)
     args.layers, args.vocab = (1, 512) if quick else (DECODER_LAYERS, VOCAB)
     shape = paper_shape()
     if quick:
@@ -290,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.part in ("forward", "all"):
         payload["forward"] = run_forward(args, shape, [1, 2] if quick else [1, 32])
-        markdown += [
-            f"Forward, eval, no gradients ({shape.num_layers} encoders, d_model {shape.d_model}, seq {shape.seq_len}):",
-            forward_table(payload["forward"]),
-        ]
+        title = (
+            f"Forward, eval, no gradients ({shape.num_layers} encoders, d_model {shape.d_model}, seq {shape.seq_len}):"
+        )
+        markdown += [title, forward_table(payload["forward"])]
     text = "\n\n".join(markdown)
     print(text)
     harness.emit(args.out_dir / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)

@@ -44,8 +44,8 @@ DEVICES, PRECISIONS = ("cpu", "cuda"), ("32-true", "bf16-mixed")
 
 @dataclass(frozen=True)
 class Execution:
-    """Where every candidate's model, optimiser state and batch live, and its precision: ``bf16-mixed`` runs forward
-    and loss under bfloat16 autocast with float32 parameters and state (as Lightning's), ``32-true`` plain float32."""
+    """Where every candidate lives and its precision: ``bf16-mixed`` runs forward and loss under bfloat16 autocast
+    with float32 parameters and state (as Lightning's), ``32-true`` plain float32."""
 
     device: str = "cpu"
     precision: str = "32-true"
@@ -57,23 +57,24 @@ class Execution:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
     def autocast(self) -> AbstractContextManager:
-        """The context of forward + loss: bfloat16 autocast on ``device`` for ``bf16-mixed``, else nothing."""
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """The context of forward + loss."""
+        bf16 = self.precision == "bf16-mixed"
+        return torch.autocast(self.device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     @property
     def stem(self) -> str:
         """Suffix of the output files: empty for float32 on the CPU, else e.g. ``_cuda_bf16``."""
-        device = "" if self.device == "cpu" else f"_{self.device}"
-        return device + ("_bf16" if self.precision == "bf16-mixed" else "")
+        return ("" if self.device == "cpu" else f"_{self.device}") + ("_bf16" if self.precision == "bf16-mixed" else "")
 
     def describe(self) -> str:
-        """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed CUDA (NVIDIA H200)``."""
+        """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed (float32 weights) CUDA (NVIDIA H200)``."""
         precision = "float32" if self.precision == "32-true" else "bf16-mixed (float32 weights)"
-        if self.device == "cuda":
-            return f"{precision} CUDA ({torch.cuda.get_device_name()})"
-        return f"{precision} CPU, {torch.get_num_threads()} threads"
+        where = (
+            f"CUDA ({torch.cuda.get_device_name()})"
+            if self.device == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads"
+        )
+        return f"{precision} {where}"
 
 
 CPU_FP32 = Execution()
@@ -107,11 +108,10 @@ class Candidate:
 
     @property
     def parameters(self) -> int | None:
-        """Trainable parameters of the model (None when skipped)."""
         return None if self.model is None else trainable_parameters(self.model)
 
     def prime(self) -> Candidate:
-        """One step, so that optimiser state exists before anything is measured; records its loss."""
+        """One step, so that optimiser state exists before anything is measured."""
         self.info["first_loss"] = float(self.step())
         return self
 
@@ -148,13 +148,13 @@ class RankAdaptationWork:
         self.weights = objectives.early_stage_weights(gamma)
 
     def before_step(self) -> None:
-        """Before ``optimizer.step()``: the rank penalty's gradient added to finite gate gradients."""
+        """The rank penalty's gradient added to finite gate gradients."""
         gates, masks, slice_parameters = objectives.rank_gates(self.layers, self.params)
         if gates and objectives.all_finite(g.grad for g in gates):
             objectives.add_rank_objective_(self.params, gates, masks, self.weights, slice_parameters)
 
     def after_step(self) -> None:
-        """After ``optimizer.step()``: the masks refreshed from finite gates."""
+        """The masks refreshed from finite gates."""
         if objectives.all_finite(g.detach() for layer in self.layers for g in layer.gates):
             objectives.refresh_masks_(self.layers)
 
@@ -207,7 +207,10 @@ def galore_candidate(
     if optimizer is None:
         return Candidate(name, skipped=import_galore()[1])
     gap = settings["update_proj_gap"]
-    states = lambda: [optimizer.state[p] for p in targets if optimizer.state.get(p)]  # noqa: E731
+
+    def states() -> list[dict]:
+        return [optimizer.state[p] for p in targets if optimizer.state.get(p)]
+
     plain = train_step(optimizer, loss)
 
     def steady() -> torch.Tensor:
@@ -228,16 +231,15 @@ def galore_candidate(
     cand = Candidate(name, model, optimizer, steady, extra_tensors=projectors)
     cand.info["first_loss"] = float(plain())  # creates the projectors (SVD)
     mats = projectors()
+    # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}
     cand.info.update(
         settings=dict(settings),
         galore_parameters=sum(p.numel() for p in targets),
         galore_tensors=len(targets),
         refresh_step=refresh,
         projector_bytes=sum(t.numel() * t.element_size() for t in mats),
-        # galore-torch 1.0 keeps a slice of the SVD factor, so the whole factor's storage stays allocated
-        projector_storage_bytes=sum(
-            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mats}.values()
-        ),
+        projector_storage_bytes=sum(storages.values()),
     )
     return cand
 
@@ -245,7 +247,7 @@ def galore_candidate(
 def classifier_loss(
     model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, execution: Execution = CPU_FP32
 ) -> Callable[[], torch.Tensor]:
-    """Cross-entropy of the classifier on one batch, forward and loss under ``execution.autocast()``."""
+    """Cross-entropy of the classifier on one batch under ``execution.autocast()``."""
 
     def loss() -> torch.Tensor:
         with execution.autocast():
@@ -304,7 +306,7 @@ def comera(
 
 
 def parameters_after_cut(model: nn.Module, keep: float) -> int:
-    """Trainable parameters ``model`` would have after :func:`cut` with ``keep`` (cores, gates, the rest)."""
+    """Trainable parameters ``model`` would have with ``keep`` of every bond (cores, gates, the rest)."""
     total = 0
     for _, layer in tt_layers(model):
         ranks = [1] + [leading_share(r, keep) for r in layer.ranks[1:-1]] + [1]
@@ -314,9 +316,8 @@ def parameters_after_cut(model: nn.Module, keep: float) -> int:
 
 
 def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, int]:
-    """``(keep, basis, target)``: the kept share of every bond that brings the model closest to ``fraction`` of all
-    its trainable parameters (basis ``"total"``), or of its TT layers' own when the parameters truncation cannot
-    touch leave no room for that (``"tt"``)."""
+    """``(keep, basis, target)``: the kept share of every bond closest to ``fraction`` of all trainable parameters
+    (basis ``"total"``), or of the TT layers' own when the rest alone exceeds that (``"tt"``)."""
     total = trainable_parameters(model)
     tt_total = sum(p.numel() for p in tt_parameters(model))
     if fraction * total > parameters_after_cut(model, 0.0):
@@ -329,13 +330,6 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
     return best, basis, target
 
 
-@torch.no_grad()
-def cut(model: nn.Module, optimizer: torch.optim.Optimizer, keep: float) -> None:
-    """Zero the gates of all but the first ``keep`` share of every bond, refresh masks, truncate, slice state."""
-    for _, layer in tt_layers(model):
-        slice_optimizer_state([optimizer], layer.truncate_to_share_(keep))
-
-
 def comera_quarter(
     base: Candidate,
     shape: Shape,
@@ -345,12 +339,14 @@ def comera_quarter(
     gamma: float = 0.01,
     execution: Execution = CPU_FP32,
 ) -> Candidate:
-    """A copy of ``base``'s CoMERA model with its own AdamW, stepped once and then physically truncated to about
-    ``fraction`` of its parameters."""
+    """A copy of ``base``'s CoMERA model with its own AdamW, stepped once, then truncated (gates zeroed, masks
+    refreshed, cores cut, state sliced) to about ``fraction`` of its parameters."""
     model = copy.deepcopy(base.model)
     cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER, execution=execution)
     keep, basis, target = quarter_keep(model, fraction)
-    cut(model, cand.optimizer, keep)
+    with torch.no_grad():
+        for _, layer in tt_layers(model):
+            slice_optimizer_state([cand.optimizer], layer.truncate_to_share_(keep))
     cand.prime()
     cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model))
     cand.info.update(tt_parameters=sum(p.numel() for p in tt_parameters(model)))
@@ -372,10 +368,10 @@ def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
 def measure(
     cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0, **timing
 ) -> tuple[harness.Timing, dict]:
-    """``(timing, entries by name)``: the candidates' steps timed interleaved (``timing``: :func:`harness.interleave`'s
-    keywords), then per candidate its trainable parameters, median and fastest step, peak memory, page faults and
-    system time of a step, its ``info`` (a skipped one: why). On CUDA also ``cuda_peak_bytes``, the allocator's peak
-    over a step (every candidate resident), and ``cuda_step_peak_bytes``, what the step itself added."""
+    """``(timing, entries by name)``: the steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords),
+    then per candidate its parameters, median and fastest step, peak memory, kernel work and ``info`` (a skipped one:
+    why). On CUDA also the allocator's peak over a step (every candidate resident), ``cuda_peak_bytes``, and what the
+    step itself added, ``cuda_step_peak_bytes``."""
     inputs = list(inputs)
     live = [c for c in cands if c.skipped is None]
     timing = harness.interleave({c.name: c.step for c in live}, seed=seed, **timing)
@@ -420,7 +416,7 @@ def time_galore_refresh(cand: Candidate, samples: int) -> dict:
 
 def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> str:
     """A "why" line from two ``harness.profile_ops``: CoMERA's top ops, and the op types it did not make 2x cheaper
-    than ``against`` (their time alone caps the speedup); CUDA profiles add a sentence on the GPU's own time."""
+    than ``against`` (their time alone caps the speedup); CUDA profiles add the GPU's own time."""
     top = ", ".join(f"{t['op']} {t['share']:.0%}" for t in comera_profile["top"][:4])
     c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
@@ -430,33 +426,24 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
         for k, v in sorted(stuck.items(), key=lambda kv: -kv[1])[:4]
     )
     bound = other_profile["total_self_cpu_s"] / max(stuck_s, 1e-12)
-    return (
+    line = (
         f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
         f"{stuck_s * 1e3:.0f} ms of its {comera_profile['total_self_cpu_s'] * 1e3:.0f} ms ({worst}); they alone "
         f"cap the speedup over {against} at {bound:.1f}x ({against} profiled step: "
-        f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)" + _device_line(comera_profile, other_profile, against)
+        f"{other_profile['total_self_cpu_s'] * 1e3:.0f} ms)"
     )
-
-
-def _device_line(comera_profile: dict, other_profile: dict, against: str) -> str:
-    """The GPU sentence of :func:`explain` (empty for CPU profiles)."""
-    if "total_self_device_s" not in comera_profile or "total_self_device_s" not in other_profile:
-        return ""
-    top = ", ".join(f"{op} {t * 1e3:.2f} ms" for op, t in list(comera_profile["device_ops_s"].items())[:4])
-    return (
-        f". On the GPU (self device time per step): CoMERA {comera_profile['total_self_device_s'] * 1e3:.2f} ms, "
-        f"{against} {other_profile['total_self_device_s'] * 1e3:.2f} ms; CoMERA's costliest ops there: {top} "
-        f"(the CPU times above are the host's dispatch and launches)"
-    )
+    if "total_self_device_s" in comera_profile and "total_self_device_s" in other_profile:
+        top = ", ".join(f"{op} {t * 1e3:.2f} ms" for op, t in list(comera_profile["device_ops_s"].items())[:4])
+        line += (
+            f". On the GPU (self device time per step): CoMERA {comera_profile['total_self_device_s'] * 1e3:.2f} ms, "
+            f"{against} {other_profile['total_self_device_s'] * 1e3:.2f} ms; CoMERA's costliest ops there: {top} "
+            f"(the CPU times above are the host's dispatch and launches)"
+        )
+    return line
 
 
 def run_batch(
-    shape: Shape,
-    batch: int,
-    refresh_samples: int,
-    seed: int = 0,
-    execution: Execution = CPU_FP32,
-    **timing,
+    shape: Shape, batch: int, refresh_samples: int, seed: int = 0, execution: Execution = CPU_FP32, **timing
 ) -> tuple[dict, dict]:
     """``(results, candidates)``: all four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's
     refresh step and the TT layers' sizes."""
@@ -481,15 +468,9 @@ def run_batch(
         else:
             entries[c.name]["tt_parameters"] = 0
     paired = {f"{a.name}/{b.name}": timing.paired_ratios(a.name, b.name) for a in live for b in live if a is not b}
-    return {
-        "batch": batch,
-        "tokens_per_step": batch * shape.seq_len,
-        "timing": timing.summary(),
-        "candidates": entries,
-        "paired_ratio_noise": {
-            k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in paired.items()
-        },
-    }, {c.name: c for c in cands}
+    noise = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in paired.items()}
+    results = {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary()}
+    return {**results, "candidates": entries, "paired_ratio_noise": noise}, {c.name: c for c in cands}
 
 
 def finish_batch(res: dict, svd_extra_s: float | None) -> None:
@@ -499,13 +480,12 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
     if not g["skipped"]:
         extra = g.get("refresh", {}).get("extra_median_s", svd_extra_s)
         g["refresh_extra_s"] = extra
-        g["refresh_extra_source"] = (
-            "measured at this batch"
-            if "refresh" in g
-            else "measured at batch 1 (the SVDs do not depend on the batch)"
-            if extra is not None
-            else "not measured (--refresh-samples 0): amortised = steady"
-        )
+        if "refresh" in g:
+            g["refresh_extra_source"] = "measured at this batch"
+        elif extra is not None:
+            g["refresh_extra_source"] = "measured at batch 1 (the SVDs do not depend on the batch)"
+        else:
+            g["refresh_extra_source"] = "not measured (--refresh-samples 0): amortised = steady"
         g["amortised_s"] = g["median_s"] + (extra or 0.0) / g["settings"]["update_proj_gap"]
     step = {n: None if e["skipped"] else e.get("amortised_s", e["median_s"]) for n, e in cands.items()}
     mem = {n: None if e["skipped"] else e["memory"]["total"] for n, e in cands.items()}
@@ -525,39 +505,21 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
 
 def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     """The targets, judged on the measured ratios of the batches measured so far."""
-
-    def verdict(target: str, batch: int, measured: float | None, met: Callable[[float], bool]) -> dict:
-        judged = None if measured is None else met(measured)
-        return {"target": target, "batch": batch, "measured": measured, "met": judged}
-
-    out = []
+    targets: list[tuple[str, int, str, Callable[[float], bool]]] = []
     if realistic in results:
         seq = results[realistic]["tokens_per_step"] // realistic
-        out.append(
-            verdict(
-                f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})",
-                realistic,
-                results[realistic]["ratios"]["time dense/CoMERA"],
-                lambda r: r >= TARGET_SPEEDUP_VS_DENSE,
-            )
-        )
+        what = f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})"
+        targets.append((what, realistic, "time dense/CoMERA", lambda r: r >= TARGET_SPEEDUP_VS_DENSE))
     if 1 in results:
-        ratios = results[1]["ratios"]
+        what = f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)"
+        targets.append((what, 1, "memory GaLore/CoMERA", lambda r: r >= TARGET_MEMORY_VS_GALORE))
+        what = "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)"
+        targets.append((what, 1, "time GaLore(amortised)/CoMERA", lambda r: r > 1.0))
+    out = []
+    for target, batch, key, met in targets:
+        measured = results[batch]["ratios"][key]
         out.append(
-            verdict(
-                f"CoMERA peak memory >= {TARGET_MEMORY_VS_GALORE:g}x below dense+GaLore (batch 1)",
-                1,
-                ratios["memory GaLore/CoMERA"],
-                lambda r: r >= TARGET_MEMORY_VS_GALORE,
-            )
-        )
-        out.append(
-            verdict(
-                "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)",
-                1,
-                ratios["time GaLore(amortised)/CoMERA"],
-                lambda r: r > 1.0,
-            )
+            {"target": target, "batch": batch, "measured": measured, "met": None if measured is None else met(measured)}
         )
     return out
 
@@ -595,8 +557,12 @@ STEP_HEADERS = (
 
 
 def _cuda_cell(entry: dict) -> str:
-    """A table cell: the CUDA allocator's peak over the step (every candidate resident), + what the step added."""
+    """The CUDA allocator's peak over the step (every candidate resident), + what the step added."""
     return f"{harness.mib(entry['cuda_peak_bytes'])} (+{harness.mib(entry['cuda_step_peak_bytes'])})"
+
+
+def _has_cuda(entries: Iterable[dict]) -> bool:
+    return any("cuda_peak_bytes" in e for e in entries)
 
 
 def _step_row(name: str, e: dict, cuda: bool) -> list:
@@ -606,33 +572,19 @@ def _step_row(name: str, e: dict, cuda: bool) -> list:
     m = e["memory"]
     step = harness.ms(e["median_s"]) + (f" (amortised {harness.ms(e['amortised_s'])})" if "amortised_s" in e else "")
     persistent = m.get("optimizer_state_persistent", m["optimizer_state"])
-    memory = (
-        m["total"],
-        m["parameters"],
-        m["gradients"],
-        persistent,
-        max(m["optimizer_state"] - persistent, 0),
-        m["activations"],
-        m["temporaries"],
-        m["other"] + m["buffers"],
-    )
-    return [
-        name,
-        f"{e['parameters']:,}",
-        step,
-        f"{e['tokens_per_s']:,.0f}",
-        *map(harness.mib, memory),
-        *([_cuda_cell(e)] if cuda else []),
-        f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s",
-    ]
+    memory = (m["total"], m["parameters"], m["gradients"], persistent, max(m["optimizer_state"] - persistent, 0))
+    memory += (m["activations"], m["temporaries"], m["other"] + m["buffers"])
+    kernel = f"{e['kernel']['minor_faults']:,} / {e['kernel']['system_s']:.2f} s"
+    cells = [name, f"{e['parameters']:,}", step, f"{e['tokens_per_s']:,.0f}", *map(harness.mib, memory)]
+    return [*cells, *([_cuda_cell(e)] if cuda else []), kernel]
 
 
 def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
-    """Markdown: one table per batch (time, tokens/s, memory breakdown, and the CUDA allocator's peak for a run
-    on CUDA), then ratios and verdicts."""
+    """Markdown: one table per batch (time, tokens/s, memory breakdown, on CUDA the allocator's peak), then ratios
+    and verdicts."""
     parts = []
     for batch, res in results.items():
-        cuda = any("cuda_peak_bytes" in e for e in res["candidates"].values())
+        cuda = _has_cuda(res["candidates"].values())
         headers = STEP_HEADERS + (f"|{CUDA_HEADER}" if cuda else "") + "|page faults / system time"
         parts.append(
             f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
@@ -645,30 +597,44 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     rows = [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys]
     parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)], rows))
     verdict = {True: "met", False: "MISSED", None: "n/a (skipped)"}
-    rows = [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
-    parts.append(harness.table("target|measured|verdict", rows))
+    parts.append(
+        harness.table(
+            "target|measured|verdict", [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
+        )
+    )
     return "\n\n".join(parts)
+
+
+def _time_memory_figure(width: float, time_label: str, step_s: Callable[[dict], float], draw, title: str):
+    """Two panels, step time (ms) and peak memory (MiB, MemTracker): ``draw(ax, label, value of an entry)``."""
+    fig, axes = harness.new_figure(2, width, 4.2)
+    panels = [
+        (time_label, lambda e: step_s(e) * 1e3),
+        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
+    ]
+    for ax, (label, value) in zip(axes, panels, strict=True):
+        draw(ax, label, value)
+    fig.suptitle(title)
+    return fig
 
 
 def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU_FP32):
     """Bars: step time and peak memory per candidate, one bar per batch size (log scales)."""
-    fig, axes = harness.new_figure(2, 6.5, 4.2)
     names = list(next(iter(results.values()))["candidates"])
-    panels = [
-        ("training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3),
-        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
-    ]
-    for ax, (label, value) in zip(axes, panels, strict=True):
+
+    def draw(ax, label, value):
         series = {
             f"batch {b}": [0 if r["candidates"][n]["skipped"] else value(r["candidates"][n]) for n in names]
             for b, r in results.items()
         }
         harness.bars(ax, names, series, label)
-    fig.suptitle(
+
+    title = (
         f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
         f"vocab {shape.vocab_size}), {execution.describe()}"
     )
-    return fig
+    step_s = lambda e: e.get("amortised_s", e["median_s"])  # noqa: E731
+    return _time_memory_figure(6.5, "training step (ms, median; GaLore amortised)", step_s, draw, title)
 
 
 def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], execution: Execution = CPU_FP32) -> dict:
@@ -679,29 +645,26 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
     for b in batches:
         print(f"batch {b}:", flush=True)
         # by default samples of >= 1 s and >= 40 s of clean rounds in all: single short steps varied by 30 %
-        res, cands = run_batch(
-            shape,
-            b,
-            args.refresh_samples if b == 1 else 0,
-            min_sample_s=0.01 if args.quick else 1.0,
-            min_total_s=args.min_total_s,
-            execution=execution,
-            **harness.timing_options(args),
+        timing = dict(
+            min_sample_s=0.01 if args.quick else 1.0, min_total_s=args.min_total_s, **harness.timing_options(args)
         )
+        res, cands = run_batch(shape, b, args.refresh_samples if b == 1 else 0, execution=execution, **timing)
         finish_batch(res, svd_extra)
         svd_extra = res["candidates"][GALORE].get("refresh_extra_s", svd_extra)
         results[b] = res
         # the realistic batch is profiled when any target is missed, batch 1 when one of its own is
-        missed = any(
-            c["met"] is False and (b == batches[-1] or c["batch"] == b) for c in verdicts(results, batches[-1])
-        )
+        missed = any(c["met"] is False and b in (batches[-1], c["batch"]) for c in verdicts(results, batches[-1]))
         if args.profile == "always" or (args.profile == "auto" and missed):
             # batch 1's targets compare CoMERA with GaLore, the realistic batch's with dense
             other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
             print(f"  profiling the {COMERA} and {other} steps", flush=True)
-            prof = {"batch": b, "against": other}
-            prof.update(comera=harness.profile_ops(cands[COMERA].step), other=harness.profile_ops(cands[other].step))
-            profiles[str(b)] = {**prof, "why": explain(prof["comera"], prof["other"], other)}
+            prof = {"comera": harness.profile_ops(cands[COMERA].step), "other": harness.profile_ops(cands[other].step)}
+            profiles[str(b)] = {
+                "batch": b,
+                "against": other,
+                **prof,
+                "why": explain(prof["comera"], prof["other"], other),
+            }
         del cands
     checks = verdicts(results, batches[-1])
     print("\n" + step_tables(results, checks))
@@ -729,13 +692,7 @@ def _modes(model: nn.Module) -> dict:
 
 
 def run_scaling(
-    base: Shape,
-    d_models: Sequence[int],
-    num_layers: int,
-    batch: int,
-    seed: int = 0,
-    execution: Execution = CPU_FP32,
-    **timing,
+    base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed=0, execution=CPU_FP32, **timing
 ) -> list[dict]:
     """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory (:func:`measure`)."""
     rows = []
@@ -768,25 +725,19 @@ def run_scaling(
 
 def scaling_table(rows: list[dict]) -> str:
     """Markdown table of the scaling part (with the CUDA allocator's peaks for a run on CUDA)."""
-    cuda = any("cuda_peak_bytes" in e for r in rows for e in r["candidates"].values())
+    cuda = _has_cuda(e for r in rows for e in r["candidates"].values())
     body = []
     for r in rows:
         d, c = r["candidates"][DENSE], r["candidates"][COMERA]
-        body.append(
-            [
-                r["d_model"],
-                f"{d['parameters']:,}",
-                f"{c['parameters']:,}",
-                harness.ms(d["median_s"]),
-                harness.ms(c["median_s"]),
-                harness.times(r["time dense/CoMERA"]),
-                harness.mib(d["memory"]["total"]),
-                harness.mib(c["memory"]["total"]),
-                harness.times(r["memory dense/CoMERA"]),
-                *([_cuda_cell(d), _cuda_cell(c)] if cuda else []),
-                f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}",
-            ]
-        )
+        cells = [r["d_model"], f"{d['parameters']:,}", f"{c['parameters']:,}", harness.ms(d["median_s"])]
+        cells += [harness.ms(c["median_s"]), harness.times(r["time dense/CoMERA"])]
+        cells += [
+            harness.mib(d["memory"]["total"]),
+            harness.mib(c["memory"]["total"]),
+            harness.times(r["memory dense/CoMERA"]),
+        ]
+        cells += [_cuda_cell(d), _cuda_cell(c)] if cuda else []
+        body.append([*cells, f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}"])
     headers = (
         "d_model|dense params|CoMERA params|dense step ms|CoMERA step ms|time dense/CoMERA|dense peak MiB"
         "|CoMERA peak MiB|memory dense/CoMERA"
@@ -798,24 +749,21 @@ def scaling_table(rows: list[dict]) -> str:
 
 def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
     """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
-    fig, axes = harness.new_figure(2, 5.5, 4.2)
     ds = [r["d_model"] for r in rows]
-    panels = [
-        ("training step (ms, median)", lambda e: e["median_s"] * 1e3),
-        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
-    ]
-    for ax, (label, value) in zip(axes, panels, strict=True):
+
+    def draw(ax, label, value):
         for name, marker in ((DENSE, "o"), (COMERA, "s")):
             ax.plot(ds, [value(r["candidates"][name]) for r in rows], marker=marker, label=name)
         ax.set_xscale("log", base=2)
         ax.set_xticks(ds, [str(d) for d in ds])
         harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
+
     shape = rows[0]["shape"]
-    fig.suptitle(
+    title = (
         f"{shape['num_layers']} layers, batch {rows[0]['batch']} x {shape['seq_len']}, vocab {shape['vocab_size']}, "
         f"{execution.describe()}"
     )
-    return fig
+    return _time_memory_figure(5.5, "training step (ms, median)", lambda e: e["median_s"], draw, title)
 
 
 # ------------------------------------------------------------------------------------------------------

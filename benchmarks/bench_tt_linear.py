@@ -144,9 +144,7 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     with torch.no_grad():  # correctness (untimed): every TT candidate must give the planner's output
         reference = cands["planner"][0]()
         scale = reference.abs().max().item() or 1.0
-        errors = {
-            name: (f() - reference).abs().max().item() / scale for name, (f, _) in cands.items() if name != "nn.Linear"
-        }
+        errors = {n: (f() - reference).abs().max().item() / scale for n, (f, _) in cands.items() if n != "nn.Linear"}
     memory = {}
     for name, (forward, params) in cands.items():
         steps[name]()  # plans and einsum paths cached before memory is measured
@@ -161,6 +159,7 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     fastest = min(forced, key=forced.get)
     best_einsum = min(EINSUM_NAMES, key=med.get)
     paired = timing.paired_ratios("nn.Linear", "planner")  # a noise indicator for the headline ratio
+    keys = ("samples_s", "inner_iterations")
     return {
         **{"shape": case.shape, "in_features": in_f, "out_features": out_f, "rows": case.rows, "rank": case.rank},
         **{"in_modes": list(layer.in_modes), "out_modes": list(layer.out_modes), "ranks": ranks, "main": case.is_main},
@@ -171,15 +170,14 @@ def run_case(case: Case, seed: int, **timing) -> dict:
         "modelled_seconds": modelled,
         "modelled_order": sorted(modelled, key=modelled.get),
         "candidates": {
-            name: {
-                "median_s": med[name],
-                "min_s": best[name],
-                "samples_s": summary["samples_s"][name],
-                "inner_iterations": summary["inner_iterations"][name],
-                "memory": memory[name],
-                "max_rel_err_vs_planner": errors.get(name),
+            n: {
+                "median_s": med[n],
+                "min_s": best[n],
+                **{k: summary[k][n] for k in keys},
+                "memory": memory[n],
+                "max_rel_err_vs_planner": errors.get(n),
             }
-            for name in cands
+            for n in cands
         },
         "measured_plan_order": sorted(forced, key=forced.get),
         "fastest_forced_plan": fastest,
@@ -206,29 +204,19 @@ def run_case(case: Case, seed: int, **timing) -> dict:
 
 def evaluate_targets(results: list[dict]) -> dict:
     """Verdicts: TTLinear >= 5x faster than nn.Linear on the main cases; planner never slower than einsum."""
-    speed = [
-        {
-            **{k: r[k] for k in PAIRED},
-            "speedup": r["ratios"]["dense_time_over_tt_time"],
-            "speedup_of_minima": r["ratios"]["dense_time_over_tt_time_of_minima"],
-            "met": r["ratios"]["dense_time_over_tt_time"] >= TARGET_SPEEDUP,
-            "contended": r["contended"],
-        }
-        for r in results
-        if r["main"] and r["shape"] in TARGET_SHAPES
-    ]
-    einsum = [
-        {
-            **{k: r[k] for k in PAIRED},
-            "best_einsum": r["best_einsum"],
-            "best_einsum_over_planner": (ratio := r["ratios"]["best_einsum_time_over_planner_time"]),
-            "met": ratio >= 1.0,
-            "within_noise": ratio >= 1.0 - NOISE_TOL,
-            "contended": r["contended"],
-            "best_einsum_over_planner_of_minima": r["ratios"]["best_einsum_time_over_planner_time_of_minima"],
-        }
-        for r in results
-    ]
+    speed = []
+    for r in results:
+        if r["main"] and r["shape"] in TARGET_SHAPES:
+            speedup = r["ratios"]["dense_time_over_tt_time"]
+            minima = r["ratios"]["dense_time_over_tt_time_of_minima"]
+            speed.append({**{k: r[k] for k in PAIRED}, "speedup": speedup, "speedup_of_minima": minima})
+            speed[-1].update(met=speedup >= TARGET_SPEEDUP, contended=r["contended"])
+    einsum = []
+    for r in results:
+        ratio = r["ratios"]["best_einsum_time_over_planner_time"]
+        einsum.append({**{k: r[k] for k in PAIRED}, "best_einsum": r["best_einsum"], "best_einsum_over_planner": ratio})
+        einsum[-1].update(met=ratio >= 1.0, within_noise=ratio >= 1.0 - NOISE_TOL, contended=r["contended"])
+        einsum[-1]["best_einsum_over_planner_of_minima"] = r["ratios"]["best_einsum_time_over_planner_time_of_minima"]
     return {
         "tt_at_least_5x_faster_than_dense": {
             "met": bool(speed) and all(s["met"] for s in speed),
@@ -255,47 +243,31 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
         "## 1. TTLinear (planner's choice) vs nn.Linear",
         "",
     ]
-    rows = []
+    rows, plans = [], []
     for r in results:
-        c = r["candidates"]
+        c, ratios = r["candidates"], r["ratios"]
+        dense, tt = c["nn.Linear"], c["planner"]
+        cells = [*(r[k] for k in PAIRED), r["planner_pick"], ms(dense["median_s"]), ms(tt["median_s"])]
+        cells += [f"{ratios['dense_time_over_tt_time']:.2f}", mib(dense["memory"]["total_bytes"])]
         rows.append(
-            [
-                *(r[k] for k in PAIRED),
-                r["planner_pick"],
-                ms(c["nn.Linear"]["median_s"]),
-                ms(c["planner"]["median_s"]),
-                f"{r['ratios']['dense_time_over_tt_time']:.2f}",
-                mib(c["nn.Linear"]["memory"]["total_bytes"]),
-                mib(c["planner"]["memory"]["total_bytes"]),
-                f"{r['ratios']['dense_mem_over_tt_mem']:.2f}",
-                r["noise_cell"],
-            ]
+            [*cells, mib(tt["memory"]["total_bytes"]), f"{ratios['dense_mem_over_tt_mem']:.2f}", r["noise_cell"]]
         )
+        cells = [*(r[k] for k in PAIRED), *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES))]
+        cells += [f"{ratios['best_einsum_time_over_planner_time']:.2f}"]
+        cells += [ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS]
+        plans.append([*cells, r["fastest_forced_plan"], f"{ratios['picked_forced_time_over_fastest_forced']:.2f}"])
     headers = (
         "shape|rows|rank|plan|nn.Linear ms|TTLinear ms|dense/tt time|nn.Linear MiB|TTLinear MiB|dense/tt mem|rounds"
     )
     out.append(table(headers, rows))
     out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms; `*`: the planner's pick)", ""]
-    rows = []
-    for r in results:
-        c = r["candidates"]
-        rows.append(
-            [
-                *(r[k] for k in PAIRED),
-                *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES)),
-                f"{r['ratios']['best_einsum_time_over_planner_time']:.2f}",
-                *(ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS),
-                r["fastest_forced_plan"],
-                f"{r['ratios']['picked_forced_time_over_fastest_forced']:.2f}",
-            ]
-        )
     out.append(
-        table([*PAIRED, "planner", *EINSUM_NAMES, "best einsum/planner", *PLANS, "fastest", "pick/fastest"], rows)
+        table([*PAIRED, "planner", *EINSUM_NAMES, "best einsum/planner", *PLANS, "fastest", "pick/fastest"], plans)
     )
     out += ["", "## Targets", ""]
     t1, t2 = targets["tt_at_least_5x_faster_than_dense"], targets["planner_never_slower_than_best_einsum"]
     flag = lambda x: " (contended!)" if x["contended"] else ""  # noqa: E731
-    met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
+    met = lambda ok: "met" if ok else "MISSED"  # noqa: E731
     detail = ", ".join(
         f"{s['shape']} r{s['rank']} {s['rows']} rows: {s['speedup']:.2f}x "
         f"[ratio of minima {s['speedup_of_minima']:.2f}x]{flag(s)}"
@@ -304,10 +276,8 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
     out.append(f"- TTLinear >= {TARGET_SPEEDUP:g}x faster than nn.Linear (fwd+bwd): {met(t1['met'])} ({detail})")
     line = f"- Planner never slower than the better einsum baseline: {met(t2['met'])}"
     if t2["violations"]:
-        line += (
-            f" ({len(t2['violations'])} case(s); within {NOISE_TOL:.0%} noise: "
-            f"{'all' if t2['met_within_noise_tolerance'] else 'not all'})"
-        )
+        within = "all" if t2["met_within_noise_tolerance"] else "not all"
+        line += f" ({len(t2['violations'])} case(s); within {NOISE_TOL:.0%} noise: {within})"
         for v in t2["violations"]:
             line += (
                 f"\n  - {v['shape']} rows={v['rows']} rank={v['rank']}: {v['best_einsum']} is "
@@ -317,10 +287,8 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
         if t2["contended_cases"] == len(results):
             line += "\n  - every case was contended: nothing verified"
         elif t2["contended_cases"]:
-            line += (
-                f"\n  - on the {len(results) - t2['contended_cases']} cases measured without contention: "
-                f"{met(t2['met_on_uncontended_cases'])}"
-            )
+            clean = len(results) - t2["contended_cases"]
+            line += f"\n  - on the {clean} cases measured without contention: {met(t2['met_on_uncontended_cases'])}"
     out.append(line)
     worse = [r for r in results if r["ratios"]["picked_forced_time_over_fastest_forced"] > 1 + NOISE_TOL]
     out += ["", f"## Planner picks slower than the fastest forced plan by more than {NOISE_TOL:.0%}", ""]
@@ -361,24 +329,20 @@ def plot(results: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the report, write ``tt_linear.json`` and ``tt_linear.png``."""
     parser = harness.bench_parser(__doc__, repeats=(3, 5))
-    quick = harness.Quick
-    parser.add_argument("--min-sample-ms", type=float, default=quick(5.0, 10.0), help="inner loop per sample (10)")
-    parser.add_argument("--min-case-s", type=float, default=quick(1.0, 1.5), help="clean seconds per case (1.5)")
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
-    parser.add_argument("--rows", nargs="+", type=int, default=None, help="only these row counts")
-    parser.add_argument("--ranks", nargs="+", type=int, default=None, help="only these ranks")
-    parser.add_argument("--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory (training)")
+    quick, add = harness.Quick, parser.add_argument
+    add("--min-sample-ms", type=float, default=quick(5.0, 10.0), help="inner loop per sample (10)")
+    add("--min-case-s", type=float, default=quick(1.0, 1.5), help="clean seconds per case (1.5)")
+    add("--shapes", nargs="+", choices=list(SHAPES), default=None, help="only these shapes")
+    add("--rows", nargs="+", type=int, default=None, help="only these row counts")
+    add("--ranks", nargs="+", type=int, default=None, help="only these ranks")
+    add("--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory (training)")
     args = harness.parse(parser, argv)
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
     min_sample_s, min_case_s = args.min_sample_ms / 1e3, args.min_case_s
-    cases = [
-        c
-        for c in build_cases(args.quick)
-        if (args.shapes is None or c.shape in args.shapes)
-        and (args.rows is None or c.rows in args.rows)
-        and (args.ranks is None or c.rank in args.ranks)
-    ]
+    chosen = lambda value, allowed: allowed is None or value in allowed  # noqa: E731
+    cases = [c for c in build_cases(args.quick) if chosen(c.shape, args.shapes) and chosen(c.rows, args.rows)]
+    cases = [c for c in cases if chosen(c.rank, args.ranks)]
     if not cases:
         parser.error("--shapes/--rows/--ranks leave no case to run")
     meta = {
@@ -402,11 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(case, 0, min_sample_s=min_sample_s, min_total_s=min_case_s, **harness.timing_options(args))
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
+                ratios = r["ratios"]
                 print(
-                    f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: "
-                    f"pick={r['planner_pick']} dense/tt={r['ratios']['dense_time_over_tt_time']:.2f} "
-                    f"einsum/planner={r['ratios']['best_einsum_time_over_planner_time']:.2f} "
-                    f"rounds={r['noise_cell']} ({r['wall_s']:.1f}s)",
+                    f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: pick={r['planner_pick']}"
+                    f" dense/tt={ratios['dense_time_over_tt_time']:.2f} einsum/planner="
+                    f"{ratios['best_einsum_time_over_planner_time']:.2f} rounds={r['noise_cell']} ({r['wall_s']:.1f}s)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -50,8 +50,7 @@ from benchmarks import harness
 from benchmarks.studies.tuned import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
-# the targets: CoMERA's bf16 step vs dense at batch 32, dense + GaLore's peak memory over CoMERA's at batch 1, CUDA
-# graphs vs eager at batch 1
+# CoMERA's bf16 step vs dense at batch 32, dense + GaLore's peak memory over CoMERA's at batch 1, graphs vs eager
 TARGET_STEP_SPEEDUP, TARGET_MEMORY_VS_GALORE, TARGET_GRAPHS_SPEEDUP = 2.0, 9.0, 1.3
 LLM_OVERHEAD_S = 120.0  # the llm check besides its two training budgets: corpus, tokenizer, timing, imports
 FIT_STEPS, RESUME_STEPS = 200, 250  # the fit checks' first fit, then the resume (validated every 50 steps)
@@ -80,11 +79,8 @@ def _python(command: str, *args: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     """Unbuffered logs, and the repository importable (``comera fit`` imports ``benchmarks.gpu_checks.FitProbe``)."""
-    return {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
 def checks(work: Path, dry: bool) -> list[Check]:
@@ -99,10 +95,9 @@ def checks(work: Path, dry: bool) -> list[Check]:
     fit = _python("gpu_checks", "--fit-check", str(work / "fit_resume"), *dry_flag)
     fsdp2 = _python("gpu_checks", "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2", *dry_flag)
     compiled = _python("gpu_checks", "--compile-check", str(work / "compile"), *dry_flag)
-    # GPU limits (s) add up to the run's deadline (540), which also holds every check to what is left of it; the llm
-    # check trains for what they leave (--only llm_60m gives it a run of its own). A fit costs 10-20 s of start-up;
-    # fit_resume and fsdp2 run two fits each (50-60 s), compile three and inductor's compilations (100-130 s).
-    # dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
+    # GPU limits (s) add up to the run's deadline (540); the llm check trains for what they leave. A fit costs 10-20 s
+    # of start-up; fit_resume and fsdp2 run two fits each, compile three and inductor's compilations. dry: bf16 is
+    # emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
     return [
         Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
         Check("training_step", [step], 600 if dry else 150),
@@ -151,16 +146,16 @@ class FitProbe(Callback):
         self._ends.append(time.perf_counter())
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        self._val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        self._val_step = trainer.global_step
+        if not trainer.sanity_checking:
+            self._val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            self._val_step = trainer.global_step
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
         steps = [b - a for a, b in pairwise(self._ends[self.warmup_steps :])]
         median = statistics.median(steps) if steps else None
+        metrics = trainer.callback_metrics
         record: dict[str, Any] = {
             "global_step": trainer.global_step,
             "max_steps": trainer.max_steps,
@@ -171,9 +166,7 @@ class FitProbe(Callback):
             "val": self._val,
             "val_step": self._val_step,
             "val_loss": self._val.get("val/loss"),
-            "train_losses": {
-                k: float(v) for k, v in trainer.callback_metrics.items() if "loss" in k and not k.startswith("val/")
-            },
+            "train_losses": {k: float(v) for k, v in metrics.items() if "loss" in k and not k.startswith("val/")},
             "strategy": type(trainer.strategy).__name__,
             "precision": str(trainer.precision),
             "device": str(pl_module.device),
@@ -205,10 +198,10 @@ def read_probes(path: Path) -> list[dict[str, Any]]:
 def rank_callbacks(
     steps: int, probe: Path, *, truncate: bool = True, checkpoint: bool = True, warmup_steps: int = 20
 ) -> str:
-    """The fits' callbacks (replacing the quickstart's list): ``RankAdaptation`` with the tuned study's ``comera_early``
-    schedule (the late stage from ``EARLY_LATE_FRACTION`` of ``steps``, the 20x target ``EARLY_RAMP_FRACTION`` of them
-    later) truncating every 20 steps (``truncate``; else mask mode), the planner, RankMonitor, the :class:`FitProbe`
-    and (``checkpoint``) the last checkpoint."""
+    """The fits' callbacks (replacing the quickstart's): ``RankAdaptation`` on the tuned study's ``comera_early``
+    schedule (late stage from ``EARLY_LATE_FRACTION`` of ``steps``, the 20x target ``EARLY_RAMP_FRACTION`` later)
+    truncating every 20 steps (``truncate``; else mask mode), the planner, RankMonitor, the :class:`FitProbe` and
+    (``checkpoint``) the last checkpoint."""
     rank = {
         "gamma": 0.005,
         "late_start_step": round(EARLY_LATE_FRACTION * steps),
@@ -220,14 +213,12 @@ def rank_callbacks(
             "init_args": {"ramp_steps": max(1, round(EARLY_RAMP_FRACTION * steps))},
         },
     }
+    probe_args = {"path": str(probe), "warmup_steps": warmup_steps}
     callbacks: list[dict[str, Any]] = [
         {"class_path": "RankAdaptation", "init_args": rank},
         {"class_path": "ContractionPlanner", "init_args": {"verbose": False}},
         {"class_path": "RankMonitor", "init_args": {"log_every_n_steps": 10}},
-        {
-            "class_path": "benchmarks.gpu_checks.FitProbe",
-            "init_args": {"path": str(probe), "warmup_steps": warmup_steps},
-        },
+        {"class_path": "benchmarks.gpu_checks.FitProbe", "init_args": probe_args},
     ]
     if checkpoint:
         callbacks.append({"class_path": "ModelCheckpoint", "init_args": {"save_last": True}})
@@ -236,10 +227,10 @@ def rank_callbacks(
 
 def fit_command(folder: Path, dry: bool, configs: Sequence[str | Path], *args: str) -> list[str]:
     """``comera fit`` of the quickstart with ``configs`` after it, bf16-mixed on CUDA (``dry``: 32-true on the CPU,
-    40 files), its data cached in the work folder's ``cache`` (one tokenizer for all the fits), then ``args``."""
+    40 files; bf16 on a CPU is emulated and many times slower), its data cached in the work folder's ``cache``, then
+    ``args``."""
     cli = [sys.executable, "-m", "comera_lightning", "fit", "--config", "quickstart"]
     cli += [arg for config in configs for arg in ("--config", str(config))]
-    # bf16 on a CPU without bf16 units is emulated and many times slower: the dry run keeps 32-true
     precision, accelerator = ("32-true", "cpu") if dry else ("bf16-mixed", "cuda")
     cli += ["--trainer.precision", precision, "--trainer.accelerator", accelerator]
     cli += ["--trainer.default_root_dir", str(folder), "--data.cache_dir", str(folder.parent / "cache" / "quickstart")]
@@ -255,21 +246,19 @@ def _fit(command: list[str], folder: Path) -> float:
 
 
 def fit_check(folder: Path, dry: bool, configs: Sequence[str] = ()) -> dict[str, Any]:
-    """A quickstart fit of ``FIT_STEPS`` with :func:`rank_callbacks` and ``configs`` after them (``callbacks/fsdp2``),
-    validated every 50 steps, then resumed from its last checkpoint to ``RESUME_STEPS``. Writes :func:`inspect_fit`
-    of both checkpoints with each fit's :class:`FitProbe` record to ``fit_check.json`` when both fits ran."""
+    """A quickstart fit of ``FIT_STEPS`` with :func:`rank_callbacks` and ``configs`` after them, validated every 50
+    steps, then resumed from its last checkpoint to ``RESUME_STEPS``. Writes :func:`inspect_fit` of both checkpoints
+    with each fit's :class:`FitProbe` record to ``fit_check.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("fit_check.json", "fit_probe.jsonl"):
         (folder / stale).unlink(missing_ok=True)
     callbacks = folder / "early_late_stage.yaml"
     callbacks.write_text(rank_callbacks(FIT_STEPS, folder / "fit_probe.jsonl"))
-    cli = fit_command(
-        folder, dry, [callbacks, *configs], "--trainer.val_check_interval", "50", "--trainer.limit_val_batches", "2"
-    )
+    validation = ("--trainer.val_check_interval", "50", "--trainer.limit_val_batches", "2")
+    cli = fit_command(folder, dry, [callbacks, *configs], *validation)
     wall = _fit([*cli, "--trainer.max_steps", str(FIT_STEPS)], folder)
     first = {**inspect_fit(folder), "wall_s": wall}
-    resume = ["--trainer.max_steps", str(RESUME_STEPS), "--ckpt_path", first["checkpoint"]]
-    wall = _fit([*cli, *resume], folder)
+    wall = _fit([*cli, "--trainer.max_steps", str(RESUME_STEPS), "--ckpt_path", first["checkpoint"]], folder)
     resumed = {**inspect_fit(folder), "wall_s": wall}
     if resumed["checkpoint"] == first["checkpoint"] and resumed["global_step"] == first["global_step"]:
         raise RuntimeError(f"the resumed fit wrote no new last checkpoint under {folder}")
@@ -299,7 +288,6 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
     fresh = MaskedLM(**{k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")})
     state = ckpt["state_dict"]
     rank_state = next((v for k, v in ckpt.get("callbacks", {}).items() if "RankAdaptation" in k), {})
-    ranks_start = {n: list(layer.ranks) for n, layer in tt_layers(fresh)}
     ranks_now = {
         n: layer.check_core_shapes([state[f"{n}.cores.{k}"].shape for k in range(len(layer.cores))], f"{n}.")
         for n, layer in tt_layers(fresh)
@@ -309,7 +297,7 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
         "global_step": int(ckpt["global_step"]),
         "truncations": rank_state.get("truncations"),
         "stage": rank_state.get("stage"),
-        "rank_sum_start": sum(map(sum, ranks_start.values())),
+        "rank_sum_start": sum(sum(layer.ranks) for _, layer in tt_layers(fresh)),
         "rank_sum_end": sum(map(sum, ranks_now.values())),
         "ranks_end": ranks_now,
     }
@@ -336,9 +324,8 @@ def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
         if mode is not None:  # callbacks/compile.yaml with these init_args
             init = {"backend": "aot_eager" if dry else "inductor", "mode": None if mode == "default" else mode}
             compile_callback = {"class_path": "comera_lightning.training.Compile", "init_args": init}
-            fragment = sub / "compile.yaml"
-            fragment.write_text(yaml.safe_dump({"trainer": {"callbacks+": [compile_callback]}}, sort_keys=False))
-            configs.append(fragment)
+            configs.append(sub / "compile.yaml")
+            configs[-1].write_text(yaml.safe_dump({"trainer": {"callbacks+": [compile_callback]}}, sort_keys=False))
         options = {"max_steps": steps, "limit_val_batches": 0, "enable_checkpointing": "false", "logger": "false"}
         command = fit_command(sub, dry, configs, *(a for k, v in options.items() for a in (f"--trainer.{k}", str(v))))
         try:
@@ -359,30 +346,24 @@ def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
 # reading the checks' results
 
 
-def _load(pattern: str) -> dict | None:
-    paths = sorted(glob.glob(pattern))
+def _load(pattern: Path) -> dict | None:
+    """The last JSON file matching ``pattern`` (a glob), None when there is none."""
+    paths = sorted(glob.glob(str(pattern)))
     return json.loads(Path(paths[-1]).read_text()) if paths else None
-
-
-def verdict(measured: float | None, target: float, higher_is_better: bool = True) -> str:
-    """'met' / 'MISSED' / 'n/a' of a measured value against a target."""
-    if measured is None:
-        return "n/a"
-    return "met" if (measured >= target if higher_is_better else measured <= target) else "MISSED"
 
 
 def read_results(work: Path) -> dict[str, Any]:
     """The targets and headline numbers from what the checks wrote (missing parts stay None)."""
     out: dict[str, Any] = {}
-    graphs = _load(str(work / "cuda_graphs" / "cuda_graphs.json"))
+    graphs = _load(work / "cuda_graphs" / "cuda_graphs.json")
     if graphs and not graphs.get("skipped"):
+        timing = graphs.get("timing", [])
         out["cuda_graphs_identical"] = all(c["identical"] for c in graphs["identity"])
-        batch1 = [t["speedup"] for t in graphs.get("timing", []) if t.get("batch") == 1]
-        out["cuda_graphs_speedup_batch1"] = min(batch1) if batch1 else None
+        out["cuda_graphs_speedup_batch1"] = min((t["speedup"] for t in timing if t.get("batch") == 1), default=None)
         out["cuda_graphs_speedups"] = {
-            f"{t['size']} {t['precision']} batch {t.get('batch')}": t["speedup"] for t in graphs.get("timing", [])
+            f"{t['size']} {t['precision']} batch {t.get('batch')}": t["speedup"] for t in timing
         }
-    step = _load(str(work / "training_step" / "training_step*.json"))
+    step = _load(work / "training_step" / "training_step*.json")
     if step:
         results = step["results"]
         realistic = max(results, key=int)
@@ -396,31 +377,26 @@ def read_results(work: Path) -> dict[str, Any]:
             galore, comera = peak.get("dense+GaLore"), peak.get("CoMERA r30")
             out["memory_galore_over_comera_batch1"] = galore / comera if galore and comera else None
         out["step_profiles"] = {b: p.get("why") for b, p in step.get("profiles", {}).items()}
-    for name in FIT_CHECKS:
-        fit = work / name / "fit_check.json"
-        if fit.exists():
-            out[name] = json.loads(fit.read_text())
-    compiled = work / "compile" / "compile_check.json"
-    if compiled.exists():
-        out["compile"] = json.loads(compiled.read_text())
-    llm = _load(str(work / "llm_60m" / "llm_study*.json"))
+    for name, file in (*((n, "fit_check.json") for n in FIT_CHECKS), ("compile", "compile_check.json")):
+        if (work / name / file).exists():
+            out[name] = harness.read_json(work / name / file)
+    llm = _load(work / "llm_60m" / "llm_study*.json")
     if llm:
         runs = {r["method"]: r for r in llm.get("runs", [])}
-        ppl = {m: r["final"]["metrics"].get("val/perplexity") for m, r in runs.items()}
-        out["llm_perplexity"] = ppl
+        out["llm_perplexity"] = {m: r["final"]["metrics"].get("val/perplexity") for m, r in runs.items()}
         out["llm_tokens_per_s"] = {m: r["tokens"] / r["train_s"] for m, r in runs.items()}
         out["llm_train_s"] = {m: r["train_s"] for m, r in runs.items()}
         out["llm_compression"] = {m: r["final"]["compression_ratio"] for m, r in runs.items()}
     return out
 
 
-def _judged(verdict_: str, check: str, status: dict[str, dict]) -> str:
-    """``verdict_``, or FAILED when ``check`` failed or timed out in this run (n/a when it did not run): a row never
+def _judged(verdict: str, check: str, status: dict[str, dict]) -> str:
+    """``verdict``, or FAILED when ``check`` failed or timed out in this run (n/a when it did not run): a row never
     passes on what a failed check, or an earlier run in the same folder, left behind."""
     state = status.get(check, {}).get("status")
     if state in CHECK_FAILED:
         return f"FAILED ({state})"
-    return "n/a" if state is not None and state.startswith("not run") else verdict_
+    return "n/a" if state is not None and state.startswith("not run") else verdict
 
 
 def _finite(value: Any) -> bool:
@@ -449,25 +425,19 @@ def fit_row(fit: dict[str, Any]) -> tuple[str, str]:
 
 
 def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list[str]]:
-    """A row per compiled variant: it finished and torch compiled graphs (the verdict); its steps/s against the eager
-    fit's of the same run, torch's graph, break and CUDA-graph-skip counts."""
+    """A row per compiled variant: it finished and torch compiled graphs (the verdict; 0 graphs: the compiled
+    modules never ran through their forward); its steps/s against the eager fit's, graph, break and skip counts."""
     eager = compiled.get("eager") or {}
     rows = []
     for variant, mode in COMPILE_VARIANTS.items():
-        if mode is None:
-            continue
         run = compiled.get(variant)
         label = f"Compile ({variant} mode): the bf16 fit finishes; steps/s against eager"
-        if not run:
-            rows.append([label, "-", _judged("n/a", "compile", status)])
+        if mode is None:
             continue
-        if "error" in run:
-            rows.append([label, run["error"], "FAILED"])
+        if not run or "error" in run:
+            rows.append([label, run["error"], "FAILED"] if run else [label, "-", _judged("n/a", "compile", status)])
             continue
-        finished = run.get("global_step") == run.get("max_steps")
-        ratio = (
-            run["steps_per_s"] / eager["steps_per_s"] if run.get("steps_per_s") and eager.get("steps_per_s") else None
-        )
+        ratio = harness.ratio(run.get("steps_per_s") or None, eager.get("steps_per_s") or None)
         info = run.get("compile") or {}
         measured = (
             f"{harness.times(ratio)} eager's steps/s ({run.get('steps_per_s') or 0:.1f} vs "
@@ -475,7 +445,7 @@ def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list
             f"{info.get('graph_breaks')} breaks, {info.get('cudagraph_skips')} CUDA-graph skips, "
             f"{info.get('resets')} resets"
         )
-        # graphs: what torch compiled; 0 means the compiled modules never ran through their forward (eager in effect)
+        finished = run.get("global_step") == run.get("max_steps")
         rows.append([label, measured, "met" if finished and info.get("graphs") else "MISSED"])
     return rows
 
@@ -486,46 +456,23 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
     where = machine.get("cuda") or f"no GPU ({machine.get('cpu', '')})"
     lines = [f"## GPU checks on {where}", "", harness.table("check|status|wall|detail", rows), ""]
     ppl = results.get("llm_perplexity") or {}
+    llm = harness.verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"
+    perplexities = " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-"
+    fit_what = "ranks shrink, truncations, val loss finite, the checkpoint"
     step, memory, graphs = (
         results.get(k)
         for k in ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
     )
-    llm_verdict = verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"
+    step_what = f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})"
+    memory_what = "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)"
+    graphs_what = "CUDA graphs >= 1.3x faster than eager (batch 1)"
     targets = [  # (target, measured, verdict, the check that measures it)
-        (
-            f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})",
-            harness.times(step),
-            verdict(step, TARGET_STEP_SPEEDUP),
-            "training_step",
-        ),
-        (
-            "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)",
-            harness.times(memory),
-            verdict(memory, TARGET_MEMORY_VS_GALORE),
-            "training_step",
-        ),
-        (
-            "CUDA graphs >= 1.3x faster than eager (batch 1)",
-            harness.times(graphs),
-            verdict(graphs, TARGET_GRAPHS_SPEEDUP),
-            "cuda_graphs",
-        ),
-        (
-            "bf16 fit, early late stage: ranks shrink, truncations, val loss finite, the checkpoint resumes",
-            *fit_row(results.get("fit_resume") or {}),
-            "fit_resume",
-        ),
-        (
-            "FSDP2 on one GPU (bf16): ranks shrink, truncations, val loss finite, the checkpoint folder resumes",
-            *fit_row(results.get("fsdp2") or {}),
-            "fsdp2",
-        ),
-        (
-            "llm_60m at equal wall-clock: CoMERA perplexity <= dense",
-            " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-",
-            llm_verdict,
-            "llm_60m",
-        ),
+        (step_what, harness.times(step), harness.verdict(step, TARGET_STEP_SPEEDUP), "training_step"),
+        (memory_what, harness.times(memory), harness.verdict(memory, TARGET_MEMORY_VS_GALORE), "training_step"),
+        (graphs_what, harness.times(graphs), harness.verdict(graphs, TARGET_GRAPHS_SPEEDUP), "cuda_graphs"),
+        (f"bf16 fit, early late stage: {fit_what} resumes", *fit_row(results.get("fit_resume") or {}), "fit_resume"),
+        (f"FSDP2 on one GPU (bf16): {fit_what} folder resumes", *fit_row(results.get("fsdp2") or {}), "fsdp2"),
+        ("llm_60m at equal wall-clock: CoMERA perplexity <= dense", perplexities, llm, "llm_60m"),
     ]
     rows = [[target, measured, _judged(judged, check, status)] for target, measured, judged, check in targets]
     rows[5:5] = compile_rows(results.get("compile") or {}, status)
@@ -539,6 +486,27 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
 
 # ------------------------------------------------------------------------------------------------------
 # running
+
+
+def _run(check: Check, folder: Path, stop_at: float, log: Callable[[str], None]) -> tuple[str, str]:
+    """Run ``check``'s commands in ``folder`` until one fails or ``stop_at``; returns ``(state, detail)``."""
+    t0 = time.perf_counter()
+    with open(folder / "log.txt", "w") as out_log:
+        for command in check.commands:
+            log(f"{check.name}: {' '.join(command)}")
+            # its own process group: a check stopped at its limit takes its children (a fit, loader workers)
+            proc = subprocess.Popen(
+                command, cwd=folder, env=_env(), stdout=out_log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=max(stop_at - time.perf_counter(), 1.0))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return "timed out", f"after {time.perf_counter() - t0:.0f} s"
+            if rc != 0:
+                return "failed", f"exit {rc}: see {check.name}/log.txt"
+    return "ok", ""
 
 
 def run_checks(
@@ -555,7 +523,6 @@ def run_checks(
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     status: dict[str, dict] = {}
-    env = _env()
     machine = harness.machine_info()
     for check in [*checks(work, dry), None]:
         if only is not None and (check.name if check else "llm_60m") not in only:
@@ -573,26 +540,7 @@ def run_checks(
             log(f"{check.name}: not run, {left:.0f} s left of the deadline")
             continue
         t0 = time.perf_counter()
-        stop_at = t0 + min(check.limit_s, left)
-        state, detail = "ok", ""
-        with open(folder / "log.txt", "w") as out_log:
-            for command in check.commands:
-                limit = stop_at - time.perf_counter()
-                log(f"{check.name}: {' '.join(command)}")
-                # its own process group: a check stopped at its limit takes its children (a fit, loader workers)
-                proc = subprocess.Popen(
-                    command, cwd=folder, env=env, stdout=out_log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-                try:
-                    rc = proc.wait(timeout=max(limit, 1.0))
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    state, detail = "timed out", f"after {time.perf_counter() - t0:.0f} s"
-                    break
-                if rc != 0:
-                    state, detail = "failed", f"exit {rc}: see {check.name}/log.txt"
-                    break
+        state, detail = _run(check, folder, t0 + min(check.limit_s, left), log)
         status[check.name] = {"status": state, "wall_s": time.perf_counter() - t0, "detail": detail}
         log(f"{check.name}: {state} in {status[check.name]['wall_s']:.0f} s {detail}")
         write_summary(out, work, status, machine)
@@ -600,7 +548,7 @@ def run_checks(
 
 
 def _worth_keeping(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    """The archive's filter: results and logs, not checkpoints, weights or data caches (far below 16 MiB)."""
+    """The archive's filter: results and logs, not checkpoints, weights or data caches."""
     name = info.name
     if name.endswith((".ckpt", ".safetensors", ".bin", ".pt")) or "/cache" in name or "/.cache" in name:
         return None
@@ -622,11 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the checks (or skip them without CUDA); exit 1 when a check failed or timed out."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     out = Path(os.environ.get("OUT") or REPO / "benchmarks" / "results" / "gpu_checks")
-    parser.add_argument("--out", type=Path, default=out, help="summary and archive (default $OUT, else %(default)s)")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
-    parser.add_argument("--only", nargs="+", choices=CHECK_NAMES, default=None, help="these checks only, in order")
-    parser.add_argument("--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--out", type=Path, default=out, help="summary and archive (default $OUT, else %(default)s)")
+    add("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
+    add("--only", nargs="+", choices=CHECK_NAMES, default=None, help="these checks only, in order")
+    add("--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method")
+    add(
         "--deadline-s",
         type=float,
         default=None,
@@ -634,9 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         "10-minute command less the install; 2100 with --cpu-dry-run)",
     )
     # the fit checks (3: plain, 4: --fit-config callbacks/fsdp2) and the compile check (5), each in its own process
-    parser.add_argument("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--fit-config", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--compile-check", type=Path, default=None, help=argparse.SUPPRESS)
+    add("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
+    add("--fit-config", action="append", default=[], help=argparse.SUPPRESS)
+    add("--compile-check", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fit_check is not None:
         fit_check(args.fit_check, args.cpu_dry_run, args.fit_config)

@@ -1,7 +1,7 @@
-"""Shared machinery of the benchmarks: interleaved timing with contention probing (the machines are shared: rounds
-during which other processes took more than a given share of the CPUs are left out and retried, and every claim is a
-ratio of medians), peak memory measured by torch's ``MemTracker``, profiles, the six-encoder classifier built from a
-:class:`Shape`, the common command line, and markdown/JSON/PNG output.
+"""Shared machinery of the benchmarks: interleaved timing with contention probing (rounds during which other
+processes took more than a given share of the CPUs are left out and retried; every claim is a ratio of medians),
+peak memory by torch's ``MemTracker``, profiles, the six-encoder classifier built from a :class:`Shape`, the common
+command line, and markdown/JSON/PNG output.
 """
 
 from __future__ import annotations
@@ -88,15 +88,12 @@ class Timing:
     contended: bool = False
 
     def median(self, name: str) -> float:
-        """Median seconds per step of ``name``."""
         return statistics.median(self.samples[name])
 
     def medians(self) -> dict[str, float]:
-        """Median seconds per step of every candidate."""
         return {name: self.median(name) for name in self.samples}
 
     def minimum(self, name: str) -> float:
-        """Fastest sample of ``name``."""
         return min(self.samples[name])
 
     def ratio(self, slower: str, faster: str) -> float:
@@ -130,8 +127,12 @@ class Timing:
         return cell + (" !" if self.contended else "")
 
 
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda():
         torch.cuda.synchronize()
 
 
@@ -146,7 +147,7 @@ def interleave(
     wait_quiet_s: float = 0.0,
     seed: int = 0,
 ) -> Timing:
-    """Time every zero-argument ``steps[name]()`` round by round, interleaved, in a fresh random order.
+    """Time every ``steps[name]()`` round by round, interleaved, in a fresh random order.
 
     Each sample is the mean over an inner loop at least ``min_sample_s`` long (a short step gets one untimed call
     first, so it does not start cache-cold). At least ``repeats`` clean rounds, more while they add up to less than
@@ -184,9 +185,7 @@ def interleave(
         while len(rounds) < max(max_rounds, 2 * repeats):
             clean = [r for r in rounds if r["clean"]]
             clean_s = sum(r["times_s"][n] * inner[n] for r in clean for n in names)
-            if len(clean) >= repeats and clean_s >= min_total_s:
-                break
-            if len(rounds) - len(clean) >= repeats:
+            if (len(clean) >= repeats and clean_s >= min_total_s) or len(rounds) - len(clean) >= repeats:
                 break
             if wait_quiet_s > 0 and rounds and not rounds[-1]["clean"]:
                 wait_until_quiet(max_other_load, deadline)
@@ -204,14 +203,9 @@ def interleave(
                 _synchronize()
                 times[name] = (time.perf_counter() - t0) / inner[name]
             other, own = probe.read()
+            clean_round = other is None or max_other_load >= 1.0 or other <= max_other_load
             rounds.append(
-                {
-                    "order": order,
-                    "times_s": times,
-                    "other_load": other,
-                    "own_cpu_share": own,
-                    "clean": other is None or max_other_load >= 1.0 or other <= max_other_load,
-                }
+                {"order": order, "times_s": times, "other_load": other, "own_cpu_share": own, "clean": clean_round}
             )
             gc.collect()
     finally:
@@ -228,7 +222,7 @@ def interleave(
 
 
 # ------------------------------------------------------------------------------------------------------
-# memory
+# memory, kernel work, profiles
 
 
 def peak_memory(
@@ -237,12 +231,10 @@ def peak_memory(
     optimizers: Iterable[torch.optim.Optimizer] = (),
     tensors: Iterable[torch.Tensor] = (),
 ) -> dict:
-    """Peak live tensor bytes during one ``step()`` (run it once before: the steady state), with the breakdown at the
-    peak by MemTracker: ``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` (all allocated inside
-    ``optimizer.step()``, its transient buffers too; ``optimizer_state_persistent``: ``optimizer.state`` alone),
-    ``activations`` (from forward), ``temporaries`` (from backward), ``other`` (e.g. the extra ``tensors`` given,
-    inputs or projectors), ``total``; bytes over all devices. On CUDA also the allocator's own peak for the step
-    (``cuda_allocator_peak_bytes``) and what was allocated before it (``cuda_allocated_before_bytes``).
+    """Peak live tensor bytes during one ``step()`` (run it once before), split by MemTracker at the peak into
+    ``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` (everything ``optimizer.step()`` allocates;
+    ``optimizer_state_persistent``: ``optimizer.state`` alone), ``activations``, ``temporaries``, ``other`` (e.g. the
+    extra ``tensors``), ``total``. On CUDA also ``cuda_allocator_peak_bytes`` and ``cuda_allocated_before_bytes``.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -251,7 +243,7 @@ def peak_memory(
     modules, optimizers, tensors = list(modules), list(optimizers), list(tensors)
     if modules or optimizers or tensors:
         tracker.track_external(*modules, *optimizers, *tensors)
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = _cuda()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -264,24 +256,20 @@ def peak_memory(
     out = {v: 0 for v in names.values()}
     for per_device in tracker.get_tracker_snapshot("peak").values():
         for key, nbytes in per_device.items():
-            label = key if isinstance(key, str) else key.value
-            out[names[label]] += int(nbytes)
-    storages = {}
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+            out[names[key if isinstance(key, str) else key.value]] += int(nbytes)
+    storages = {
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    }
     out["optimizer_state_persistent"] = sum(storages.values())
     if cuda:
         torch.cuda.synchronize()
         out["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated())
         out["cuda_allocated_before_bytes"] = int(base)
     return out
-
-
-# ------------------------------------------------------------------------------------------------------
-# what a step costs besides time
 
 
 def kernel_work(step: Callable[[], object]) -> dict:
@@ -297,21 +285,20 @@ def kernel_work(step: Callable[[], object]) -> dict:
 
 
 def profile_ops(step: Callable[[], object], iterations: int = 1, top: int = 12) -> dict:
-    """Ops of ``step`` by self CPU time per call (``torch.profiler`` key averages over ``iterations`` calls after one
-    unprofiled call): the total, every op's seconds, the ``top`` ops with calls and shares. With CUDA initialised the
-    GPU is profiled too: the CPU times are the host's (without the final wait for the GPU, ``device_drain_wait_s``),
-    plus :func:`device_times` and ``self_device_s`` in every ``top`` entry."""
+    """Ops of ``step`` by self CPU time per call (``torch.profiler``, ``iterations`` calls after an unprofiled one):
+    the total, every op's seconds, the ``top`` ops with calls and shares. With CUDA initialised the GPU is profiled
+    too: the host's final wait for it is ``device_drain_wait_s`` (left out of the ops), plus :func:`device_times` and
+    ``self_device_s`` in every ``top`` entry."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = _cuda()
     step()
     _synchronize()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for _ in range(iterations):
             step()
-        _synchronize()  # every kernel of the profiled calls finishes inside the profile
+        _synchronize()
     averages = prof.key_averages()
-    # the window ends by draining the GPU (cudaDeviceSynchronize): host time waiting, not the step's own work
     drain = (lambda key: key.startswith("cudaDeviceSynchronize")) if cuda else (lambda key: False)
     events = sorted(
         (e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and not drain(e.key)),
@@ -341,22 +328,20 @@ def device_times(events: Iterable, iterations: int = 1) -> dict:
     cpu = torch.autograd.DeviceType.CPU
     events = list(events)
 
-    # torch < 2.4 names the field self_cuda_time_total and has no user-annotation events on the device
-    def self_us(e):
+    def self_us(e):  # torch < 2.4: self_cuda_time_total
         return e.self_device_time_total if hasattr(e, "self_device_time_total") else e.self_cuda_time_total
 
-    total = (
-        sum(self_us(e) for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False))
-        / 1e6
-        / iterations
-    )
+    device = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
     by_op = {e.key: self_us(e) / 1e6 / iterations for e in events if e.device_type == cpu and self_us(e) > 0}
-    return {"total_self_device_s": total, "device_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+    return {
+        "total_self_device_s": sum(map(self_us, device)) / 1e6 / iterations,
+        "device_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def keep_freed_memory_for_run() -> None:
     """``--keep-freed-memory``: glibc's malloc keeps freed memory for the rest of the process, as the
-    ``KeepFreedMemory`` callback does in training (no page faults on large outputs every step)."""
+    ``KeepFreedMemory`` callback does in training."""
     from comera_lightning.training.host_memory import keep_freed_memory
 
     if not keep_freed_memory(True):
@@ -405,9 +390,8 @@ def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
 
 
 def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task: str = "classifier") -> nn.Module:
-    """The ``SequenceClassifier`` (``task="mlm"``: the ``MaskedLanguageModel``) of ``shape``, dense (``tt=False``) or
-    CoMERA (TT linears and TT word embedding), in train mode, on ``device`` (initialised on the CPU, so every device
-    starts from the same weights)."""
+    """The ``SequenceClassifier`` (``task="mlm"``: ``MaskedLanguageModel``) of ``shape``, dense or CoMERA (TT linears
+    and word embedding), in train mode, initialised on the CPU (the same weights on every device)."""
     from comera_lightning.models import MaskedLanguageModel, SequenceClassifier
 
     layers = dict(tt_linears=tt, tt_embeddings=tt, rank=shape.rank, embedding_rank=shape.embedding_rank)
@@ -428,8 +412,7 @@ def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task
 
 
 def make_batch(shape: Shape, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and random class labels, drawn on the CPU
-    (the same on every device) and put on ``device``."""
+    """Random token ids ``(batch, seq_len)`` (never the padding id 0) and class labels, drawn on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, shape.vocab_size, (batch, shape.seq_len), generator=gen)
     return ids.to(device), torch.randint(0, shape.num_classes, (batch,), generator=gen).to(device)
@@ -462,22 +445,21 @@ def bench_parser(doc: str, *, repeats: tuple[int, int]) -> argparse.ArgumentPars
     """A parser with the shared options: ``--quick``, ``--threads``, ``--out-dir`` and, for :func:`interleave`,
     ``--repeats`` (default ``repeats``: quick, full), ``--max-other-load`` and ``--wait-quiet``."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small version: the plumbing in seconds")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch decides)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where JSON/PNG go (default %(default)s)")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--quick", action="store_true", help="a small version: the plumbing in seconds")
+    add("--threads", type=int, default=None, help="torch.set_num_threads (default: torch decides)")
+    add("--out-dir", type=Path, default=RESULTS_DIR, help="where JSON/PNG go (default %(default)s)")
+    add(
         "--repeats", type=int, default=Quick(*repeats), help=f"clean rounds at least ({repeats[1]}, quick {repeats[0]})"
     )
-    parser.add_argument(
+    add(
         "--max-other-load",
         type=float,
         default=0.15,
         help="a round in which other processes took more than this share of the CPUs (/proc/stat) is left out of "
         "the medians and retried (default 0.15; 1 keeps all)",
     )
-    parser.add_argument(
-        "--wait-quiet", type=float, default=0.0, metavar="SECONDS", help="wait up to this long for a quiet machine"
-    )
+    add("--wait-quiet", type=float, default=0.0, metavar="SECONDS", help="wait up to this long for a quiet machine")
     return parser
 
 
@@ -564,18 +546,23 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
+def verdict(measured: float | None, target: float, higher_is_better: bool = True) -> str:
+    """'met' / 'MISSED' of a measured value against a target ('n/a' when nothing was measured)."""
+    if measured is None:
+        return "n/a"
+    return "met" if (measured >= target if higher_is_better else measured <= target) else "MISSED"
+
+
 def table(headers: str | Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A markdown table; ``headers`` a list, or one string of them separated by ``|``."""
     if isinstance(headers, str):
         headers = headers.split("|")
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def write_json(path: Path, payload: dict) -> Path:
-    """Write ``payload`` as indented JSON, creating the folder (replaced whole: a kill mid-write leaves the old
-    file); returns the path."""
+    """Write ``payload`` as indented JSON, creating the folder; replaced whole (a kill mid-write leaves the old)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(payload, indent=1, default=str))
@@ -617,14 +604,7 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
 
 
 def label_axes(
-    ax,
-    xlabel: str | None = None,
-    ylabel: str | None = None,
-    *,
-    xlog: bool = False,
-    ylog: bool = False,
-    title: str | None = None,
-    legend: bool = True,
+    ax, xlabel: str | None = None, ylabel: str | None = None, *, xlog=False, ylog=False, title=None, legend=True
 ) -> None:
     """Labels, log scales, a title, a light grid and a small legend on ``ax``."""
     if xlabel is not None:
