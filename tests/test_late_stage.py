@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from itertools import pairwise
 
@@ -14,9 +15,12 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning import TTLinear
 from comera_lightning.callbacks import PaperLateStage, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import size_report, tt_layers
-from comera_lightning.rank_adaptation.late_stage import ramp_fraction_for
+from comera_lightning.rank_adaptation.late_stage import LateStagePolicy, late_stage_policy, ramp_fraction_for
 from comera_lightning.rank_adaptation.objectives import (
+    ObjectiveWeights,
     compressible_target_size,
+    early_stage_weights,
+    late_stage_weights,
     layer_removal_caps,
     plan_rank_cuts,
     scheduled_size,
@@ -62,13 +66,20 @@ def test_ratio_target_below_the_floor_warns_and_clamps(tmp_path):
         truncate_every_n_steps=None,
         late_stage=ScheduledLateStage(ramp_steps=4),
     )
-    with pytest.warns(UserWarning, match=r"below what rank 1 everywhere allows \(.*\); aiming for that floor"):
-        _trainer(tmp_path, [callback], max_steps=4).fit(model, regression_loader())
     layers = [layer for _, layer in tt_layers(model)]
     other = sum(p.numel() for p in model.parameters()) - sum(
         p.numel() for layer in layers for p in [*layer.cores, *layer.gates]
     )
-    assert callback.target_size == other + sum(minimum_train_size(layer.mode_sizes) for layer in layers)
+    floor = other + sum(minimum_train_size(layer.mode_sizes) for layer in layers)
+    dense = other + sum(layer.dense_parameters for layer in layers)
+    message = (
+        f"RankAdaptation: the size target of {other + 1e-4 * (size_report(model).active_parameters - other):,.0f} "
+        f"parameters is below what rank 1 everywhere allows ({floor:,}); aiming for that floor instead (compression "
+        f"{dense / floor:.1f}x). Raise target_size / target_size_ratio or lower target_compression"
+    )
+    with pytest.warns(UserWarning, match=f"^{re.escape(message)}$"):
+        _trainer(tmp_path, [callback], max_steps=4).fit(model, regression_loader())
+    assert callback.target_size == floor
 
 
 def test_reachable_ratio_target_does_not_warn(tmp_path):
@@ -443,7 +454,265 @@ def test_taylor_saliency_is_a_running_mean_of_gate_times_gradient_and_follows_tr
     policy.after_truncation([(stale, type(record[0][1])(None, torch.tensor([0])))])
     assert all(torch.equal(policy.saliency[key], value) for key, value in now.items())
     # without observations there is nothing to rank by: a clear error, not a silent fallback
-    with pytest.raises(RuntimeError, match=r"no gradient saliency .* use importance='norm'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^ScheduledLateStage has no gradient saliency for bond 0 of layer 0; observe\(\) must run before every "
+        r"optimiser step \(RankAdaptation does this\), or use importance='norm'$",
+    ):
         ScheduledLateStage(ramp_steps=4)._importances([TTLinear(16, 16, 4, in_modes=[4, 4], out_modes=[4, 4])])
     with pytest.raises(ValueError, match="importance must be 'taylor' or 'norm'"):
         ScheduledLateStage(importance="random")
+
+
+# ---------------------------------------------------------------------------------------------- the policies' settings
+def test_ramp_fraction_for_takes_any_positive_sizes_and_refuses_a_zero_target():
+    # sizes in any unit, e.g. shares of the dense size below 1
+    assert ramp_fraction_for(0.5, 0.25) == 0.6
+    assert ramp_fraction_for(1.0, 0.1) == pytest.approx(0.6 * math.log(10) / math.log(5))
+    for start, target in ((0.0, 1.0), (1.0, 0.0), (-1.0, 1.0)):
+        with pytest.raises(ValueError, match=rf"^sizes must be positive, got start {start} and target {target}$"):
+            ramp_fraction_for(start, target)
+
+
+def test_the_base_policy_cuts_nothing():
+    layer = TTLinear(16, 16, 4, in_modes=[4, 4], out_modes=[4, 4])
+    assert LateStagePolicy().cut(100, 1.0, 1e9, [layer]) == 0
+    assert all(bool(mask.all()) for mask in layer.rank_masks)
+
+
+def test_paper_late_stage_checks_its_bases_and_passes_them_to_the_scalarisation():
+    # loss at its target, size twice its target: push the size (lam = 1); the reverse: push the loss (lam = 0)
+    push_size, push_loss = (1.0, 100.0, 1.0, 50.0), (2.0, 100.0, 1.0, 100.0)
+    assert PaperLateStage().weights(*push_size, gamma=0.5) == late_stage_weights(*push_size, 1.1, 0.01)
+    assert PaperLateStage().weights(*push_loss, gamma=0.5) == ObjectiveWeights(task=1.1, penalty=0.01, lam=0.0)
+    policy = PaperLateStage(task_weight_base=2.0, penalty_weight_base=0.5)
+    assert policy.weights(*push_size, gamma=0.01) == ObjectiveWeights(task=1.0, penalty=1.5, lam=1.0)
+    assert policy.weights(*push_loss, gamma=0.01) == ObjectiveWeights(task=2.0, penalty=0.5, lam=0.0)
+    PaperLateStage(task_weight_base=1.0001, penalty_weight_base=0.0)  # both ends of the ranges
+    for bad in (1.0, math.inf, math.nan):
+        with pytest.raises(
+            ValueError,
+            match=r"^task_weight_base must be > 1 so the task loss keeps a positive weight \(task_weight_base - 1\) "
+            rf"while the late stage pushes the size, got {bad}$",
+        ):
+            PaperLateStage(task_weight_base=bad)
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(ValueError, match=rf"^penalty_weight_base must be >= 0 and finite, got {bad}$"):
+            PaperLateStage(penalty_weight_base=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ramp_fraction": 0.0}, "ramp_fraction must be in (0, 1] or None, got 0.0"),
+        ({"ramp_fraction": 1.5}, "ramp_fraction must be in (0, 1] or None, got 1.5"),
+        ({"ramp_steps": 0}, "ramp_steps must be >= 1 or None, got 0"),
+        ({"cut_every_n_steps": 0}, "cut_every_n_steps must be >= 1, got 0"),
+        ({"max_cut_fraction": 0.0}, "max_cut_fraction must be in (0, 1], got 0.0"),
+        ({"max_cut_fraction": 1.5}, "max_cut_fraction must be in (0, 1], got 1.5"),
+        ({"loss_tolerance": -0.1}, "loss_tolerance must be >= 0 and finite, got -0.1"),
+        ({"loss_tolerance": math.inf}, "loss_tolerance must be >= 0 and finite, got inf"),
+        ({"penalty_weight": -0.1}, "penalty_weight must be >= 0 and finite or None, got -0.1"),
+        ({"penalty_weight": math.inf}, "penalty_weight must be >= 0 and finite or None, got inf"),
+        ({"saliency_smoothing": 1.0}, "saliency_smoothing must be in [0, 1), got 1.0"),
+        ({"saliency_smoothing": -0.1}, "saliency_smoothing must be in [0, 1), got -0.1"),
+        ({"layer_floor": -0.1}, "layer_floor must be in [0, 1], got -0.1"),
+        ({"layer_floor": 1.5}, "layer_floor must be in [0, 1], got 1.5"),
+        ({"importance": "random"}, "importance must be 'taylor' or 'norm', got 'random'"),
+        (
+            {"cut_every_n_steps": 5, "max_pause_steps": 4},
+            "max_pause_steps (4) must be >= cut_every_n_steps (5) or None",
+        ),
+    ],
+)
+def test_scheduled_late_stage_refuses_each_setting_outside_its_range(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ScheduledLateStage(**kwargs)
+
+
+def test_scheduled_late_stage_accepts_both_ends_of_its_ranges_and_has_documented_defaults():
+    policy = ScheduledLateStage(
+        ramp_fraction=1.0,
+        ramp_steps=1,
+        cut_every_n_steps=1,
+        max_cut_fraction=1.0,
+        loss_tolerance=0.0,
+        max_pause_steps=1,
+        penalty_weight=0.0,
+        saliency_smoothing=0.0,
+        layer_floor=1.0,
+    )
+    assert (policy.max_cut_fraction, policy.max_pause_steps, policy.layer_floor) == (1.0, 1, 1.0)
+    ScheduledLateStage(penalty_weight=0.5, layer_floor=0.0)
+    default = ScheduledLateStage()
+    assert (default.ramp_fraction, default.ramp_steps, default.cut_every_n_steps) == (None, None, 25)
+    assert (default.max_cut_fraction, default.loss_tolerance, default.max_pause_steps) == (0.1, 0.02, 100)
+    assert (default.penalty_weight, default.importance, default.saliency_smoothing, default.layer_floor) == (
+        None,
+        "taylor",
+        0.95,
+        0.0,
+    )
+    assert ScheduledLateStage(cut_every_n_steps=7).max_pause_steps == 28
+    # a fresh policy has no schedule yet: nothing started, nothing cut, no goal
+    assert default.state_dict() == {
+        "start_step": None,
+        "start_size": None,
+        "target_size": None,
+        "ramp": None,
+        "last_cut_step": None,
+        "loss_before_last_cut": None,
+        "slices_cut": 0,
+        "layer_sizes_at_start": None,
+        "saliency": {},
+    }
+    metrics = default.metrics()
+    assert metrics.keys() == {"comera/size_goal", "comera/slices_cut"} and math.isnan(metrics["comera/size_goal"])
+    assert metrics["comera/slices_cut"] == 0.0
+
+
+def test_late_stage_policy_by_name_or_instance():
+    assert isinstance(late_stage_policy("paper"), PaperLateStage)
+    assert isinstance(late_stage_policy("scheduled"), ScheduledLateStage)
+    policy = PaperLateStage(task_weight_base=3.0)
+    assert late_stage_policy(policy) is policy
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown late-stage policy 'fast'; use one of \['paper', 'scheduled'\] or a LateStagePolicy instance$",
+    ):
+        late_stage_policy("fast")
+
+
+def test_scheduled_late_stage_keeps_the_early_objective_with_its_own_penalty_weight():
+    args = (2.0, 100.0, 1.0, 50.0)
+    assert ScheduledLateStage().weights(*args, gamma=0.05) == early_stage_weights(0.05)
+    assert ScheduledLateStage(penalty_weight=0.3).weights(*args, gamma=0.05) == early_stage_weights(0.3)
+    assert ScheduledLateStage(penalty_weight=0.0).weights(*args, gamma=0.05) == early_stage_weights(0.0)
+
+
+def test_the_schedule_must_be_started_before_it_is_read():
+    with pytest.raises(
+        ValueError,
+        match=r"^ScheduledLateStage cannot size its schedule: the run's length is unknown \(no max_steps / "
+        r"max_epochs, e.g. max_time only\); set ramp_steps$",
+    ):
+        ScheduledLateStage().start(0, 100.0, 50.0, None)
+    with pytest.raises(AssertionError, match=r"^start\(\) was not called$"):
+        ScheduledLateStage().goal(5)
+    # a partly restored schedule is refused, not read with a missing value
+    for state in (
+        {"start_step": 3},
+        {"ramp": 5},
+        {"start_step": 3, "start_size": 100.0, "target_size": 50.0},
+        {"start_step": 3, "ramp": 5, "start_size": 100.0},
+    ):
+        policy = ScheduledLateStage()
+        policy.load_state_dict(state)
+        with pytest.raises(AssertionError, match=r"^start\(\) was not called$"):
+            policy.goal(5)
+
+
+# ---------------------------------------------------------------------------------------------- the policy's cuts
+def _one_bond_layer(scale: float, weak: int | None = None) -> TTLinear:
+    """A rank-4 layer of two cores whose slices are equally important, but slice ``weak`` 10x less."""
+    layer = TTLinear(16, 16, 4, in_modes=[16], out_modes=[16])
+    with torch.no_grad():
+        for core in layer.cores:
+            core.fill_(scale)
+        if weak is not None:
+            layer.cores[0][..., weak] *= 0.1
+    return layer
+
+
+def test_norm_importance_ranks_each_slice_relative_to_its_bonds_mean():
+    # layer 0 is tiny in absolute terms (norms far below 1) but uniform; layer 1 is large with one weak slice:
+    # relative to their bonds' means, the weak slice of layer 1 is the least important of all
+    layers = [_one_bond_layer(1e-3), _one_bond_layer(10.0, weak=2)]
+    policy = ScheduledLateStage(ramp_steps=1, cut_every_n_steps=1, importance="norm")
+    size = sum(layer.active_parameters() for layer in layers)
+    policy.start(0, size, size - 1, None)
+    assert policy.cut(1, 1.0, size, layers) == 1
+    assert layers[0].active_ranks[1] == 4
+    assert not bool(layers[1].rank_masks[0][2]) and layers[1].active_ranks[1] == 3
+
+
+def test_layer_floor_zero_ranks_every_slice_globally_even_when_one_layer_gives_more_than_its_size():
+    # a four-core layer with cheap slices everywhere: cutting three bonds at once counts more parameters than the
+    # layer holds (a slice of each bond counts the core they share), and still the global ranking takes only its
+    # slices while they last, never one of the other layer's
+    torch.manual_seed(0)
+    cheap, costly = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4]), _one_bond_layer(1.0)
+    counted = sum(k * n for k, n in zip(cheap.slice_parameters(), [3, 7, 3], strict=True))
+    assert cheap.active_parameters() == 288 and counted > 288
+    for layer, grad in ((cheap, 0.01), (costly, 1.0)):
+        for gate in layer.gates:
+            gate.grad = torch.full_like(gate, grad)
+    policy = ScheduledLateStage(ramp_steps=1, cut_every_n_steps=1, max_cut_fraction=1.0, layer_floor=0.0)
+    policy.observe([cheap, costly])
+    size = cheap.active_parameters() + costly.active_parameters()
+    policy.start(0, size, size - 400, None)
+    assert policy.cut(1, 1.0, size, [cheap, costly]) > 0
+    assert costly.active_ranks[1] == 4 and min(cheap.active_ranks[1:-1]) < 4
+
+
+def test_cut_returns_and_counts_the_slices_it_masks_and_reports_its_goal():
+    torch.manual_seed(0)
+    layers = [TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4]) for _ in range(2)]
+    policy = ScheduledLateStage(ramp_steps=4, cut_every_n_steps=2, max_cut_fraction=0.5, importance="norm")
+    size = sum(layer.active_parameters() for layer in layers)
+    assert policy.cut(5, 1.0, size, layers) == 0  # not started: nothing to do
+    policy.start(0, size, size / 4, None)
+    before = policy.state_dict()
+    assert policy.cut(1, 1.0, size, layers) == 0  # too soon after the switch
+    assert policy.state_dict() == before
+
+    def active() -> int:
+        return sum(int(mask.sum()) for layer in layers for mask in layer.rank_masks)
+
+    total, counts = active(), []
+    for step in (2, 4):
+        masked = active()
+        counts.append(policy.cut(step, 1.0, sum(layer.active_parameters() for layer in layers), layers))
+        assert counts[-1] == masked - active() > 1  # several bonds cut at once, every slice counted
+        assert policy.metrics() == {"comera/size_goal": policy.goal(step), "comera/slices_cut": float(sum(counts))}
+    assert policy.slices_cut == sum(counts) == total - active()
+
+
+def test_a_cut_at_the_goal_changes_nothing():
+    layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    policy = ScheduledLateStage(ramp_steps=1, cut_every_n_steps=1, importance="norm", layer_floor=0.5)
+    size = layer.active_parameters()
+    policy.start(0, size, size, None)
+    before = policy.state_dict()
+    assert policy.cut(3, 1.0, size, [layer]) == 0
+    assert policy.state_dict() == before and layer.active_ranks == layer.ranks
+
+
+def test_a_loss_exactly_at_the_tolerance_has_recovered():
+    layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    policy = ScheduledLateStage(
+        ramp_steps=10, cut_every_n_steps=2, max_cut_fraction=0.25, loss_tolerance=0.0, importance="norm"
+    )
+    policy.start(0, layer.active_parameters(), layer.active_parameters() / 4, None)
+    assert policy.cut(2, 1.5, layer.active_parameters(), [layer]) > 0
+    assert policy.cut(4, 1.5, layer.active_parameters(), [layer]) > 0  # the same loss: no wait
+
+
+def test_scheduled_policy_state_keeps_the_saliency_and_an_empty_state_is_a_fresh_policy():
+    torch.manual_seed(0)
+    layer = TTLinear(16, 16, 8, in_modes=[4, 4], out_modes=[4, 4])
+    policy = ScheduledLateStage(ramp_steps=5)
+    for gate in layer.gates:
+        gate.grad = torch.randn_like(gate)
+    policy.observe([layer])
+    policy.start(3, 100.0, 20.0, None)
+    policy.slices_cut = 4
+    restored = ScheduledLateStage(ramp_steps=5)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.saliency.keys() == policy.saliency.keys() == {f"0.{k}" for k in range(layer.num_bonds)}
+    for key, value in policy.saliency.items():
+        torch.testing.assert_close(restored.saliency[key], value)
+    assert (restored.start_step, restored.ramp, restored.slices_cut) == (3, 5, 4)
+    fresh = ScheduledLateStage(ramp_steps=5)
+    fresh.load_state_dict({})
+    assert (fresh.start_step, fresh.slices_cut, fresh.saliency) == (None, 0, {})

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, Sched
 from comera_lightning.nn import TTLinear, size_report, tt_layers
 from comera_lightning.nn.base import TruncationRecord
 from comera_lightning.rank_adaptation.cuts import cut_sharded_, slice_optimizer_state, truncate_sharded
-from comera_lightning.rank_adaptation.objectives import rank_penalty
+from comera_lightning.rank_adaptation.objectives import rank_penalty, truncate_dead_slices_
 from comera_lightning.tt import bond_weights
 
 
@@ -273,6 +276,174 @@ def test_bad_configuration_errors(tmp_path):
         )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"penalty": "l2"}, "penalty must be 'weighted' or 'mean', got 'l2'"),
+        ({"gamma": -0.1}, "gamma must be >= 0 and finite, got -0.1"),
+        ({"gamma": math.inf}, "gamma must be >= 0 and finite, got inf"),
+        ({"target_compression": 1.0}, "target_compression must be > 1 (dense / compressed) and finite, got 1.0"),
+        ({"target_compression": math.inf}, "target_compression must be > 1 (dense / compressed) and finite, got inf"),
+        ({"late_start_epoch": -1}, "late_start_epoch must be >= 0 or None, got -1"),
+        ({"late_start_step": -1}, "late_start_step must be >= 0 or None, got -1"),
+        ({"late_start_loss": math.nan}, "late_start_loss must be a finite number or None, got nan"),
+        (
+            {"late_start_fraction": -0.1},
+            "late_start_fraction must be in [0, 1) (a share of the run's optimiser steps) or None, got -0.1",
+        ),
+        (
+            {"late_start_fraction": 1.0},
+            "late_start_fraction must be in [0, 1) (a share of the run's optimiser steps) or None, got 1.0",
+        ),
+        ({"target_loss": math.inf}, "target_loss must be a finite number or None, got inf"),
+        ({"target_size": 0}, "target_size must be a positive parameter count, got 0"),
+        ({"target_size_ratio": 0.0}, "target_size_ratio must be in (0, 1), got 0.0"),
+        ({"target_size_ratio": 1.0}, "target_size_ratio must be in (0, 1), got 1.0"),
+        ({"threshold": -0.1}, "threshold must be in [0, 1) (gates start at 1), got -0.1"),
+        ({"threshold": 1.0}, "threshold must be in [0, 1) (gates start at 1), got 1.0"),
+        ({"mask_every_n_steps": 0}, "mask_every_n_steps must be >= 1, got 0"),
+        ({"truncate_every_n_steps": 0}, "truncate_every_n_steps must be >= 1 or None, got 0"),
+        ({"min_dead_fraction": 0.0}, "min_dead_fraction must be in (0, 1], got 0.0"),
+        ({"min_dead_fraction": 1.5}, "min_dead_fraction must be in (0, 1], got 1.5"),
+        ({"loss_smoothing": -0.1}, "loss_smoothing must be in [0, 1), got -0.1"),
+        ({"loss_smoothing": 1.0}, "loss_smoothing must be in [0, 1), got 1.0"),
+    ],
+)
+def test_each_setting_outside_its_range_is_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        RankAdaptation(**kwargs)
+
+
+def test_both_ends_of_every_range_are_accepted_and_the_defaults_are_the_documented_ones():
+    RankAdaptation(
+        penalty="mean",
+        gamma=0.0,
+        late_start_epoch=0,
+        late_start_step=0,
+        late_start_loss=-1.0,
+        late_start_fraction=0.0,
+        target_compression=1.0001,
+        target_size=1,
+        target_size_ratio=0.999,
+        target_loss=0.0,
+        threshold=0.0,
+        mask_every_n_steps=1,
+        truncate_every_n_steps=1,
+        min_dead_fraction=1.0,
+        loss_smoothing=0.0,
+    )
+    RankAdaptation(threshold=0.999, target_size_ratio=0.001, loss_smoothing=0.999, min_dead_fraction=0.001)
+    callback = RankAdaptation()
+    assert (callback.penalty, callback.gamma, callback.threshold) == ("weighted", 0.01, None)
+    assert (callback.late_start_epoch, callback.late_start_step, callback.late_start_loss) == (None, None, None)
+    assert (callback.late_start_fraction, callback.target_compression, callback.target_size_arg) == (None, None, None)
+    assert (callback.target_size_ratio, callback.target_loss_arg) == (0.2, None)
+    assert (callback.mask_every_n_steps, callback.truncate_every_n_steps, callback.min_dead_fraction) == (1, 100, 0.25)
+    assert (callback.loss_key, callback.loss_smoothing) == ("loss", 0.9)
+    assert isinstance(callback.late_stage, ScheduledLateStage)
+    assert callback.late_stage.cut_every_n_steps == 25  # the policy's own defaults
+
+
+def _sizes(model) -> tuple[int, int]:
+    """(dense-equivalent size, rank-1 floor) of ``model``, both counting its parameters outside the TT layers."""
+    layers = [layer for _, layer in tt_layers(model)]
+    tt_ids = {id(p) for layer in layers for p in [*layer.cores, *layer.gates]}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in tt_ids)
+    dense = sum(layer.dense_parameters for layer in layers) + other
+    return dense, sum(layer.minimum_parameters() for layer in layers) + other
+
+
+def test_the_late_stage_takes_the_targets_asked_for_and_reports_them(tmp_path, caplog):
+    model = TinyRegressor()
+    dense, _ = _sizes(model)
+    callback = RankAdaptation(
+        gamma=0.05,
+        late_start_step=2,
+        target_compression=4.0,
+        target_loss=0.5,
+        truncate_every_n_steps=None,
+        late_stage=ScheduledLateStage(ramp_steps=4),
+    )
+    early = callback.comera_metrics()
+    assert early.keys() == {
+        "comera/stage",
+        "comera/penalty",
+        "comera/lambda",
+        "comera/task_weight",
+        "comera/penalty_weight",
+        "comera/truncations",
+    }
+    assert math.isnan(early["comera/penalty"])
+    assert [early[k] for k in ("comera/stage", "comera/lambda", "comera/task_weight", "comera/truncations")] == [
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
+    assert early["comera/penalty_weight"] == 0.05
+    caplog.set_level(logging.INFO)
+    with pytest.warns(UserWarning, match="training ended at"):  # 3 steps reach no target
+        _trainer(tmp_path, [callback], max_steps=3).fit(model, regression_loader())
+    assert callback.stage == 1 and callback.switch_step == 2
+    assert callback.target_size == dense / 4.0 and callback.target_loss == 0.5
+    assert re.search(
+        rf"RankAdaptation: late stage from step 2: size [0-9,]+ -> target {dense / 4.0:,.0f} parameters, "
+        r"loss target 0\.5",
+        caplog.text,
+    )
+    late = callback.comera_metrics()
+    assert late["comera/stage"] == 1.0 and late["comera/target_size"] == dense / 4.0
+    assert late["comera/loss_ema"] == callback.loss_ema
+    assert late["comera/size_goal"] == callback.late_stage.goal(3) and late["comera/slices_cut"] == 0.0
+
+
+def test_a_size_target_exactly_at_the_floor_is_reachable(tmp_path):
+    _, floor = _sizes(TinyRegressor())
+    callback = RankAdaptation(
+        late_start_step=2, target_size=floor, truncate_every_n_steps=None, late_stage=ScheduledLateStage(ramp_steps=4)
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*training ended at.*")
+        warnings.filterwarnings("error", message=".*rank 1 everywhere.*")
+        _trainer(tmp_path, [callback], max_steps=3).fit(TinyRegressor(), regression_loader())
+    assert callback.stage == 1 and callback.target_size == floor
+
+
+class _TwoProcesses:
+    """A strategy's ``reduce`` as under DDP with a second process whose loss is ``other``: "mean" averages,
+    "sum" (or None) adds, anything else is an error."""
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if reduce_op == "mean":
+            return (tensor + self.other) / 2
+        if reduce_op in (None, "sum"):
+            return tensor + self.other
+        raise ValueError(f"unsupported reduce_op {reduce_op!r}")
+
+
+def test_the_smoothed_loss_is_the_mean_over_processes_of_a_tensor_or_a_dict_entry():
+    class _Trainer:
+        strategy = _TwoProcesses(other=3.0)
+
+    callback = RankAdaptation(loss_smoothing=0.5, loss_key="objective")
+    callback._update_loss(_Trainer(), torch.tensor(1.0))
+    assert callback.loss_ema == 2.0
+    callback._update_loss(_Trainer(), {"objective": torch.tensor(5.0), "loss": torch.tensor(100.0)})
+    assert callback.loss_ema == 0.5 * 2.0 + 0.5 * 4.0
+    callback._update_loss(_Trainer(), torch.tensor(float("nan")))  # left out
+    assert callback.loss_ema == 3.0
+    for outputs, kind in ((None, "NoneType"), ({"loss": torch.tensor(1.0)}, "dict")):
+        with pytest.raises(
+            ValueError,
+            match=rf"^RankAdaptation needs the training loss but training_step returned {kind}; return the loss "
+            r"tensor or a dict with key 'objective' \(set loss_key otherwise\)$",
+        ):
+            callback._update_loss(_Trainer(), outputs)
+
+
 def test_errors_when_model_has_no_comera_layers_or_gates_not_optimised(tmp_path):
     class Dense(TinyRegressor):
         def __init__(self):
@@ -340,6 +511,70 @@ def test_truncate_skips_layers_without_internal_bonds():
     record = callback.truncate(_Trainer(), model)
     assert record and all(p is not model.lookup.cores[0] for p, _ in record)
     assert model.lookup.ranks == [1, 1]
+
+
+def test_a_sharding_strategy_makes_the_cuts_and_the_policy_and_count_follow_them():
+    model = TinyRegressor()
+    layers = [layer for _, layer in tt_layers(model)]
+    calls, seen = [], []
+
+    class Sharding:  # stands in for FSDP2Strategy: cuts the layers itself (here without sharding them)
+        def truncate_layers_(self, layers, min_dead_fraction):
+            calls.append((layers, min_dead_fraction))
+            return truncate_dead_slices_(layers, min_dead_fraction)
+
+    class _Trainer:
+        strategy = Sharding()
+        optimizers = ()  # after_truncation must not run: the strategy converts its own optimiser state
+
+    class Seeing(ScheduledLateStage):
+        def after_truncation(self, record):
+            seen.append(record)
+
+    callback = RankAdaptation(min_dead_fraction=0.1, late_stage=Seeing())
+    assert callback.truncate(_Trainer(), model) == TruncationRecord() and callback.truncations == 0
+    for round_ in (1, 2):
+        layers[0].remove_slices_(0, [0])
+        record = callback.truncate(_Trainer(), model)
+        assert record and seen[-1] is record and callback.truncations == round_
+        assert layers[0].ranks[1] == layers[0].active_ranks[1] == 8 - round_
+    assert len(calls) == 3 and all(got == layers and fraction == 0.1 for got, fraction in calls)
+
+
+def test_the_loss_is_read_only_where_a_decision_needs_it(tmp_path):
+    callback = RankAdaptation(truncate_every_n_steps=None)  # no switch rule: the early stage never ends
+    assert not callback.needs_loss()
+    _trainer(tmp_path, [callback], max_steps=3).fit(TinyRegressor(), regression_loader())
+    assert callback.loss_ema is None and callback.stage == 0
+    assert callback.state_dict() == {
+        "stage": 0,
+        "target_size": None,
+        "target_loss": None,
+        "loss_ema": None,
+        "switch_step": None,
+        "truncations": 0,
+        "late_stage": ScheduledLateStage().state_dict(),
+    }
+    for rule in ("late_start_epoch", "late_start_step", "late_start_loss", "late_start_fraction"):
+        assert RankAdaptation(**{rule: 0}).needs_loss(), rule
+    callback.load_state_dict({"stage": 1})  # a late stage restored from a checkpoint
+    assert callback.needs_loss()
+
+
+def test_each_switch_rule_fires_from_its_threshold_on():
+    class At:  # what should_enter_late_stage reads of the trainer
+        def __init__(self, step: int, epoch: int) -> None:
+            self.global_step, self.current_epoch = step, epoch
+
+    by_step, by_epoch = RankAdaptation(late_start_step=5), RankAdaptation(late_start_epoch=2)
+    assert not by_step.should_enter_late_stage(At(4, 9)) and by_step.should_enter_late_stage(At(5, 0))
+    assert not by_epoch.should_enter_late_stage(At(99, 1)) and by_epoch.should_enter_late_stage(At(0, 2))
+    by_loss = RankAdaptation(late_start_loss=0.5)
+    assert not by_loss.should_enter_late_stage(At(99, 9))  # no loss seen yet
+    for loss_ema, fires in ((0.51, False), (0.5, True), (0.2, True)):
+        by_loss.loss_ema = loss_ema
+        assert by_loss.should_enter_late_stage(At(0, 0)) == fires, loss_ema
+    assert not RankAdaptation().should_enter_late_stage(At(10**6, 10**3))
 
 
 # ---------------------------------------------------------------------------------------------- cuts

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
+import threading
 
 import pytest
 import tensorly as tl
 import torch
 from helpers.tt_reference import F64, einsum_dense
 
+import comera_lightning.tt.cores as cores_module
 from comera_lightning.tt import (
     init_cores,
     max_ranks,
@@ -18,6 +21,7 @@ from comera_lightning.tt import (
     ttm_from_dense,
     ttm_to_dense,
 )
+from comera_lightning.tt.cores import grad_in_layout
 
 
 # --- max_ranks / resolve_ranks -----------------------------------------------------------------------------
@@ -65,8 +69,19 @@ def test_resolve_ranks_explicit_zero():
 
 @pytest.mark.parametrize("ranks", [[2, 2], [2, 2, 2, 2], [1, 2, 2, 2, 2, 1], []])
 def test_resolve_ranks_wrong_length(ranks):
-    with pytest.raises(ValueError, match=r"expected 3 internal ranks .*; pass a single int to use one rank everywhere"):
+    message = (
+        f"expected 3 internal ranks for 4 cores (modes [4, 3, 2, 5]), got {len(ranks)}: {ranks}; pass a single int "
+        "to use one rank everywhere"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         resolve_ranks([4, 3, 2, 5], ranks)
+
+
+@pytest.mark.parametrize("rank", [2.5, "4", [2, "x", 2]])
+def test_resolve_ranks_refuses_what_is_not_an_int_or_a_list_of_ints(rank):
+    message = f"rank must be an int (one rank for every bond, clamped) or a list of ints (one per bond), got {rank!r}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        resolve_ranks([4, 3, 2, 5], rank)
 
 
 def test_resolve_ranks_boundary_not_one():
@@ -102,6 +117,56 @@ def test_tt_to_dense_does_not_change_tensorly_backend():
     tt_to_dense(cores, 1)
     ttm_to_dense([torch.randn(1, 3, 2, 2, dtype=F64), torch.randn(2, 4, 3, 1, dtype=F64)])
     assert tl.get_backend() == before
+
+
+def _backend_of_another_thread() -> str:
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tl.get_backend()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "call"),
+    [
+        (
+            tl,
+            "tt_to_tensor",
+            lambda: tt_to_dense([torch.randn(1, 3, 2, dtype=F64), torch.randn(2, 4, 1, dtype=F64)], 1),
+        ),
+        (
+            tl,
+            "tt_matrix_to_tensor",
+            lambda: ttm_to_dense([torch.randn(1, 3, 2, 2, dtype=F64), torch.randn(2, 4, 3, 1, dtype=F64)]),
+        ),
+        (
+            cores_module,
+            "tensor_train",
+            lambda: tt_from_dense(torch.randn(12, 6, dtype=F64), [3, 4], [2, 3], [1, 2, 2, 2, 1]),
+        ),
+        (
+            cores_module,
+            "tensor_train_matrix",
+            lambda: ttm_from_dense(torch.randn(12, 6, dtype=F64), [3, 4], [2, 3], [1, 2, 1]),
+        ),
+    ],
+)
+def test_the_pytorch_backend_is_set_for_the_calling_thread_only(monkeypatch, owner, name, call):
+    # while a conversion runs, another thread (a data loader worker, another model's conversion) keeps its backend
+    elsewhere = _backend_of_another_thread()
+    assert elsewhere != "pytorch", "the test needs another default backend"
+    inside = []
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        inside.append((tl.get_backend(), _backend_of_another_thread()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    call()
+    assert inside == [("pytorch", elsewhere)]
+    assert tl.get_backend() == elsewhere
 
 
 @pytest.mark.parametrize("row_modes, col_modes", [([7], [3]), ([3, 4], [2, 3]), ([2, 3, 2], [2, 1, 3])])
@@ -157,6 +222,24 @@ def test_init_cores_dtype_and_generator():
     b = init_cores(shapes, 0.1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     assert all(x.dtype == torch.float64 for x in a)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # on the device asked for (meta stands in for an accelerator)
+    assert all(x.device.type == "meta" for x in init_cores(shapes, 0.1, device="meta"))
+    assert all(x.device.type == "meta" for x in init_cores(shapes, stds=[0.1, 0.2], device="meta"))
+    for kwargs in ({}, {"std": 0.1, "stds": [0.1, 0.1]}):
+        with pytest.raises(
+            ValueError,
+            match=r"^init_cores takes either std \(of the reconstructed tensor\) or stds \(one per core\)$",
+        ):
+            init_cores(shapes, **kwargs)
+
+
+def test_grad_in_layout_copies_into_the_strides_asked_for_on_the_gradients_device():
+    grad = torch.arange(6.0, dtype=F64).reshape(2, 3)
+    assert grad_in_layout(grad, (2, 3), (3, 1)) is grad  # already laid out: no copy
+    laid = grad_in_layout(grad, (2, 3), (1, 2))
+    assert laid.stride() == (1, 2) and torch.equal(laid, grad)
+    meta = grad_in_layout(torch.empty(2, 3, device="meta"), (2, 3), (1, 2))
+    assert meta.device.type == "meta" and meta.stride() == (1, 2)
 
 
 # --- TT-SVD -------------------------------------------------------------------------------------------------
