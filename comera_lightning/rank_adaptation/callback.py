@@ -46,10 +46,10 @@ EARLY, LATE = 0, 1
 
 
 def planned_steps(trainer: Trainer) -> int | None:
-    """The run's optimiser steps: ``trainer.max_steps`` when set, else Lightning's estimate from the epochs and the
-    training dataloader; None when the run has no finite length."""
-    total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
-    return int(total) if total is not None and math.isfinite(total) else None
+    """The run's optimiser steps: Lightning's estimate, the fewer of ``max_steps`` and what ``max_epochs`` of the
+    training dataloader give (the run stops at whichever comes first); None when the run has no finite length."""
+    total = trainer.estimated_stepping_batches  # -1 for an unsized dataloader without max_steps
+    return int(total) if total is not None and math.isfinite(total) and total > 0 else None
 
 
 def _at_least(value: float | None, low: float) -> bool:

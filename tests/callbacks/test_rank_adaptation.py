@@ -110,9 +110,13 @@ def test_late_stage_reaches_target_and_truncation_keeps_training(tmp_path, polic
     )
 
 
-@pytest.mark.parametrize(("limits", "switch"), [({"max_steps": 40}, 10), ({"max_steps": -1, "max_epochs": 2}, 4)])
+@pytest.mark.parametrize(
+    ("limits", "switch"),
+    [({"max_steps": 40}, 10), ({"max_steps": -1, "max_epochs": 2}, 4), ({"max_steps": 100, "max_epochs": 2}, 4)],
+)
 def test_late_start_fraction_is_a_share_of_the_planned_steps(tmp_path, limits, switch):
-    # regression_loader has 8 batches: 2 epochs are 16 steps, whose quarter is step 4
+    # regression_loader has 8 batches: 2 epochs are 16 steps, whose quarter is step 4; with both limits set the
+    # run ends at whichever comes first (here the epochs, long before step 100)
     callback = RankAdaptation(late_start_fraction=0.25, target_compression=2.0, truncate_every_n_steps=None)
     _trainer(tmp_path, [callback], **limits).fit(TinyRegressor(), regression_loader())
     assert callback.stage == 1 and callback.switch_step == switch
