@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import warnings
@@ -16,6 +15,7 @@ from tiny import TinyRegressor, regression_loader
 from comera_lightning.callbacks import ContractionPlanner, RankAdaptation, ScheduledLateStage
 from comera_lightning.nn import TTLinear, size_report, tt_layers
 from comera_lightning.nn.base import TruncationRecord
+from comera_lightning.rank_adaptation import callback as rank_adaptation_callback
 from comera_lightning.rank_adaptation.cuts import cut_sharded_, slice_optimizer_state, truncate_sharded
 from comera_lightning.rank_adaptation.objectives import rank_penalty, truncate_dead_slices_
 from comera_lightning.tt import bond_weights
@@ -357,7 +357,7 @@ def _sizes(model) -> tuple[int, int]:
     return dense, sum(layer.minimum_parameters() for layer in layers) + other
 
 
-def test_the_late_stage_takes_the_targets_asked_for_and_reports_them(tmp_path, caplog):
+def test_the_late_stage_takes_the_targets_asked_for_and_reports_them(tmp_path, rank_zero_said):
     model = TinyRegressor()
     dense, _ = _sizes(model)
     callback = RankAdaptation(
@@ -385,7 +385,7 @@ def test_the_late_stage_takes_the_targets_asked_for_and_reports_them(tmp_path, c
         0.0,
     ]
     assert early["comera/penalty_weight"] == 0.05
-    caplog.set_level(logging.INFO)
+    said = rank_zero_said(rank_adaptation_callback)
     with pytest.warns(UserWarning, match="training ended at"):  # 3 steps reach no target
         _trainer(tmp_path, [callback], max_steps=3).fit(model, regression_loader())
     assert callback.stage == 1 and callback.switch_step == 2
@@ -393,7 +393,7 @@ def test_the_late_stage_takes_the_targets_asked_for_and_reports_them(tmp_path, c
     assert re.search(
         rf"RankAdaptation: late stage from step 2: size [0-9,]+ -> target {dense / 4.0:,.0f} parameters, "
         r"loss target 0\.5",
-        caplog.text,
+        "\n".join(said),
     )
     late = callback.comera_metrics()
     assert late["comera/stage"] == 1.0 and late["comera/target_size"] == dense / 4.0
