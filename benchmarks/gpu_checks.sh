@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks (benchmarks/gpu_checks.py says what they check):
-#   bash benchmarks/gpu_checks.sh wheels           # here, with network: what the GPU machine lacks, as Python 3.12
+#   bash benchmarks/gpu_checks.sh wheels           # with network: what an offline GPU machine lacks, as Python 3.12
 #                                                  # wheels in .whl/ (about 30 MiB; .git/info/exclude lists /.whl/)
-#   bash benchmarks/gpu_checks.sh [ARGS]           # on the GPU machine (carry .whl): installs .whl/ into /tmp/site,
-#                                                  # then python -m benchmarks.gpu_checks --out "$OUT" ARGS (540 s)
-#   bash benchmarks/gpu_checks.sh rehearse [VENV]  # here: the GPU image's Python and packages (IMAGE; torch's CUDA
+#   bash benchmarks/gpu_checks.sh [ARGS]           # on the GPU machine, .whl/ copied with the checkout: installs it
+#                                                  # into /tmp/site, then python -m benchmarks.gpu_checks ARGS with
+#                                                  # results in $OUT (default benchmarks/results/gpu_checks; 540 s)
+#   bash benchmarks/gpu_checks.sh rehearse [VENV]  # on a CPU: the GPU image's Python and packages (IMAGE; CUDA
 #                                                  # build, about 5 GB, runs on the CPU) in VENV, then --cpu-dry-run
 # WHEELS is what a `comera fit` with the MLflow logger imports beyond the image's packages. galore-torch imports
 # bitsandbytes for its 8-bit optimiser only (a 43 MiB wheel): a stand-in that raises on use is written instead.
