@@ -25,7 +25,7 @@ TENSORISED = ("comera", "tt")
 COLOURS = {"dense": "tab:blue", "comera": "tab:red", "tt": "tab:green"}
 FRONTS = (
     ("train_flops", "training FLOPs", 1e12, "TFLOPs"),
-    ("train_s", "training clock (s, one other run on the machine)", 1.0, "s"),
+    ("train_s_alone", "training clock, run alone", 1.0, "s"),
     ("params_active", "active parameters", 1e3, "k"),
     ("peak_memory", "peak training-step memory", 2**20, "MiB"),
 )
@@ -35,10 +35,32 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def alone_seconds(run: dict[str, Any], clock: dict[str, Any]) -> float | None:
+    """``run``'s training clock on a quiet machine: the sum over its counted FLOPs schedule of steps x step time,
+    the step time read linearly in FLOPs between its start and end shapes as ``width_clock.py`` timed them (one
+    shape: a constant step). None if its start shape was not timed."""
+    times, flops = clock["step_s"], clock["step_flops"]
+    start, end = (f"{run['family']}/{run['width']}/{shape}" for shape in ("start", "end"))
+    if start not in times:
+        return None
+    f0, t0 = flops[start], times[start]
+    f1, t1 = (flops[end], times[end]) if end in times else (f0, t0)
+    changes = run["flops_per_step"]
+    total = 0.0
+    for (first, per_step), (following, _) in zip(changes, [*changes[1:], (run["steps"], 0)], strict=True):
+        seconds = t0 if f1 == f0 else t0 + (per_step - f0) * (t1 - t0) / (f1 - f0)
+        total += max(0, min(following, run["steps"]) - first) * seconds
+    return total
+
+
 def finals(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The finished final runs of seed 0 (the fronts' points), ordered by family and width."""
+    """The finished final runs of seed 0 (the fronts' points), ordered by family and width, each with its clock run
+    alone (``train_s_alone``) once ``width_clock.py`` has timed it."""
     order = {f: i for i, f in enumerate(LABELS)}
     runs = [r for r in state["runs"] if r["phase"] == "final" and r["seed"] == 0 and "error" not in r]
+    clock = state.get("clock_alone")
+    if clock is not None:
+        runs = [{**r, "train_s_alone": alone_seconds(r, clock)} for r in runs]
     return sorted(runs, key=lambda r: (order.get(r["family"], 9), r["width"]))
 
 
@@ -57,13 +79,13 @@ def seed_spread(state: dict[str, Any], family: str, width: int) -> tuple[float, 
 def finals_table(state: dict[str, Any]) -> str:
     lines = [
         "| model | d_model | rank | lr | active params (start) | val loss (perplexity) | seeds, spread | "
-        "training TFLOPs | training clock, s | peak step memory, MiB |",
+        "training TFLOPs | training clock, s: alone (beside another run) | peak step memory, MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in finals(state):
         spread = seed_spread(state, r["family"], r["width"])
         seeds = "1" if spread is None or spread[2] == 1 else f"{spread[2]}, {spread[1]:.3f}"
-        memory = r.get("peak_memory")
+        memory, alone = r.get("peak_memory"), r.get("train_s_alone")
         start = r.get("params_at_start", r["params_active"])
         params = f"{r['params_active'] / 1e3:,.0f} k" + (
             f" ({start / 1e3:,.0f} k)" if start != r["params_active"] else ""
@@ -71,7 +93,8 @@ def finals_table(state: dict[str, Any]) -> str:
         lines.append(
             f"| {LABELS[r['family']]} | {r['width']} | {r.get('rank') or '-'} | {r['lr']:g} | {params} | "
             f"{r['val_loss']:.3f} ({math.exp(r['val_loss']):.1f}) | {seeds} | {r['train_flops'] / 1e12:.2f} | "
-            f"{r['train_s']:.0f} | {'-' if memory is None else f'{memory / 2**20:.1f}'} |"
+            f"{'-' if alone is None else f'{alone:.0f}'} ({r['train_s']:.0f}) | "
+            f"{'-' if memory is None else f'{memory / 2**20:.1f}'} |"
         )
     return "\n".join(lines)
 
@@ -336,6 +359,20 @@ def plot_transfer(state: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def clock_line(state: dict[str, Any]) -> str:
+    """How the clock run alone was measured, or that it was not."""
+    clock = state.get("clock_alone")
+    if clock is None:
+        return "The clock run alone is not measured yet (`python -m benchmarks.studies.width_clock`)."
+    other = "; some rounds had other load on the machine" if clock["contended"] else ""
+    return (
+        f"Clock run alone: every final's training step timed by `python -m benchmarks.studies.width_clock` on a quiet "
+        f"machine ({clock['threads']} threads, {clock['repeats']} interleaved rounds, {clock['measured_at']}{other}), "
+        "CoMERA's at its start and end ranks, summed over each run's counted FLOPs schedule; Lightning's loop, data "
+        "loading and validation are not in it. In brackets: the study's own clock, beside another run."
+    )
+
+
 def render(state: dict[str, Any], name: str, figure_dir: Path, source: str | None = None) -> str:
     """The markdown of the study in ``state`` read from ``source`` (its figures written into ``figure_dir``)."""
     protocol = state["protocol"]
@@ -373,6 +410,8 @@ def render(state: dict[str, Any], name: str, figure_dir: Path, source: str | Non
         f"`standard`. Finals finished: {len(all_finals)} of {expected}.",
         "",
         finals_table(state),
+        "",
+        clock_line(state),
         "",
         f"![fronts](img/{fronts.name})",
         "",

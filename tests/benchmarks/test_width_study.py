@@ -173,14 +173,17 @@ def test_the_report_reads_the_protocols_check_as_the_study_grew_it():
 
 def test_the_headline_places_comera_on_every_front_and_says_where_it_wins():
     def final(family, width, loss, cost):
-        costs = dict(
-            train_flops=cost * 1e12, train_s=cost * 100, params_active=int(cost * 1e5), peak_memory=cost * 2**20
-        )
-        return finished(ws.Job("final", family, width, "mup", 0, 0.01, 10), loss, **costs)
+        costs = dict(train_flops=cost * 1e12, params_active=int(cost * 1e5), peak_memory=cost * 2**20)
+        return finished(ws.Job("final", family, width, "mup", 0, 0.01, 10), loss, flops_per_step=[[0, 1]], **costs)
 
     runs = [final("dense", 64, 4.0, 1.0), final("dense", 128, 3.0, 4.0)]
     runs += [final("comera", 128, 3.2, 2.0), final("comera", 768, 2.5, 8.0)]
     state = state_of(runs)
+    # a step of cost/10 s alone: 10 steps take cost s, the same cost on the clock front as on the others
+    state["clock_alone"] = {
+        "step_s": {f"{r['family']}/{r['width']}/start": r["params_active"] / 1e6 for r in runs},
+        "step_flops": {f"{r['family']}/{r['width']}/start": 1 for r in runs},
+    }
     state["protocol"].update(widths={"dense": [64, 128], "comera": [128, 768]}, steps=10, parameterization="mup")
     table = wr.headline_table(state).splitlines()
     assert len(table) == 4  # header, rule, one row per CoMERA width
@@ -189,8 +192,50 @@ def test_the_headline_places_comera_on_every_front_and_says_where_it_wins():
     assert table[3].count("outside dense's range") == 4  # beyond dense's largest cost: not extrapolated
     text = wr.headline(state)
     assert "4 of 4 of these finals finished" in text
-    assert "Below dense at the same cost: training FLOPs at d 128, training clock at d 128" in text
+    assert "Below dense at the same cost: training FLOPs at d 128, training clock, run alone at d 128" in text
     assert text.endswith("Above: nowhere.")
     early = state_of(runs[:2])
     early["protocol"].update(state["protocol"])
     assert wr.headline(early).endswith("No CoMERA (early schedule) final has finished yet.")
+
+
+def test_the_clock_alone_adds_each_stretch_of_the_counted_schedule_at_its_own_step_time():
+    run = {"family": "comera", "width": 256, "steps": 10, "flops_per_step": [[0, 100], [4, 80], [6, 60], [10, 60]]}
+    clock = {
+        "step_s": {"comera/256/start": 1.0, "comera/256/end": 0.5, "dense/64/start": 0.2},
+        "step_flops": {"comera/256/start": 100, "comera/256/end": 60, "dense/64/start": 7},
+    }
+    # 4 steps at 1 s, 2 at 0.75 s (80 FLOPs: halfway between the two shapes timed), 4 at 0.5 s
+    assert wr.alone_seconds(run, clock) == pytest.approx(7.5)
+    dense = {"family": "dense", "width": 64, "steps": 10, "flops_per_step": [[0, 7]]}
+    assert wr.alone_seconds(dense, clock) == pytest.approx(2.0)
+    assert wr.alone_seconds({**dense, "width": 128}, clock) is None  # not timed: no clock, never a guess
+
+
+def test_the_clock_alone_is_absent_from_the_fronts_until_it_was_measured():
+    run = finished(ws.Job("final", "dense", 64, "standard", 0, 0.01, 10), 3.0, flops_per_step=[[0, 1]])
+    state = state_of([run])
+    assert "train_s_alone" not in wr.finals(state)[0]
+    state["clock_alone"] = {"step_s": {"dense/64/start": 0.5}, "step_flops": {"dense/64/start": 1}}
+    assert wr.finals(state)[0]["train_s_alone"] == pytest.approx(5.0)
+
+
+def test_a_layer_is_cut_to_the_ranks_a_run_ended_with_keeping_its_leading_slices():
+    import torch
+
+    from benchmarks.studies import width_clock as wc
+    from comera_lightning.nn import TTLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(16, 16, rank=6, in_modes=[4, 4], out_modes=[4, 4]))
+    layer = model[0]
+    before = [core.detach().clone() for core in layer.cores]
+    inner = layer.ranks[1:-1]
+    wanted = [1, *[max(1, r - 2) for r in inner], 1]
+    wc.cut_to_ranks_(model, {"0": wanted})
+    assert layer.ranks == wanted
+    for k, core in enumerate(layer.cores):  # every core keeps the leading slices of both its bonds
+        assert torch.equal(core.detach(), before[k][: wanted[k], ..., : wanted[k + 1]])
+    assert model(torch.randn(3, 16)).shape == (3, 16)
+    with pytest.raises(RuntimeError, match="wanted"):
+        wc.cut_to_ranks_(model, {"0": [1, *[r + 1 for r in wanted[1:-1]], 1]})  # cannot grow back

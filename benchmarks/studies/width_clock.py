@@ -1,0 +1,140 @@
+"""The width study's wall-clock front, run alone: every final's training step timed on a quiet machine.
+
+The study trains two runs at once, so its own clock (``train_s``) is that of a machine shared with another run. This
+script times the training step of every seed-0 final's model in one process, interleaved round by round
+(``harness.interleave``, rounds with other load left out), with the machine's every thread: the step as the run
+took it (forward, backward, RankAdaptation's per-step work for CoMERA, AdamW). Dense's and the uniform TT's shape
+never changes; CoMERA's is timed at its start ranks and at the ranks its run ended with (the cores cut to them).
+
+A run's clock alone is then the sum over its counted FLOPs schedule (``flops_per_step``: FLOPs per step from each
+cut on) of steps x step time, the step time read linearly in FLOPs between the two shapes timed
+(:func:`benchmarks.studies.width_report.alone_seconds`). Lightning's loop, data loading and validation are not in
+it. The timings go into the study's JSON as ``clock_alone``; run it when the study is not running (the study
+rewrites its JSON after every run), then ``python -m benchmarks.studies.report --write``.
+
+    python -m benchmarks.studies.width_clock                     # docs/data/partial/width_stdlib.json, ~5 minutes
+    python -m benchmarks.studies.width_clock --quick --out /tmp/w.json  # the smoke study's JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shapes(state: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(``start`` or ``end``, run) for every finished seed-0 final: its start shape, and CoMERA's end shape too."""
+    runs = [r for r in state["runs"] if r["phase"] == "final" and r["seed"] == 0 and "error" not in r]
+    return [("start", r) for r in runs] + [("end", r) for r in runs if r["family"] == "comera"]
+
+
+def key_of(shape: str, run: dict[str, Any]) -> str:
+    return f"{run['family']}/{run['width']}/{shape}"
+
+
+def cut_to_ranks_(task, ranks: dict[str, list[int]]) -> None:
+    """Cut every TT layer of ``task`` to ``ranks`` (name -> boundary ranks, as a run records them): the leading
+    slices kept, the rest removed from the cores."""
+    from comera_lightning.nn import tt_layers
+
+    for name, layer in tt_layers(task):
+        wanted = ranks[name]
+        for bond, (now, keep) in enumerate(zip(layer.ranks[1:-1], wanted[1:-1], strict=True)):
+            if keep < now:
+                layer.remove_slices_(bond, range(keep, now))
+        layer.truncate_()
+        if layer.ranks != list(wanted):
+            raise RuntimeError(f"{name}: cut to ranks {layer.ranks}, wanted {wanted}")
+
+
+def candidate(spec, shape: str, run: dict[str, Any], batch):
+    """The training step of ``run``'s model at ``shape``, primed (its optimiser state exists)."""
+    import torch
+
+    from benchmarks.bench_training_step import Candidate, comera_candidate, train_step
+    from benchmarks.studies import common as study
+    from benchmarks.studies import tuned as ts
+    from benchmarks.studies.width import model_kwargs
+    from comera_lightning.optim import comera_parameter_groups
+
+    torch.manual_seed(0)
+    kwargs = model_kwargs(spec, run["family"], run["width"], run["parameterization"], run["rank"])
+    task = study.task_class(spec.name)(**ts.with_optim(kwargs, run["lr"], run["steps"]))
+    if shape == "end":
+        cut_to_ranks_(task, run["ranks_final"])
+    task.train()
+    optimizer = torch.optim.AdamW(comera_parameter_groups(task, run["lr"], ts.GATE_LR, run["lr"]))
+
+    def loss() -> torch.Tensor:
+        return ts.training_loss(task, batch)
+
+    name = key_of(shape, run)
+    if run["family"] == "comera":
+        return comera_candidate(name, task, optimizer, loss)
+    return Candidate(name, task, optimizer, train_step(optimizer, loss)).prime()
+
+
+def measure(state: dict[str, Any], quick: bool, cache_dir: Path, repeats: int, wait_quiet_s: float) -> dict:
+    """``clock_alone``: the median step seconds of every shape, with the FLOPs of the step timed."""
+    import torch
+
+    from benchmarks import harness
+    from benchmarks.studies import common as study
+    from benchmarks.studies import tuned as ts
+    from benchmarks.studies.width import data_settings
+
+    spec = ts.base_spec("lm", "stdlib", 0, state["protocol"]["steps"], quick, data_settings(quick))
+    batch = next(iter(study.build_datamodule(spec, cache_dir).val_dataloader()))
+    cands = {}
+    flops = {}
+    for shape, run in shapes(state):
+        cand = candidate(spec, shape, run, batch)
+        cands[cand.name] = cand
+        flops[cand.name] = ts.step_flops(cand.model, batch)
+    timing = harness.interleave(
+        {name: cand.step for name, cand in cands.items()}, repeats=repeats, wait_quiet_s=wait_quiet_s
+    )
+    return {
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "contended": timing.contended,
+        "step_s": timing.medians(),
+        "step_s_spread": {n: max(s) - min(s) for n, s in timing.samples.items()},
+        "step_flops": flops,
+        "machine": harness.machine_info(),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "data" / "partial" / "width_stdlib.json")
+    parser.add_argument("--quick", action="store_true", help="the JSON of a --quick study")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wait-quiet", type=float, default=300.0, help="seconds to wait for a quiet machine")
+    parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "comera")
+    args = parser.parse_args(argv)
+    if not args.out.exists():
+        parser.error(f"{args.out} does not exist: run the width study first (python -m benchmarks.studies.width)")
+    state = json.loads(args.out.read_text())
+    if not shapes(state):
+        parser.error(f"{args.out} has no finished final run of seed 0 to time")
+    clock = measure(state, args.quick, args.cache_dir, args.repeats, args.wait_quiet)
+    state = json.loads(args.out.read_text())  # re-read: only ``clock_alone`` changes
+    state["clock_alone"] = clock
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(args.out)
+    for name, seconds in clock["step_s"].items():
+        print(f"{name:>20}: {seconds * 1e3:8.1f} ms a step, {clock['step_flops'][name] / 1e9:8.2f} GFLOPs")
+    print(f"JSON: {args.out} (clock_alone; contended rounds: {clock['contended']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
