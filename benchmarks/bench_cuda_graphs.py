@@ -66,22 +66,15 @@ class BenchMLM(LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.size, self.log_loss = size, log_loss
+        dims = dict(vocab_size=size.vocab, d_model=size.d_model, num_heads=size.heads, d_ff=size.d_ff)
+        layers = dict(tt_embeddings=False, rank=size.rank)
         self.model = MaskedLanguageModel(
-            vocab_size=size.vocab,
-            d_model=size.d_model,
-            num_heads=size.heads,
-            d_ff=size.d_ff,
-            num_layers=size.layers,
-            max_len=size.seq,
-            dropout=0.0,
-            layer_config=dict(tt_embeddings=False, rank=size.rank),
+            **dims, num_layers=size.layers, max_len=size.seq, dropout=0.0, layer_config=layers
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input_ids"])
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, self.size.vocab), batch["labels"].reshape(-1), ignore_index=IGNORE
-        )
+        logits = self.model(batch["input_ids"]).float().reshape(-1, self.size.vocab)
+        loss = F.cross_entropy(logits, batch["labels"].reshape(-1), ignore_index=IGNORE)
         if self.log_loss:
             self.log("train/loss", loss)
         return loss
@@ -98,10 +91,8 @@ def make_batches(size: Size, count: int, device: str | torch.device = "cpu", see
     for _ in range(count):
         ids = torch.randint(2, size.vocab, (size.batch, size.seq), generator=g)
         masked = torch.rand(size.batch, size.seq, generator=g) < 0.15
-        labels = torch.where(masked, ids, torch.full_like(ids, IGNORE))
-        batches.append(
-            {"input_ids": torch.where(masked, torch.ones_like(ids), ids).to(device), "labels": labels.to(device)}
-        )
+        inputs, labels = torch.where(masked, torch.ones_like(ids), ids), torch.where(masked, ids, IGNORE)
+        batches.append({"input_ids": inputs.to(device), "labels": labels.to(device)})
     return batches
 
 
@@ -144,17 +135,11 @@ def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     timer = StepTimer()
     callbacks = [RankAdaptation(gamma=0.01, truncate_every_n_steps=None), ForcedTruncation(max(2, steps // 2)), timer]
+    callbacks += [graphs] if graphs else []
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    accelerator = "gpu" if device == "cuda" else "cpu"
     trainer = Trainer(
-        max_steps=steps,
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks + ([graphs] if graphs else []),
-        num_sanity_val_steps=0,
+        max_steps=steps, accelerator=accelerator, devices=1, precision=precision, callbacks=callbacks, **quiet
     )
     trainer.fit(module, DataLoader(make_batches(size, 8), batch_size=None, shuffle=False))
     return module, start, timer
@@ -192,23 +177,14 @@ def compare_training(size: Size, steps: int, precision: str, device: str, backen
     loop_c, loop_e = (
         statistics.median(t.times[skip:]) if len(t.times) > skip else math.nan for t in (timer_c, timer_e)
     )
+    counters = {k: getattr(graphs, k) for k in ("captures", "step_captures", "replays", "eager_steps")}
     return {
-        "size": size.name,
-        "precision": precision,
-        "batch": size.batch,
-        "steps": steps,
-        "backend": backend,
-        "identical": bool(update_rel <= update_tol and loss_rel <= tol),
-        "update_rel_diff": update_rel,
-        "loss_rel_diff": loss_rel,
-        "max_abs_param_diff": max_abs,
-        "max_abs_param_diff_tensor": worst,
+        **{"size": size.name, "precision": precision, "batch": size.batch, "steps": steps, "backend": backend},
+        **{"identical": bool(update_rel <= update_tol and loss_rel <= tol), "update_rel_diff": update_rel},
+        **{"loss_rel_diff": loss_rel, "max_abs_param_diff": max_abs, "max_abs_param_diff_tensor": worst},
         "tolerance": {"update_rel": update_tol, "loss_rel": tol},
         "losses": {"graphs": losses_c, "eager": losses_e},
-        "graphs": {
-            **{k: getattr(graphs, k) for k in ("captures", "step_captures", "replays", "eager_steps")},
-            "invalidations": len(graphs.invalidations),
-        },
+        "graphs": {**counters, "invalidations": len(graphs.invalidations)},
         "loop_step_s": {"graphs": loop_c, "eager": loop_e, "times_graphs": timer_c.times, "times_eager": timer_e.times},
     }
 
@@ -309,11 +285,8 @@ def verdicts(timings: list[dict]) -> list[dict]:
 def plot(timings: list[dict]):
     """Bars of the speed-up per size, precision and batch, with every paired round's ratio as dots."""
     fig, [ax] = harness.new_figure(1, max(6.0, 1.2 * len(timings)), 3.5)
-    ax.bar(
-        [f"{t['size']}\n{t['precision']}\nbatch {t['batch']}" for t in timings],
-        [t["speedup"] for t in timings],
-        color="tab:green",
-    )
+    labels = [f"{t['size']}\n{t['precision']}\nbatch {t['batch']}" for t in timings]
+    ax.bar(labels, [t["speedup"] for t in timings], color="tab:green")
     for i, t in enumerate(timings):
         ax.plot([i] * len(t["paired_speedups"]), t["paired_speedups"], "k.", markersize=3)
     ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -330,14 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--steps", type=int, default=harness.Quick(20, 40), help="training steps of the identity check (40, quick 20)")
     add("--precision", nargs="+", default=list(TOLERANCE), choices=list(TOLERANCE))
     add("--backend", choices=["cuda", "replay"], default="cuda", help="replay: the identity check on the CPU")
-    add(
-        "--timing-batches",
-        type=harness.positive_int,
-        nargs="+",
-        default=None,
-        metavar="B",
-        help="batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own batch)",
-    )
+    timed = "batch sizes the bare step is timed at (cuda backend; default: 1 and the size's own batch)"
+    add("--timing-batches", type=harness.positive_int, nargs="+", default=None, metavar="B", help=timed)
     args = harness.parse(parser, argv)
     if args.steps < 4:
         parser.error("--steps must be >= 4 (warm-up, capture, truncation and re-capture need room)")
@@ -363,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if checks:
         verdict = {True: "met", False: "MISSED"}
         rows = [
-            [c["target"], *(c[k] for k in ("size", "precision")), harness.times(c["measured"]), verdict[c["met"]]]
-            for c in checks
+            [c["target"], c["size"], c["precision"], harness.times(c["measured"]), verdict[c["met"]]] for c in checks
         ]
         print("\n" + harness.table("target|size|precision|measured|verdict", rows))
     settings = {

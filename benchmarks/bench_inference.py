@@ -88,16 +88,8 @@ def decoder_task(d_model: int, tt: bool, layers: int = DECODER_LAYERS, vocab: in
     layer_config = dict(rank=rank, embedding_rank=rank, low_rank_linears="lm_head", layer_ranks={"lm_head": 2 * rank})
     if not tt:
         layer_config = dict(tt_linears=False, tt_embeddings=False)
-    return CausalLM(
-        vocab_size=vocab,
-        d_model=d_model,
-        num_heads=max(1, d_model // 64),
-        d_ff=8 * d_model // 3,
-        num_layers=layers,
-        max_len=256,
-        dropout=0.0,
-        layer_config=layer_config,
-    ).eval()
+    dims = dict(vocab_size=vocab, d_model=d_model, num_heads=max(1, d_model // 64), d_ff=8 * d_model // 3)
+    return CausalLM(**dims, num_layers=layers, max_len=256, dropout=0.0, layer_config=layer_config).eval()
 
 
 def cut_to_compression(task: CausalLM, target: float) -> float:
@@ -160,14 +152,10 @@ def run_decode(args, d_models: list[int], batches: list[int]) -> dict:
             same = same and torch.equal(steps["comera cache"](), steps[CHECKED]())
             timing = harness.interleave(steps, warmup=0, min_sample_s=0.0, **harness.timing_options(args))
             tokens_per_s = {n: batch * args.new_tokens / timing.median(n) for n in steps}
+            peak = {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()}
             results[f"d{d_model} b{batch}"] = {
-                "d_model": d_model,
-                "batch": batch,
-                "compression": reached,
-                "cache_equals_rerun": same,
-                "tokens_per_s": tokens_per_s,
-                "peak_bytes": {name: peak_bytes(step, models[name.split()[0]]) for name, step in steps.items()},
-                "noise": timing.noise_cell(),
+                **{"d_model": d_model, "batch": batch, "compression": reached, "cache_equals_rerun": same},
+                **{"tokens_per_s": tokens_per_s, "peak_bytes": peak, "noise": timing.noise_cell()},
                 "timing": timing.summary(),
                 "parameters": {n: size_report(t.model).active_parameters for n, t in models.items()},
             }
@@ -215,13 +203,10 @@ def run_forward(args, shape, batches: list[int]) -> dict:
             timing = harness.interleave(steps, **harness.timing_options(args))
             latency = {n: timing.median(n) for n in steps}
             results[f"{kind} b{batch}"] = {
-                "kind": kind,
-                "batch": batch,
-                "latency_s": latency,
+                **{"kind": kind, "batch": batch, "latency_s": latency},
                 "peak_bytes": {n: peak_bytes(step, models[n]) for n, step in steps.items()},
                 "compression": size_report(models["comera TT"]).compression_ratio,
-                "noise": timing.noise_cell(),
-                "timing": timing.summary(),
+                **{"noise": timing.noise_cell(), "timing": timing.summary()},
             }
             print(f"{kind} b{batch}: " + ", ".join(f"{n} {harness.ms(v)} ms" for n, v in latency.items()))
     return results
@@ -239,9 +224,6 @@ def forward_table(results: dict) -> str:
         "|untensorised peak MiB|dense peak MiB|clean rounds"
     )
     return harness.table(headers, rows)
-
-
-# ------------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,16 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     markdown = []
     if args.part in ("decode", "all"):
         payload["decode"] = run_decode(args, [64] if quick else [512, 1024], [1, 2] if quick else [1, 8])
-        markdown += [
-            f"Decoding (greedy, prompt 16 tokens, {args.new_tokens} new tokens):",
-            decode_table(payload["decode"]),
-        ]
+        decoding = f"Decoding (greedy, prompt 16 tokens, {args.new_tokens} new tokens):"
+        markdown += [decoding, decode_table(payload["decode"])]
     if args.part in ("forward", "all"):
         payload["forward"] = run_forward(args, shape, [1, 2] if quick else [1, 32])
-        title = (
-            f"Forward, eval, no gradients ({shape.num_layers} encoders, d_model {shape.d_model}, seq {shape.seq_len}):"
-        )
-        markdown += [title, forward_table(payload["forward"])]
+        where = f"{shape.num_layers} encoders, d_model {shape.d_model}, seq {shape.seq_len}"
+        markdown += [f"Forward, eval, no gradients ({where}):", forward_table(payload["forward"])]
     text = "\n\n".join(markdown)
     print(text)
     harness.emit(args.out_dir / f"inference{'_quick' if quick else ''}.json", payload, markdown=text)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from benchmarks import harness
 from benchmarks.harness import Shape, build_model, make_batch, paper_shape, scaling_shape
@@ -40,6 +40,7 @@ GALORE_MISSING = "galore-torch is not installed: `pip install -e .[galore]` (gal
 TARGET_SPEEDUP_VS_DENSE = 4.0
 TARGET_MEMORY_VS_GALORE = 9.0
 DEVICES, PRECISIONS = ("cpu", "cuda"), ("32-true", "bf16-mixed")
+Loss, Hook = Callable[[], Tensor], Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,8 @@ class Execution:
     def describe(self) -> str:
         """For titles: e.g. ``float32 CPU, 2 threads`` or ``bf16-mixed (float32 weights) CUDA (NVIDIA H200)``."""
         precision = "float32" if self.precision == "32-true" else "bf16-mixed (float32 weights)"
-        where = (
-            f"CUDA ({torch.cuda.get_device_name()})"
-            if self.device == "cuda"
-            else f"CPU, {torch.get_num_threads()} threads"
-        )
+        cuda = self.device == "cuda"
+        where = f"CUDA ({torch.cuda.get_device_name()})" if cuda else f"CPU, {torch.get_num_threads()} threads"
         return f"{precision} {where}"
 
 
@@ -101,10 +99,10 @@ class Candidate:
     name: str
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    step: Callable[[], torch.Tensor] | None = None
+    step: Loss | None = None
     skipped: str | None = None
     info: dict = field(default_factory=dict)
-    extra_tensors: Callable[[], list[torch.Tensor]] = list  # tensors outside the optimiser state (projectors)
+    extra_tensors: Callable[[], list[Tensor]] = list  # tensors outside the optimiser state (projectors)
 
     @property
     def parameters(self) -> int | None:
@@ -117,22 +115,17 @@ class Candidate:
 
 
 def train_step(
-    optimizer: torch.optim.Optimizer,
-    loss: Callable[[], torch.Tensor],
-    before_step: Callable[[], None] | None = None,
-    after_step: Callable[[], None] | None = None,
-) -> Callable[[], torch.Tensor]:
+    optimizer: torch.optim.Optimizer, loss: Loss, before_step: Hook | None = None, after_step: Hook | None = None
+) -> Loss:
     """A training step: zero_grad, ``loss()``, backward, ``before_step``, ``optimizer.step()``, ``after_step``."""
 
-    def step() -> torch.Tensor:
+    def step() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
         value = loss()
         value.backward()
-        if before_step is not None:
-            before_step()
-        optimizer.step()
-        if after_step is not None:
-            after_step()
+        for hook in (before_step, optimizer.step, after_step):
+            if hook is not None:
+                hook()
         return value.detach()
 
     return step
@@ -160,7 +153,7 @@ class RankAdaptationWork:
 
 
 def comera_candidate(
-    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor], gamma: float = 0.01
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, loss: Loss, gamma: float = 0.01
 ) -> Candidate:
     """A CoMERA step: ``optimizer`` plus RankAdaptation's per-step work; primed."""
     work = RankAdaptationWork(model, optimizer, gamma)
@@ -193,13 +186,7 @@ def galore_optimizer(
 
 
 def galore_candidate(
-    name: str,
-    model: nn.Module,
-    targets: list[nn.Parameter],
-    loss: Callable[[], torch.Tensor],
-    lr: float,
-    weight_decay: float,
-    settings: dict,
+    name: str, model: nn.Module, targets: list[nn.Parameter], loss: Loss, lr: float, weight_decay: float, settings: dict
 ) -> Candidate:
     """A GaLore step at steady state (no projection refresh), ``info['refresh_step']`` one that refreshes every
     projection (SVD); primed. Skipped, with the install command, when galore-torch is missing."""
@@ -213,18 +200,18 @@ def galore_candidate(
 
     plain = train_step(optimizer, loss)
 
-    def steady() -> torch.Tensor:
+    def steady() -> Tensor:
         # GaLore refreshes when its per-parameter counter is a multiple of the gap (before incrementing)
         for state in states():
             state["step"] += state["step"] % gap == 0
         return plain()
 
-    def refresh() -> torch.Tensor:
+    def refresh() -> Tensor:
         for state in states():
             state["step"] = (state["step"] // gap + 1) * gap
         return plain()
 
-    def projectors() -> list[torch.Tensor]:
+    def projectors() -> list[Tensor]:
         mats = [state["projector"].ortho_matrix for state in states()]
         return [m for mat in mats for m in (mat if isinstance(mat, list) else [mat])]
 
@@ -244,21 +231,17 @@ def galore_candidate(
     return cand
 
 
-def classifier_loss(
-    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, execution: Execution = CPU_FP32
-) -> Callable[[], torch.Tensor]:
+def classifier_loss(model: nn.Module, ids: Tensor, labels: Tensor, execution: Execution = CPU_FP32) -> Loss:
     """Cross-entropy of the classifier on one batch under ``execution.autocast()``."""
 
-    def loss() -> torch.Tensor:
+    def loss() -> Tensor:
         with execution.autocast():
             return F.cross_entropy(model(ids), labels)
 
     return loss
 
 
-def dense_adamw(
-    shape: Shape, ids: torch.Tensor, labels: torch.Tensor, seed: int = 0, execution: Execution = CPU_FP32
-) -> Candidate:
+def dense_adamw(shape: Shape, ids: Tensor, labels: Tensor, seed: int = 0, execution: Execution = CPU_FP32) -> Candidate:
     """Dense model + ``torch.optim.AdamW``; primed."""
     model = build_model(shape, tt=False, seed=seed, device=execution.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr_other, weight_decay=0.0)
@@ -273,8 +256,8 @@ def galore_targets(model: SequenceClassifier) -> list[nn.Parameter]:
 
 def dense_galore(
     shape: Shape,
-    ids: torch.Tensor,
-    labels: torch.Tensor,
+    ids: Tensor,
+    labels: Tensor,
     seed: int = 0,
     settings: dict | None = None,
     execution: Execution = CPU_FP32,
@@ -288,10 +271,9 @@ def dense_galore(
 
 def comera(
     shape: Shape,
-    ids: torch.Tensor,
-    labels: torch.Tensor,
+    ids: Tensor,
+    labels: Tensor,
     seed: int = 0,
-    gamma: float = 0.01,
     model: nn.Module | None = None,
     name: str = COMERA,
     execution: Execution = CPU_FP32,
@@ -299,10 +281,8 @@ def comera(
     """CoMERA model (``model``, already on the device, or a new one) + AdamW over ``comera_parameter_groups`` +
     RankAdaptation's per-step work; primed."""
     model = build_model(shape, tt=True, seed=seed, device=execution.device) if model is None else model
-    optimizer = torch.optim.AdamW(
-        comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0)
-    )
-    return comera_candidate(name, model, optimizer, classifier_loss(model, ids, labels, execution), gamma)
+    groups = comera_parameter_groups(model, shape.lr_cores, shape.lr_gates, shape.lr_other, weight_decay=0.0)
+    return comera_candidate(name, model, torch.optim.AdamW(groups), classifier_loss(model, ids, labels, execution))
 
 
 def parameters_after_cut(model: nn.Module, keep: float) -> int:
@@ -331,19 +311,13 @@ def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, 
 
 
 def comera_quarter(
-    base: Candidate,
-    shape: Shape,
-    ids: torch.Tensor,
-    labels: torch.Tensor,
-    fraction: float = 0.25,
-    gamma: float = 0.01,
-    execution: Execution = CPU_FP32,
+    base: Candidate, shape: Shape, ids: Tensor, labels: Tensor, execution: Execution = CPU_FP32
 ) -> Candidate:
     """A copy of ``base``'s CoMERA model with its own AdamW, stepped once, then truncated (gates zeroed, masks
-    refreshed, cores cut, state sliced) to about ``fraction`` of its parameters."""
+    refreshed, cores cut, state sliced) to about a quarter of its parameters."""
     model = copy.deepcopy(base.model)
-    cand = comera(shape, ids, labels, gamma=gamma, model=model, name=QUARTER, execution=execution)
-    keep, basis, target = quarter_keep(model, fraction)
+    cand = comera(shape, ids, labels, model=model, name=QUARTER, execution=execution)
+    keep, basis, target = quarter_keep(model)
     with torch.no_grad():
         for _, layer in tt_layers(model):
             slice_optimizer_state([cand.optimizer], layer.truncate_to_share_(keep))
@@ -358,16 +332,14 @@ def comera_quarter(
 # measuring
 
 
-def measure_memory(cand: Candidate, inputs: Iterable[torch.Tensor]) -> dict:
+def measure_memory(cand: Candidate, inputs: Iterable[Tensor]) -> dict:
     """``harness.peak_memory`` of one step of ``cand`` (inputs and GaLore's projectors tracked too)."""
     return harness.peak_memory(
         cand.step, modules=[cand.model], optimizers=[cand.optimizer], tensors=[*cand.extra_tensors(), *inputs]
     )
 
 
-def measure(
-    cands: list[Candidate], inputs: Iterable[torch.Tensor], seed: int = 0, **timing
-) -> tuple[harness.Timing, dict]:
+def measure(cands: list[Candidate], inputs: Iterable[Tensor], seed: int = 0, **timing) -> tuple[harness.Timing, dict]:
     """``(timing, entries by name)``: the steps timed interleaved (``timing``: :func:`harness.interleave`'s keywords),
     then per candidate its parameters, median and fastest step, peak memory, kernel work and ``info`` (a skipped one:
     why). On CUDA also the allocator's peak over a step (every candidate resident), ``cuda_peak_bytes``, and what the
@@ -377,22 +349,13 @@ def measure(
     timing = harness.interleave({c.name: c.step for c in live}, seed=seed, **timing)
     entries = {c.name: {"skipped": c.skipped} for c in cands}
     for c in live:
-        memory = measure_memory(c, inputs)
-        entries[c.name].update(
-            {
-                "parameters": c.parameters,
-                "median_s": timing.median(c.name),
-                "min_s": timing.minimum(c.name),
-                "memory": memory,
-                "kernel": harness.kernel_work(c.step),
-                **{k: v for k, v in c.info.items() if k != "refresh_step"},
-            }
-        )
+        memory, entry = measure_memory(c, inputs), entries[c.name]
+        entry.update(parameters=c.parameters, median_s=timing.median(c.name), min_s=timing.minimum(c.name))
+        entry.update(memory=memory, kernel=harness.kernel_work(c.step))
+        entry.update({k: v for k, v in c.info.items() if k != "refresh_step"})
         if next(c.model.parameters()).is_cuda:
-            entries[c.name].update(
-                cuda_peak_bytes=memory["cuda_allocator_peak_bytes"],
-                cuda_step_peak_bytes=memory["cuda_allocator_peak_bytes"] - memory["cuda_allocated_before_bytes"],
-            )
+            peak = memory["cuda_allocator_peak_bytes"]
+            entry.update(cuda_peak_bytes=peak, cuda_step_peak_bytes=peak - memory["cuda_allocated_before_bytes"])
     return timing, entries
 
 
@@ -421,10 +384,8 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
     c_ops, d_ops = comera_profile["ops_s"], other_profile["ops_s"]
     stuck = {k: v for k, v in c_ops.items() if v > 0.5 * d_ops.get(k, 0.0)}
     stuck_s = sum(stuck.values())
-    worst = ", ".join(
-        f"{k} {v * 1e3:.0f} ms (vs {d_ops.get(k, 0.0) * 1e3:.0f})"
-        for k, v in sorted(stuck.items(), key=lambda kv: -kv[1])[:4]
-    )
+    ranked = sorted(stuck.items(), key=lambda kv: -kv[1])[:4]
+    worst = ", ".join(f"{k} {v * 1e3:.0f} ms (vs {d_ops.get(k, 0.0) * 1e3:.0f})" for k, v in ranked)
     bound = other_profile["total_self_cpu_s"] / max(stuck_s, 1e-12)
     line = (
         f"CoMERA step's top ops: {top}. Op types CoMERA did not make >= 2x cheaper than {against} take "
@@ -505,7 +466,7 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
 
 def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     """The targets, judged on the measured ratios of the batches measured so far."""
-    targets: list[tuple[str, int, str, Callable[[float], bool]]] = []
+    targets: list[tuple[str, int, str, Callable[[float], bool]]] = []  # (target, batch, ratio, met)
     if realistic in results:
         seq = results[realistic]["tokens_per_step"] // realistic
         what = f"CoMERA step >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than dense (batch {realistic} x {seq})"
@@ -515,13 +476,8 @@ def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
         targets.append((what, 1, "memory GaLore/CoMERA", lambda r: r >= TARGET_MEMORY_VS_GALORE))
         what = "CoMERA step faster than dense+GaLore (batch 1, GaLore amortised)"
         targets.append((what, 1, "time GaLore(amortised)/CoMERA", lambda r: r > 1.0))
-    out = []
-    for target, batch, key, met in targets:
-        measured = results[batch]["ratios"][key]
-        out.append(
-            {"target": target, "batch": batch, "measured": measured, "met": None if measured is None else met(measured)}
-        )
-    return out
+    measured = [(target, batch, results[batch]["ratios"][key], met) for target, batch, key, met in targets]
+    return [{"target": t, "batch": b, "measured": m, "met": None if m is None else met(m)} for t, b, m, met in measured]
 
 
 def quarter_note(cands: dict) -> str:
@@ -597,23 +553,16 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     rows = [[k, *(ratio(r["ratios"][k]) for r in results.values())] for k in keys]
     parts.append(harness.table(["ratio", *(f"batch {b}" for b in results)], rows))
     verdict = {True: "met", False: "MISSED", None: "n/a (skipped)"}
-    parts.append(
-        harness.table(
-            "target|measured|verdict", [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
-        )
-    )
+    checked = [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
+    parts.append(harness.table("target|measured|verdict", checked))
     return "\n\n".join(parts)
 
 
 def _time_memory_figure(width: float, time_label: str, step_s: Callable[[dict], float], draw, title: str):
     """Two panels, step time (ms) and peak memory (MiB, MemTracker): ``draw(ax, label, value of an entry)``."""
     fig, axes = harness.new_figure(2, width, 4.2)
-    panels = [
-        (time_label, lambda e: step_s(e) * 1e3),
-        ("peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20),
-    ]
-    for ax, (label, value) in zip(axes, panels, strict=True):
-        draw(ax, label, value)
+    draw(axes[0], time_label, lambda e: step_s(e) * 1e3)
+    draw(axes[1], "peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)
     fig.suptitle(title)
     return fig
 
@@ -659,12 +608,8 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
             other = GALORE if b == 1 and b != batches[-1] and not cands[GALORE].skipped else DENSE
             print(f"  profiling the {COMERA} and {other} steps", flush=True)
             prof = {"comera": harness.profile_ops(cands[COMERA].step), "other": harness.profile_ops(cands[other].step)}
-            profiles[str(b)] = {
-                "batch": b,
-                "against": other,
-                **prof,
-                "why": explain(prof["comera"], prof["other"], other),
-            }
+            why = explain(prof["comera"], prof["other"], other)
+            profiles[str(b)] = {"batch": b, "against": other, **prof, "why": why}
         del cands
     checks = verdicts(results, batches[-1])
     print("\n" + step_tables(results, checks))
@@ -703,23 +648,15 @@ def run_scaling(
             dense_adamw(shape, ids, labels, seed, execution),
             comera(shape, ids, labels, seed, execution=execution),
         ]
-        timing_, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
+        clock, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
         for entry in entries.values():
             entry["tokens_per_s"] = batch * shape.seq_len / entry["median_s"]
-        rows.append(
-            {
-                "d_model": d,
-                "shape": shape.__dict__,
-                "batch": batch,
-                "timing": timing_.summary(),
-                "modes": _modes(cands[1].model),
-                "candidates": entries,
-                "time dense/CoMERA": timing_.ratio(DENSE, COMERA),
-                "memory dense/CoMERA": entries[DENSE]["memory"]["total"] / entries[COMERA]["memory"]["total"],
-            }
-        )
-        dense_ms, comera_ms = harness.ms(timing_.median(DENSE)), harness.ms(timing_.median(COMERA))
-        print(f"  d_model {d}: dense {dense_ms} ms, CoMERA {comera_ms} ms ({timing_.noise_cell()})")
+        total = {n: e["memory"]["total"] for n, e in entries.items()}
+        ratios = {"time dense/CoMERA": clock.ratio(DENSE, COMERA), "memory dense/CoMERA": total[DENSE] / total[COMERA]}
+        row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": clock.summary()}
+        rows.append({**row, "modes": _modes(cands[1].model), "candidates": entries, **ratios})
+        dense_ms, comera_ms = harness.ms(clock.median(DENSE)), harness.ms(clock.median(COMERA))
+        print(f"  d_model {d}: dense {dense_ms} ms, CoMERA {comera_ms} ms ({clock.noise_cell()})")
     return rows
 
 
@@ -729,14 +666,9 @@ def scaling_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         d, c = r["candidates"][DENSE], r["candidates"][COMERA]
-        cells = [r["d_model"], f"{d['parameters']:,}", f"{c['parameters']:,}", harness.ms(d["median_s"])]
-        cells += [harness.ms(c["median_s"]), harness.times(r["time dense/CoMERA"])]
-        cells += [
-            harness.mib(d["memory"]["total"]),
-            harness.mib(c["memory"]["total"]),
-            harness.times(r["memory dense/CoMERA"]),
-        ]
-        cells += [_cuda_cell(d), _cuda_cell(c)] if cuda else []
+        cells = [r["d_model"], *(f"{e['parameters']:,}" for e in (d, c)), *(harness.ms(e["median_s"]) for e in (d, c))]
+        cells += [harness.times(r["time dense/CoMERA"]), *(harness.mib(e["memory"]["total"]) for e in (d, c))]
+        cells += [harness.times(r["memory dense/CoMERA"]), *([_cuda_cell(d), _cuda_cell(c)] if cuda else [])]
         body.append([*cells, f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}"])
     headers = (
         "d_model|dense params|CoMERA params|dense step ms|CoMERA step ms|time dense/CoMERA|dense peak MiB"
@@ -793,12 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
     add("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
     add("--refresh-samples", type=int, default=quick(1, 2), help="GaLore refresh steps timed at batch 1 (0 skips)")
-    add(
-        "--profile",
-        choices=["auto", "always", "never"],
-        default="auto",
-        help="profile CoMERA against dense (realistic batch) and GaLore (batch 1); auto: where a target is missed",
-    )
+    profile = "profile CoMERA against dense (realistic batch) and GaLore (batch 1); auto: where a target is missed"
+    add("--profile", choices=["auto", "always", "never"], default="auto", help=profile)
     add("--keep-freed-memory", action="store_true", help="glibc malloc keeps freed memory, as KeepFreedMemory does")
     add("--device", choices=DEVICES, default="cpu", help="where every candidate lives (default cpu)")
     add("--precision", choices=PRECISIONS, default="32-true", help="bf16-mixed: autocast as Lightning's bf16-mixed")
@@ -821,24 +749,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
         stem += "_keep_freed_memory"
-    settings = {
-        **harness.settings(args),
-        "threads": torch.get_num_threads(),
-        "dtype": "float32",
-        "autocast_dtype": "bfloat16" if execution.precision == "bf16-mixed" else None,
-        "cuda_device": torch.cuda.get_device_name() if execution.device == "cuda" else None,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "argv": argv or sys.argv[1:],
-    }
+    settings = {**harness.settings(args), "threads": torch.get_num_threads(), "dtype": "float32"}
+    settings["autocast_dtype"] = "bfloat16" if execution.precision == "bf16-mixed" else None
+    settings["cuda_device"] = torch.cuda.get_device_name() if execution.device == "cuda" else None
+    settings.update(float32_matmul_precision=torch.get_float32_matmul_precision(), argv=argv or sys.argv[1:])
     started = time.perf_counter()
     if args.part in ("step", "all"):
         shape = replace(paper, num_layers=args.layers or paper.num_layers)
         batches = [1] if args.batch == 1 else [1, args.batch]
-        print(
-            f"## training step: {shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, "
-            f"batches {batches}, {args.repeats} rounds, {execution.describe()}",
-            flush=True,
-        )
+        where = f"{shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, batches {batches}"
+        print(f"## training step: {where}, {args.repeats} rounds, {execution.describe()}", flush=True)
         payload = run_step_part(args, shape, batches, execution)
         step_settings = {**settings, "shape": shape.__dict__, "batches": batches, "galore": GALORE_SETTINGS}
         harness.emit(
@@ -847,11 +767,8 @@ def main(argv: list[str] | None = None) -> int:
             fig=plot_step(payload["results"], shape, execution),
         )
     if args.part in ("scaling", "all"):
-        print(
-            f"\n## scaling: d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x "
-            f"{paper.seq_len}, {args.repeats} rounds, {execution.describe()}",
-            flush=True,
-        )
+        where = f"d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x {paper.seq_len}"
+        print(f"\n## scaling: {where}, {args.repeats} rounds, {execution.describe()}", flush=True)
         timing = harness.timing_options(args)
         rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch, execution=execution, **timing)
         print("\n" + scaling_table(rows))

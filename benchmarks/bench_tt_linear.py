@@ -10,6 +10,7 @@ interleaved; memory as parameter, gradient and saved-for-backward bytes. benchma
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 import sys
@@ -160,6 +161,9 @@ def run_case(case: Case, seed: int, **timing) -> dict:
     best_einsum = min(EINSUM_NAMES, key=med.get)
     paired = timing.paired_ratios("nn.Linear", "planner")  # a noise indicator for the headline ratio
     keys = ("samples_s", "inner_iterations")
+    entries = {n: {"median_s": med[n], "min_s": best[n], **{k: summary[k][n] for k in keys}} for n in cands}
+    for n, entry in entries.items():
+        entry.update(memory=memory[n], max_rel_err_vs_planner=errors.get(n))
     return {
         **{"shape": case.shape, "in_features": in_f, "out_features": out_f, "rows": case.rows, "rank": case.rank},
         **{"in_modes": list(layer.in_modes), "out_modes": list(layer.out_modes), "ranks": ranks, "main": case.is_main},
@@ -169,16 +173,7 @@ def run_case(case: Case, seed: int, **timing) -> dict:
         "planner_pick": pick,
         "modelled_seconds": modelled,
         "modelled_order": sorted(modelled, key=modelled.get),
-        "candidates": {
-            n: {
-                "median_s": med[n],
-                "min_s": best[n],
-                **{k: summary[k][n] for k in keys},
-                "memory": memory[n],
-                "max_rel_err_vs_planner": errors.get(n),
-            }
-            for n in cands
-        },
+        "candidates": entries,
         "measured_plan_order": sorted(forced, key=forced.get),
         "fastest_forced_plan": fastest,
         "best_einsum": best_einsum,
@@ -248,10 +243,8 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
         c, ratios = r["candidates"], r["ratios"]
         dense, tt = c["nn.Linear"], c["planner"]
         cells = [*(r[k] for k in PAIRED), r["planner_pick"], ms(dense["median_s"]), ms(tt["median_s"])]
-        cells += [f"{ratios['dense_time_over_tt_time']:.2f}", mib(dense["memory"]["total_bytes"])]
-        rows.append(
-            [*cells, mib(tt["memory"]["total_bytes"]), f"{ratios['dense_mem_over_tt_mem']:.2f}", r["noise_cell"]]
-        )
+        cells += [f"{ratios['dense_time_over_tt_time']:.2f}", *(mib(e["memory"]["total_bytes"]) for e in (dense, tt))]
+        rows.append([*cells, f"{ratios['dense_mem_over_tt_mem']:.2f}", r["noise_cell"]])
         cells = [*(r[k] for k in PAIRED), *(ms(c[n]["median_s"]) for n in ("planner", *EINSUM_NAMES))]
         cells += [f"{ratios['best_einsum_time_over_planner_time']:.2f}"]
         cells += [ms(c[f"plan:{p}"]["median_s"]) + ("*" if p == r["planner_pick"] else "") for p in PLANS]
@@ -261,9 +254,8 @@ def render(results: list[dict], targets: dict, meta: dict) -> str:
     )
     out.append(table(headers, rows))
     out += ["", "## 2. Planner vs einsum baselines and every forced plan (ms; `*`: the planner's pick)", ""]
-    out.append(
-        table([*PAIRED, "planner", *EINSUM_NAMES, "best einsum/planner", *PLANS, "fastest", "pick/fastest"], plans)
-    )
+    plan_headers = [*PAIRED, "planner", *EINSUM_NAMES, "best einsum/planner", *PLANS, "fastest", "pick/fastest"]
+    out.append(table(plan_headers, plans))
     out += ["", "## Targets", ""]
     t1, t2 = targets["tt_at_least_5x_faster_than_dense"], targets["planner_never_slower_than_best_einsum"]
     flag = lambda x: " (contended!)" if x["contended"] else ""  # noqa: E731
@@ -340,22 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep_freed_memory:
         harness.keep_freed_memory_for_run()
     min_sample_s, min_case_s = args.min_sample_ms / 1e3, args.min_case_s
-    chosen = lambda value, allowed: allowed is None or value in allowed  # noqa: E731
-    cases = [c for c in build_cases(args.quick) if chosen(c.shape, args.shapes) and chosen(c.rows, args.rows)]
-    cases = [c for c in cases if chosen(c.rank, args.ranks)]
+    wanted = {"shape": args.shapes, "rows": args.rows, "rank": args.ranks}
+    cases = [c for c in build_cases(args.quick) if all(v is None or getattr(c, k) in v for k, v in wanted.items())]
     if not cases:
         parser.error("--shapes/--rows/--ranks leave no case to run")
-    meta = {
-        "machine": harness.machine_info(),
-        "settings": harness.settings(args),
-        "tensorly": tl.__version__,
-        "threads": torch.get_num_threads(),
-        "repeats": args.repeats,
-        "min_sample_s": min_sample_s,
-        "min_case_s": min_case_s,
-        "keep_freed_memory": args.keep_freed_memory,
-    }
-    print(f"# {len(cases)} cases, {args.repeats} rounds, {meta['threads']} threads", file=sys.stderr)
+    meta = {"machine": harness.machine_info(), "settings": harness.settings(args), "tensorly": tl.__version__}
+    meta.update(threads=torch.get_num_threads(), repeats=args.repeats, min_sample_s=min_sample_s, min_case_s=min_case_s)
+    meta["keep_freed_memory"] = args.keep_freed_memory
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    log(f"# {len(cases)} cases, {args.repeats} rounds, {meta['threads']} threads")
     results = []
     started = time.perf_counter()
     with tl.backend_context("pytorch"):
@@ -367,12 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
                 ratios = r["ratios"]
-                print(
+                log(
                     f"# [{i + 1}/{len(cases)}] {case.shape} rows={case.rows} rank={case.rank}: pick={r['planner_pick']}"
                     f" dense/tt={ratios['dense_time_over_tt_time']:.2f} einsum/planner="
-                    f"{ratios['best_einsum_time_over_planner_time']:.2f} rounds={r['noise_cell']} ({r['wall_s']:.1f}s)",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{ratios['best_einsum_time_over_planner_time']:.2f} rounds={r['noise_cell']} ({r['wall_s']:.1f}s)"
                 )
         finally:
             plugins.use_default_einsum()

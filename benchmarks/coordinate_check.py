@@ -1,12 +1,10 @@
 """The coordinate check of a parameterisation: does a layer's output, and its change in a step, keep its size as the
 model widens?
 
-muP's promise, for a layer read as a chain of dense maps (``comera_lightning.tt.parameterization``): at any width,
-Theta(1) inputs give Theta(1) outputs at initialisation, and an AdamW step at one rate changes them by Theta(1).
-This script trains a ``width -> 4 width -> width`` MLP of TT layers (rank width / 8) or low-rank ``A B`` layers (rank
-width / 4) for a few AdamW steps on a fixed batch and reports, per width, the RMS of the hidden and output
-activations at init and the RMS of their change. Flat rows are the promise kept; a row that grows with the width is
-a rate that has to shrink as the model widens.
+A ``width -> 4 width -> width`` MLP of TT layers (rank width / 8) or low-rank ``A B`` layers (rank width / 4) trains
+a few AdamW steps on a fixed batch; per width, the RMS of the hidden and output activations at init and of their
+change. Flat rows keep muP's promise (``comera_lightning.tt.parameterization``); a row that grows with the width is a
+rate that has to shrink as the model widens.
 
     python -m benchmarks.coordinate_check               # the table in docs/parameterization.md
 """
@@ -54,12 +52,8 @@ def coordinate_check(
         optimizer.step()
     with torch.no_grad():
         hidden1, out1 = up(x), model(x)
-    return {
-        "hidden": rms(hidden0),
-        "output": rms(out0),
-        "hidden_change": rms(hidden1 - hidden0),
-        "output_change": rms(out1 - out0),
-    }
+    changes = {"hidden_change": rms(hidden1 - hidden0), "output_change": rms(out1 - out0)}
+    return {"hidden": rms(hidden0), "output": rms(out0), **changes}
 
 
 def table(widths=WIDTHS) -> str:
@@ -72,9 +66,8 @@ def table(widths=WIDTHS) -> str:
                 values = [c[key] for c in checks]
                 spread = f"{max(values) / min(values):.2f}x"
                 rows.append([parameterization, kind, key.replace("_", " "), *(f"{v:.3f}" for v in values), spread])
-    return harness.table(
-        ["parameterisation", "layers", "RMS of", *(f"d {w}" for w in widths), "largest / smallest"], rows
-    )
+    headers = ["parameterisation", "layers", "RMS of", *(f"d {w}" for w in widths), "largest / smallest"]
+    return harness.table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

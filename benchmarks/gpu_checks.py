@@ -1,21 +1,16 @@
 """The GPU checks in one run, each in its own process under a time limit, cheapest first, the summary rewritten after
 every check (a run cut off still returns what it finished):
 
-1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, captured against eager at the quickstart size, fp32 and bf16-mixed:
-   identity, and speed-up at batch 1 and 32;
-2. ``training_step``: ``bench_training_step --part step`` in bf16-mixed on CUDA (dense + AdamW, dense + GaLore, CoMERA
-   r30 and 1/4 at batch 1 and 32 x 128), with ``torch.cuda.max_memory_allocated`` and profiles;
-3. ``fit_resume``: a bf16 ``comera fit`` of the quickstart with the tuned study's early late stage (from 10 % of the
-   steps, the target by 50 %) that truncates, has a finite validation loss and resumes from its last checkpoint;
+1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, fp32 and bf16-mixed: identity, speed-up at batch 1 and 32;
+2. ``training_step``: ``bench_training_step --part step`` in bf16-mixed on CUDA, with allocator peaks and profiles;
+3. ``fit_resume``: a bf16 ``comera fit`` of the quickstart with the tuned study's early late stage that truncates, has
+   a finite validation loss and resumes from its last checkpoint;
 4. ``fsdp2``: the same under ``callbacks/fsdp2.yaml`` (one GPU), resumed from its distributed checkpoint folder;
-5. ``compile``: quickstart fits eager, with the ``Compile`` callback and with ``mode: reduce-overhead`` (rank callbacks
-   in mask mode, no validation): finished, graphs compiled, steps/s against eager, graph breaks;
-6. ``llm_60m``: ``studies.llm`` on ``configs/llm_60m.yaml`` and the standard library, dense and CoMERA each training
-   ``--llm-budget-s`` seconds (or what the deadline leaves) by the ``matched`` protocol.
+5. ``compile``: quickstart fits eager, with ``Compile`` and with ``mode: reduce-overhead``: steps/s, graphs, breaks;
+6. ``llm_60m``: ``studies.llm`` dense vs CoMERA on ``configs/llm_60m.yaml`` by the ``matched`` protocol.
 
-``--out`` gets ``summary.md`` and ``summary.json`` (targets and verdicts; a check that failed or timed out is FAILED),
-``checks.log`` and ``results.tar.gz`` (every check's outputs and log). Without CUDA the checks are skipped (exit 0);
-``--cpu-dry-run`` runs tiny versions on the CPU (32-true, FSDP2 over gloo, ``Compile`` with ``aot_eager``).
+``--out`` gets ``summary.md`` and ``summary.json`` (a check that failed or timed out is FAILED), ``checks.log`` and
+``results.tar.gz``. Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs tiny versions on the CPU.
 ``benchmarks/gpu_checks.sh`` installs the carried wheels and calls this.
 
     python -m benchmarks.gpu_checks --out /tmp/gpu_checks                 # on a GPU machine
@@ -128,8 +123,7 @@ def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
 
 class FitProbe(Callback):
     """What a check's ``comera fit`` did, one JSON line appended to ``path`` at its end (rank 0): steps, the median
-    step after ``warmup_steps`` (CUDA synchronised at every step end), the last losses, strategy, precision, peak
-    CUDA memory, and what the ``Compile`` callback and torch's compiler did."""
+    step after ``warmup_steps``, the last losses, strategy, precision, peak CUDA memory and what ``Compile`` did."""
 
     def __init__(self, path: str, warmup_steps: int = 20) -> None:
         self.path = Path(path)
@@ -198,21 +192,12 @@ def read_probes(path: Path) -> list[dict[str, Any]]:
 def rank_callbacks(
     steps: int, probe: Path, *, truncate: bool = True, checkpoint: bool = True, warmup_steps: int = 20
 ) -> str:
-    """The fits' callbacks (replacing the quickstart's): ``RankAdaptation`` on the tuned study's ``comera_early``
-    schedule (late stage from ``EARLY_LATE_FRACTION`` of ``steps``, the 20x target ``EARLY_RAMP_FRACTION`` later)
-    truncating every 20 steps (``truncate``; else mask mode), the planner, RankMonitor, the :class:`FitProbe` and
-    (``checkpoint``) the last checkpoint."""
-    rank = {
-        "gamma": 0.005,
-        "late_start_step": round(EARLY_LATE_FRACTION * steps),
-        "target_compression": 20.0,
-        "truncate_every_n_steps": 20 if truncate else None,
-        "min_dead_fraction": 0.2,
-        "late_stage": {
-            "class_path": "comera_lightning.callbacks.ScheduledLateStage",
-            "init_args": {"ramp_steps": max(1, round(EARLY_RAMP_FRACTION * steps))},
-        },
-    }
+    """The fits' callbacks: ``RankAdaptation`` on the tuned study's ``comera_early`` schedule, truncating every 20
+    steps (``truncate``; else mask mode), the planner, RankMonitor, the :class:`FitProbe`, the last ``checkpoint``."""
+    ramp = {"ramp_steps": max(1, round(EARLY_RAMP_FRACTION * steps))}
+    late_stage = {"class_path": "comera_lightning.callbacks.ScheduledLateStage", "init_args": ramp}
+    rank = {"gamma": 0.005, "late_start_step": round(EARLY_LATE_FRACTION * steps), "target_compression": 20.0}
+    rank.update(truncate_every_n_steps=20 if truncate else None, min_dead_fraction=0.2, late_stage=late_stage)
     probe_args = {"path": str(probe), "warmup_steps": warmup_steps}
     callbacks: list[dict[str, Any]] = [
         {"class_path": "RankAdaptation", "init_args": rank},
@@ -226,9 +211,8 @@ def rank_callbacks(
 
 
 def fit_command(folder: Path, dry: bool, configs: Sequence[str | Path], *args: str) -> list[str]:
-    """``comera fit`` of the quickstart with ``configs`` after it, bf16-mixed on CUDA (``dry``: 32-true on the CPU,
-    40 files; bf16 on a CPU is emulated and many times slower), its data cached in the work folder's ``cache``, then
-    ``args``."""
+    """``comera fit`` of the quickstart, ``configs`` and ``args``: bf16-mixed on CUDA (``dry``: 32-true on the CPU,
+    where bf16 is emulated and many times slower, 40 files), its data cached in the work folder's ``cache``."""
     cli = [sys.executable, "-m", "comera_lightning", "fit", "--config", "quickstart"]
     cli += [arg for config in configs for arg in ("--config", str(config))]
     precision, accelerator = ("32-true", "cpu") if dry else ("bf16-mixed", "cuda")
@@ -246,9 +230,8 @@ def _fit(command: list[str], folder: Path) -> float:
 
 
 def fit_check(folder: Path, dry: bool, configs: Sequence[str] = ()) -> dict[str, Any]:
-    """A quickstart fit of ``FIT_STEPS`` with :func:`rank_callbacks` and ``configs`` after them, validated every 50
-    steps, then resumed from its last checkpoint to ``RESUME_STEPS``. Writes :func:`inspect_fit` of both checkpoints
-    with each fit's :class:`FitProbe` record to ``fit_check.json``."""
+    """A quickstart fit of ``FIT_STEPS`` with :func:`rank_callbacks` and ``configs``, resumed from its last checkpoint
+    to ``RESUME_STEPS``; :func:`inspect_fit` of both with their :class:`FitProbe` records go to ``fit_check.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("fit_check.json", "fit_probe.jsonl"):
         (folder / stale).unlink(missing_ok=True)
@@ -265,11 +248,8 @@ def fit_check(folder: Path, dry: bool, configs: Sequence[str] = ()) -> dict[str,
     probes = read_probes(folder / "fit_probe.jsonl")
     if len(probes) != 2:
         raise RuntimeError(f"expected a FitProbe record of each of the 2 fits, found {len(probes)} under {folder}")
-    result = {
-        "configs": list(configs),
-        "first": {**first, "probe": probes[0]},
-        "resumed": {**resumed, "probe": probes[1]},
-    }
+    first["probe"], resumed["probe"] = probes
+    result = {"configs": list(configs), "first": first, "resumed": resumed}
     harness.write_json(folder / "fit_check.json", result)
     return result
 
@@ -304,11 +284,9 @@ def inspect_fit(folder: Path) -> dict[str, Any]:
 
 
 def compile_check(folder: Path, dry: bool) -> dict[str, Any]:
-    """Quickstart fits of ``COMPILE_STEPS`` steps (``dry``: 40), one per :data:`COMPILE_VARIANTS` entry: eager, the
-    ``Compile`` callback with its default modules (inductor; ``dry``: ``aot_eager``), and ``mode: reduce-overhead``.
-    Rank callbacks in mask mode (no recompilation) and no validation, so the median step after ``COMPILE_WARMUP``
-    measures the step itself. Each fit's :class:`FitProbe` record goes to ``compile_check.json`` as it finishes; a
-    failed fit is recorded, the next runs, and the check fails at the end."""
+    """Quickstart fits, one per :data:`COMPILE_VARIANTS` entry (``Compile`` on inductor; ``dry``: ``aot_eager``), rank
+    callbacks in mask mode (no recompilation) and no validation. Each :class:`FitProbe` record goes to
+    ``compile_check.json``; a failed fit is recorded, the next runs, and the check fails at the end."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "compile_check.json").unlink(missing_ok=True)
     steps, warmup = (40, 10) if dry else (COMPILE_STEPS, COMPILE_WARMUP)
@@ -360,9 +338,8 @@ def read_results(work: Path) -> dict[str, Any]:
         timing = graphs.get("timing", [])
         out["cuda_graphs_identical"] = all(c["identical"] for c in graphs["identity"])
         out["cuda_graphs_speedup_batch1"] = min((t["speedup"] for t in timing if t.get("batch") == 1), default=None)
-        out["cuda_graphs_speedups"] = {
-            f"{t['size']} {t['precision']} batch {t.get('batch')}": t["speedup"] for t in timing
-        }
+        names = [f"{t['size']} {t['precision']} batch {t.get('batch')}" for t in timing]
+        out["cuda_graphs_speedups"] = {n: t["speedup"] for n, t in zip(names, timing, strict=True)}
     step = _load(work / "training_step" / "training_step*.json")
     if step:
         results = step["results"]
@@ -429,11 +406,9 @@ def compile_rows(compiled: dict[str, Any], status: dict[str, dict]) -> list[list
     modules never ran through their forward); its steps/s against the eager fit's, graph, break and skip counts."""
     eager = compiled.get("eager") or {}
     rows = []
-    for variant, mode in COMPILE_VARIANTS.items():
+    for variant in [v for v, mode in COMPILE_VARIANTS.items() if mode is not None]:
         run = compiled.get(variant)
         label = f"Compile ({variant} mode): the bf16 fit finishes; steps/s against eager"
-        if mode is None:
-            continue
         if not run or "error" in run:
             rows.append([label, run["error"], "FAILED"] if run else [label, "-", _judged("n/a", "compile", status)])
             continue
@@ -459,10 +434,8 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
     llm = harness.verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"
     perplexities = " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-"
     fit_what = "ranks shrink, truncations, val loss finite, the checkpoint"
-    step, memory, graphs = (
-        results.get(k)
-        for k in ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
-    )
+    keys = ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
+    step, memory, graphs = (results.get(k) for k in keys)
     step_what = f"CoMERA step >= 2x faster than dense (bf16, batch {results.get('step_batch', 32)})"
     memory_what = "CoMERA >= 9x less peak memory than dense + GaLore (batch 1)"
     graphs_what = "CUDA graphs >= 1.3x faster than eager (batch 1)"
@@ -575,13 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
     add("--only", nargs="+", choices=CHECK_NAMES, default=None, help="these checks only, in order")
     add("--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method")
-    add(
-        "--deadline-s",
-        type=float,
-        default=None,
-        help="every check ends by then; the llm check trains for what the others leave (default 540: the device's "
-        "10-minute command less the install; 2100 with --cpu-dry-run)",
-    )
+    deadline = "every check ends by then; the llm check trains for what the others leave (default 540; dry run 2100)"
+    add("--deadline-s", type=float, default=None, help=deadline)
     # the fit checks (3: plain, 4: --fit-config callbacks/fsdp2) and the compile check (5), each in its own process
     add("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
     add("--fit-config", action="append", default=[], help=argparse.SUPPRESS)

@@ -24,48 +24,44 @@ from benchmarks import harness
 
 
 class Comparison(NamedTuple):
-    """A comparison: its module (``benchmarks.<script>``), the arguments it always gets, what it measures."""
+    """A comparison: its module (``benchmarks.<script>``), what it measures, the arguments it always gets."""
 
     script: str
-    fixed_args: tuple[str, ...]
     what: str
+    fixed_args: tuple[str, ...] = ()
 
 
 COMPARISONS: dict[str, Comparison] = {
     "step": Comparison(
         "bench_training_step",
-        ("--part", "step"),
         "training step of the six-encoder transformer: dense+AdamW vs dense+GaLore vs CoMERA (rank 30, and "
         "truncated to 1/4), batch 1 and 32: time, tokens/s, peak memory",
+        ("--part", "step"),
     ),
     "scaling": Comparison(
         "bench_training_step",
-        ("--part", "scaling"),
         "step time and peak memory against d_model (256..2048), dense vs CoMERA",
+        ("--part", "scaling"),
     ),
     "planner": Comparison(
         "bench_tt_linear",
-        (),
         "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid",
     ),
     "llm": Comparison(
         "studies.llm",
-        (),
         "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, same tokens "
         "or same training seconds; perplexity, parameters, step time and peak memory",
     ),
     "cuda-graphs": Comparison(
-        "bench_cuda_graphs", (), "captured vs eager training step on a CUDA GPU (skipped without one)"
+        "bench_cuda_graphs", "captured vs eager training step on a CUDA GPU (skipped without one)"
     ),
     "compiled": Comparison(
         "bench_compiled",
-        (),
         "six-encoder training step under torch.compile (in place, as the Compile callback does) vs eager, dense vs "
         "CoMERA, batch 8: time, graph breaks, compile time",
     ),
     "inference": Comparison(
         "bench_inference",
-        (),
         "decoding with vs without the KV cache (CoMERA 10x vs dense, d_model 512 and 1024, batch 1 and 8) and "
         "batch-1/32 forward of the six-encoder and the MLM: TT vs untensorised vs dense",
     ),

@@ -131,9 +131,7 @@ def step_candidates(spec: StudySpec, batch: dict[str, torch.Tensor]) -> list:
     return cands
 
 
-def measure_steps(
-    spec: StudySpec, batch: dict[str, torch.Tensor], min_sample_s: float, **timing: Any
-) -> dict[str, Any]:
+def measure_steps(spec: StudySpec, batch: dict[str, torch.Tensor], min_sample_s: float, **timing) -> dict[str, Any]:
     """Interleaved step times, peak memory, active parameters and compression of the three methods on ``batch``
     (``bench_training_step.measure``)."""
     from comera_lightning.nn import size_report
@@ -191,9 +189,8 @@ def run_study(spec: StudySpec, state: dict[str, Any], path: Path, args: argparse
     if "galore" in methods and bts.import_galore()[1]:
         print(f"galore skipped: {bts.GALORE_MISSING}")
         methods = tuple(m for m in methods if m != "galore")
-    data = {"train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)}
     fixed = {"machine": harness.machine_info(), "methods": list(methods), "max_other_load": args.max_other_load}
-    fixed["data"] = data
+    fixed["data"] = {"train_rows": len(dm.train_dataset), "val_rows": len(dm.val_dataset)}
     steps = state.get("step_measurements")
     if steps is None:
         steps = []
@@ -225,72 +222,46 @@ def run_study(spec: StudySpec, state: dict[str, Any], path: Path, args: argparse
 def markdown(result: dict[str, Any]) -> str:
     """Training runs (perplexity, parameters, time) and the interleaved step/memory table."""
     config = Path(result.get("settings", {}).get("config", CONFIG)).name
-    runs = [
-        [
-            r["method"],
-            r["protocol"],
-            r["steps"],
-            f"{r['tokens']:,}",
-            f"{r['train_s']:.1f}",
-            f"{r['tokens'] / r['train_s']:,.0f}",
-            harness.ms(r["median_step_s"]) if r["median_step_s"] else "-",
-            f"{r['final']['metrics'].get('val/perplexity', math.nan):.3f}",
-            f"{r['final']['metrics'].get('val/loss', math.nan):.4f}",
-            f"{r['final']['params_trainable']:,}",
-            f"{r['final']['compression_ratio']:.2f}x",
-            (f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a") + (" !" if r["contended"] else ""),
-        ]
-        for r in result["runs"]
-    ]
+    runs = []
+    for r in result["runs"]:
+        final, metrics = r["final"], r["final"]["metrics"]
+        cells = [r["method"], r["protocol"], r["steps"], f"{r['tokens']:,}", f"{r['train_s']:.1f}"]
+        cells += [f"{r['tokens'] / r['train_s']:,.0f}", harness.ms(r["median_step_s"]) if r["median_step_s"] else "-"]
+        cells += [f"{metrics.get('val/perplexity', math.nan):.3f}", f"{metrics.get('val/loss', math.nan):.4f}"]
+        cells += [f"{final['params_trainable']:,}", f"{final['compression_ratio']:.2f}x"]
+        load = f"{r['other_load']:.0%}" if r["other_load"] is not None else "n/a"
+        runs.append([*cells, load + (" !" if r["contended"] else "")])
     steps = []
     for s in result["step_measurements"]:
         for method, v in s["methods"].items():
             cells = ["skipped", "-", "-", "-", "-"]
             if not v.get("skipped"):
-                cells = [
-                    harness.ms(v["median_s"]),
-                    harness.mib(v["memory"]["total"]),
-                    f"{v['params_trainable']:,}",
-                    harness.times(v.get("dense_step_over_this", 1.0)),
-                    harness.times(v.get("dense_peak_over_this", 1.0)),
-                ]
+                cells = [harness.ms(v["median_s"]), harness.mib(v["memory"]["total"]), f"{v['params_trainable']:,}"]
+                cells += [harness.times(v.get(f"dense_{k}_over_this", 1.0)) for k in ("step", "peak")]
             steps.append([s["d_model"], s["batch"], method, *cells])
     run_headers = "method|protocol|steps|tokens|train s|tokens/s|median step ms|val perplexity|val loss|"
     run_headers += "trainable params|compression|other load"
     step_headers = "d_model|batch|method|step ms|peak MiB|trainable params|dense step / this|dense peak / this"
-    return "\n".join(
-        [
-            f"### Decoder pre-training ({config}): dense + AdamW vs dense + GaLore vs CoMERA",
-            "",
-            harness.table(run_headers, runs),
-            "",
-            "#### Training step, interleaved in one process",
-            "",
-            harness.table(step_headers, steps),
-        ]
-    )
+    title = f"### Decoder pre-training ({config}): dense + AdamW vs dense + GaLore vs CoMERA"
+    steps_title = "#### Training step, interleaved in one process"
+    return "\n\n".join([title, harness.table(run_headers, runs), steps_title, harness.table(step_headers, steps)])
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = harness.bench_parser(__doc__, repeats=(2, 5))
-    p.add_argument("--config", type=Path, default=CONFIG, help="a CausalLM config (default configs/llm_cpu.yaml)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--protocols", nargs="+", default=["steps"], choices=PROTOCOLS, help="default: steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=harness.positive_int, default=None, help="optimiser steps (default: the config's)")
-    p.add_argument("--budget-s", type=float, default=None, help="training seconds of the matched protocol")
-    p.add_argument("--tag", default="", help="suffix of the output files (e.g. the seed)")
-    p.add_argument("--cache-dir", type=Path, default=study.DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
-    p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
-    p.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true", help="also the step timing's")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="one value (YAML) of the config's model, data or rank settings; repeatable, e.g. --set data.root=stdlib",
-    )
+    add = p.add_argument
+    add("--config", type=Path, default=CONFIG, help="a CausalLM config (default configs/llm_cpu.yaml)")
+    add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    add("--protocols", nargs="+", default=["steps"], choices=PROTOCOLS, help="default: steps")
+    add("--seed", type=int, default=0)
+    add("--steps", type=harness.positive_int, default=None, help="optimiser steps (default: the config's)")
+    add("--budget-s", type=float, default=None, help="training seconds of the matched protocol")
+    add("--tag", default="", help="suffix of the output files (e.g. the seed)")
+    add("--cache-dir", type=Path, default=study.DEFAULT_CACHE, help="tokenizer / encoded corpus cache")
+    add("--accelerator", choices=["cpu", "cuda"], default="cpu", help="where everything runs")
+    add("--precision", choices=["32-true", "bf16-mixed"], default="32-true", help="also the step timing's")
+    help_set = "one value (YAML) of the config's model, data or rank settings; repeatable, e.g. --set data.root=stdlib"
+    add("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help_set)
     return p
 
 

@@ -1,12 +1,9 @@
 """Tables and the figure of the tuned quality studies (``studies/tuned.py``), from their raw runs in ``docs/data/``.
 
 ``docs/data/<task>_<corpus>.json`` holds a list ``runs``, each with at least the :data:`REQUIRED` fields and its
-``phase`` (``sweep``, ``check`` or ``final``); a file of another shape is refused, naming the run and the field. Per
-file: the headline table (perplexity over seeds at each family's chosen rate, parameters, compression, training
-FLOPs, peak memory), CoMERA against each rival, the output heads' ranks, the early late stage's FLOPs, the dense
-model's convergence, the late-stage spikes, the diverged finals, the rate sweeps, and one figure. The markdown goes
-between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md; the width studies'
-blocks (and README's headline) come from ``width_report``.
+``phase`` (``sweep``, ``check`` or ``final``); a file of another shape is refused, naming the run and the field. Its
+tables and figure go between ``<!-- quality:NAME begin -->`` and ``<!-- quality:NAME end -->`` in docs/results.md;
+the width studies' blocks (and README's headline) come from ``width_report``.
 
     python -m benchmarks.studies.report --write          # every docs/data/*.json into docs/results.md
     python -m benchmarks.studies.report --check          # fail when the page differs from what the data give
@@ -163,11 +160,8 @@ def comparisons(study: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             seeds = {r["seed"]: r["val_loss"] for r in theirs}
             wins = [r["val_loss"] < seeds[r["seed"]] for r in runs if r["seed"] in seeds]
-            row[rival] = {
-                "ratio": perplexities(theirs)["mean"] / mine["mean"] - 1.0,
-                "won": f"{sum(wins)}/{len(wins)}",
-                "params": _mean(theirs, "params_active"),
-            }
+            ratio = perplexities(theirs)["mean"] / mine["mean"] - 1.0
+            row[rival] = {"ratio": ratio, "won": f"{sum(wins)}/{len(wins)}", "params": _mean(theirs, "params_active")}
         rows.append(row)
     return rows
 
@@ -347,19 +341,10 @@ def markdown(study: dict[str, Any], name: str) -> str:
     for (family, size), runs in by.items():
         mem = runs[0].get("peak_memory", {}).get("total")
         reached = [full / r["params_active"] for r in runs if r["params_active"] > 0] if full else []
-        rows.append(
-            [
-                f"{size:g}x" if family not in FULL_WIDTH else "1x",
-                _label(family),
-                _k(_mean(runs, "params_active")),
-                _range(reached, ".1f", "x") if reached else "-",
-                f"{runs[0]['lr']:.3g}",
-                cell(perplexities(runs)),
-                len(runs),
-                f"{_mean(runs, counted_flops) / 1e12:.2f}",
-                "-" if mem is None else f"{mem / 2**20:.1f}",
-            ]
-        )
+        cells = [f"{size:g}x" if family not in FULL_WIDTH else "1x", _label(family), _k(_mean(runs, "params_active"))]
+        cells += [_range(reached, ".1f", "x") if reached else "-", f"{runs[0]['lr']:.3g}", cell(perplexities(runs))]
+        cells += [len(runs), f"{_mean(runs, counted_flops) / 1e12:.2f}", "-" if mem is None else f"{mem / 2**20:.1f}"]
+        rows.append(cells)
     header = "size|model|active params|compression reached (min-max)|lr|val perplexity, mean (min .. max)|seeds|"
     header += "training TFLOPs|peak step memory, MiB"
     lines += [*_table(header.split("|"), rows), ""]
@@ -437,16 +422,11 @@ def markdown(study: dict[str, Any], name: str) -> str:
         lines.append("")
     late_rows = late_stage_rows(study)
     if late_rows:
-        rows = [
-            [
-                _label(row["family"]),
-                f"{row['size']:g}x",
-                "step " + "/".join(str(s) for s in row["switch"]),
-                " / ".join(str(s) for s in row["seeds"]),
-                *(" / ".join("-" if v is None else f"{100 * v:+.1f}" for v in row[key]) for key in ("spike", "rise")),
-            ]
-            for row in late_rows
-        ]
+        rows = []
+        for row in late_rows:
+            percents = [" / ".join("-" if v is None else f"{100 * v:+.1f}" for v in row[k]) for k in ("spike", "rise")]
+            where = [_label(row["family"]), f"{row['size']:g}x", "step " + "/".join(map(str, row["switch"]))]
+            rows.append([*where, " / ".join(map(str, row["seeds"])), *percents])
         lines += [
             "Late stage, per family and size, seed by seed: the spike is the worst perplexity after the switch over "
             f"the value at the switch (target at most +{SPIKE_TOLERANCE:.0%}); the rise, the worst perplexity after "
@@ -538,15 +518,9 @@ def figure(study: dict[str, Any], name: str):
             found = [(x, ppl) for runs, ppl in points if (x := value_of(runs)) is not None and math.isfinite(x)]
             found.sort(key=lambda p: p[0])
             if found:
-                ax.errorbar(
-                    [x for x, _ in found],
-                    [p["mean"] for _, p in found],
-                    yerr=[[p["mean"] - p["min"] for _, p in found], [p["max"] - p["mean"] for _, p in found]],
-                    marker="o",
-                    capsize=3,
-                    label=LABELS[family],
-                    color=f"C{i}",
-                )
+                xs, ys = [x for x, _ in found], [p["mean"] for _, p in found]
+                errors = [[p["mean"] - p["min"] for _, p in found], [p["max"] - p["mean"] for _, p in found]]
+                ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=LABELS[family], color=f"C{i}")
     for ax, xlabel in zip(axes[:3], values, strict=True):
         harness.label_axes(ax, xlabel, "validation perplexity", xlog=True, ylog=True)
     for run in by.get(("dense", 1.0), []):

@@ -31,6 +31,7 @@ after every run and a rerun of the same command resumes.
 
     python -m benchmarks.studies.width                                  # docs/data/partial/width_stdlib.json
     python -m benchmarks.studies.width --seeds 0 1 2 --hours 2          # more seeds, stop starting runs after 2 h
+    python -m benchmarks.studies.width --seeds 0 1 2 --seed-widths 128 --seed-families comera tt   # where it is close
     python -m benchmarks.studies.width --quick --out /tmp/w.json         # smoke run, a few minutes
 """
 
@@ -108,6 +109,23 @@ def interpolated_rate(width: int, low: tuple[int, float], high: tuple[int, float
     return base * 2.0 ** round((log_lr - math.log(base)) / math.log(2.0))
 
 
+def final_widths(
+    widths: Sequence[int],
+    family: str,
+    seed: int,
+    seeds: Sequence[int],
+    seed_widths: Sequence[int] | None = None,
+    seed_families: Sequence[str] | None = None,
+) -> list[int]:
+    """The widths at which ``family`` trains a final of ``seed``: every width for the first seed; for a later one,
+    those in ``seed_widths`` of the families in ``seed_families`` (None: no restriction)."""
+    if seed == seeds[0]:
+        return list(widths)
+    if seed_families is not None and family not in seed_families:
+        return []
+    return [w for w in widths if seed_widths is None or w in seed_widths]
+
+
 class Plan:
     """Which runs are still needed, given the finished ones (a pure function of them, so a resume decides alike)."""
 
@@ -121,6 +139,8 @@ class Plan:
         sweep_steps: int,
         transfer_widths: Sequence[int] = TRANSFER_WIDTHS,
         grid: Sequence[float] = ts.GRID,
+        seed_widths: Sequence[int] | None = None,
+        seed_families: Sequence[str] | None = None,
     ) -> None:
         unknown = sorted(set(families) - set(FAMILIES))
         if unknown:
@@ -131,6 +151,11 @@ class Plan:
         self.parameterization, self.seeds = parameterization, list(seeds)
         self.steps, self.sweep_steps, self.grid = steps, sweep_steps, list(grid)
         self.transfer_widths = list(transfer_widths)
+        self.seed_widths = None if seed_widths is None else sorted(seed_widths)
+        self.seed_families = None if seed_families is None else list(seed_families)
+
+    def final_widths(self, family: str, seed: int) -> list[int]:
+        return final_widths(self.widths[family], family, seed, self.seeds, self.seed_widths, self.seed_families)
 
     def param_of(self, family: str) -> str:
         return self.parameterization if family in TENSORISED else "standard"
@@ -189,7 +214,7 @@ class Plan:
                 jobs += [
                     Job("final", family, w, param, seed, chosen[w], self.steps)
                     for seed in self.seeds
-                    for w in self.widths[family]
+                    for w in self.final_widths(family, seed)
                 ]
         jobs += self.transfer_jobs(runs)
         done = {job_of(r).key for r in runs}
@@ -376,6 +401,8 @@ class Study:
             "sweep_steps": plan.sweep_steps,
             "grid": plan.grid,
             "transfer_widths": plan.transfer_widths,
+            "seed_widths": plan.seed_widths,
+            "seed_families": plan.seed_families,
             "check_extensions": CHECK_EXTENSIONS,
             "target_compression": TARGET_COMPRESSION,
             "gate_lr": ts.GATE_LR,
@@ -448,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--parameterization", default="mup", choices=("standard", "mup"), help="of the TT families")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument(
+        "--seed-widths", nargs="+", type=int, default=None, help="the widths at which seeds after the first run"
+    )
+    parser.add_argument(
+        "--seed-families", nargs="+", default=None, choices=FAMILIES, help="the families whose later seeds run"
+    )
     parser.add_argument("--steps", type=int, default=2000, help="optimiser steps of a final run (2048 tokens each)")
     parser.add_argument("--sweep-steps", type=int, default=500, help="steps of a sweep, check or transfer run")
     parser.add_argument("--workers", type=int, default=2)
@@ -467,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             args.sweep_steps,
             QUICK_TRANSFER_WIDTHS if args.quick else TRANSFER_WIDTHS,
+            seed_widths=args.seed_widths,
+            seed_families=args.seed_families,
         )
         study = Study(args.out, plan, args.quick, args.cache_dir)
     except ValueError as err:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .tuned import MAX_EXTENSIONS, check_rates, sweep_rates
+from .width import final_widths
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
@@ -377,7 +378,11 @@ def render(state: dict[str, Any], name: str, figure_dir: Path, source: str | Non
     """The markdown of the study in ``state`` read from ``source`` (its figures written into ``figure_dir``)."""
     protocol = state["protocol"]
     done = finals(state)
-    expected = sum(len(w) for w in protocol["widths"].values()) * len(protocol["seeds"])
+    expected = sum(
+        len(final_widths(w, f, seed, protocol["seeds"], protocol.get("seed_widths"), protocol.get("seed_families")))
+        for f, w in protocol["widths"].items()
+        for seed in protocol["seeds"]
+    )
     all_finals = [r for r in state["runs"] if r["phase"] == "final"]
     fronts, transfer_png = figure_dir / f"{name}_fronts.png", figure_dir / f"{name}_transfer.png"
     if done:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +240,19 @@ def test_a_layer_is_cut_to_the_ranks_a_run_ended_with_keeping_its_leading_slices
     assert model(torch.randn(3, 16)).shape == (3, 16)
     with pytest.raises(RuntimeError, match="wanted"):
         wc.cut_to_ranks_(model, {"0": [1, *[r + 1 for r in wanted[1:-1]], 1]})  # cannot grow back
+
+
+def test_later_seeds_run_only_at_the_widths_and_families_asked_for():
+    p = plan(seed_widths=[128], seed_families=["tt"])
+    p.seeds = [0, 1]
+    runs = run_until(p, valley(lambda job: 0.02))
+    finals = sorted((r["family"], r["width"], r["seed"]) for r in runs if r["phase"] == "final")
+    assert finals == [("dense", 64, 0), ("dense", 256, 0), ("tt", 128, 0), ("tt", 128, 1), ("tt", 512, 0)]
+    assert ws.final_widths([128, 512], "tt", 1, [0, 1]) == [128, 512]  # no restriction: every width
+    cost = dict(params_active=1000, train_flops=1e9, train_s=1.0, flops_per_step=[[0, 1]], tokens=100)
+    state = state_of([{**r, **cost} if r["phase"] == "final" else r for r in runs])
+    state["protocol"].update(
+        widths={"dense": [64, 256], "tt": [128, 512]}, seeds=[0, 1], seed_widths=[128], seed_families=["tt"]
+    )
+    state["protocol"].update(steps=100, sweep_steps=10, parameterization="mup")
+    assert "Finals finished: 5 of 5." in wr.render(state, "w", Path("/tmp/width_report_test"))
