@@ -92,6 +92,36 @@ def test_merges_in_the_cores_dtype_and_casts_once_even_under_autocast():
     torch.testing.assert_close(got, x.double() @ dense_reference(by_hand, 2).double(), rtol=3e-2, atol=3e-2)
 
 
+def test_a_merged_weight_is_cast_to_the_dtype_of_the_calls_that_reuse_it():
+    gated, by_hand = _gated_train([2, 2], [2, 2], 4, dtype=torch.float32)  # rank 4 on 4 x 4: the weight is merged
+    merged = merge_tt_linear(gated, 2, F64)
+    assert merged.left is None and merged.weight is not None and merged.weight.dtype == F64
+    x = torch.randn(3, 4, dtype=F64)
+    torch.testing.assert_close(merged_tt_linear(x, merged), x @ dense_reference(by_hand, 2).double())
+
+
+def test_halves_that_need_no_padding_keep_no_second_copy():
+    rank = 17  # cheaper unpadded on a CPU (bottleneck_padding)
+    assert bottleneck_padding(rank, "cpu") == 0
+    gated, by_hand = _gated_train([6, 6], [6, 6], rank)
+    merged = merge_tt_linear(gated, 2, F64)
+    assert merged.left.shape == (36, rank) and merged.narrow is None
+    x = torch.randn(2, 36, dtype=F64)
+    torch.testing.assert_close(merged_tt_linear(x, merged), x @ dense_reference(by_hand, 2), rtol=1e-12, atol=1e-12)
+
+
+def test_a_merged_linear_without_its_factors_says_how_to_merge_it():
+    gated, _ = _gated_train([2, 2], [2, 2], 4)
+    weight_only = merge_tt_linear(gated, 2, F64)
+    x = torch.randn(1, 4, dtype=F64)
+    with pytest.raises(ValueError, match="needs the factors L and R: merge with keep_factors=True"):
+        merged_tt_linear(x, weight_only, activation=torch.relu)
+    kept = merge_tt_linear(gated, 2, F64, keep_factors=True)
+    for broken in (kept._replace(right=None), kept._replace(left=None), kept._replace(left=None, right=None)):
+        with pytest.raises(ValueError, match="holds its weight or both factors L and R; this one has neither"):
+            merged_tt_linear(x, broken)
+
+
 # --- TT-matrix halves ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("deduplicate", [False, True])
 @pytest.mark.parametrize(
