@@ -104,8 +104,14 @@ def test_validate_modes_accepts_and_normalises():
 
 
 def test_validate_modes_product_too_small():
-    with pytest.raises(ValueError, match=r"in_modes.*product.*24.*768"):
+    with pytest.raises(ValueError, match=r"in_modes: the product of modes \[4, 3, 2\] is 24 but must be at least 768"):
         validate_modes([4, 3, 2], 768, "in_modes")
+
+
+@pytest.mark.parametrize("modes", ["12", [4, "x"], 7])
+def test_validate_modes_refuses_what_is_not_a_list_of_integers(modes):
+    with pytest.raises(TypeError, match="in_modes: modes must be a list of positive integers \\(or None\\)"):
+        validate_modes(modes, 12, "in_modes")
 
 
 def test_validate_modes_padding_not_allowed():
