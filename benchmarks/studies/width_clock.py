@@ -9,8 +9,9 @@ never changes; CoMERA's is timed at its start ranks and at the ranks its run end
 A run's clock alone is then the sum over its counted FLOPs schedule (``flops_per_step``: FLOPs per step from each
 cut on) of steps x step time, the step time read linearly in FLOPs between the two shapes timed
 (:func:`benchmarks.studies.width_report.alone_seconds`). Lightning's loop, data loading and validation are not in
-it. The timings go into the study's JSON as ``clock_alone``; run it when the study is not running (the study
-rewrites its JSON after every run), then ``python -m benchmarks.studies.report --write``.
+it. The FLOPs of each shape are counted twice: as run (with the zero slices a CPU pads the bottleneck with, as the
+study counted them) and without them. All goes into the study's JSON as ``clock_alone``; run it when the study is
+not running (the study rewrites its JSON after every run), then ``python -m benchmarks.studies.report --write``.
 
     python -m benchmarks.studies.width_clock                     # docs/data/partial/width_stdlib.json, ~5 minutes
     python -m benchmarks.studies.width_clock --quick --out /tmp/w.json  # the smoke study's JSON
@@ -23,6 +24,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,15 +89,19 @@ def measure(state: dict[str, Any], quick: bool, cache_dir: Path, repeats: int, w
     from benchmarks.studies import common as study
     from benchmarks.studies import tuned as ts
     from benchmarks.studies.width import data_settings
+    from comera_lightning.tt import contract
 
     spec = ts.base_spec("lm", "stdlib", 0, state["protocol"]["steps"], quick, data_settings(quick))
     batch = next(iter(study.build_datamodule(spec, cache_dir).val_dataloader()))
-    cands = {}
-    flops = {}
+    cands, flops, unpadded = {}, {}, {}
     for shape, run in shapes(state):
         cand = candidate(spec, shape, run, batch)
         cands[cand.name] = cand
         flops[cand.name] = ts.step_flops(cand.model, batch)
+        # a CPU pads half_merge's bottleneck with zero slices its BLAS multiplies faster (bottleneck_padding): the
+        # study counted the FLOPs run; without the padding they are the algorithm's, as on a GPU
+        with mock.patch.object(contract, "bottleneck_padding", return_value=0):
+            unpadded[cand.name] = ts.step_flops(cand.model, batch)
     timing = harness.interleave(
         {name: cand.step for name, cand in cands.items()}, repeats=repeats, wait_quiet_s=wait_quiet_s
     )
@@ -106,6 +112,7 @@ def measure(state: dict[str, Any], quick: bool, cache_dir: Path, repeats: int, w
         "step_s": timing.medians(),
         "step_s_spread": {n: max(s) - min(s) for n, s in timing.samples.items()},
         "step_flops": flops,
+        "step_flops_unpadded": unpadded,
         "machine": harness.machine_info(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M"),
     }

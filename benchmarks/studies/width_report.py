@@ -284,12 +284,21 @@ def headline(state: dict[str, Any], family: str = "comera") -> str:
 
 
 def compute_per_token(state: dict[str, Any]) -> str:
-    """Training FLOPs per token against 6 x active parameters (forward + backward of a dense layer), per final."""
+    """Training FLOPs per token against 6 x active parameters (forward + backward of a dense layer), per final, and
+    the share of them spent on the zero slices a CPU pads the bottleneck with (``width_clock.py`` counts them)."""
+    clock = state.get("clock_alone") or {}
+    run_flops, unpadded = clock.get("step_flops", {}), clock.get("step_flops_unpadded", {})
     lines = [
-        "| model | d_model | FLOPs / token (start -> end) | 6 x active params (end) | ratio |",
-        "|---|---|---|---|---|",
+        "| model | d_model | FLOPs / token (start -> end) | 6 x active params (end) | ratio | "
+        "zero padding (start, end) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in finals(state):
+        shares = [
+            f"{1 - unpadded[key] / run_flops[key]:.1%}"
+            for key in (f"{r['family']}/{r['width']}/{shape}" for shape in ("start", "end"))
+            if key in unpadded
+        ]
         steps = r.get("flops_per_step") or []
         if not steps:
             continue
@@ -298,7 +307,7 @@ def compute_per_token(state: dict[str, Any]) -> str:
         reference = 6 * r["params_active"]
         lines.append(
             f"| {LABELS[r['family']]} | {r['width']} | {start / 1e6:.2f} M -> {end / 1e6:.2f} M | "
-            f"{reference / 1e6:.2f} M | {end / reference:.2f}x |"
+            f"{reference / 1e6:.2f} M | {end / reference:.2f}x | {', '.join(shares) or 'not counted'} |"
         )
     return "\n".join(lines)
 

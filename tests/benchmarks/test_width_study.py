@@ -256,3 +256,18 @@ def test_later_seeds_run_only_at_the_widths_and_families_asked_for():
     )
     state["protocol"].update(steps=100, sweep_steps=10, parameterization="mup")
     assert "Finals finished: 5 of 5." in wr.render(state, "w", Path("/tmp/width_report_test"))
+
+
+def test_the_compute_table_says_how_much_of_a_shapes_flops_went_to_the_cpus_zero_padding():
+    run = finished(
+        ws.Job("final", "tt", 512, "mup", 0, 0.01, 10), 3.0, flops_per_step=[[0, 200]], tokens=20, params_active=10
+    )
+    state = state_of([run])
+    assert "not counted" in wr.compute_per_token(state)
+    state["clock_alone"] = {
+        "step_s": {},
+        "step_flops": {"tt/512/start": 200},
+        "step_flops_unpadded": {"tt/512/start": 180},
+    }
+    row = wr.compute_per_token(state).splitlines()[-1]
+    assert row.endswith("| 10.0% |")
