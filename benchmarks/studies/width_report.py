@@ -23,6 +23,7 @@ from .width import final_widths
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
 TENSORISED = ("comera", "tt")
+SHORT = {"dense": "dense", "comera": "CoMERA", "tt": "the uniform TT"}
 COLOURS = {"dense": "tab:blue", "comera": "tab:red", "tt": "tab:green"}
 FRONTS = (
     ("train_flops", "training FLOPs", 1e12, "TFLOPs"),
@@ -244,6 +245,35 @@ def moonshot_lines(state: dict[str, Any]) -> list[str]:
     return lines
 
 
+def seed_lines(state: dict[str, Any], family: str = "comera", rival: str = "tt") -> list[str]:
+    """``family`` against ``rival`` at each width both trained: the mean loss and spread over seeds, and in how many
+    of the seeds both ran ``family`` is ahead."""
+
+    def losses(name: str, width: int) -> dict[int, float]:
+        return {
+            r["seed"]: r["val_loss"]
+            for r in state["runs"]
+            if r["phase"] == "final" and r["family"] == name and r["width"] == width and _finite(r.get("val_loss"))
+        }
+
+    lines = []
+    for width in sorted(
+        set(state["protocol"]["widths"].get(family, ())) & set(state["protocol"]["widths"].get(rival, ()))
+    ):
+        ours, theirs = losses(family, width), losses(rival, width)
+        both = sorted(set(ours) & set(theirs))
+        if not both:
+            continue
+        ahead = sum(ours[s] < theirs[s] for s in both)
+        cells = []
+        for name, by_seed in ((family, ours), (rival, theirs)):
+            values = list(by_seed.values())
+            spread = f"spread {max(values) - min(values):.3f} over {len(values)} seeds" if len(values) > 1 else "1 seed"
+            cells.append(f"{SHORT[name]} {sum(values) / len(values):.3f} ({spread})")
+        lines.append(f"- d {width}: {cells[0]} against {cells[1]}; ahead in {ahead} of {len(both)} seeds.")
+    return lines
+
+
 def headline_table(state: dict[str, Any], family: str = "comera") -> str:
     """``family``'s place on every front, one row per width: its loss, and dense's at the same cost (the change:
     negative where ``family`` wins; see :func:`compare`)."""
@@ -434,6 +464,10 @@ def render(state: dict[str, Any], name: str, figure_dir: Path, source: str | Non
         "Against dense on its own front (a negative change: lower loss than dense at the same cost):",
         "",
         *moonshot_lines(state),
+        "",
+        f"{LABELS['comera']} against {SHORT['tt']} at the same width and size, over seeds:",
+        "",
+        *seed_lines(state),
         "",
         "Where the compute goes (measured FLOPs of a training step per token):",
         "",

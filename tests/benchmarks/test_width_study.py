@@ -271,3 +271,17 @@ def test_the_compute_table_says_how_much_of_a_shapes_flops_went_to_the_cpus_zero
     }
     row = wr.compute_per_token(state).splitlines()[-1]
     assert row.endswith("| 10.0% |")
+
+
+def test_comera_is_set_against_the_uniform_tt_seed_by_seed_at_each_width_both_trained():
+    def final(family, width, seed, loss):
+        return finished(ws.Job("final", family, width, "mup", seed, 0.01, 10), loss)
+
+    runs = [final("comera", 128, 0, 4.0), final("comera", 128, 1, 4.2), final("tt", 128, 0, 4.1)]
+    runs += [final("tt", 128, 1, 4.1), final("comera", 256, 0, 3.5), final("tt", 512, 0, 3.0)]
+    state = state_of(runs)
+    state["protocol"]["widths"] = {"comera": [128, 256], "tt": [128, 512]}
+    assert wr.seed_lines(state) == [
+        "- d 128: CoMERA 4.100 (spread 0.200 over 2 seeds) against the uniform TT 4.100 (spread 0.000 over 2 seeds);"
+        " ahead in 1 of 2 seeds."
+    ]
