@@ -283,6 +283,6 @@ def test_comera_is_set_against_the_uniform_tt_seed_by_seed_at_each_width_both_tr
     state = state_of(runs)
     state["protocol"]["widths"] = {"comera": [128, 256], "tt": [128, 512]}
     assert wr.seed_lines(state) == [
-        "- d 128: CoMERA 4.100 (spread 0.200 over 2 seeds) against the uniform TT 4.100 (spread 0.000 over 2 seeds);"
-        " ahead in 1 of 2 seeds."
+        "- d 128, seeds 0, 1: CoMERA minus the uniform TT -0.100, +0.100 (mean +0.000); ahead in 1 of 2. "
+        "The losses: CoMERA 4.000 / 4.200; the uniform TT 4.100 / 4.100."
     ]
