@@ -54,11 +54,11 @@ def alone_seconds(run: dict[str, Any], clock: dict[str, Any]) -> float | None:
     return total
 
 
-def finals(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The finished final runs of seed 0 (the fronts' points), ordered by family and width, each with its clock run
-    alone (``train_s_alone``) once ``width_clock.py`` has timed it."""
+def finals(state: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
+    """The finished final runs of ``seed`` (seed 0's are the fronts' points), ordered by family and width, each with
+    its clock run alone (``train_s_alone``) once ``width_clock.py`` has timed its shape."""
     order = {f: i for i, f in enumerate(LABELS)}
-    runs = [r for r in state["runs"] if r["phase"] == "final" and r["seed"] == 0 and "error" not in r]
+    runs = [r for r in state["runs"] if r["phase"] == "final" and r["seed"] == seed and "error" not in r]
     clock = state.get("clock_alone")
     if clock is not None:
         runs = [{**r, "train_s_alone": alone_seconds(r, clock)} for r in runs]
@@ -204,15 +204,17 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None
     return None
 
 
-def compare(state: dict[str, Any], family: str, key: str) -> list[tuple[int, float, str, bool | None]]:
-    """Per finished width of ``family``: (width, its loss, the cell text, whether it beats dense at that cost).
+def compare(state: dict[str, Any], family: str, key: str, seed: int = 0) -> list[tuple[int, float, str, bool | None]]:
+    """Per finished width of ``family``: (width, its loss, the cell text, whether it beats dense at that cost), both
+    of ``seed`` (each seed validates on its own sample of the held-out rows).
 
     Inside dense's range dense's loss is read off its front. Outside it nothing is extrapolated; the family still
     loses where a dense model at no more cost has a lower loss, and wins where one at no less cost has a higher
     loss. The verdict is None where neither holds."""
-    dense = [r for r in finals(state) if r["family"] == "dense" and _finite(r.get(key))]
+    runs = finals(state, seed)
+    dense = [r for r in runs if r["family"] == "dense" and _finite(r.get(key))]
     rows = []
-    for r in finals(state):
+    for r in runs:
         if r["family"] != family or not _finite(r.get(key)):
             continue
         cost, loss = r[key], r["val_loss"]
@@ -233,15 +235,25 @@ def compare(state: dict[str, Any], family: str, key: str) -> list[tuple[int, flo
     return rows
 
 
-def moonshot_lines(state: dict[str, Any]) -> list[str]:
-    """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width."""
+def moonshot_lines(state: dict[str, Any], seed: int = 0) -> list[str]:
+    """Each tensorised family against dense at equal training FLOPs and at equal active parameters, per width, all
+    of ``seed``; later seeds list only the widths where dense's front reaches."""
     lines = []
     for family in TENSORISED:
         for key, what in (("train_flops", "equal training FLOPs"), ("params_active", "equal active parameters")):
-            cells = [f"d {width}: {loss:.3f} against {text}" for width, loss, text, _ in compare(state, family, key)]
+            rows = compare(state, family, key, seed)
+            cells = [
+                f"d {w}: {loss:.3f} against {text}" for w, loss, text, wins in rows if seed == 0 or wins is not None
+            ]
             if cells:
                 lines.append(f"- {LABELS[family]} against dense at {what}: " + "; ".join(cells) + ".")
     return lines
+
+
+def later_seed_lines(state: dict[str, Any]) -> list[str]:
+    """:func:`moonshot_lines` of every later seed with dense finals, each read off that seed's own dense front."""
+    seeds = sorted({r["seed"] for r in state["runs"] if r["phase"] == "final" and r["family"] == "dense"} - {0})
+    return [f"{line[:2]}seed {seed}: {line[2:]}" for seed in seeds for line in moonshot_lines(state, seed)]
 
 
 def seed_lines(state: dict[str, Any], family: str = "comera", rival: str = "tt") -> list[str]:
@@ -462,6 +474,7 @@ def render(state: dict[str, Any], name: str, figure_dir: Path, source: str | Non
         "Against dense on its own front (a negative change: lower loss than dense at the same cost):",
         "",
         *moonshot_lines(state),
+        *later_seed_lines(state),
         "",
         f"{LABELS['comera']} against {SHORT['tt']} at the same width and size, seed by seed (each seed validates on "
         "its own sample of the held-out rows, so losses compare within a seed):",
