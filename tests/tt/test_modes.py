@@ -131,3 +131,23 @@ def test_validate_modes_rejects_empty_or_non_positive(modes):
     )
     with pytest.raises(ValueError, match=f"out_modes: {fix}"):
         validate_modes(modes, 12, "out_modes")
+
+
+@pytest.mark.parametrize("num_modes", [1, 2, 3, 4])
+def test_padded_modes_pad_to_the_smallest_balanced_size_within_a_quarter(num_modes):
+    """Balanced: every mode at most twice the ``num_modes``-th root of ``n`` (rounded up). The exact modes when they
+    are balanced, else those of the smallest larger size that has balanced ones, padding at most a quarter (and one)."""
+    for n in range(2, 600):
+        limit = math.ceil(2 * n ** (1 / num_modes))
+        exact = factorize(n, num_modes)
+        if max(exact) <= limit:
+            expected = n
+        else:
+            larger = range(n + 1, math.floor(1.25 * n) + 2)
+            expected = next((size for size in larger if _has_balanced_factorization(size, num_modes, limit)), n)
+        modes = padded_modes(n, num_modes)
+        assert math.prod(modes) == expected and len(modes) == num_modes, (n, modes)
+        assert expected == n or max(modes) <= limit
+    assert padded_modes(5, 2) == [5, 1]  # 5 is at the bound (2 * sqrt(5) rounds up to 5): kept
+    assert padded_modes(7, 2) == [4, 2]  # the next size, 8
+    assert padded_modes(11, 3) == [3, 2, 2]  # 12, where the search may go up to 11 * 1.25 = 13.75, and one
