@@ -30,6 +30,8 @@ torch thread train at once, so a run's clock is that of a machine with one other
 after every run and a rerun of the same command resumes.
 
     python -m benchmarks.studies.width                                  # docs/data/partial/width_stdlib.json
+    python -m benchmarks.studies.width --out docs/data/width_stdlib.json --seeds 0 1 2 --seed-widths 768 \
+        --seed-families comera tt                                       # extend the finished study
     python -m benchmarks.studies.width --seeds 0 1 2 --hours 2          # more seeds, stop starting runs after 2 h
     python -m benchmarks.studies.width --seeds 0 1 2 --seed-widths 128 --seed-families comera tt   # where it is close
     python -m benchmarks.studies.width --quick --out /tmp/w.json         # smoke run, a few minutes

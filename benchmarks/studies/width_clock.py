@@ -13,7 +13,7 @@ it. The FLOPs of each shape are counted twice: as run (with the zero slices a CP
 study counted them) and without them. All goes into the study's JSON as ``clock_alone``; run it when the study is
 not running (the study rewrites its JSON after every run), then ``python -m benchmarks.studies.report --write``.
 
-    python -m benchmarks.studies.width_clock                     # docs/data/partial/width_stdlib.json, ~5 minutes
+    python -m benchmarks.studies.width_clock                     # docs/data/width_stdlib.json, ~5 minutes
     python -m benchmarks.studies.width_clock --quick --out /tmp/w.json  # the smoke study's JSON
 """
 
@@ -120,7 +120,7 @@ def measure(state: dict[str, Any], quick: bool, cache_dir: Path, repeats: int, w
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "data" / "partial" / "width_stdlib.json")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "data" / "width_stdlib.json")
     parser.add_argument("--quick", action="store_true", help="the JSON of a --quick study")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wait-quiet", type=float, default=300.0, help="seconds to wait for a quiet machine")

@@ -4,7 +4,7 @@
 ``<!-- width:NAME begin/end -->`` markers in docs/results.md, and writes its figures. Every number comes from the
 JSON; a study still under way renders what it has and says what is missing.
 
-    python -m benchmarks.studies.width_report docs/data/partial/width_stdlib.json     # print the markdown
+    python -m benchmarks.studies.width_report docs/data/width_stdlib.json     # print the markdown
 """
 
 from __future__ import annotations
