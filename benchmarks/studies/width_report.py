@@ -310,11 +310,11 @@ def headline(state: dict[str, Any], family: str = "comera") -> str:
     protocol = state["protocol"]
     done = [r for r in finals(state) if r["family"] in (family, "dense")]
     expected = len(protocol["widths"].get(family, ())) + len(protocol["widths"].get("dense", ()))
-    verdicts: dict[bool, list[str]] = {True: [], False: []}
+    verdicts: dict[bool, dict[str, list[str]]] = {True: {}, False: {}}
     for key, label, _, _ in FRONTS:
         for width, _, _, wins in compare(state, family, key):
             if wins is not None:
-                verdicts[wins].append(f"{label.split(' (')[0]} at d {width}")
+                verdicts[wins].setdefault(label.split(" (")[0], []).append(str(width))
     runs = f"{protocol['steps']} steps ({protocol['steps'] * 2048 / 1e6:.1f} M tokens) a run, seed 0"
     lead = (
         f"{LABELS[family]}, tensorised families under `{protocol['parameterization']}`, against dense read off "
@@ -322,7 +322,10 @@ def headline(state: dict[str, Any], family: str = "comera") -> str:
     )
     if not any(r["family"] == family for r in done):
         return f"{lead} No {LABELS[family]} final has finished yet."
-    below, above = (", ".join(verdicts[w]) or "nowhere" for w in (True, False))
+    below, above = (
+        "; ".join(f"{front} at d {', '.join(widths)}" for front, widths in verdicts[w].items()) or "nowhere"
+        for w in (True, False)
+    )
     verdict = f"Below dense at the same cost: {below}. Above: {above}."
     return "\n".join([lead, "", headline_table(state, family), "", verdict])
 

@@ -29,7 +29,7 @@ def default_num_modes(n: int) -> int:
     """Number of modes that makes each mode about 12 (768 -> 3, 3072 -> 3, 30522 -> 4)."""
     if n < 1:
         raise ValueError(f"cannot factorise a dimension of size {n}; sizes must be >= 1")
-    return max(1, round(math.log(n) / math.log(_TYPICAL_MODE_SIZE))) if n > 1 else 1
+    return max(1, round(math.log(n) / math.log(_TYPICAL_MODE_SIZE)))
 
 
 @cache

@@ -193,7 +193,7 @@ def test_the_headline_places_comera_on_every_front_and_says_where_it_wins():
     assert table[3].count("outside dense's range") == 4  # beyond dense's largest cost: not extrapolated
     text = wr.headline(state)
     assert "4 of 4 of these finals finished" in text
-    assert "Below dense at the same cost: training FLOPs at d 128, training clock, run alone at d 128" in text
+    assert "Below dense at the same cost: training FLOPs at d 128; training clock, run alone at d 128" in text
     assert text.endswith("Above: nowhere.")
     early = state_of(runs[:2])
     early["protocol"].update(state["protocol"])
