@@ -448,3 +448,11 @@ def test_bias_in_a_padded_slice_gives_the_reference_with_and_without_its_gradien
         torch.testing.assert_close(grads[-1], upstream.sum(0), rtol=1e-12, atol=1e-12)
     empty = tt_linear(x[:0], cores, in_modes, plan="half_merge", bias=bias)
     assert empty.shape == (0, 16)
+
+
+def test_plan_costs_use_the_devices_own_model_and_the_cpus_for_an_unknown_device():
+    shape = (PAPER_IN, PAPER_OUT, PAPER_RANKS, 4096)
+    cpu, cuda, other = (plan_costs(*shape, device) for device in ("cpu", "cuda", "mps"))
+    assert [c.seconds for c in other] == [c.seconds for c in cpu]
+    assert all(g.seconds < c.seconds for g, c in zip(cuda, cpu, strict=True))  # a GPU model, far faster per FLOP
+    assert [c.flops for c in cuda] == [c.flops for c in cpu]  # the work is the device's to pay, not to change
