@@ -114,11 +114,15 @@ def test_a_merged_linear_without_its_factors_says_how_to_merge_it():
     gated, _ = _gated_train([2, 2], [2, 2], 4)
     weight_only = merge_tt_linear(gated, 2, F64)
     x = torch.randn(1, 4, dtype=F64)
-    with pytest.raises(ValueError, match="needs the factors L and R: merge with keep_factors=True"):
+    with pytest.raises(
+        ValueError, match=r"^a bottleneck activation needs the factors L and R: merge with keep_factors=True$"
+    ):
         merged_tt_linear(x, weight_only, activation=torch.relu)
     kept = merge_tt_linear(gated, 2, F64, keep_factors=True)
     for broken in (kept._replace(right=None), kept._replace(left=None), kept._replace(left=None, right=None)):
-        with pytest.raises(ValueError, match="holds its weight or both factors L and R; this one has neither"):
+        with pytest.raises(
+            ValueError, match=r"^a MergedTTLinear holds its weight or both factors L and R; this one has neither$"
+        ):
             merged_tt_linear(x, broken)
 
 
