@@ -65,13 +65,18 @@ def finals(state: dict[str, Any], seed: int = 0) -> list[dict[str, Any]]:
     return sorted(runs, key=lambda r: (order.get(r["family"], 9), r["width"]))
 
 
-def seed_spread(state: dict[str, Any], family: str, width: int) -> tuple[float, float, int] | None:
-    """(mean, max - min, seeds) of the final validation loss of ``family`` at ``width`` over its finished seeds."""
-    losses = [
-        r["val_loss"]
+def final_losses(state: dict[str, Any], family: str, width: int) -> dict[int, float]:
+    """Seed -> final validation loss of ``family`` at ``width``, over its finished seeds."""
+    return {
+        r["seed"]: r["val_loss"]
         for r in state["runs"]
         if r["phase"] == "final" and r["family"] == family and r["width"] == width and _finite(r.get("val_loss"))
-    ]
+    }
+
+
+def seed_spread(state: dict[str, Any], family: str, width: int) -> tuple[float, float, int] | None:
+    """(mean, max - min, seeds) of the final validation loss of ``family`` at ``width`` over its finished seeds."""
+    losses = list(final_losses(state, family, width).values())
     if not losses:
         return None
     return sum(losses) / len(losses), max(losses) - min(losses), len(losses)
@@ -260,17 +265,10 @@ def seed_lines(state: dict[str, Any], family: str = "comera", rival: str = "tt")
     """``family`` against ``rival`` at each width both trained, seed by seed: each seed validates on its own sample of
     the held-out rows, so only differences within a seed compare."""
 
-    def losses(name: str, width: int) -> dict[int, float]:
-        return {
-            r["seed"]: r["val_loss"]
-            for r in state["runs"]
-            if r["phase"] == "final" and r["family"] == name and r["width"] == width and _finite(r.get("val_loss"))
-        }
-
     lines = []
     widths = state["protocol"]["widths"]
     for width in sorted(set(widths.get(family, ())) & set(widths.get(rival, ()))):
-        ours, theirs = losses(family, width), losses(rival, width)
+        ours, theirs = final_losses(state, family, width), final_losses(state, rival, width)
         seeds = sorted(set(ours) & set(theirs))
         if not seeds:
             continue
