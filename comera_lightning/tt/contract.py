@@ -85,8 +85,6 @@ class PlanCost:
     flops: int
     bytes_moved: int
     kernels: int
-    saved_elements: int
-    peak_elements: int
     seconds: float
 
 
@@ -110,8 +108,6 @@ class _SideCost(NamedTuple):
     flops: int
     moved: int  # elements read and written
     kernels: int
-    saved: int  # elements saved for backward
-    peak: int  # the largest temporary
     merge_flops: int = 0  # batch-free: merging the side's cores into one matrix (merged plans only)
     merge_kernels: int = 0
 
@@ -129,8 +125,8 @@ def plan_costs(
     in_ranks, out_ranks, model = ranks[: p + 1], ranks[p:], _DEVICE_MODELS.get(device_type, _DEVICE_MODELS["cpu"])
     M, N, r, B = math.prod(in_modes), math.prod(out_modes), ranks[p], rows
     merge_in, merge_out = _side_merge_cost(in_modes, in_ranks), _side_merge_cost(out_modes, out_ranks)
-    merged_in = _SideCost(2 * B * M * r, B * M + B * r, 1, B * r, B * r, *merge_in)
-    merged_out = _SideCost(2 * B * r * N, B * r + B * N, 1, 0, B * N, *merge_out)
+    merged_in = _SideCost(2 * B * M * r, B * M + B * r, 1, *merge_in)
+    merged_out = _SideCost(2 * B * r * N, B * r + B * N, 1, *merge_out)
     swept_in, swept_out = _sweep_in_cost(in_modes, in_ranks, B), _sweep_out_cost(out_modes, out_ranks, B)
     costs = [
         _plan_cost(plan, in_side, out_side, element_bytes, model)
@@ -145,29 +141,25 @@ def plan_costs(
     dense_flops = 3 * (2 * B * M * N + dense_setup)
     dense_moved = 3 * (B * M + M * N + B * N)
     dense_kernels = 3 * (1 + 1 + merge_in.kernels + merge_out.kernels)
-    costs.append(
-        _finish("dense", dense_flops, dense_moved, dense_kernels, M * N, max(M * N, B * N), element_bytes, model)
-    )
+    costs.append(_finish("dense", dense_flops, dense_moved, dense_kernels, element_bytes, model))
     return costs
 
 
 def _sweep_in_cost(modes: Sequence[int], ranks: Sequence[int], rows: int) -> _SideCost:
     """Contracting the input with one input core at a time."""
-    flops = moved = saved = peak = 0
+    flops = moved = 0
     rest = math.prod(modes)
     for k, mode in enumerate(modes):
         rest //= mode
         size_in = rows * rest * mode * ranks[k]
         flops += 2 * size_in * ranks[k + 1]
         moved += 2 * size_in + rows * rest * ranks[k + 1]  # permute copy + GEMM read + write
-        saved += size_in
-        peak = max(peak, size_in)
-    return _SideCost(flops, moved, 2 * len(modes), saved, peak)
+    return _SideCost(flops, moved, 2 * len(modes))
 
 
 def _sweep_out_cost(modes: Sequence[int], ranks: Sequence[int], rows: int) -> _SideCost:
     """Expanding the bottleneck through one output core at a time."""
-    flops = moved = saved = peak = 0
+    flops = moved = 0
     done = 1
     for k, mode in enumerate(modes):
         size_in = rows * done * ranks[k]
@@ -175,9 +167,7 @@ def _sweep_out_cost(modes: Sequence[int], ranks: Sequence[int], rows: int) -> _S
         size_out = rows * done * ranks[k + 1]
         flops += 2 * size_in * mode * ranks[k + 1]
         moved += size_in + size_out
-        saved += size_in
-        peak = max(peak, size_out)
-    return _SideCost(flops, moved, len(modes), saved, peak)
+    return _SideCost(flops, moved, len(modes))
 
 
 def _plan_cost(plan: str, in_side: _SideCost, out_side: _SideCost, element_bytes: int, model: DeviceModel) -> PlanCost:
@@ -185,15 +175,12 @@ def _plan_cost(plan: str, in_side: _SideCost, out_side: _SideCost, element_bytes
     flops = 3 * (in_side.flops + out_side.flops) + 3 * (in_side.merge_flops + out_side.merge_flops)
     kernels = 3 * (in_side.kernels + out_side.kernels) + 3 * (in_side.merge_kernels + out_side.merge_kernels)
     moved = 3 * (in_side.moved + out_side.moved)
-    saved, peak = in_side.saved + out_side.saved, max(in_side.peak, out_side.peak)
-    return _finish(plan, flops, moved, kernels, saved, peak, element_bytes, model)
+    return _finish(plan, flops, moved, kernels, element_bytes, model)
 
 
-def _finish(
-    plan: str, flops: int, moved: int, kernels: int, saved: int, peak: int, element_bytes: int, model: DeviceModel
-) -> PlanCost:
+def _finish(plan: str, flops: int, moved: int, kernels: int, element_bytes: int, model: DeviceModel) -> PlanCost:
     seconds = flops / model.flops_per_s + moved * element_bytes / model.bytes_per_s + kernels * model.seconds_per_kernel
-    return PlanCost(plan, int(flops), int(moved * element_bytes), int(kernels), int(saved), int(peak), seconds)
+    return PlanCost(plan, int(flops), int(moved * element_bytes), int(kernels), seconds)
 
 
 @lru_cache(maxsize=4096)
@@ -320,9 +307,11 @@ def _tt_linear_forward(
         saved_in, saved_out = chain_merge(in_cores), chain_merge(out_cores)
         rank = saved_in[-1].shape[1]
         pad = bottleneck_padding(rank, x.device.type)
-        # zero columns of L and rows of R: the same product, in GEMMs the BLAS runs faster
-        left = torch.nn.functional.pad(saved_in[-1].to(compute), (0, pad))
-        right = torch.nn.functional.pad(saved_out[-1].reshape(rank, -1).to(compute), (0, 0, 0, pad))
+        left, right = saved_in[-1].to(compute), saved_out[-1].reshape(rank, -1).to(compute)
+        if pad:
+            # zero columns of L and rows of R: the same product, in GEMMs the BLAS runs faster
+            left = torch.nn.functional.pad(left, (0, pad))
+            right = torch.nn.functional.pad(right, (0, 0, 0, pad))
         hidden = x @ left
         bias_slot = bias is not None and pad > 0
         if bias is not None and bias_slot:
