@@ -6,7 +6,7 @@ optimiser steps. The training clock (:class:`StudyRecorder`) counts everything a
 validation passes out; ``/proc/stat`` gives the CPU other processes took during each run. The studies' tasks come
 from :func:`study_spec`: the decoder of a CausalLM config (:func:`spec_from_config`) or the quickstart's masked LM
 (:func:`mlm_spec`), on a corpus of Python sources. :func:`run_pool` runs a study's jobs on worker processes, asking its
-plan again after each one.
+plan again after each one; :func:`worker_datamodule` keeps a worker's data for its next run.
 """
 
 from __future__ import annotations
@@ -151,6 +151,19 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     dm.prepare_data()
     dm.setup("fit")
     return dm
+
+
+_DATAMODULES: dict[str, Any] = {}
+
+
+def worker_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
+    """:func:`build_datamodule` of ``spec``, kept for a worker process's next run on the same data (one at a time)."""
+    data = [spec.name, spec.datamodule, spec.seed, spec.data_kwargs, str(cache_dir)]
+    key = json.dumps(data, sort_keys=True, default=str)
+    if key not in _DATAMODULES:
+        _DATAMODULES.clear()
+        _DATAMODULES[key] = build_datamodule(spec, cache_dir)
+    return _DATAMODULES[key]
 
 
 def size(pl_module) -> dict[str, Any]:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from benchmarks.studies.driver import StudyFile, StudyJob, log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,11 +44,10 @@ MAX_EXTENSIONS = 2
 GATE_LR = 5e-3
 FINAL_LR_RATIO = 0.1
 GRAD_CLIP = 1.0
-FORMAT = "comera-quality-study/1"
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(StudyJob):
     """One training run of the study."""
 
     phase: str
@@ -57,20 +57,16 @@ class Job:
     lr: float
     steps: int
 
-    @property
-    def key(self) -> tuple:
-        return (self.phase, self.family, float(self.size), int(self.seed), round(float(self.lr), 12), int(self.steps))
-
-
-def job_of(run: dict[str, Any]) -> Job:
-    return Job(run["phase"], run["family"], float(run["size"]), int(run["seed"]), float(run["lr"]), int(run["steps"]))
+    def __str__(self) -> str:
+        return f"{self.phase} {self.family} x{self.size:g} seed {self.seed} lr {self.lr:.3g}"
 
 
 # ------------------------------------------------------------------------------------------------------
 # the protocol's decisions (pure functions of the finished runs, so a resumed study decides alike)
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a finite number (a loss that did not diverge)."""
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -82,7 +78,7 @@ def best_rate(runs: Sequence[dict[str, Any]]) -> float:
     """The rate of the lowest final validation loss (ties: the smaller rate); diverged runs (no finite loss) lose."""
     if not runs:
         raise ValueError("no runs to choose a rate from")
-    return min(runs, key=lambda r: (r["val_loss"] if _finite(r["val_loss"]) else math.inf, r["lr"]))["lr"]
+    return min(runs, key=lambda r: (r["val_loss"] if finite(r["val_loss"]) else math.inf, r["lr"]))["lr"]
 
 
 def sweep_rates(
@@ -96,7 +92,7 @@ def sweep_rates(
         if missing:
             return missing, None
         losses = {lr: next(v for d, v in done.items() if math.isclose(lr, d)) for lr in rates}
-        best = min(rates, key=lambda lr: (losses[lr] if _finite(losses[lr]) else math.inf, lr))
+        best = min(rates, key=lambda lr: (losses[lr] if finite(losses[lr]) else math.inf, lr))
         if best == rates[0]:
             rates.insert(0, rates[0] / 2)
         elif best == rates[-1]:
@@ -190,7 +186,7 @@ class Plan:
                 lr = self.chosen(runs, family, size)
                 if lr is not None:
                     jobs += [Job("final", family, size, seed, lr, self.steps) for seed in self.seeds]
-        done = {job_of(r).key for r in runs}
+        done = {Job.of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
 
         # the sweeps, then every seed of the sweep size (one whole comparison), then each other size in the order
@@ -212,12 +208,12 @@ class Plan:
 
 def diverged_rates(runs: Sequence[dict[str, Any]], family: str, size: float) -> list[float]:
     """The rates at which a final run of (family, size) diverged (no finite validation loss)."""
-    return sorted({r["lr"] for r in _of(runs, "final", family, size) if not _finite(r["val_loss"])})
+    return sorted({r["lr"] for r in _of(runs, "final", family, size) if not finite(r["val_loss"])})
 
 
 def comera_ranks(runs: Sequence[dict[str, Any]], size: float, seed: int) -> dict[str, list[int]] | None:
     """The final ranks of CoMERA's seed-``seed`` final at ``size`` (what tt trains at); never a diverged run's."""
-    found = [r for r in _of(runs, "final", "comera", size) if r["seed"] == seed and _finite(r["val_loss"])]
+    found = [r for r in _of(runs, "final", "comera", size) if r["seed"] == seed and finite(r["val_loss"])]
     return found[0]["ranks_final"] if found else None
 
 
@@ -337,18 +333,21 @@ def knob_for(spec, family: str, size: float, full: int) -> float | None:
     if family in ("lowrank", "cola"):
         return smallest_at_least(lambda r: count("lowrank", r), target, 1, width)
     if family in (*COMERA, "tt"):
-        # start above the target: the default rank when its model is at least 1.2x the target, else larger
-        rank = int(spec.task_kwargs["layer_config"]["rank"])
-        while count("comera", rank) < 1.2 * target and rank < width:
-            rank += rank // 2
-        return rank
+        return start_rank(spec, lambda r: count("comera", r), target, width)
     return None
+
+
+def start_rank(spec, count: Callable[[int], int], target: float, limit: int) -> int:
+    """A CoMERA model's start rank, above the target: the spec's rank when ``count(rank)`` (its active parameters)
+    is at least 1.2x ``target``, else grown by half until it is (or reaches ``limit``)."""
+    rank = int(spec.task_kwargs["layer_config"]["rank"])
+    while count(rank) < 1.2 * target and rank < limit:
+        rank += rank // 2
+    return rank
 
 
 # ------------------------------------------------------------------------------------------------------
 # one run (in a worker process)
-
-_DATAMODULES: dict[tuple, Any] = {}
 
 
 def training_loss(task, batch):
@@ -422,11 +421,7 @@ def run_job(
 
     job = Job(**job)
     spec = base_spec(task_name, corpus, job.seed, job.steps, quick, overrides)
-    key = (task_name, corpus, job.seed, quick, tuple(overrides))
-    if key not in _DATAMODULES:
-        _DATAMODULES.clear()
-        _DATAMODULES[key] = study.build_datamodule(spec, Path(cache_dir))
-    dm = _DATAMODULES[key]
+    dm = study.worker_datamodule(spec, Path(cache_dir))
     kwargs = with_optim(family_kwargs(spec, job.family, knob, ranks), job.lr, job.steps)
     if job.family == "galore":
         task = llm_study.build_task(replace(spec, task_kwargs=kwargs), "galore", kwargs)
@@ -523,9 +518,13 @@ def short_runs_of(
     return short, not same_data
 
 
-class Study:
+class Study(StudyFile):
     """The study's JSON (``runs`` plus the protocol) and the plan that extends it; sets ``plan.recheck`` when the
     study's sweeps were copied from another ``--set``."""
+
+    FORMAT = "comera-quality-study/1"
+    # the final runs' length may change (each final records its steps); the sweeps' may not
+    FIXED = ("sweep_steps", "grid", "quick", "set")
 
     def __init__(
         self,
@@ -538,86 +537,48 @@ class Study:
         rates_from: Path | None = None,
         overrides: Sequence[str] = (),
     ) -> None:
-        from benchmarks import harness
-
-        self.path, self.task, self.corpus, self.plan = path, task, corpus, plan
-        self.quick, self.cache_dir, self.overrides = quick, cache_dir, list(overrides)
+        self.task, self.corpus, self.quick, self.cache_dir = task, corpus, quick, cache_dir
+        self.overrides = list(overrides)
         protocol = dict(families=plan.families, sizes=plan.sizes, seeds=plan.seeds, steps=plan.steps)
         protocol |= dict(sweep_steps=plan.sweep_steps, grid=plan.grid, gate_lr=GATE_LR, final_lr_ratio=FINAL_LR_RATIO)
         protocol |= dict(grad_clip=GRAD_CLIP, quick=quick, set=self.overrides)
-        if path.exists():
-            state = harness.read_json(path)
-            old = state.get("protocol", {})
-            # the final runs' length may change (each final records its steps); the sweeps' may not
-            if any({"set": [], **old}.get(k) != protocol[k] for k in ("sweep_steps", "grid", "quick", "set")):
-                raise ValueError(
-                    f"{path} holds a study with another protocol ({ {k: old.get(k) for k in protocol} });"
-                    " give another --out, or move that file away"
-                )
-            # the protocol lists every family, size and seed asked for so far (and every family with runs of its
-            # own, not copied by --rates-from), not only this invocation's
-            ran = {run["family"] for run in state.get("runs", []) if "copied_from" not in run}
-            asked = {*old.get("families", []), *protocol["families"], *ran}
-            merged = {
-                "families": [f for f in FAMILIES if f in asked] + sorted(asked - set(FAMILIES)),
-                "sizes": list(dict.fromkeys([*old.get("sizes", []), *protocol["sizes"]])),
-                "seeds": list(dict.fromkeys([*old.get("seeds", []), *protocol["seeds"]])),
-            }
-            self.state = {**state, "protocol": {**old, **protocol, **merged}}
-        else:
-            self.state = {"format": FORMAT, "task": task, "corpus": corpus, "protocol": protocol, "runs": []}
-            if rates_from is not None:
-                self.state["rates_from"] = rates_from.name
-                self.state["runs"], recheck = short_runs_of(rates_from, path, task, corpus, protocol, plan.families)
-                self.state["protocol"]["recheck"] = recheck
+        resumed = path.exists()
+        super().__init__(path, plan, task, corpus, protocol)
+        if rates_from is not None and not resumed:
+            self.state["rates_from"] = rates_from.name
+            self.state["runs"], recheck = short_runs_of(rates_from, path, task, corpus, protocol, plan.families)
+            self.state["protocol"]["recheck"] = recheck
         plan.recheck = bool(self.state["protocol"].get("recheck", False))
         self.spec = base_spec(task, corpus, plan.seeds[0], plan.steps, quick, self.overrides)
         self.full = active_parameters(self.spec, family_kwargs(self.spec, "dense", None))
         self.state["full_dense_params"] = self.full
         self._knobs: dict[tuple[str, float], float | None] = {}
 
-    @property
-    def runs(self) -> list[dict[str, Any]]:
-        return self.state["runs"]
+    def merged(self, old: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every family, size and seed asked for so far (and every family with runs of its own, not copied by
+        ``--rates-from``), not only this invocation's."""
+        ran = {run["family"] for run in runs if "copied_from" not in run}
+        asked = {*old.get("families", []), *self.plan.families, *ran}
+        return {
+            "families": [f for f in FAMILIES if f in asked] + sorted(asked - set(FAMILIES)),
+            "sizes": list(dict.fromkeys([*old.get("sizes", []), *self.plan.sizes])),
+            "seeds": list(dict.fromkeys([*old.get("seeds", []), *self.plan.seeds])),
+        }
 
     def knob(self, family: str, size: float) -> float | None:
         if (family, size) not in self._knobs:
             self._knobs[(family, size)] = knob_for(self.spec, family, size, self.full)
         return self._knobs[(family, size)]
 
-    def save(self) -> None:
-        from benchmarks import harness
-
-        self.state["machine"] = harness.machine_info()
-        harness.write_json(self.path, self.state)
-
-    def run(self, workers: int, deadline: float | None) -> None:
-        from benchmarks.studies.common import run_pool
-
-        run_pool(lambda: self.plan.pending(self.runs), self._submit, self._finish, workers, 1, deadline)
-
     def _submit(self, pool: ProcessPoolExecutor, job: Job) -> Future:
         ranks = comera_ranks(self.runs, job.size, self.plan.seeds[0]) if job.family == "tt" else None
         knob = self.knob(job.family, job.size)
-        what = f"{job.phase} {job.family} x{job.size:g} seed {job.seed} lr {job.lr:.3g}"
-        _log(f"start {what} ({job.steps} steps, knob {knob})")
+        log(f"start {job} ({job.steps} steps, knob {knob})")
         args = (self.task, self.corpus, self.quick, knob, ranks, str(self.cache_dir), self.overrides)
         return pool.submit(run_job, asdict(job), *args)
 
-    def _finish(self, job: Job, outcome: dict[str, Any] | BaseException, wall_s: float) -> None:
-        if isinstance(outcome, BaseException):
-            print(f"    FAILED {job}: {outcome!r}", flush=True)
-            knob = self.knob(job.family, job.size)
-            failed = {"error": repr(outcome), "val_loss": math.nan, "tokens": 0, "params_active": 0, "curve": []}
-            outcome = {**asdict(job), "knob": knob, **failed}
-        self.runs.append(outcome)
-        self.save()
-        done = f"val loss {outcome['val_loss']:.4f}, {outcome['params_active']:,} params"
-        _log(f"done  {job.phase} {job.family} x{job.size:g} seed {job.seed} lr {job.lr:.3g}: {done}")
-
-
-def _log(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+    def failed(self, job: Job) -> dict[str, Any]:
+        return {"knob": self.knob(job.family, job.size), "tokens": 0, "params_active": 0, "curve": []}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -649,8 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         study = Study(out, args.task, args.corpus, plan, args.quick, cache, args.rates_from, args.overrides)
     except ValueError as err:
         parser.error(str(err))
-    study.run(args.workers, None if args.hours is None else time.time() + 3600 * args.hours)
-    print(f"JSON: {out} ({len(study.runs)} runs; {len(plan.pending(study.runs))} runnable runs left)")
+    study.run(args.workers, args.hours)
     return 0
 
 

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -51,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.studies import tuned as ts
+from benchmarks.studies.driver import StudyFile, StudyJob, log
 
 REPO = Path(__file__).resolve().parents[2]
 
-FORMAT = "comera-width-study/1"
 FAMILIES = ("dense", "comera", "tt")
 TENSORISED = ("comera", "tt")
 WIDTHS = {"dense": (64, 128, 256, 512), "comera": (128, 256, 512, 768), "tt": (128, 256, 512, 768)}
@@ -80,7 +78,7 @@ def data_settings(quick: bool) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(StudyJob):
     """One training run of the study."""
 
     phase: str
@@ -90,14 +88,6 @@ class Job:
     seed: int
     lr: float
     steps: int
-
-    @property
-    def key(self) -> tuple:
-        return (self.phase, self.family, self.width, self.parameterization, self.seed, round(self.lr, 12), self.steps)
-
-
-def job_of(run: dict[str, Any]) -> Job:
-    return Job(*(run[f] for f in ("phase", "family", "width", "parameterization", "seed", "lr", "steps")))
 
 
 def interpolated_rate(width: int, low: tuple[int, float], high: tuple[int, float], base: float) -> float:
@@ -219,7 +209,7 @@ class Plan:
                     for w in self.final_widths(family, seed)
                 ]
         jobs += self.transfer_jobs(runs)
-        done = {job_of(r).key for r in runs}
+        done = {Job.of(r).key for r in runs}
         todo = [j for j in dict.fromkeys(jobs) if j.key not in done]
 
         def priority(job: Job) -> tuple:
@@ -272,10 +262,7 @@ def rank_for(spec, family: str, width: int, parameterization: str) -> int | None
 
     if family == "tt":
         return ts.smallest_at_least(count, target, 1, width)
-    rank = int(spec.task_kwargs["layer_config"]["rank"])
-    while count(rank) < 1.2 * target and rank < width:
-        rank += rank // 2
-    return rank
+    return ts.start_rank(spec, count, target, width)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -321,9 +308,6 @@ def flop_meter(batch):
     return FlopMeter()
 
 
-_DATAMODULES: dict[tuple, Any] = {}
-
-
 def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) -> dict[str, Any]:
     """Train one job and return its record (a ``runs`` entry)."""
     import torch
@@ -332,11 +316,7 @@ def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) 
 
     job_ = Job(**job)
     spec = ts.base_spec("lm", "stdlib", job_.seed, job_.steps, quick, data_settings(quick))
-    key = (job_.seed, quick)
-    if key not in _DATAMODULES:
-        _DATAMODULES.clear()
-        _DATAMODULES[key] = study.build_datamodule(spec, Path(cache_dir))
-    dm = _DATAMODULES[key]
+    dm = study.worker_datamodule(spec, Path(cache_dir))
     kwargs = ts.with_optim(
         model_kwargs(spec, job_.family, job_.width, job_.parameterization, rank), job_.lr, job_.steps
     )
@@ -389,11 +369,15 @@ def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) 
 # the driver
 
 
-class Study:
+class Study(StudyFile):
     """The study's JSON (``runs`` plus the protocol) and the plan that extends it."""
 
+    FORMAT = "comera-width-study/1"
+    FIXED = ("sweep_steps", "grid", "quick", "set", "parameterization", "target_compression")
+    WALL_S = True
+
     def __init__(self, path: Path, plan: Plan, quick: bool, cache_dir: Path) -> None:
-        self.path, self.plan, self.quick, self.cache_dir = path, plan, quick, cache_dir
+        self.quick, self.cache_dir = quick, cache_dir
         protocol = {
             "families": plan.families,
             "widths": plan.widths,
@@ -413,24 +397,9 @@ class Study:
             "quick": quick,
             "set": list(data_settings(quick)),
         }
-        fixed = ("sweep_steps", "grid", "quick", "set", "parameterization", "target_compression")
-        if path.exists():
-            state = json.loads(path.read_text())
-            old = state.get("protocol", {})
-            if any(old.get(k) != protocol[k] for k in fixed):
-                raise ValueError(
-                    f"{path} holds a width study with another protocol ({ {k: old.get(k) for k in fixed} }); give"
-                    " another --out, or move that file away"
-                )
-            self.state = {**state, "protocol": {**old, **protocol}}
-        else:
-            self.state = {"format": FORMAT, "task": "lm", "corpus": "stdlib", "protocol": protocol, "runs": []}
+        super().__init__(path, plan, "lm", "stdlib", protocol)
         self.spec = ts.base_spec("lm", "stdlib", plan.seeds[0], plan.steps, quick, data_settings(quick))
         self._ranks: dict[tuple[str, int, str], int | None] = {}
-
-    @property
-    def runs(self) -> list[dict[str, Any]]:
-        return self.state["runs"]
 
     def rank(self, job: Job) -> int | None:
         key = (job.family, job.width, job.parameterization)
@@ -439,37 +408,16 @@ class Study:
         return self._ranks[key]
 
     def save(self) -> None:
-        from benchmarks import harness
-
-        self.state["machine"] = harness.machine_info()
         self.state["worker_hours"] = sum(float(r.get("wall_s", 0.0)) for r in self.runs) / 3600
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        tmp.replace(self.path)
-
-    def run(self, workers: int, threads: int, deadline: float | None) -> None:
-        from benchmarks.studies.common import run_pool
-
-        run_pool(lambda: self.plan.pending(self.runs), self._submit, self._finish, workers, threads, deadline)
+        super().save()
 
     def _submit(self, pool: ProcessPoolExecutor, job: Job) -> Future:
         rank = self.rank(job)
-        print(f"[{time.strftime('%H:%M:%S')}] start {job} rank {rank}", flush=True)
+        log(f"start {job} rank {rank}")
         return pool.submit(run_job, asdict(job), rank, self.quick, str(self.cache_dir))
 
-    def _finish(self, job: Job, outcome: dict[str, Any] | BaseException, wall_s: float) -> None:
-        if isinstance(outcome, BaseException):
-            print(f"    FAILED {job}: {outcome!r}", flush=True)
-            outcome = {**asdict(job), "rank": self.rank(job), "error": repr(outcome), "val_loss": math.nan}
-        outcome["wall_s"] = wall_s
-        self.runs.append(outcome)
-        self.save()
-        print(
-            f"[{time.strftime('%H:%M:%S')}] done  {job}: val loss {outcome['val_loss']:.4f}, "
-            f"{outcome.get('params_active', 0):,} params",
-            flush=True,
-        )
+    def failed(self, job: Job) -> dict[str, Any]:
+        return {"rank": self.rank(job)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,10 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         study = Study(args.out, plan, args.quick, args.cache_dir)
     except ValueError as err:
         parser.error(str(err))
-    deadline = None if args.hours is None else time.time() + 3600 * args.hours
-    study.run(args.workers, args.threads, deadline)
-    left = plan.pending(study.runs)
-    print(f"JSON: {args.out} ({len(study.runs)} runs; {len(left)} runnable runs left)")
+    study.run(args.workers, args.hours, args.threads)
     return 0
 
 

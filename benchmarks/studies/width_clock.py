@@ -20,7 +20,6 @@ not running (the study rewrites its JSON after every run), then ``python -m benc
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +118,8 @@ def measure(state: dict[str, Any], quick: bool, cache_dir: Path, repeats: int, w
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import harness
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "data" / "width_stdlib.json")
     parser.add_argument("--quick", action="store_true", help="the JSON of a --quick study")
@@ -128,15 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.out.exists():
         parser.error(f"{args.out} does not exist: run the width study first (python -m benchmarks.studies.width)")
-    state = json.loads(args.out.read_text())
+    state = harness.read_json(args.out)
     if not shapes(state):
         parser.error(f"{args.out} has no finished final run of seed 0 to time")
     clock = measure(state, args.quick, args.cache_dir, args.repeats, args.wait_quiet)
-    state = json.loads(args.out.read_text())  # re-read: only ``clock_alone`` changes
+    state = harness.read_json(args.out)  # re-read: only ``clock_alone`` changes
     state["clock_alone"] = clock
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(args.out)
+    harness.write_json(args.out, state)
     for name, seconds in clock["step_s"].items():
         print(f"{name:>20}: {seconds * 1e3:8.1f} ms a step, {clock['step_flops'][name] / 1e9:8.2f} GFLOPs")
     print(f"JSON: {args.out} (clock_alone; contended rounds: {clock['contended']})")

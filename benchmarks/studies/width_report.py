@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .tuned import MAX_EXTENSIONS, check_rates, sweep_rates
+from .tuned import MAX_EXTENSIONS, check_rates, finite, sweep_rates
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {"dense": "dense", "comera": "CoMERA (early schedule)", "tt": "TT, one uniform rank"}
@@ -30,10 +30,6 @@ FRONTS = (
     ("params_active", "active parameters", 1e3, "k"),
     ("peak_memory", "peak training-step memory", 2**20, "MiB"),
 )
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def alone_seconds(run: dict[str, Any], clock: dict[str, Any]) -> float | None:
@@ -70,7 +66,7 @@ def final_losses(state: dict[str, Any], family: str, width: int) -> dict[int, fl
     return {
         r["seed"]: r["val_loss"]
         for r in state["runs"]
-        if r["phase"] == "final" and r["family"] == family and r["width"] == width and _finite(r.get("val_loss"))
+        if r["phase"] == "final" and r["family"] == family and r["width"] == width and finite(r.get("val_loss"))
     }
 
 
@@ -118,8 +114,8 @@ def short_runs(state: dict[str, Any], family: str, width: int, parameterization:
 
 
 def best(losses: dict[float, float]) -> float | None:
-    finite = {lr: v for lr, v in losses.items() if _finite(v)}
-    return min(finite, key=lambda lr: (finite[lr], lr)) if finite else None
+    kept = {lr: v for lr, v in losses.items() if finite(v)}
+    return min(kept, key=lambda lr: (kept[lr], lr)) if kept else None
 
 
 def rates_table(state: dict[str, Any]) -> str:
@@ -139,7 +135,7 @@ def rates_table(state: dict[str, Any]) -> str:
         cells = []
         for lr in rates:
             value = losses.get(lr)
-            text = "" if value is None else (f"{value:.3f}" if _finite(value) else "diverged")
+            text = "" if value is None else (f"{value:.3f}" if finite(value) else "diverged")
             cells.append(f"**{text}**" if lr == chosen else text)
         lines.append(f"| {LABELS[family]} | {param} | {width} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -217,10 +213,10 @@ def compare(state: dict[str, Any], family: str, key: str, seed: int = 0) -> list
     loses where a dense model at no more cost has a lower loss, and wins where one at no less cost has a higher
     loss. The verdict is None where neither holds."""
     runs = finals(state, seed)
-    dense = [r for r in runs if r["family"] == "dense" and _finite(r.get(key))]
+    dense = [r for r in runs if r["family"] == "dense" and finite(r.get(key))]
     rows = []
     for r in runs:
-        if r["family"] != family or not _finite(r.get(key)):
+        if r["family"] != family or not finite(r.get(key)):
             continue
         cost, loss = r[key], r["val_loss"]
         read = interpolate([(d[key], d["val_loss"]) for d in dense], cost)
@@ -357,20 +353,34 @@ def compute_per_token(state: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_fronts(state: dict[str, Any], path: Path) -> None:
+def _figure(ncols: int, width: float):
+    """A row of ``ncols`` plots sharing the loss axis, ``width`` inches wide in all (drawn without a display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(1, ncols, figsize=(width, 3.6), sharey=True)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fronts(state: dict[str, Any], path: Path) -> None:
     runs = finals(state)
-    fig, axes = plt.subplots(1, len(FRONTS), figsize=(4.2 * len(FRONTS), 3.6), sharey=True)
+    fig, axes = _figure(len(FRONTS), 4.2 * len(FRONTS))
     for ax, (key, label, scale, unit) in zip(axes, FRONTS, strict=True):
         for family in LABELS:
             pts = sorted(
                 (r[key] / scale, r["val_loss"], r["width"])
                 for r in runs
-                if r["family"] == family and _finite(r.get(key))
+                if r["family"] == family and finite(r.get(key))
             )
             if not pts:
                 continue
@@ -382,23 +392,15 @@ def plot_fronts(state: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final validation loss")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_transfer(state: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     widths = state["protocol"]["transfer_widths"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    fig, axes = _figure(2, 9)
     for ax, param in zip(axes, ("standard", "mup"), strict=True):
         for width, style in zip(widths, ("o--", "o-"), strict=False):
-            losses = {lr: v for lr, v in short_runs(state, "tt", width, param).items() if _finite(v)}
+            losses = {lr: v for lr, v in short_runs(state, "tt", width, param).items() if finite(v)}
             if losses:
                 lrs = sorted(losses)
                 ax.plot(lrs, [losses[lr] for lr in lrs], style, label=f"d_model {width}")
@@ -408,10 +410,7 @@ def plot_transfer(state: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylabel(f"validation loss after {state['protocol']['sweep_steps']} steps")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def clock_line(state: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""What the training studies share: their tasks' specs, the corpora, the models at another width, bad settings."""
+"""What the training studies share: their tasks' specs, the corpora, the models at another width, bad settings, the
+worker pool and the study file."""
 
 from __future__ import annotations
 
@@ -90,3 +91,40 @@ def test_run_pool_runs_until_the_plan_is_empty_and_hands_failures_on():
     done.clear()
     study.run_pool(pending, submit, finish, workers=1, threads=1, deadline=0.0)  # past its deadline: starts nothing
     assert done == {}
+
+
+def test_a_study_file_records_each_run_resumes_and_refuses_another_protocol(tmp_path):
+    import json
+    import math
+    from dataclasses import dataclass
+
+    from benchmarks.studies import driver
+
+    @dataclass(frozen=True)
+    class Job(driver.StudyJob):
+        phase: str
+        lr: float
+
+    class Study(driver.StudyFile):
+        FORMAT, FIXED, WALL_S = "test-study/1", ("grid",), True
+
+        def failed(self, job: Job) -> dict:
+            return {"tokens": 0}
+
+    path = tmp_path / "study.json"
+    study = Study(path, None, "lm", "stdlib", {"grid": [1e-3], "steps": 4})
+    study._finish(Job("sweep", 1e-3), {"phase": "sweep", "lr": 1e-3, "val_loss": 2.0}, 3.0)
+    study._finish(Job("sweep", 2e-3), ValueError("diverged"), 1.0)  # a failed run is recorded, not raised
+    state = json.loads(path.read_text())
+    assert state["format"] == "test-study/1" and (state["task"], state["corpus"]) == ("lm", "stdlib")
+    ok, failed = state["runs"]
+    assert ok["wall_s"] == 3.0 and "machine" in state
+    assert failed["tokens"] == 0 and "diverged" in failed["error"] and math.isnan(failed["val_loss"])
+    # a run's job is read back from its entry; the rates rounded, so a float's last bits do not make another job
+    assert {Job.of(run).key for run in state["runs"]} == {Job("sweep", 1e-3).key, Job("sweep", 2e-3 + 1e-16).key}
+
+    resumed = Study(path, None, "lm", "stdlib", {"grid": [1e-3], "steps": 8})  # only FIXED keys must match
+    assert len(resumed.runs) == 2 and resumed.state["protocol"]["steps"] == 8
+    refused = r"another protocol \(theirs, this one's: \{'grid': \(\[0\.001\], \[0\.002\]\)\}\); give another --out"
+    with pytest.raises(ValueError, match=refused):
+        Study(path, None, "lm", "stdlib", {"grid": [2e-3], "steps": 4})
