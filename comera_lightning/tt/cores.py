@@ -15,7 +15,6 @@ caller's global tensorly backend nor another thread's is changed.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import tensorly as tl
@@ -78,9 +77,9 @@ def max_ranks(mode_sizes: Sequence[int]) -> list[int]:
 def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[int]:
     """Turn a rank request into the full rank list ``[1, r_1, ..., r_{K-1}, 1]``.
 
-    A single int is the paper's convention: every internal bond gets ``rank``, clamped to what the
-    unfoldings allow (``r_1 <= s_1`` and so on). An explicit list of the ``K - 1`` internal ranks (or all
-    ``K + 1`` with the boundary ones) is taken literally and must fit.
+    A single int (or a whole float, or a 0-d integer tensor or array) is the paper's convention: every internal
+    bond gets ``rank``, clamped to what the unfoldings allow (``r_1 <= s_1`` and so on). An explicit list of the
+    ``K - 1`` internal ranks (or all ``K + 1`` with the boundary ones) is taken literally and must fit.
 
     Raises:
         TypeError: ``rank`` is neither an int nor a list of ints (e.g. a float or a string).
@@ -88,7 +87,7 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
     """
     bounds = max_ranks(mode_sizes)
     num_bonds = len(bounds) - 2
-    single = _as_int(rank) if isinstance(rank, numbers.Number) else None
+    single = _as_int(rank)  # also a 0-d tensor or array, as the modes take it
     if single is not None:
         rank = single
         if rank < 1:

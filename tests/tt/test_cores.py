@@ -45,6 +45,15 @@ def test_resolve_ranks_int_is_clamped():
     assert resolve_ranks([4, 3, 2, 5], 1) == [1, 1, 1, 1, 1]
 
 
+def test_resolve_ranks_takes_a_single_rank_in_whatever_type_the_modes_take():
+    # a rank read from a tensor or an array (a 0-d integer, as the modes accept) is one rank for every bond
+    import numpy as np
+
+    for rank in (torch.tensor(3), np.int64(3), np.array(3), 3.0):
+        assert resolve_ranks([4, 3, 2, 5], rank) == [1, 3, 3, 3, 1]
+    assert resolve_ranks([4, 3, 2, 5], torch.tensor([2, 7, 5])) == [1, 2, 7, 5, 1]
+
+
 def test_resolve_ranks_explicit_lists():
     assert resolve_ranks([4, 3, 2, 5], [2, 7, 5]) == [1, 2, 7, 5, 1]
     assert resolve_ranks([4, 3, 2, 5], (1, 2, 7, 5, 1)) == [1, 2, 7, 5, 1]
