@@ -92,7 +92,7 @@ def build_tt_layer(
         modes: the model's own factorisation of each side (``(in_modes, out_modes)`` or
             ``(vocab_modes, dim_modes)``); None picks balanced modes. ``options.low_rank`` sets its own.
         dense: an ``nn.Linear`` / ``nn.Embedding`` of that shape to start from by TT-SVD (its bias or padding
-            index, dtype and device are kept); None draws the cores at random.
+            index, dtype and device are kept, so ``layer_kwargs`` may not set them); None draws the cores at random.
         layer_kwargs: further constructor arguments (``bias``, ``padding_idx``, ``dtype``, ``init_std``,
             ``deduplicate``, ...); they take precedence over ``options``.
 
@@ -102,6 +102,12 @@ def build_tt_layer(
     if kind not in ("linear", "embedding"):
         raise ValueError(f"kind must be 'linear' or 'embedding', got {kind!r}")
     rows, cols = shape
+    fixed = sorted(set(layer_kwargs) & _FIXED_BY_DENSE[kind]) if dense is not None else []
+    if fixed:
+        names = ", ".join(fixed)
+        raise ValueError(
+            f"dense= fixes {names} (taken from the dense module); drop {names}, or set them on the dense module"
+        )
     if options.low_rank:
         if modes != (None, None):
             raise ValueError(f"low_rank sets one mode per side, but modes {modes[0]} x {modes[1]} were given")
@@ -128,6 +134,9 @@ def build_tt_layer(
         freeze_gates_(layer)
     return layer, error
 
+
+# what from_linear / from_embedding take from the dense module itself
+_FIXED_BY_DENSE = {"linear": {"bias", "dtype", "device"}, "embedding": {"padding_idx", "dtype", "device"}}
 
 _Dense = TypeVar("_Dense", nn.Linear, nn.Embedding)
 

@@ -97,7 +97,8 @@ class TensorizeOptions:
         rank_threshold: gate magnitude at or below which a rank slice is switched off (None: the layers' default).
         parameterization: ``standard`` or ``mup`` (None: the layers' default, ``standard``).
         layer_kwargs: further arguments of the layer constructors (e.g. ``init_std``); an entry named like one of
-            the fields above sets that field.
+            the fields above sets that field. Not ``bias``, ``padding_idx``, ``dtype`` or ``device``: each layer
+            takes them from the module it replaces.
     """
 
     rank: int | Sequence[int] = 30
@@ -123,6 +124,12 @@ class TensorizeOptions:
                 raise ValueError(f"{name} is given twice, as {current!r} and as layer_kwargs[{name!r}]={value!r}")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "layer_kwargs", extra)
+        fixed = ", ".join(sorted(set(extra) & {"bias", "padding_idx", "dtype", "device"}))
+        if fixed:
+            raise ValueError(
+                f"layer_kwargs may not set {fixed}: each TT layer takes them from the module it replaces; set them"
+                " on the model before tensorizing it (e.g. model.to(torch.float64))"
+            )
         for name in ("rank", "embedding_rank"):  # a YAML list and a Python tuple are the same ranks
             if isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, list(getattr(self, name)))

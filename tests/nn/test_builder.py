@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -69,6 +71,26 @@ def test_from_a_dense_module_by_tt_svd():
         build_tt_layer("embedding", (36, 8), TTLayerOptions(rank=2), dense=dense)
 
 
+def test_from_a_dense_module_with_the_models_modes_and_the_options():
+    torch.manual_seed(0)
+    options = TTLayerOptions(rank=100, rank_threshold=0.05, parameterization="mup")
+    dense = nn.Linear(48, 64).double()
+    layer, error = build_tt_layer("linear", (48, 64), options, modes=([4, 12], [2, 32]), dense=dense)
+    assert (layer.in_modes, layer.out_modes) == ([4, 12], [2, 32])  # not the balanced [8, 6] x [8, 8]
+    assert (layer.rank_threshold, layer.parameterization) == (0.05, "mup")
+    assert error is not None and error < 1e-10
+    torch.testing.assert_close(layer.weight_dense(), dense.weight, rtol=1e-10, atol=1e-12)
+    table = nn.Embedding(60, 12, dtype=torch.float64)
+    embedding, error = build_tt_layer(
+        "embedding", (60, 12), options, modes=([3, 4, 5], [2, 3, 2]), dense=table, deduplicate=True
+    )
+    assert (embedding.vocab_modes, embedding.dim_modes) == ([3, 4, 5], [2, 3, 2])  # not [10, 6] x [4, 3]
+    assert (embedding.rank_threshold, embedding.parameterization, embedding.deduplicate) == (0.05, "mup", True)
+    assert error is not None and error < 1e-10
+    ids = torch.tensor([0, 7, 59])
+    torch.testing.assert_close(embedding(ids), table.weight[ids], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "layer",
     [TTLinear(48, 64, 3, in_modes=[6, 8], out_modes=[4, 16]), TTEmbedding(100, 32, 4)],
@@ -78,3 +100,35 @@ def test_layer_shape_builds_the_same_structure_again(layer):
     kind, shape, modes = layer_shape(layer)
     again, _ = build_tt_layer(kind, shape, TTLayerOptions(rank=layer.ranks[1:-1]), modes=modes)
     assert type(again) is type(layer) and layer_shape(again) == layer_shape(layer) and again.ranks == layer.ranks
+
+
+@pytest.mark.parametrize(
+    ("kind", "dense", "clash"),
+    [
+        ("linear", nn.Linear(8, 6), {"bias": False}),
+        ("linear", nn.Linear(8, 6), {"dtype": torch.float64, "device": "cpu"}),
+        ("embedding", nn.Embedding(8, 6), {"padding_idx": 0}),
+    ],
+)
+def test_arguments_the_dense_module_fixes_are_refused_with_it(kind, dense, clash):
+    shape = (8, 6)
+    names = ", ".join(sorted(clash))
+    message = f"dense= fixes {names} (taken from the dense module); drop {names}, or set them on the dense module"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build_tt_layer(kind, shape, TTLayerOptions(rank=2), dense=dense, **clash)
+
+
+@pytest.mark.parametrize("clash", [{"bias": False}, {"dtype": torch.float64, "padding_idx": 0}])
+@pytest.mark.parametrize("decompose", [False, True])
+def test_tensorize_refuses_layer_kwargs_that_the_replaced_module_fixes(clash, decompose):
+    from comera_lightning.nn import tensorize
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Embedding(20, 16))
+    before = [p.clone() for p in model.parameters()]
+    names = ", ".join(sorted(clash))
+    message = f"layer_kwargs may not set {names}: each TT layer takes them from the module it replaces; set them"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)} on the model before tensorizing it"):
+        tensorize(model, rank=2, min_features=16, decompose=decompose, **clash)
+    assert isinstance(model[0], nn.Linear) and all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )

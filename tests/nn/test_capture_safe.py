@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.nn_reference import reference_linear_weight
 
 from comera_lightning.lit import checks as checks_module
 from comera_lightning.lit import mlm as mlm_module
 from comera_lightning.lit.mlm import IGNORE, MaskedLM
-from comera_lightning.nn import TTEmbedding
+from comera_lightning.nn import TTEmbedding, TTLinear
+from comera_lightning.nn import base as base_module
 from comera_lightning.nn import embedding as embedding_module
 from comera_lightning.nn.base import capturing_graph
 from comera_lightning.tt import ttm as ttm_module
@@ -64,6 +66,22 @@ def _loss_and_grads(task: MaskedLM, batch: dict[str, torch.Tensor]) -> tuple[tor
 
 def test_not_capturing_on_cpu():
     assert capturing_graph() is False
+
+
+@pytest.mark.parametrize("recorder", ["cuda_graph", "torch_compile"])
+def test_either_recorder_alone_keeps_layers_off_the_inference_cache(recorder, monkeypatch):
+    if recorder == "cuda_graph":  # a CUDA graph captured eagerly, with no torch.compile around it
+        monkeypatch.setattr(base_module, "cuda_graph_capturing", lambda: True)
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert capturing_graph() is True
+    torch.manual_seed(0)
+    layer = TTLinear(24, 12, 4, in_modes=[2, 3, 4], out_modes=[3, 4], dtype=torch.float64).eval()
+    x = torch.randn(3, 24, dtype=torch.float64)
+    with torch.no_grad():
+        y = layer(x)
+    assert layer._inference_entry is None  # a recorded graph neither reads nor fills the cache
+    torch.testing.assert_close(y, x @ reference_linear_weight(layer).T + layer.bias, rtol=1e-12, atol=1e-12)
 
 
 def test_masked_lm_loss_under_capture_equals_eager_loss_and_gradients(capturing, monkeypatch):

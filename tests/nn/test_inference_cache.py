@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_embedding_table, reference_linear_weight
+from torch import nn
 
-from comera_lightning.nn import TTEmbedding, TTLinear
+from comera_lightning.nn import TTEmbedding, TTLinear, reusing_inference_factors
+from comera_lightning.nn import base as base_module
 from comera_lightning.nn.base import TTLayer
 
 LINEARS = {
@@ -176,6 +178,18 @@ def _set_mask(layer: TTLayer) -> None:
     layer.rank_mask_0 = mask  # a new buffer object
 
 
+def _core_replaced_by_alias(layer: TTLayer) -> None:
+    # a new Parameter over the old one's storage, transposed: same address, shape and version counter, new values
+    k, i, j = next(
+        (k, i, j)
+        for k, c in enumerate(layer.cores)
+        for i in range(c.dim())
+        for j in range(i + 1, c.dim())
+        if c.shape[i] == c.shape[j] > 1
+    )
+    layer.cores[k] = nn.Parameter(layer.cores[k].detach().transpose(i, j))
+
+
 MUTATIONS: dict[str, Callable[[TTLayer], None]] = {
     "core_inplace": lambda layer: layer.cores[0].mul_(1.5),
     "last_core_inplace": lambda layer: layer.cores[-1].add_(0.1),
@@ -199,6 +213,7 @@ MUTATIONS: dict[str, Callable[[TTLayer], None]] = {
     "load_state_dict_assign": lambda layer: layer.load_state_dict(_other(layer).state_dict(), assign=True),
     "truncate_to_share": lambda layer: layer.truncate_to_share_(0.5),
     "data_swapped": lambda layer: setattr(layer.cores[0], "data", layer.cores[0].data * 2),
+    "core_replaced_by_alias": _core_replaced_by_alias,
     "dtype_round_trip": lambda layer: layer.float().double(),
 }
 
@@ -218,6 +233,34 @@ def test_every_weight_change_shows_in_the_next_eval_forward(kind, mutation):
     after = _eval_forward(layer, x)
     _close(after, _reference(layer, x))
     assert (after - before).abs().max() > 1e-9, "the mutation did not change the function: the test proves nothing"
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_storage_swapped_away_and_back_is_not_taken_for_the_stamped_one(kind):
+    # ``param.data = ...`` keeps the version counter: were the stamped storage freed, the second swap could land on
+    # its address, and the stamp (same tensor, version, address, shape) would serve the factors of the old values
+    layer = _layer(kind).eval()
+    x = _input(layer)
+    core = layer.cores[0]
+    for _ in range(8):
+        before = _eval_forward(layer, x)
+        core.data = core.data * 2.0
+        core.data = core.data * 0.75
+        after = _eval_forward(layer, x)
+        _close(after, _reference(layer, x))
+        assert (after - before).abs().max() > 1e-9
+
+
+def test_a_failed_merge_leaves_no_entry_behind_and_the_next_call_merges(monkeypatch):
+    layer = _linear().eval()
+    x = _input(layer)
+    with monkeypatch.context() as patch:
+        patch.setattr(layer, "gated_cores", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _eval_forward(layer, x)
+    assert layer._inference_entry is None
+    _close(_eval_forward(layer, x), _reference(layer, x))
+    assert layer._inference_entry is not None
 
 
 def test_train_switch_drops_the_cache_even_for_untracked_changes():
@@ -287,6 +330,20 @@ def test_grad_enabled_forward_neither_uses_nor_fills_the_cache(monkeypatch, kind
     assert y.requires_grad and len(merges) == 3 and layer._inference_entry is None
     y.sum().backward()
     assert all(c.grad is not None for c in layer.cores)
+    _close(y.detach(), cached)
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_a_recorded_forward_with_autograd_leaves_the_cache_alone(monkeypatch, kind):
+    # a graph being compiled or captured writes no layer state: the eager forwards around it manage the cache
+    layer = _layer(kind).eval()
+    x = _input(layer)
+    cached = _eval_forward(layer, x)
+    entry = layer._inference_entry
+    with monkeypatch.context() as patch:
+        patch.setattr(base_module, "capturing_graph", lambda: True)
+        y = layer(x)
+    assert y.requires_grad and layer._inference_entry is entry
     _close(y.detach(), cached)
 
 
@@ -380,8 +437,6 @@ def test_torch_compile_in_eval_without_grad_traces_the_uncached_path(kind):
 # --- reusing_inference_factors: one check per layer per loop ------------------------------------------------
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
 def test_reusing_factors_checks_once_per_block_and_checks_again_after_it(monkeypatch, kind):
-    from comera_lightning.nn import reusing_inference_factors
-
     layer = _layer(kind).eval()
     x = _input(layer)
     stamps: list[int] = []
@@ -408,9 +463,22 @@ def test_reusing_factors_checks_once_per_block_and_checks_again_after_it(monkeyp
     assert layer._trusted_entry is None and not layer._reusing_factors
 
 
-def test_reusing_factors_keys_on_the_compute_dtype():
-    from comera_lightning.nn import reusing_inference_factors
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_a_copy_made_inside_reusing_factors_merges_its_own_weights(kind):
+    layer = _layer(kind).eval()
+    x = _input(layer)
+    with reusing_inference_factors(layer):
+        original = _eval_forward(layer, x)  # the layer now serves these factors unchecked
+        twin = copy.deepcopy(layer)
+        with torch.no_grad():
+            twin.cores[0].mul_(3.0)
+        changed = _eval_forward(twin, x)
+        _close(changed, _reference(twin, x))
+        _close(_eval_forward(layer, x), original)
+    assert (changed - original).abs().max() > 1e-9
 
+
+def test_reusing_factors_keys_on_the_compute_dtype():
     layer = _linear().eval()
     x = _input(layer)
     with reusing_inference_factors(layer):
