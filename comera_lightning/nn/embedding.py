@@ -193,11 +193,12 @@ class TTEmbedding(TTLayer):
         vocab_modes = [int(f.shape[1]) for f in factors]
         dim_modes = [int(f.shape[2]) for f in factors]
         num_embeddings = math.prod(vocab_modes) if num_embeddings is None else num_embeddings
-        # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
+        # built at the factors' ranks (muP's rates follow the ranks); copying them checks that they chain
+        ranks = [int(f.shape[-1]) for f in factors[:-1]]
         layer = cls(
             num_embeddings,
             math.prod(dim_modes),
-            1,
+            ranks,
             vocab_modes,
             dim_modes,
             padding_idx=padding_idx,

@@ -242,11 +242,12 @@ class TTLinear(TTLayer):
         out_features = math.prod(out_modes) if out_features is None else out_features
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
-        # rank 1 is the cheapest to build; the factors' ranks are adopted (and validated) just below
+        # built at the factors' ranks (muP's rates follow the ranks); copying them checks that they chain
+        ranks = [int(f.shape[-1]) for f in factors[:-1]]
         layer = cls(
             in_features,
             out_features,
-            1,
+            ranks,
             in_modes,
             out_modes,
             bias=bias is not None,

@@ -154,3 +154,118 @@ def test_reconstruction_leaves_other_threads_backend_alone(monkeypatch):
     finally:
         release.set()
         worker.join()
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_to_tensorly_leaves_other_threads_backend_alone(kind, monkeypatch):
+    """to_tensorly() switches tensorly's backend for the calling thread only."""
+    layer = TTLinear(16, 16, rank=2) if kind == "linear" else TTEmbedding(16, 16, rank=2)
+    inside, release = threading.Event(), threading.Event()
+    original = layer.gated_cores
+
+    def paused():  # called inside the backend context
+        inside.set()
+        assert release.wait(10)
+        return original()
+
+    def global_backend() -> str:  # as a fresh thread sees it
+        seen = []
+        observer = threading.Thread(target=lambda: seen.append(tl.get_backend()))
+        observer.start()
+        observer.join()
+        return seen[0]
+
+    before = global_backend()
+    assert before != "pytorch", "a test left tensorly's global backend at pytorch"
+    monkeypatch.setattr(layer, "gated_cores", paused)
+    worker = threading.Thread(target=layer.to_tensorly)
+    worker.start()
+    try:
+        assert inside.wait(10)
+        assert global_backend() == before
+    finally:
+        release.set()
+        worker.join()
+
+
+def test_from_tensorly_errors_name_the_method():
+    linear = TTLinear(16, 16, rank=2)
+    embedding = TTEmbedding(16, 16, rank=2)
+    with pytest.raises(ValueError, match=r"^TTEmbedding\.from_tensorly expects a TTMatrix \(TTLinear takes TTTensor\)"):
+        TTEmbedding.from_tensorly(linear.to_tensorly())
+    with pytest.raises(ValueError, match=r"^TTLinear\.from_tensorly expects a TTTensor \(TTEmbedding takes TTMatrix\)"):
+        TTLinear.from_tensorly(embedding.to_tensorly(), 1)
+
+
+def test_linear_from_tensorly_keeps_padded_sizes_and_options():
+    layer = TTLinear(30, 47, rank=3, in_modes=[4, 8], out_modes=[5, 10], dtype=torch.float64)
+    with torch.no_grad():
+        layer.bias.normal_()
+    back = TTLinear.from_tensorly(
+        layer.to_tensorly(), 2, in_features=30, out_features=47, bias=layer.bias, rank_threshold=0.2
+    )
+    assert (back.in_features, back.out_features) == (30, 47)
+    x = torch.randn(3, 30, dtype=torch.float64)
+    torch.testing.assert_close(back(x), layer(x), rtol=1e-12, atol=1e-12)
+    # the forwarded rank_threshold is the one refresh_masks_ applies: a gate at 0.15 is switched off
+    with torch.no_grad():
+        back.gates[0][0] = 0.15
+    assert back.refresh_masks_()[1] == back.ranks[1] - 1
+
+
+def test_from_tensorly_takes_plain_factors_on_their_device():
+    factors = [
+        torch.randn(1, 4, 3, dtype=torch.float64, device="meta"),
+        torch.randn(3, 5, 1, dtype=torch.float64, device="meta"),
+    ]
+    linear = TTLinear.from_tensorly(factors, 1)
+    assert {t.device.type for t in [*linear.parameters(), *linear.buffers()]} == {"meta"}
+    assert linear.cores[0].dtype == torch.float64
+    ttm = [torch.randn(1, 3, 2, 2, device="meta"), torch.randn(2, 4, 3, 1, device="meta")]
+    embedding = TTEmbedding.from_tensorly(ttm)
+    assert {t.device.type for t in [*embedding.parameters(), *embedding.buffers()]} == {"meta"}
+
+
+def test_embedding_from_tensorly_defaults_to_the_full_row_product():
+    layer = TTEmbedding(12, 6, rank=2, vocab_modes=[3, 4], dim_modes=[2, 3], dtype=torch.float64)
+    back = TTEmbedding.from_tensorly(layer.to_tensorly())
+    assert (back.num_embeddings, back.embedding_dim, back.padding_idx) == (12, 6, None)
+    ids = torch.arange(12)
+    torch.testing.assert_close(back(ids), layer(ids), rtol=1e-12, atol=1e-12)
+
+
+def test_embedding_from_tensorly_keeps_modes_vocabulary_and_options():
+    # 87 rows on padded modes [3, 30] (90), dim modes [4, 6] (not the automatic choice for either)
+    layer = TTEmbedding(87, 24, rank=3, vocab_modes=[3, 30], dim_modes=[4, 6], dtype=torch.float64)
+    back = TTEmbedding.from_tensorly(layer.to_tensorly(), num_embeddings=87, deduplicate=True, rank_threshold=0.2)
+    assert (back.num_embeddings, back.vocab_modes, back.dim_modes) == (87, [3, 30], [4, 6])
+    assert back.deduplicate
+    ids = torch.tensor([[0, 86, 5], [40, 40, 1]])
+    torch.testing.assert_close(back(ids), layer(ids), rtol=1e-12, atol=1e-12)
+    with pytest.raises(IndexError, match=r"token id 87 is outside the vocabulary \[0, 87\)"):
+        back(torch.tensor([87]))
+    with torch.no_grad():
+        back.gates[0][0] = 0.15
+    assert back.refresh_masks_()[1] == back.ranks[1] - 1
+
+
+def test_one_core_embedding_round_trip():
+    layer = TTEmbedding(7, 3, rank=2, vocab_modes=[7], dim_modes=[3], dtype=torch.float64)
+    back = TTEmbedding.from_tensorly(layer.to_tensorly())
+    assert back.cores[0].dtype == torch.float64 and len(back.cores) == 1
+    torch.testing.assert_close(back.weight_dense(), layer.weight_dense(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_mup_round_trip_through_tensorly_keeps_the_learning_rate_scales(kind):
+    # muP scales each core's rate by its fan-in, which depends on the ranks: the rebuilt layer takes the factors'
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer = TTLinear(256, 256, 16, in_modes=[16, 16], out_modes=[16, 16], parameterization="mup")
+        rebuilt = TTLinear.from_tensorly(layer.to_tensorly(), 2, parameterization="mup")
+    else:
+        layer = TTEmbedding(256, 256, 200, vocab_modes=[16, 16], dim_modes=[16, 16], parameterization="mup")
+        rebuilt = TTEmbedding.from_tensorly(layer.to_tensorly(), parameterization="mup")
+    assert layer.lr_scales != [1.0] * len(layer.cores)  # the case that tells the ranks apart
+    assert rebuilt.lr_scales == layer.lr_scales
+    assert [tuple(c.shape) for c in rebuilt.cores] == [tuple(c.shape) for c in layer.cores]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import pytest
@@ -9,8 +11,9 @@ import tensorly as tl
 import torch
 from helpers.nn_reference import F64, FULL_RANK, gate_by_hand, randomize_gates_, reference_embedding_table
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from comera_lightning.nn import TTEmbedding
+from comera_lightning.nn import TTEmbedding, reusing_inference_factors
 from comera_lightning.tt import ttm_lookup_chain
 
 # (num_embeddings, embedding_dim, vocab_modes, dim_modes): 1..4 cores, exact and padded vocabularies
@@ -304,3 +307,109 @@ def test_core_gradients_arrive_in_the_cores_layout(kind):
         out = layer(torch.randn(5, 64))
     (out * torch.randn_like(out)).sum().backward()
     assert [core.grad.stride() for core in layer.cores] == [core.stride() for core in layer.cores]
+
+
+# --- edge sizes, devices, dtypes, parameterization -----------------------------------------------------------------
+@pytest.mark.parametrize("V, D", [(1, 4), (6, 1), (1, 1)])
+def test_single_row_or_column_tables_build(V, D):
+    layer = make(V, D, None, None, 2)
+    ids = torch.tensor([0, V - 1, 0])
+    assert layer.weight_dense().shape == (V, D)
+    torch.testing.assert_close(layer(ids), reference_embedding_table(layer)[ids], rtol=1e-12, atol=1e-12)
+
+
+def test_most_negative_padding_idx_is_the_first_row():
+    layer = make(12, 6, [3, 4], [2, 3], 3, padding_idx=-12)
+    assert layer.padding_idx == 0
+    out = layer(torch.tensor([0, 5, 0]))
+    assert torch.all(out[[0, 2]] == 0) and torch.all(layer.weight_dense()[0] == 0)
+    torch.testing.assert_close(out[1], reference_embedding_table(layer)[5], rtol=1e-12, atol=1e-12)
+
+
+def test_vocab_modes_set_the_number_of_dim_modes():
+    # 1000 rows would get 3 modes by default; explicit vocab modes make it 2 cores, and the dim modes follow
+    layer = TTEmbedding(1000, 64, 4, vocab_modes=[10, 100])
+    assert layer.vocab_modes == [10, 100] and len(layer.dim_modes) == 2 and math.prod(layer.dim_modes) == 64
+
+
+@pytest.mark.parametrize("parameterization", ["standard", "mup"])
+def test_dtype_and_device_reach_every_tensor(parameterization):
+    layer = TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3], dtype=F64, parameterization=parameterization)
+    assert {c.dtype for c in layer.cores} == {F64}
+    meta = TTEmbedding(
+        12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3], device="meta", dtype=F64, parameterization=parameterization
+    )
+    assert {t.device.type for t in [*meta.parameters(), *meta.buffers()]} == {"meta"}
+    assert {c.dtype for c in meta.cores} == {F64}
+
+
+def test_mup_core_stds_and_rates_follow_the_fan_ins():
+    # TT-matrix cores read only their incoming rank: fan-ins 1 and 256, so stds 1 and 1/16 and rates 1 and 128/256
+    mup = TTEmbedding(256, 256, 256, vocab_modes=[16, 16], dim_modes=[16, 16], parameterization="mup")
+    assert mup.ranks == [1, 256, 1]
+    assert mup.lr_scales == [1.0, 0.5]
+    stds = [c.std().item() for c in mup.cores]
+    assert abs(stds[0] - 1.0) < 0.05 and abs(stds[1] - 1 / 16) < 0.005, stds
+    standard = TTEmbedding(256, 256, 256, vocab_modes=[16, 16], dim_modes=[16, 16])
+    assert standard.lr_scales == [1.0, 1.0]
+    for layer in (mup, standard):  # entries of variance 1 either way, as nn.Embedding's
+        with torch.no_grad():
+            assert abs(layer.weight_dense().std().item() - 1.0) < 0.1
+
+
+# --- lookups: the reported id, deduplication, the inference cache ---------------------------------------------------
+@pytest.mark.parametrize("bad, reported", [([-3, 5], -3), ([2, 15], 15), ([0, 12], 12), ([12, 0], 12)])
+def test_out_of_range_error_names_the_offending_id(bad, reported):
+    layer = TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3])
+    with pytest.raises(IndexError, match=rf"^token id {reported} is outside the vocabulary \[0, 12\); check the"):
+        layer(torch.tensor(bad))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["training", "inference_cache"])
+def test_deduplicate_computes_each_distinct_id_once(cached):
+    # two cores: the halves are the cores themselves, so the only products are the per-id ones
+    def flops(layer, ids):
+        with torch.no_grad() if cached else contextlib.nullcontext(), FlopCounterMode(display=False) as counter:
+            out = layer(ids)
+        return counter.get_total_flops(), out
+
+    repeated, single = torch.full((50,), 7), torch.tensor([7])
+    for deduplicate in (False, True):
+        layer = make(64, 16, [8, 8], [4, 4], 4, deduplicate=deduplicate).train(not cached)
+        one, _ = flops(layer, single)
+        many, out = flops(layer, repeated)
+        assert one > 0 and many == (one if deduplicate else 50 * one), (deduplicate, one, many)
+        torch.testing.assert_close(out, reference_embedding_table(layer)[repeated], rtol=1e-12, atol=1e-12)
+
+
+def test_one_core_table_is_served_from_the_cache_and_owns_its_memory():
+    # one core: the merged half would be a view of the parameter, whose storage a sharded wrapper may free
+    layer = make(7, 3, [7], [3], 2).eval()
+    ids = torch.tensor([0, 3, 6, 3])
+    expected = reference_embedding_table(layer)[ids].detach()
+    with torch.no_grad(), reusing_inference_factors(layer):
+        torch.testing.assert_close(layer(ids), expected, rtol=1e-12, atol=1e-12)
+        # as when FSDP frees an unsharded parameter after its forward and the allocator hands the memory out again
+        layer.cores[0].data.fill_(float("nan"))
+        torch.testing.assert_close(layer(ids), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cache_follows_autocast():
+    # four cores: each half is a merge, which runs under the caller's autocast; the cache keys on it
+    layer = TTEmbedding(24, 8, 3, vocab_modes=[2, 3, 2, 2], dim_modes=[2, 2, 1, 2]).eval()
+    reference = copy.deepcopy(layer)
+    reference.inference_cache = False
+    ids = torch.tensor([0, 5, 23, 7])
+    with torch.no_grad():
+        for autocast in (True, False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                expected, out = reference(ids), layer(ids)
+            assert out.dtype == expected.dtype == (torch.bfloat16 if autocast else torch.float32)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_weight_dense_with_padding_on_the_layers_device():
+    # a layer built on the meta device (deferred initialisation) gives its table there, padding row included
+    layer = TTEmbedding(12, 6, 2, vocab_modes=[3, 4], dim_modes=[2, 3], padding_idx=1, device="meta")
+    table = layer.weight_dense()
+    assert table.shape == (12, 6) and table.device.type == "meta"

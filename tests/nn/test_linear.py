@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import tensorly as tl
 import torch
-from helpers.nn_reference import F64, FULL_RANK, randomize_gates_, reference_linear_weight
+from helpers.nn_reference import F64, FULL_RANK, gate_by_hand, randomize_gates_, reference_linear_weight
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from comera_lightning.nn import TTLinear
 from comera_lightning.tt import PLANS
@@ -326,3 +328,129 @@ def test_empty_batch(plan):
     layer.set_contraction_plan(plan)
     assert layer(torch.randn(0, 12)).shape == (0, 10)
     assert layer(torch.randn(4, 0, 12)).shape == (4, 0, 10)
+
+
+# --- edge sizes, devices, dtypes --------------------------------------------------------------------------------
+@pytest.mark.parametrize("in_f, out_f", [(1, 5), (5, 1), (1, 1)])
+def test_single_feature_sides_build_and_match_dense(in_f, out_f):
+    # one feature on a side is a valid nn.Linear shape (a scalar input or a scalar score head)
+    layer = make(in_f, out_f, None, None, 3)
+    x = torch.randn(4, in_f, dtype=F64)
+    assert layer.weight_dense().shape == (out_f, in_f)
+    torch.testing.assert_close(layer(x), x @ reference_linear_weight(layer).T + layer.bias, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("parameterization", ["standard", "mup"])
+def test_dtype_and_device_reach_every_tensor(parameterization):
+    layer = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5], dtype=F64, parameterization=parameterization)
+    assert {c.dtype for c in layer.cores} == {F64} and layer.bias.dtype == F64
+    meta = TTLinear(12, 10, 3, device="meta", dtype=F64, parameterization=parameterization)
+    assert {t.device.type for t in [*meta.parameters(), *meta.buffers()]} == {"meta"}
+    assert {c.dtype for c in meta.cores} == {F64} and meta.bias.dtype == F64
+
+
+def test_modes_errors_name_the_argument():
+    with pytest.raises(
+        ValueError, match=r"^in_modes: the product of modes \[2, 2\] is 4 but must be at least 12; pass modes whose"
+    ):
+        TTLinear(12, 10, 3, in_modes=[2, 2], out_modes=[2, 5])
+    with pytest.raises(
+        ValueError, match=r"^out_modes: the product of modes \[3, 3\] is 9 but must be at least 10; pass modes whose"
+    ):
+        TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[3, 3])
+
+
+def test_padded_outputs_without_bias():
+    layer = make(35, 18, [8, 5], [7, 3], 3, bias=False)
+    x = torch.randn(2, 4, 35, dtype=F64)
+    y = layer(x)
+    assert y.shape == (2, 4, 18)
+    torch.testing.assert_close(y, x @ reference_linear_weight(layer).T, rtol=1e-12, atol=1e-12)
+
+
+def test_forced_plan_decides_the_work():
+    # batch 3, 64 -> 48: the planner picks a bottleneck order; "dense" builds W (64 x 48) and multiplies by it, so it
+    # costs more than x @ W alone, "sweep" never forms W and costs less; both give the same outputs
+    layer = make(64, 48, [8, 8], [6, 8], 4)
+    x = torch.randn(3, 64, dtype=F64)
+    gemm = 2 * 3 * 64 * 48
+    flops, outputs = {}, {}
+    for plan in ["dense", "sweep"]:
+        layer.set_contraction_plan(plan)
+        with FlopCounterMode(display=False) as counter:
+            outputs[plan] = layer(x)
+        flops[plan] = counter.get_total_flops()
+    assert flops["dense"] > gemm > flops["sweep"], flops
+    torch.testing.assert_close(outputs["dense"], outputs["sweep"], rtol=1e-12, atol=1e-12)
+
+
+# --- bottleneck activation: bias-free, cached ---------------------------------------------------------------------
+def _cola_reference(layer, x):
+    """act(x L) R for one mode per side: L and R are the two gated cores."""
+    cores = gate_by_hand(list(layer.cores), list(layer.gates), layer.rank_masks)
+    left, right = cores[0][0], cores[1][..., 0]
+    return torch.relu(x @ left[: layer.in_features]) @ right[:, : layer.out_features]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_activated_layer_with_and_without_bias(bias):
+    layer = make(12, 10, [12], [10], 3, bias=bias, bottleneck_activation="relu")
+    x = torch.randn(5, 12, dtype=F64)
+    expected = _cola_reference(layer, x) + (layer.bias if bias else 0.0)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+    # the inference cache serves the same function (it must keep L and R apart, even when W would be smaller)
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_activated_layer_cached_when_dense_would_be_smaller():
+    # 4 x 4 at rank 4: r (M + N) = 32 > M N = 16, so a linear layer would cache W; this one needs L and R
+    layer = make(4, 4, [4], [4], 4, bottleneck_activation="relu").eval()
+    x = torch.randn(3, 4, dtype=F64)
+    expected = _cola_reference(layer, x) + layer.bias
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cached_forward_costs_one_gemm_when_the_dense_weight_is_smaller():
+    # 6 x 5 at rank 5: r (M + N) = 55 >= M N = 30, so the cache keeps W and a call is x @ W^T
+    layer = make(6, 5, [6], [5], 5).eval()
+    x = torch.randn(7, 6, dtype=F64)
+    with torch.no_grad():
+        expected = x @ layer.weight_dense().T + layer.bias
+        layer(x)
+        with FlopCounterMode(display=False) as counter:
+            y = layer(x)
+    assert counter.get_total_flops() == 2 * 7 * 6 * 5
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cached_forward_follows_input_dtype_and_autocast():
+    # the same layer serves inputs of several dtypes, with and without autocast, in one eval session: each call
+    # gives what an uncached call gives (dtype and values), whatever was cached before
+    layer = make(12, 10, [4, 3], [2, 5], 3).eval()
+    reference = copy.deepcopy(layer)
+    reference.inference_cache = False
+    x = torch.randn(4, 12, dtype=F64)
+    cases = [(x, False), (x.float(), False), (x, True), (x.float(), True), (x, False)]
+    with torch.no_grad():
+        for inputs, autocast in cases:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                expected, y = reference(inputs), layer(inputs)
+            assert y.dtype == expected.dtype, (inputs.dtype, autocast)
+            torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_extra_repr_lists_bias_and_activation():
+    plain = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5])
+    assert plain.extra_repr() == (
+        "in_features=12, out_features=10, in_modes=[4, 3], out_modes=[2, 5], bias=True, "
+        "ranks=[1, 3, 3, 3, 1], active_ranks=[1, 3, 3, 3, 1], threshold=0.01"
+    )
+    activated = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5], bias=False, bottleneck_activation="relu")
+    assert activated.extra_repr() == (
+        "in_features=12, out_features=10, in_modes=[4, 3], out_modes=[2, 5], bias=False, "
+        "bottleneck_activation=relu, ranks=[1, 3, 3, 3, 1], active_ranks=[1, 3, 3, 3, 1], threshold=0.01"
+    )
