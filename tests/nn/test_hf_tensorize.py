@@ -151,3 +151,54 @@ def test_conv1d_from_scratch_keeps_shape_bias_and_dtype():
     assert isinstance(layer, TTLinear) and (layer.in_features, layer.out_features) == (48, 96)
     assert record.shape == (48, 96) and layer.bias is not None
     assert model(torch.randn(5, 48)).shape == (5, 96)
+
+
+def _conv1d(nx: int = 24, nf: int = 40) -> nn.Module:
+    """A float64 Conv1D with a random (not zero) bias."""
+    conv = transformers.pytorch_utils.Conv1D(nf, nx).double()
+    with torch.no_grad():
+        conv.weight.normal_()
+        conv.bias.normal_()
+    return conv
+
+
+def test_conv1d_decomposed_at_full_rank_computes_the_same_map_with_its_bias():
+    torch.manual_seed(0)
+    conv = _conv1d()
+    x = torch.randn(5, 24, dtype=torch.float64)
+    expected = conv(x)
+    model = nn.Sequential(conv)
+    (record,) = tensorize(model, rank=10_000, min_features=16, decompose=True)
+    layer = model[0]
+    assert isinstance(layer, TTLinear) and record.relative_error < 1e-10
+    torch.testing.assert_close(layer.bias, conv.bias.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), expected, rtol=1e-10, atol=1e-10)
+    assert layer.bias.requires_grad and all(core.requires_grad for core in layer.cores)  # a layer to train
+
+
+def test_conv1d_without_bias_becomes_a_linear_without_bias():
+    torch.manual_seed(0)
+    conv = _conv1d()
+    conv.bias = None
+    weight = conv.weight.detach().clone()
+    model = nn.Sequential(conv)
+    (record,) = tensorize(model, rank=10_000, min_features=16, decompose=True)
+    assert model[0].bias is None and record.relative_error < 1e-10
+    torch.testing.assert_close(model[0].weight_dense(), weight.t(), rtol=1e-10, atol=1e-10)
+
+
+def test_decomposing_a_conv1d_draws_what_decomposing_the_same_linear_draws():
+    """Seeded runs go on alike: reading a Conv1D as a linear draws no random numbers of its own."""
+    torch.manual_seed(0)
+    conv = _conv1d()
+    linear = nn.Linear(24, 40).double()
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    streams = []
+    for dense in (conv, linear):
+        model = nn.Sequential(dense)
+        torch.manual_seed(1)
+        tensorize(model, rank=4, min_features=16, decompose=True)
+        streams.append((model[0].weight_dense().detach(), torch.rand(8)))
+    torch.testing.assert_close(streams[0], streams[1], rtol=1e-12, atol=1e-12)

@@ -384,3 +384,120 @@ def test_a_layer_argument_a_checkpoint_cannot_carry_is_named():
     tensorize(model, 3, min_features=16, exclude="0", init_std=torch.tensor(0.1))
     with pytest.raises(ValueError, match=r"was called with init_std=tensor\(0.1000\), which a checkpoint cannot"):
         tensorize_like(_mlp(), model.state_dict())
+
+
+# --- which modules qualify, and how the new layers are built -------------------------------------------------------
+def test_tensorize_defaults_are_rank_30_and_min_features_128():
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 127))
+    records = tensorize(model)
+    assert [r.name for r in records] == ["0"]  # 127 < 128
+    assert max(model[0].ranks) == 30  # the 128 x 128 layer allows bonds up to 128: 30 is the default, not a clamp
+    assert type(model[1]) is nn.Linear
+
+
+def test_tensorize_min_features_one_takes_every_layer():
+    model = nn.Sequential(nn.Linear(1, 3), nn.Embedding(2, 1))
+    records = tensorize(model, rank=2, min_features=1)
+    assert [r.name for r in records] == ["0", "1"]
+    assert isinstance(model[0], TTLinear) and isinstance(model[1], TTEmbedding)
+
+
+def test_tensorize_layers_after_a_shared_module_are_replaced_too():
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(32, 32))
+    records = tensorize(model, rank=2, min_features=16)
+    assert [r.name for r in records] == ["0", "3"]
+    assert model[2] is model[0] and isinstance(model[3], TTLinear) and model[3] is not model[0]
+
+
+def test_tensorize_refuses_the_root_module_and_says_how():
+    model = nn.Linear(32, 32)
+    with pytest.raises(
+        ValueError,
+        match=r"the model itself is an Linear; build TTLinear/TTEmbedding directly, or wrap the layer in a container "
+        r"such as nn.Sequential",
+    ):
+        tensorize(model, rank=2, min_features=16)
+    assert type(model) is nn.Linear and set(model.state_dict()) == {"weight", "bias"}
+
+
+def test_tensorize_forwards_constructor_arguments_to_every_new_layer():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)).double()
+    tensorize(model, rank=4, min_features=16, init_std=1e-4)
+    # the weight's std; the default is 1/sqrt(64) = 0.125
+    assert all(layer.weight_dense().std() < 1e-3 for layer in model)
+    model = nn.Sequential(nn.Embedding(64, 32)).double()
+    tensorize(model, rank=4, min_features=16, deduplicate=True)
+    assert model[0].deduplicate
+
+    model = nn.Sequential(nn.Embedding(64, 32)).double()
+    (record,) = tensorize(model, rank=FULL_RANK, min_features=16, decompose=True, deduplicate=True)
+    assert model[0].deduplicate and record.relative_error < 1e-10
+
+
+def test_tensorize_keeps_the_device_of_each_module():
+    """On the meta device (as on a GPU) the new layers are built where the dense modules were."""
+    model = nn.Sequential(nn.Linear(32, 32, device="meta"), nn.Embedding(40, 32, device="meta"))
+    tensorize(model, rank=4, min_features=16)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+class Projection(nn.Module):
+    """A user's own module with Hugging Face Conv1D's attributes (``nf``, a ``(in, nf)`` weight) but not its name."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_only_hugging_face_conv1d_counts_as_a_transposed_linear():
+    model = nn.Sequential(Projection(32, 48), nn.Linear(48, 32))
+    records = tensorize(model, rank=2, min_features=16)
+    assert [r.name for r in records] == ["1"]
+    assert type(model[0]) is Projection
+
+
+def test_size_report_keeps_allocated_and_active_ranks_apart():
+    layer = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5])
+    with torch.no_grad():
+        layer.gates[1][0] = 0.0
+    layer.refresh_masks_()
+    (size,) = size_report(nn.Sequential(layer)).layers
+    assert size.ranks == [1, 3, 3, 3, 1] and size.active_ranks == [1, 3, 2, 3, 1]
+    assert (size.allocated_parameters, size.active_parameters) == (72, 57)
+
+
+def test_size_report_dict_and_markdown_exactly():
+    layer = TTLinear(12, 10, 3, in_modes=[4, 3], out_modes=[2, 5])
+    report = size_report(nn.Sequential(layer, nn.Linear(10, 2)))
+    assert report.as_dict() == {
+        "layers": [
+            {
+                "name": "0",
+                "ranks": [1, 3, 3, 3, 1],
+                "active_ranks": [1, 3, 3, 3, 1],
+                "active_parameters": 72,
+                "allocated_parameters": 72,
+                "dense_parameters": 120,
+                "compression": pytest.approx(120 / 72),
+            }
+        ],
+        "other_parameters": 32,
+        "active_parameters": 104,
+        "allocated_parameters": 104,
+        "dense_equivalent_parameters": 152,
+        "compression_ratio": pytest.approx(152 / 104),
+    }
+    assert report.to_markdown() == "\n".join(
+        [
+            "| layer | ranks | active params | dense params | compression |",
+            "|---|---|---|---|---|",
+            "| 0 | [1, 3, 3, 3, 1] | 72 | 120 | 1.7x |",
+            "| other (dense) | - | 32 | 32 | 1.0x |",
+            "| **total** | - | 104 | 152 | 1.5x |",
+        ]
+    )
