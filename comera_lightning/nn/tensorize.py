@@ -11,6 +11,7 @@ the layers while loading.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -97,8 +98,9 @@ class TensorizeOptions:
         rank_threshold: gate magnitude at or below which a rank slice is switched off (None: the layers' default).
         parameterization: ``standard`` or ``mup`` (None: the layers' default, ``standard``).
         layer_kwargs: further arguments of the layer constructors (e.g. ``init_std``); an entry named like one of
-            the fields above sets that field. Not ``bias``, ``padding_idx``, ``dtype`` or ``device``: each layer
-            takes them from the module it replaces.
+            the fields above sets that field. Each reaches the layers whose constructor takes it (``deduplicate``
+            only the embeddings). Not ``bias``, ``padding_idx``, ``dtype`` or ``device``: each layer takes them from
+            the module it replaces.
     """
 
     rank: int | Sequence[int] = 30
@@ -129,6 +131,15 @@ class TensorizeOptions:
             raise ValueError(
                 f"layer_kwargs may not set {fixed}: each TT layer takes them from the module it replaces; set them"
                 " on the model before tensorizing it (e.g. model.to(torch.float64))"
+            )
+        unknown = [name for name in extra if not any(name in taken for taken in _LAYER_ARGUMENTS.values())]
+        if unknown:
+            linear, embedding = _LAYER_ARGUMENTS["linear"], _LAYER_ARGUMENTS["embedding"]
+            taken = [f"{name} (TTEmbedding)" for name in sorted(embedding - linear)]
+            taken += [f"{name} (TTLinear)" for name in sorted(linear - embedding)] + sorted(linear & embedding)
+            raise ValueError(
+                f"layer argument {', '.join(unknown)}: neither TTLinear nor TTEmbedding takes it; besides tensorize's"
+                f" own options they take {', '.join(taken)}"
             )
         for name in ("rank", "embedding_rank"):  # a YAML list and a Python tuple are the same ranks
             if isinstance(getattr(self, name), tuple):
@@ -184,6 +195,16 @@ class TensorizeOptions:
 
 _DEFAULTS = {f.name: f.default for f in fields(TensorizeOptions) if f.name != "layer_kwargs"}
 _FIELD_NAMES = frozenset(_DEFAULTS)
+# the constructor arguments a layer argument may set: not the shape and modes tensorize() picks, nor what the
+# replaced module fixes, nor what the options set
+_SET_ELSEWHERE = {"self", "rank", "bias", "padding_idx", "dtype", "device", *_FIELD_NAMES}
+_LAYER_ARGUMENTS = {
+    kind: frozenset(inspect.signature(layer.__init__).parameters) - _SET_ELSEWHERE - set(structure)
+    for kind, layer, structure in (
+        ("linear", TTLinear, ("in_features", "out_features", "in_modes", "out_modes")),
+        ("embedding", TTEmbedding, ("num_embeddings", "embedding_dim", "vocab_modes", "dim_modes")),
+    )
+}
 # the keys of a recorded call, in their order; rank_threshold and parameterization, when given, and the other layer
 # arguments are under "layer_kwargs" (decompose is not recorded: the weights come from the state dict)
 _SPEC_KEYS = tuple(name for name in _DEFAULTS if name not in ("decompose", "rank_threshold", "parameterization"))
@@ -311,7 +332,7 @@ def _tt_layer_for(
 ) -> tuple[TTLinear | TTEmbedding, float | None]:
     """The TT layer that replaces ``module``: decomposed from its weight, or fresh with its bias or padding index,
     dtype and device."""
-    extra = options.layer_kwargs or {}
+    extra = {name: value for name, value in (options.layer_kwargs or {}).items() if name in _LAYER_ARGUMENTS[kind]}
     if options.decompose:
         dense = _conv1d_as_linear(module) if _is_hf_conv1d(module) else module
         return build_tt_layer(kind, shape, layer_options, dense=dense, **extra)

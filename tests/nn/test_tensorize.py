@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers.nn_reference import FULL_RANK
@@ -501,3 +503,20 @@ def test_size_report_dict_and_markdown_exactly():
             "| **total** | - | 104 | 152 | 1.5x |",
         ]
     )
+
+
+def test_a_layer_argument_reaches_only_the_layers_that_take_it():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Embedding(20, 16))
+    tensorize(model, rank=2, min_features=16, deduplicate=False)  # an embedding's argument; the linear has none
+    assert isinstance(model[0], TTLinear) and model[1].deduplicate is False
+
+
+def test_a_layer_argument_no_layer_takes_is_refused_before_anything_changes():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Embedding(20, 16))
+    message = (
+        "layer argument dedup, in_features: neither TTLinear nor TTEmbedding takes it; besides tensorize's own "
+        "options they take deduplicate (TTEmbedding), init_std"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tensorize(model, rank=2, min_features=16, dedup=True, in_features=3)
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], nn.Embedding)

@@ -92,16 +92,17 @@ def test_the_saved_record_is_a_copy_of_the_models():
 
 
 def test_layer_arguments_are_recorded_as_plain_data_or_named_as_unportable():
-    options = TensorizeOptions(layer_kwargs={"plan": {"order": (1, 2), "name": "x"}, "table": {1: "a"}})
+    # the values need not make sense to a layer: recording reads only their types
+    options = TensorizeOptions(layer_kwargs={"init_std": {"order": (1, 2), "name": "x"}, "deduplicate": {1: "a"}})
     spec = options.to_spec()
-    assert spec["layer_kwargs"] == {"plan": {"order": [1, 2], "name": "x"}}
-    assert spec["unportable"] == ["table={1: 'a'}"]
+    assert spec["layer_kwargs"] == {"init_std": {"order": [1, 2], "name": "x"}}
+    assert spec["unportable"] == ["deduplicate={1: 'a'}"]
 
 
 def test_options_from_a_recorded_call_drop_what_is_not_an_argument():
     """``unportable`` is a note, not a layer argument; ``decompose`` (earlier releases) is skipped."""
-    spec = TensorizeOptions(rank=3, layer_kwargs={"init_std": 0.1, "gen": torch.Generator()}).to_spec()
-    assert spec["unportable"][0].startswith("gen=")
+    spec = TensorizeOptions(rank=3, layer_kwargs={"init_std": 0.1, "deduplicate": torch.Generator()}).to_spec()
+    assert spec["unportable"][0].startswith("deduplicate=")
     options = TensorizeOptions.from_spec(spec)
     assert options == TensorizeOptions(rank=3, layer_kwargs={"init_std": 0.1})
     assert not TensorizeOptions.from_spec({"rank": 3, "decompose": True, "layer_kwargs": {}}).decompose
@@ -178,10 +179,13 @@ def test_unportable_arguments_are_named_with_the_module_they_were_given_to():
     with pytest.raises(ValueError, match=r"tensorize\(\) on encoder was called with init_std=tensor\(0.1000\), which"):
         tensorize_like(nn.ModuleDict({"encoder": _mlp()}), model.state_dict())
 
-    spec = TensorizeOptions(rank=3, layer_kwargs={"init_std": torch.tensor(0.1), "gen": torch.Generator()}).to_spec()
+    spec = TensorizeOptions(
+        rank=3, layer_kwargs={"init_std": torch.tensor(0.1), "deduplicate": torch.Generator()}
+    ).to_spec()
     with pytest.raises(
         ValueError,
-        match=r"tensorize\(\) on the model was called with init_std=tensor\(0.1000\), gen=<torch\._C\.Generator .*"
+        match=r"tensorize\(\) on the model was called with init_std=tensor\(0.1000\), "
+        r"deduplicate=<torch\._C\.Generator .*"
         r"call tensorize\(\) with these arguments in the model's __init__",
     ):
         tensorize_like(_mlp(), {}, {"": [spec]})
