@@ -160,8 +160,7 @@ class TTLinear(TTLayer):
 
     def _activated_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``act(x L) R + b`` on padded features, differentiable (plain autograd through the side merges)."""
-        if self.bottleneck_activation is None:
-            raise RuntimeError("_activated_forward needs a bottleneck_activation")
+        assert self.bottleneck_activation is not None  # forward calls this only for a layer with one
         cores = self.gated_cores()
         num_in = len(self.in_modes)
         left = chain_merge(cores[:num_in])[-1]

@@ -153,3 +153,17 @@ def test_full_tensor_of_a_sharded_value_is_the_plain_whole_value(one_process_gro
     whole = full_tensor(sharded)
     assert not isinstance(whole, DTensor)
     torch.testing.assert_close(whole, value, rtol=0, atol=0)
+
+
+def test_the_layers_default_ranks_and_lookup():
+    # rank 30 for a linear and 32 for an embedding where the modes allow it; an embedding looks up every id as given
+    def bonds(layer: TTLinear | TTEmbedding) -> list[int]:
+        return [int(core.shape[-1]) for core in layer.cores[:-1]]
+
+    linear = TTLinear(1024, 1024, in_modes=[32, 32], out_modes=[32, 32])
+    embedding = TTEmbedding(1024, 1024, vocab_modes=[32, 32], dim_modes=[32, 32])
+    assert bonds(linear) == [30, 30, 30] and bonds(embedding) == [32]
+    assert embedding.deduplicate is False
+    from_linear, _ = TTLinear.from_linear(nn.Linear(1024, 1024), in_modes=[32, 32], out_modes=[32, 32])
+    from_embedding, _ = TTEmbedding.from_embedding(nn.Embedding(1024, 1024), vocab_modes=[32, 32], dim_modes=[32, 32])
+    assert bonds(from_linear) == [30, 30, 30] and bonds(from_embedding) == [32]
