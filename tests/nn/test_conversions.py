@@ -259,9 +259,10 @@ def test_one_core_embedding_round_trip():
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
 def test_mup_round_trip_through_tensorly_keeps_the_learning_rate_scales(kind):
     # muP scales each core's rate by its fan-in, which depends on the ranks: the rebuilt layer takes the factors'
+    # (rank 12, unlike the modes 16, so that a rank read from a mode would show)
     torch.manual_seed(0)
     if kind == "linear":
-        layer = TTLinear(256, 256, 16, in_modes=[16, 16], out_modes=[16, 16], parameterization="mup")
+        layer = TTLinear(256, 256, 12, in_modes=[16, 16], out_modes=[16, 16], parameterization="mup")
         rebuilt = TTLinear.from_tensorly(layer.to_tensorly(), 2, parameterization="mup")
     else:
         layer = TTEmbedding(256, 256, 200, vocab_modes=[16, 16], dim_modes=[16, 16], parameterization="mup")
