@@ -118,7 +118,7 @@ def test_arguments_the_dense_module_fixes_are_refused_with_it(kind, dense, clash
         build_tt_layer(kind, shape, TTLayerOptions(rank=2), dense=dense, **clash)
 
 
-@pytest.mark.parametrize("clash", [{"bias": False}, {"dtype": torch.float64, "padding_idx": 0}])
+@pytest.mark.parametrize("clash", [{"bias": False}, {"dtype": torch.float64, "padding_idx": 0}, {"device": "cpu"}])
 @pytest.mark.parametrize("decompose", [False, True])
 def test_tensorize_refuses_layer_kwargs_that_the_replaced_module_fixes(clash, decompose):
     from comera_lightning.nn import tensorize
