@@ -511,3 +511,160 @@ def test_plan_costs_price_float32_by_default():
     assert plan_costs(PAPER_IN, PAPER_OUT, PAPER_RANKS, 64) == plan_costs(
         PAPER_IN, PAPER_OUT, PAPER_RANKS, 64, "cpu", 4
     )
+
+
+# --- what runs: the planner's question, which inputs get gradients, and the kernels a call costs ------------
+def test_the_planner_is_asked_about_this_calls_modes_ranks_rows_device_and_element_size(monkeypatch):
+    """With no plan given, the plan is chosen for the call's own shapes: both sides' modes, every bond's rank (the
+    boundary ones included), the rows after flattening the leading dimensions, the device and the compute dtype's
+    size (bf16 under autocast)."""
+    import inspect
+
+    from comera_lightning.tt import contract
+
+    asked = []
+
+    def recording_planner(*args, **kwargs):
+        bound = inspect.signature(plan_tt_linear).bind(*args, **kwargs)
+        bound.apply_defaults()
+        asked.append({name: tuple(v) if isinstance(v, list | tuple) else v for name, v in bound.arguments.items()})
+        return plan_tt_linear(*args, **kwargs)
+
+    monkeypatch.setattr(contract, "plan_tt_linear", recording_planner)
+    # modes, ranks and rows all differ, so a mode read as a rank (or rows as features) shows
+    cores, ranks = random_train([3, 4], [5, 2], [2, 7, 2])
+    assert ranks == [1, 2, 7, 2, 1]
+    for dtype, size in [(F64, 8), (torch.float32, 4)]:
+        x = torch.randn(2, 3, 12, dtype=dtype)
+        y = tt_linear(x, [c.to(dtype) for c in cores], [3, 4])
+        torch.testing.assert_close(y, x @ dense_reference(cores, 2).to(dtype))
+        assert asked.pop() == {
+            "in_modes": (3, 4),
+            "out_modes": (5, 2),
+            "ranks": (1, 2, 7, 2, 1),
+            "rows": 6,
+            "device_type": "cpu",
+            "element_bytes": size,
+        }
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tt_linear(torch.randn(6, 12), [c.float() for c in cores], [3, 4])
+    assert asked.pop()["element_bytes"] == 2
+    assert not asked
+
+
+@pytest.mark.parametrize("trainable", ["input", "bias", "cores"])
+@pytest.mark.parametrize("plan", [*PLANS, None])
+def test_whichever_single_input_is_trainable_gets_its_gradient(plan, trainable):
+    """Only the input (a frozen layer inside a network), only the bias (bias tuning) or only the cores (the first
+    layer, fed data) requires grad: the call records the plan's own backward (TTLinearFunction, not autograd of the
+    forward's ops, which keeps more) and that one input gets the reference gradient."""
+    torch.manual_seed(0)
+    in_modes = [2, 3]
+    cores, _ = random_train(in_modes, [2, 2], 2, requires_grad=trainable == "cores")
+    x = torch.randn(5, 6, dtype=F64, requires_grad=trainable == "input")
+    bias = torch.randn(4, dtype=F64, requires_grad=trainable == "bias")
+    leaves = {"input": [x], "bias": [bias], "cores": cores}[trainable]
+    upstream = torch.randn(5, 4, dtype=F64)
+
+    y = tt_linear(x, cores, in_modes, plan, bias)
+    assert "TTLinearFunctionBackward" in _graph_nodes(y)
+    grads = torch.autograd.grad((y * upstream).sum(), leaves)
+    y_ref = x @ dense_reference(cores, 2) + bias
+    grads_ref = torch.autograd.grad((y_ref * upstream).sum(), leaves)
+    torch.testing.assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref)
+
+
+def _graph_nodes(y):
+    """The names of the autograd nodes behind ``y``."""
+    names, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in names:
+            names.add(node.name())
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _aten_ops(fn):
+    """The aten ops ``fn()`` runs, as (name, input shapes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            ran.append((func.overloadpacket.__name__, shapes))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        fn()
+    return ran
+
+
+@pytest.mark.parametrize("rank, padded", [(5, 16), (15, 16), (16, 16), (1, 1)])
+def test_half_merge_on_a_cpu_runs_its_bottleneck_gemms_at_the_padded_rank(rank, padded):
+    """On a CPU the hidden state of half_merge is ``bottleneck_padding`` wider (ranks 2-15 run at 16)."""
+    in_modes = (4, 4)
+    cores, _ = random_train(in_modes, (4, 4), [4, rank, 4])
+    x = torch.randn(7, 16, dtype=F64, requires_grad=True)
+    ran = _aten_ops(lambda: tt_linear(x, cores, in_modes, "half_merge"))
+    assert ("mm", ((7, 16), (16, padded))) in ran  # x @ L
+    assert ("mm", ((7, padded), (padded, 16))) in ran  # (x L) @ R
+
+
+@pytest.mark.parametrize("rank", [5, 15])  # padded by 11 and by exactly 1
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_a_bias_in_the_padding_slot_costs_no_kernel_of_its_own(rank, bias_grad):
+    """With a padded bottleneck the bias rides in the first zero slice: the GEMM adds it (no addmm, whose broadcast
+    copies the bias into the output) and the backward's GEMM for R sums its gradient (no separate reduction)."""
+    torch.manual_seed(0)
+    in_modes = (4, 4)
+    cores, _ = random_train(in_modes, (4, 4), [4, rank, 4])
+    x = torch.randn(7, 16, dtype=F64, requires_grad=True)
+    bias = torch.randn(16, dtype=F64, requires_grad=bias_grad)
+    upstream = torch.randn(7, 16, dtype=F64)
+    leaves = [x, *cores] + ([bias] if bias_grad else [])
+    out = {}
+
+    def step():
+        out["y"] = y = tt_linear(x, cores, in_modes, "half_merge", bias)
+        out["grads"] = torch.autograd.grad(y, leaves, upstream)  # no loss reduction of our own
+
+    ran = {name for name, _ in _aten_ops(step)}
+    assert "addmm" not in ran and "sum" not in ran
+    weight = dense_reference(cores, 2)
+    torch.testing.assert_close(out["y"], x @ weight + bias, rtol=1e-12, atol=1e-12)
+    grads_ref = torch.autograd.grad(((x @ weight + bias) * upstream).sum(), leaves)
+    for g, g_ref in zip(out["grads"], grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_frozen_input_costs_no_input_gradient_gemm(plan):
+    """The first layer's input is data: its backward skips the GEMM that would give the input's gradient."""
+    in_modes = [2, 3]
+    cores, _ = random_train(in_modes, [2, 2], 2)
+    data = torch.randn(5, 6, dtype=F64)
+
+    def gemms(x):
+        y = tt_linear(x, cores, in_modes, plan)
+        leaves = [x, *cores] if x.requires_grad else cores
+        ran = _aten_ops(lambda: torch.autograd.grad(y.sum(), leaves))
+        return sum(name in ("mm", "addmm", "bmm") for name, _ in ran)
+
+    assert gemms(data) == gemms(data.clone().requires_grad_()) - 1
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_without_grad_a_two_core_train_compiles_whole(no_grad):
+    """Without grad no autograd Function runs, even for inputs that require grad: torch.compile traces the
+    contraction of a two-core train (a low-rank head) whole, where it cannot trace the Function."""
+    torch._dynamo.reset()
+    cores, _ = random_train([6], [5], 3)
+    x = torch.randn(4, 6, dtype=F64, requires_grad=True)
+    with no_grad():
+        y = torch.compile(lambda x: tt_linear(x, cores, [6], "half_merge"), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, x.detach() @ dense_reference(cores, 1))

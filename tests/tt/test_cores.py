@@ -290,3 +290,9 @@ def test_ttm_from_dense_full_rank_is_exact():
     cores = ttm_from_dense(matrix, row_modes, col_modes, [1, 6, 1])
     assert [c.dim() for c in cores] == [4, 4]
     torch.testing.assert_close(ttm_to_dense(cores), matrix, rtol=1e-9, atol=1e-9)
+
+
+def test_resolve_ranks_explicit_list_takes_rank_one_bonds():
+    # rank 1 is the smallest valid rank (a bond cut down to one slice): taken literally, like any other
+    assert resolve_ranks([4, 3, 2, 5], [1, 2, 1]) == [1, 1, 2, 1, 1]
+    assert resolve_ranks([4, 3, 2, 5], (1, 1, 1, 1, 1)) == [1, 1, 1, 1, 1]
