@@ -115,9 +115,9 @@ def test_embedding_round_trip_through_tensorly():
 def test_from_tensorly_refuses_the_other_format():
     linear = TTLinear(16, 16, rank=2)
     embedding = TTEmbedding(16, 16, rank=2)
-    with pytest.raises(ValueError, match=r"expects a TTMatrix \(TTLinear takes TTTensor\)"):
+    with pytest.raises(ValueError, match=r"^TTEmbedding\.from_tensorly expects a TTMatrix \(TTLinear takes TTTensor\)"):
         TTEmbedding.from_tensorly(linear.to_tensorly())
-    with pytest.raises(ValueError, match=r"expects a TTTensor \(TTEmbedding takes TTMatrix\)"):
+    with pytest.raises(ValueError, match=r"^TTLinear\.from_tensorly expects a TTTensor \(TTEmbedding takes TTMatrix\)"):
         TTLinear.from_tensorly(embedding.to_tensorly(), 1)
     with pytest.raises(ValueError, match=r"num_in_modes must be in \[1, 2\) for a TT with modes \[16, 16\], got 2"):
         TTLinear.from_tensorly(linear.to_tensorly(), len(linear.in_modes) + len(linear.out_modes))
@@ -125,76 +125,49 @@ def test_from_tensorly_refuses_the_other_format():
         TTLinear.from_tensorly(linear.to_tensorly(), len(linear.in_modes), bias=torch.zeros(3))
 
 
-def test_reconstruction_leaves_other_threads_backend_alone(monkeypatch):
-    """tensorly's backend is switched for the calling thread only while a TT is reconstructed."""
-    inside, release = threading.Event(), threading.Event()
-    original = tl.tt_to_tensor
+def _global_backend() -> str:
+    """tensorly's backend as a fresh thread sees it."""
+    seen = []
+    observer = threading.Thread(target=lambda: seen.append(tl.get_backend()))
+    observer.start()
+    observer.join()
+    return seen[0]
 
-    def paused(factors):
+
+def _assert_other_threads_keep_their_backend(run, owner, name: str, monkeypatch) -> None:
+    """While ``run`` (on a worker thread) is paused inside ``owner.name``, a fresh thread sees the global backend."""
+    inside, release = threading.Event(), threading.Event()
+    original = getattr(owner, name)
+
+    def paused(*args):
         inside.set()
         assert release.wait(10)
-        return original(factors)
+        return original(*args)
 
-    def global_backend() -> str:  # as a fresh thread sees it
-        seen = []
-        observer = threading.Thread(target=lambda: seen.append(tl.get_backend()))
-        observer.start()
-        observer.join()
-        return seen[0]
-
-    before = global_backend()
+    before = _global_backend()
     assert before != "pytorch", "a test left tensorly's global backend at pytorch"
-    monkeypatch.setattr(cores_module.tl, "tt_to_tensor", paused)
-    layer = TTLinear(16, 16, rank=2)
-    worker = threading.Thread(target=layer.weight_dense)
+    monkeypatch.setattr(owner, name, paused)
+    worker = threading.Thread(target=run)
     worker.start()
     try:
         assert inside.wait(10)
-        assert global_backend() == before
+        assert _global_backend() == before
     finally:
         release.set()
         worker.join()
+
+
+def test_reconstruction_leaves_other_threads_backend_alone(monkeypatch):
+    """tensorly's backend is switched for the calling thread only while a TT is reconstructed."""
+    layer = TTLinear(16, 16, rank=2)
+    _assert_other_threads_keep_their_backend(layer.weight_dense, cores_module.tl, "tt_to_tensor", monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
 def test_to_tensorly_leaves_other_threads_backend_alone(kind, monkeypatch):
-    """to_tensorly() switches tensorly's backend for the calling thread only."""
+    """to_tensorly() switches tensorly's backend for the calling thread only (paused where the cores are read)."""
     layer = TTLinear(16, 16, rank=2) if kind == "linear" else TTEmbedding(16, 16, rank=2)
-    inside, release = threading.Event(), threading.Event()
-    original = layer.gated_cores
-
-    def paused():  # called inside the backend context
-        inside.set()
-        assert release.wait(10)
-        return original()
-
-    def global_backend() -> str:  # as a fresh thread sees it
-        seen = []
-        observer = threading.Thread(target=lambda: seen.append(tl.get_backend()))
-        observer.start()
-        observer.join()
-        return seen[0]
-
-    before = global_backend()
-    assert before != "pytorch", "a test left tensorly's global backend at pytorch"
-    monkeypatch.setattr(layer, "gated_cores", paused)
-    worker = threading.Thread(target=layer.to_tensorly)
-    worker.start()
-    try:
-        assert inside.wait(10)
-        assert global_backend() == before
-    finally:
-        release.set()
-        worker.join()
-
-
-def test_from_tensorly_errors_name_the_method():
-    linear = TTLinear(16, 16, rank=2)
-    embedding = TTEmbedding(16, 16, rank=2)
-    with pytest.raises(ValueError, match=r"^TTEmbedding\.from_tensorly expects a TTMatrix \(TTLinear takes TTTensor\)"):
-        TTEmbedding.from_tensorly(linear.to_tensorly())
-    with pytest.raises(ValueError, match=r"^TTLinear\.from_tensorly expects a TTTensor \(TTEmbedding takes TTMatrix\)"):
-        TTLinear.from_tensorly(embedding.to_tensorly(), 1)
+    _assert_other_threads_keep_their_backend(layer.to_tensorly, layer, "gated_cores", monkeypatch)
 
 
 def test_linear_from_tensorly_keeps_padded_sizes_and_options():
