@@ -102,7 +102,7 @@ def build_tt_layer(
     if kind not in ("linear", "embedding"):
         raise ValueError(f"kind must be 'linear' or 'embedding', got {kind!r}")
     rows, cols = shape
-    fixed = sorted(set(layer_kwargs) & _FIXED_BY_DENSE[kind]) if dense is not None else []
+    fixed = sorted(set(layer_kwargs) & FIXED_BY_MODULE[kind]) if dense is not None else []
     if fixed:
         names = ", ".join(fixed)
         raise ValueError(
@@ -135,8 +135,12 @@ def build_tt_layer(
     return layer, error
 
 
-# what from_linear / from_embedding take from the dense module itself
-_FIXED_BY_DENSE = {"linear": {"bias", "dtype", "device"}, "embedding": {"padding_idx", "dtype", "device"}}
+#: the constructor arguments a TT layer takes from the dense module it stands for (from_linear, from_embedding,
+#: tensorize), which no layer argument may set as well
+FIXED_BY_MODULE = {
+    "linear": frozenset({"bias", "dtype", "device"}),
+    "embedding": frozenset({"padding_idx", "dtype", "device"}),
+}
 
 _Dense = TypeVar("_Dense", nn.Linear, nn.Embedding)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..tt.rank import DEFAULT_THRESHOLD, train_parameter_count
 from .base import TTLayer
-from .builder import LayerKind, TTLayerOptions, build_tt_layer, layer_shape
+from .builder import FIXED_BY_MODULE, LayerKind, TTLayerOptions, build_tt_layer, layer_shape
 from .embedding import TTEmbedding
 from .fast_path import restore_fast_paths, steer_off_fast_paths
 from .linear import TTLinear
@@ -126,7 +126,7 @@ class TensorizeOptions:
                 raise ValueError(f"{name} is given twice, as {current!r} and as layer_kwargs[{name!r}]={value!r}")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "layer_kwargs", extra)
-        fixed = ", ".join(sorted(set(extra) & {"bias", "padding_idx", "dtype", "device"}))
+        fixed = ", ".join(sorted(set(extra) & (FIXED_BY_MODULE["linear"] | FIXED_BY_MODULE["embedding"])))
         if fixed:
             raise ValueError(
                 f"layer_kwargs may not set {fixed}: each TT layer takes them from the module it replaces; set them"
@@ -197,7 +197,7 @@ _DEFAULTS = {f.name: f.default for f in fields(TensorizeOptions) if f.name != "l
 _FIELD_NAMES = frozenset(_DEFAULTS)
 # the constructor arguments a layer argument may set: not the shape and modes tensorize() picks, nor what the
 # replaced module fixes, nor what the options set
-_SET_ELSEWHERE = {"self", "rank", "bias", "padding_idx", "dtype", "device", *_FIELD_NAMES}
+_SET_ELSEWHERE = {"self", "rank", *FIXED_BY_MODULE["linear"], *FIXED_BY_MODULE["embedding"], *_FIELD_NAMES}
 _LAYER_ARGUMENTS = {
     kind: frozenset(inspect.signature(layer.__init__).parameters) - _SET_ELSEWHERE - set(structure)
     for kind, layer, structure in (

@@ -82,7 +82,7 @@ def resolve_ranks(mode_sizes: Sequence[int], rank: int | Sequence[int]) -> list[
     ``K - 1`` internal ranks (or all ``K + 1`` with the boundary ones) is taken literally and must fit.
 
     Raises:
-        TypeError: ``rank`` is neither an int nor a list of ints (e.g. a float or a string).
+        TypeError: ``rank`` is neither an int nor a list of ints (e.g. 2.5 or a string).
         ValueError: a rank is < 1, the list has the wrong length, or an explicit rank exceeds its bound.
     """
     bounds = max_ranks(mode_sizes)
