@@ -130,3 +130,13 @@ def test_weight_decay_shrinks_cores_and_other_parameters_but_never_the_gates():
             name = names[id(p)]
             decayed = before[name] if ".gates." in name else before[name] * (1 - 0.1 * 0.5)
             torch.testing.assert_close(p.detach(), decayed, rtol=1e-6, atol=0, msg=name)
+
+
+def test_a_frozen_parameter_is_in_no_group():
+    # a part the user froze (a pretrained encoder, say) stays out of the optimiser: unfreezing it later does not
+    # quietly train it with stale moments, and AdamW keeps no state for it
+    model = nn.Sequential(nn.Linear(8, 8), TTLinear(8, 8, rank=2), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    grouped = {id(p) for group in comera_parameter_groups(model) for p in group["params"]}
+    assert not any(id(p) in grouped for p in model[0].parameters())
+    assert all(id(p) in grouped for p in [*model[1].parameters(), *model[2].parameters()])

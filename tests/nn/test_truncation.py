@@ -403,3 +403,15 @@ def test_truncate_to_share_keeps_one_slice_and_refuses_bad_shares():
     assert layer.ranks[1:-1] == [1] * (len(layer.ranks) - 2)
     with pytest.raises(ValueError, match=r"share in \[0, 1\]"):
         layer.truncate_to_share_(1.5)
+
+
+def test_removed_slices_are_off_for_good_gate_zeroed_and_masked():
+    # the mask keeps them out of the forward; the zeroed gate keeps them out of whatever reads the gates (a saved
+    # checkpoint, the importance of a slice, masks rebuilt from the gates)
+    torch.manual_seed(0)
+    layer = TTLinear(16, 16, rank=4, in_modes=[4, 4], out_modes=[4, 4])
+    before = layer.gates[1].detach().clone()
+    layer.remove_slices_(1, [0, 2])
+    assert layer.rank_masks[1].tolist() == [False, True, False, True]
+    assert layer.gates[1].detach()[[0, 2]].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(layer.gates[1].detach()[[1, 3]], before[[1, 3]])

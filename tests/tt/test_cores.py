@@ -296,3 +296,12 @@ def test_resolve_ranks_explicit_list_takes_rank_one_bonds():
     # rank 1 is the smallest valid rank (a bond cut down to one slice): taken literally, like any other
     assert resolve_ranks([4, 3, 2, 5], [1, 2, 1]) == [1, 1, 2, 1, 1]
     assert resolve_ranks([4, 3, 2, 5], (1, 1, 1, 1, 1)) == [1, 1, 1, 1, 1]
+
+
+def test_init_cores_spreads_the_scale_over_the_cores_by_their_trailing_rank():
+    # each core gets std**(1/K) / sqrt(r_k): the cores stay balanced, whichever bond is wide
+    shapes = [(1, 512, 16), (16, 256, 2), (2, 1024, 1)]
+    cores = init_cores(shapes, 0.5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    per_core = 0.5 ** (1 / 3)
+    for core, shape in zip(cores, shapes, strict=True):
+        assert float(core.std()) == pytest.approx(per_core / math.sqrt(shape[-1]), rel=0.1)  # mutants: >= 41 % off
