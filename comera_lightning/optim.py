@@ -61,10 +61,10 @@ class OptimConfig(GroupedOptions):
 
 def comera_parameter_groups(
     model: nn.Module,
-    lr_cores: float = 1e-4,
-    lr_gates: float = 1e-3,
-    lr_other: float = 5e-5,
-    weight_decay: float = 0.0,
+    lr_cores: float = OptimConfig.lr_cores,
+    lr_gates: float = OptimConfig.lr_gates,
+    lr_other: float = OptimConfig.lr_other,
+    weight_decay: float = OptimConfig.weight_decay,
 ) -> list[dict[str, Any]]:
     """Three groups (the paper's AdamW setup): TT cores, rank gates (never decayed), other parameters.
 

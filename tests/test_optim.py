@@ -140,3 +140,11 @@ def test_a_frozen_parameter_is_in_no_group():
     grouped = {id(p) for group in comera_parameter_groups(model) for p in group["params"]}
     assert not any(id(p) in grouped for p in model[0].parameters())
     assert all(id(p) in grouped for p in [*model[1].parameters(), *model[2].parameters()])
+
+
+def test_the_options_default_to_the_papers_setup():
+    # AdamW at 1e-4 (cores), 1e-3 (gates), 5e-5 (the rest), no decay, no warmup, constant rates
+    assert OptimConfig() == OptimConfig(
+        lr_cores=1e-4, lr_gates=1e-3, lr_other=5e-5, weight_decay=0.0, warmup_steps=0, schedule="constant"
+    )
+    assert OptimConfig().final_lr_ratio == 0.0
