@@ -89,7 +89,7 @@ def tt_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 # ------------------------------------------------------------------------------------------------------
-# candidates: one training setup each (also those of studies/llm.py)
+# candidates: one training setup each
 
 
 @dataclass

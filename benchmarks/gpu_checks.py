@@ -7,7 +7,8 @@ every check (a run cut off still returns what it finished):
    a finite validation loss and resumes from its last checkpoint;
 4. ``fsdp2``: the same under ``callbacks/fsdp2.yaml`` (one GPU), resumed from its distributed checkpoint folder;
 5. ``compile``: quickstart fits eager, with ``Compile`` and with ``mode: reduce-overhead``: steps/s, graphs, breaks;
-6. ``llm_60m``: ``studies.llm`` dense vs CoMERA on ``configs/llm_60m.yaml`` by the ``matched`` protocol.
+6. ``width_clock``: the width study's finals (``docs/data/width_stdlib.json``) timed on the GPU in bf16-mixed by
+   ``studies.width_clock``: does CoMERA reach a lower loss than dense's front at equal training time on a GPU?
 
 ``--out`` gets ``summary.md`` and ``summary.json`` (a check that failed or timed out is FAILED), ``checks.log`` and
 ``results.tar.gz``. Without CUDA the checks are skipped (exit 0); ``--cpu-dry-run`` runs tiny versions on the CPU.
@@ -15,7 +16,7 @@ every check (a run cut off still returns what it finished):
 
     python -m benchmarks.gpu_checks --out /tmp/gpu_checks                 # on a GPU machine
     python -m benchmarks.gpu_checks --cpu-dry-run --out /tmp/gpu_dry      # the plumbing, on a CPU (about 10 minutes)
-    python -m benchmarks.gpu_checks --only llm_60m --out /tmp/gpu_llm     # some checks only (the whole deadline)
+    python -m benchmarks.gpu_checks --only width_clock --out /tmp/gpu_w   # some checks only (the whole deadline)
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from benchmarks import harness
+from benchmarks.studies import width_report
 from benchmarks.studies.tuned import EARLY_LATE_FRACTION, EARLY_RAMP_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
 # CoMERA's bf16 step vs dense at batch 32, dense + GaLore's peak memory over CoMERA's at batch 1, graphs vs eager
 TARGET_STEP_SPEEDUP, TARGET_MEMORY_VS_GALORE, TARGET_GRAPHS_SPEEDUP = 2.0, 9.0, 1.3
-LLM_OVERHEAD_S = 120.0  # the llm check besides its two training budgets: corpus, tokenizer, timing, imports
 FIT_STEPS, RESUME_STEPS = 200, 250  # the fit checks' first fit, then the resume (validated every 50 steps)
 FIT_CHECKS = ("fit_resume", "fsdp2")
-CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "llm_60m")  # in order
+CHECK_NAMES = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "width_clock")  # in order
+WIDTH_STUDY = REPO / "docs" / "data" / "width_stdlib.json"
 # the compile check's fits, in order: None is the eager reference, else Compile's mode ("default": torch's)
 COMPILE_VARIANTS: dict[str, str | None] = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
 COMPILE_STEPS, COMPILE_WARMUP = 120, 30  # dry: 40 and 10
@@ -79,8 +81,8 @@ def _env() -> dict[str, str]:
 
 
 def checks(work: Path, dry: bool) -> list[Check]:
-    """The first five checks, on CUDA in bf16 (``dry``: tiny versions on the CPU); :func:`llm_check` is the sixth."""
-    # the quickstart size only: launch-bound, where graphs matter (the base size would take the llm check's minutes)
+    """The six checks, on CUDA in bf16 (``dry``: tiny versions on the CPU)."""
+    # the quickstart size only: launch-bound, where graphs matter (the base size would take minutes)
     cuda_graphs = _python("bench_cuda_graphs --quick", "--out-dir", str(work / "cuda_graphs"))
     cuda_graphs += ["--backend", "replay"] if dry else ["--repeats", "3"]
     step = _python("bench_training_step --part step --precision bf16-mixed --profile always")
@@ -90,31 +92,21 @@ def checks(work: Path, dry: bool) -> list[Check]:
     fit = _python("gpu_checks", "--fit-check", str(work / "fit_resume"), *dry_flag)
     fsdp2 = _python("gpu_checks", "--fit-check", str(work / "fsdp2"), "--fit-config", "callbacks/fsdp2", *dry_flag)
     compiled = _python("gpu_checks", "--compile-check", str(work / "compile"), *dry_flag)
-    # GPU limits (s) add up to the run's deadline (540); the llm check trains for what they leave. A fit costs 10-20 s
-    # of start-up; fit_resume and fsdp2 run two fits each, compile three and inductor's compilations. dry: bf16 is
-    # emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
+    width = _python("studies.width_clock", "--out", str(WIDTH_STUDY), "--cache-dir", str(work / "cache"))
+    width += ["--write-to", str(work / "width_clock" / WIDTH_STUDY.name), "--wait-quiet", "0"]
+    # the stdlib corpus is tokenised first; dry: the smallest widths' 4 shapes, on the CPU
+    width += ["--widths", "128", "--repeats", "1"] if dry else ["--device", "cuda", "--precision", "bf16-mixed"]
+    # GPU limits (s) of the first five add up to the run's deadline (540); the width clock takes what they leave. A
+    # fit costs 10-20 s of start-up; fit_resume and fsdp2 run two fits each, compile three and inductor's
+    # compilations. dry: bf16 is emulated on a CPU, and the step check alone takes about 4 minutes on 2 cores
     return [
         Check("cuda_graphs", [cuda_graphs], 300 if dry else 120),
         Check("training_step", [step], 600 if dry else 150),
         Check("fit_resume", [fit], 300 if dry else 75),
         Check("fsdp2", [fsdp2], 300 if dry else 70),
         Check("compile", [compiled], 300 if dry else 125),
+        Check("width_clock", [width], 600 if dry else 300),
     ]
-
-
-def llm_check(work: Path, dry: bool, budget_s: float) -> Check:
-    """``llm_60m`` dense and CoMERA, ``budget_s`` of training each by the matched protocol, on the standard library."""
-    llm = _python(
-        "studies.llm --protocols matched --methods dense comera --precision bf16-mixed",
-        *("--config", str(REPO / "configs" / "llm_60m.yaml"), "--budget-s", f"{budget_s:.0f}"),
-        *("--out-dir", str(work / "llm_60m"), "--cache-dir", str(work / "cache")),
-    )
-    # the standard library's 1,790 files (31 MB), 5 % held out: about 15 validation batches of 128 x 256
-    data = ["root=stdlib", "files='**/*.py'", "val_files=null", "tokenizer_path=null", "val_fraction=0.05"]
-    data += ["tokenizer_sample_mb=16", *(["files='*.py'", "num_workers=0"] if dry else [])]
-    llm += [arg for value in data for arg in ("--set", f"data.{value}")]
-    llm += ["--quick"] if dry else ["--accelerator", "cuda", "--repeats", "3"]
-    return Check("llm_60m", [llm], 400 if dry else 2 * budget_s + LLM_OVERHEAD_S)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -357,13 +349,12 @@ def read_results(work: Path) -> dict[str, Any]:
     for name, file in (*((n, "fit_check.json") for n in FIT_CHECKS), ("compile", "compile_check.json")):
         if (work / name / file).exists():
             out[name] = harness.read_json(work / name / file)
-    llm = _load(work / "llm_60m" / "llm_study*.json")
-    if llm:
-        runs = {r["method"]: r for r in llm.get("runs", [])}
-        out["llm_perplexity"] = {m: r["final"]["metrics"].get("val/perplexity") for m, r in runs.items()}
-        out["llm_tokens_per_s"] = {m: r["tokens"] / r["train_s"] for m, r in runs.items()}
-        out["llm_train_s"] = {m: r["train_s"] for m, r in runs.items()}
-        out["llm_compression"] = {m: r["final"]["compression_ratio"] for m, r in runs.items()}
+    width = _load(work / "width_clock" / WIDTH_STUDY.name)
+    if width and "clock_alone" in width:
+        out["width_step_s"] = width["clock_alone"]["step_s"]
+        against = width_report.compare(width, "comera", "train_s_alone")
+        keys = ("width", "loss", "dense", "wins")
+        out["width_comera_at_equal_time"] = [dict(zip(keys, row, strict=True)) for row in against]
     return out
 
 
@@ -430,9 +421,10 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
     rows = [[name, s["status"], f"{s['wall_s']:.0f} s", s.get("detail", "")] for name, s in status.items()]
     where = machine.get("cuda") or f"no GPU ({machine.get('cpu', '')})"
     lines = [f"## GPU checks on {where}", "", harness.table("check|status|wall|detail", rows), ""]
-    ppl = results.get("llm_perplexity") or {}
-    llm = harness.verdict(ppl.get("comera"), ppl["dense"], higher_is_better=False) if ppl.get("dense") else "n/a"
-    perplexities = " vs ".join(f"{m} {v:.2f}" for m, v in ppl.items() if v is not None) or "-"
+    width_rows = results.get("width_comera_at_equal_time") or []
+    wins = [r["wins"] for r in width_rows if r["wins"] is not None]  # None: outside dense's range, not judged
+    width = "n/a" if not wins else "met" if any(wins) else "MISSED"
+    width_measured = "; ".join(f"d {r['width']}: {r['loss']:.3f} against {r['dense']}" for r in width_rows) or "-"
     fit_what = "ranks shrink, truncations, val loss finite, the checkpoint"
     keys = ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
     step, memory, graphs = (results.get(k) for k in keys)
@@ -445,13 +437,14 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
         (graphs_what, harness.times(graphs), harness.verdict(graphs, TARGET_GRAPHS_SPEEDUP), "cuda_graphs"),
         (f"bf16 fit, early late stage: {fit_what} resumes", *fit_row(results.get("fit_resume") or {}), "fit_resume"),
         (f"FSDP2 on one GPU (bf16): {fit_what} folder resumes", *fit_row(results.get("fsdp2") or {}), "fsdp2"),
-        ("llm_60m at equal wall-clock: CoMERA perplexity <= dense", perplexities, llm, "llm_60m"),
+        ("width study, timed on this GPU: CoMERA below dense at equal time", width_measured, width, "width_clock"),
     ]
     rows = [[target, measured, _judged(judged, check, status)] for target, measured, judged, check in targets]
     rows[5:5] = compile_rows(results.get("compile") or {}, status)
     lines += [harness.table("target|measured|verdict", rows)]
-    if results.get("llm_tokens_per_s"):
-        lines += ["", "llm_60m tokens/s: " + ", ".join(f"{m} {v:,.0f}" for m, v in results["llm_tokens_per_s"].items())]
+    if results.get("width_step_s"):
+        steps = ", ".join(f"{name} {harness.ms(seconds)} ms" for name, seconds in results["width_step_s"].items())
+        lines += ["", f"The width study's training steps on this GPU: {steps}"]
     for batch, why in (results.get("step_profiles") or {}).items():
         lines += ["", f"Training-step profile at batch {batch}: {why}"]
     return "\n".join(lines) + "\n"
@@ -485,7 +478,6 @@ def _run(check: Check, folder: Path, stop_at: float, log: Callable[[str], None])
 def run_checks(
     out: Path,
     dry: bool,
-    llm_budget_s: float,
     deadline_s: float,
     log: Callable[[str], None],
     only: Sequence[str] | None = None,
@@ -497,15 +489,10 @@ def run_checks(
     started = time.perf_counter()
     status: dict[str, dict] = {}
     machine = harness.machine_info()
-    for check in [*checks(work, dry), None]:
-        if only is not None and (check.name if check else "llm_60m") not in only:
+    for check in checks(work, dry):
+        if only is not None and check.name not in only:
             continue
         left = deadline_s - (time.perf_counter() - started)
-        if check is None:  # the llm check trains for what the deadline leaves, at most llm_budget_s per method
-            budget = min(llm_budget_s, 5.0 if dry else (left - LLM_OVERHEAD_S) / 2)
-            check = llm_check(work, dry, max(budget, 1.0))
-            if budget < 15 and not dry:
-                left = 0.0
         folder = work / check.name
         folder.mkdir(parents=True, exist_ok=True)
         if left < 30:
@@ -547,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--out", type=Path, default=out, help="summary and archive (default $OUT, else %(default)s)")
     add("--cpu-dry-run", action="store_true", help="tiny versions of every check on the CPU")
     add("--only", nargs="+", choices=CHECK_NAMES, default=None, help="these checks only, in order")
-    add("--llm-budget-s", type=float, default=75.0, help="training seconds of each llm_60m method")
-    deadline = "every check ends by then; the llm check trains for what the others leave (default 540; dry run 2100)"
+    deadline = "every check ends by then; the last takes what the others leave (default 540; dry run 2100)"
     add("--deadline-s", type=float, default=None, help=deadline)
     # the fit checks (3: plain, 4: --fit-config callbacks/fsdp2) and the compile check (5), each in its own process
     add("--fit-check", type=Path, default=None, help=argparse.SUPPRESS)
@@ -563,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.deadline_s is None:
         args.deadline_s = 2100.0 if args.cpu_dry_run else 540.0
-    if args.llm_budget_s <= 0 or args.deadline_s <= 0:
-        parser.error("--llm-budget-s and --deadline-s must be positive seconds")
+    if args.deadline_s <= 0:
+        parser.error(f"--deadline-s must be a positive number of seconds, got {args.deadline_s}")
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "checks.log", "a") as log_file:
 
@@ -578,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             log("no CUDA device: skipped (torch.cuda.is_available() is False); --cpu-dry-run tests the plumbing")
             harness.write_json(args.out / "summary.json", {"skipped": True, "machine": harness.machine_info()})
             return 0
-        status = run_checks(args.out, args.cpu_dry_run, args.llm_budget_s, args.deadline_s, log, args.only)
+        status = run_checks(args.out, args.cpu_dry_run, args.deadline_s, log, args.only)
     print("\n" + (args.out / "summary.md").read_text())
     return 0 if all(s["status"] == "ok" for s in status.values()) else 1
 

@@ -47,11 +47,6 @@ COMPARISONS: dict[str, Comparison] = {
         "bench_tt_linear",
         "TTLinear contraction planner vs torch.einsum vs tensorly+opt_einsum vs nn.Linear over a grid",
     ),
-    "llm": Comparison(
-        "studies.llm",
-        "LLaMA-style decoder pre-training (configs/llm_cpu.yaml): dense+AdamW vs dense+GaLore vs CoMERA, same tokens "
-        "or same training seconds; perplexity, parameters, step time and peak memory",
-    ),
     "cuda-graphs": Comparison(
         "bench_cuda_graphs", "captured vs eager training step on a CUDA GPU (skipped without one)"
     ),

@@ -15,7 +15,6 @@ import gc
 import hashlib
 import importlib
 import json
-import math
 import statistics
 import sysconfig
 import tempfile
@@ -23,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,6 @@ from comera_lightning.nn import size_report, tt_layers
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = REPO / ".cache" / "comera"
 CONFIG = REPO / "configs" / "llm_cpu.yaml"
-# steps: the same optimiser steps; matched: the same training seconds as a step count fixed before training
-PROTOCOLS = ("steps", "matched")
-METHODS = ("dense", "comera")
 # study name -> (LightningModule in comera_lightning.lit, datamodule in comera_lightning.data)
 TASKS = {"mlm": ("MaskedLM", "CodeMLMDataModule"), "lm": ("CausalLM", "CodeLMDataModule")}
 # --set SECTION.KEY=VALUE: which part of the study a config section's values go to
@@ -54,10 +50,10 @@ class StudySpec:
 
     ``task_kwargs`` go to the task's LightningModule (each method sets ``tt_linears``/``tt_embeddings``),
     ``data_kwargs`` to its datamodule, ``rank_kwargs`` to ``RankAdaptation`` (the late stage starts at
-    ``late_fraction`` of the run). ``metric`` is the headline validation metric, ``secondary`` a second one.
-    ``accelerator`` and ``precision`` go to the Trainer (the CPU studies: ``cpu``, ``32-true``); ``datamodule``
-    names a datamodule of ``comera_lightning.data`` other than the task's (a config's ``TextLMDataModule``);
-    ``grad_clip`` clips the gradients' global norm (the Trainer's ``gradient_clip_val``; None: no clipping).
+    ``late_fraction`` of the run). ``metric`` is the headline validation metric, ``secondary`` a second one. Every
+    run trains on the CPU in float32. ``datamodule`` names a datamodule of ``comera_lightning.data`` other than the
+    task's (a config's ``TextLMDataModule``); ``grad_clip`` clips the gradients' global norm (the Trainer's
+    ``gradient_clip_val``; None: no clipping).
     """
 
     name: str
@@ -65,7 +61,6 @@ class StudySpec:
     data_kwargs: dict[str, Any]
     rank_kwargs: dict[str, Any]
     steps: int
-    budget_s: float
     val_every: int
     limit_val_batches: int | None
     metric: str
@@ -73,8 +68,6 @@ class StudySpec:
     higher_is_better: bool = True
     late_fraction: float = 0.5
     seed: int = 0
-    accelerator: str = "cpu"
-    precision: str = "32-true"
     datamodule: str | None = None
     grad_clip: float | None = None
 
@@ -84,8 +77,6 @@ class StudySpec:
             raise ValueError(f"unknown study {self.name!r}; use one of {tuple(TASKS)}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if not (math.isfinite(self.budget_s) and self.budget_s > 0):
-            raise ValueError(f"budget_s must be a positive number of seconds, got {self.budget_s}")
         if self.val_every < 1:
             raise ValueError(f"val_every must be >= 1 (steps between validations), got {self.val_every}")
         if self.limit_val_batches is not None and self.limit_val_batches < 1:
@@ -97,13 +88,6 @@ class StudySpec:
     def late_start_step(self) -> int:
         """The step the late stage starts at under the step-bounded protocols."""
         return round(self.late_fraction * self.steps)
-
-    def json(self) -> dict[str, Any]:
-        """The spec as JSON values (rank options that are objects, such as a late-stage policy, left out)."""
-        plain = (int, float, str, bool, type(None))
-        out = asdict(replace(self, rank_kwargs={}))
-        out["rank_kwargs"] = {k: v for k, v in self.rank_kwargs.items() if isinstance(v, plain)}
-        return json.loads(json.dumps(out))  # tuples as lists: as it reads back from a file
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -131,15 +115,6 @@ def task_class(name: str) -> type:
     import comera_lightning.lit as lit
 
     return getattr(lit, TASKS[name][0])
-
-
-def build_task(spec: StudySpec, method: str, task_kwargs: dict[str, Any] | None = None):
-    """The LightningModule of ``method``, seeded: identical except TT (comera) or plain (dense) layers."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
-    tt = method == "comera"
-    torch.manual_seed(spec.seed)
-    return task_class(spec.name)(**with_layer_options(task_kwargs or spec.task_kwargs, tt_linears=tt, tt_embeddings=tt))
 
 
 def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
@@ -197,14 +172,14 @@ def batch_hash(batch: dict[str, Any]) -> str:
 
 
 def _quick(spec: StudySpec, task: dict, data: dict, rank: dict, tt_rank: int = 8) -> StudySpec:
-    """``spec`` shrunk for a smoke run: 30 steps, 6 s budgets, validation every 10 steps on 4 batches."""
+    """``spec`` shrunk for a smoke run: 30 steps, validation every 10 steps on 4 batches."""
     layer = spec.task_kwargs["layer_config"]
     spec.task_kwargs.update(task, layer_config={**layer, "rank": tt_rank, "embedding_rank": tt_rank})
     if "optim" in spec.task_kwargs and "warmup_steps" in spec.task_kwargs["optim"]:
         spec.task_kwargs["optim"] = {**spec.task_kwargs["optim"], "warmup_steps": 5}
     spec.data_kwargs.update(data)
     spec.rank_kwargs.update(rank)
-    spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 30, 6.0, 10, 4
+    spec.steps, spec.val_every, spec.limit_val_batches = 30, 10, 4
     return spec
 
 
@@ -232,7 +207,6 @@ def mlm_spec(quick: bool = False) -> StudySpec:
         data,
         rank,
         steps=2000,
-        budget_s=120.0,
         val_every=200,
         limit_val_batches=16,
         metric="val/mlm_accuracy",
@@ -304,7 +278,6 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
         dict(config["data"]["init_args"]),
         rank,
         steps=steps,
-        budget_s=180.0,
         val_every=int(trainer["val_check_interval"]),
         limit_val_batches=trainer.get("limit_val_batches"),
         metric="val/perplexity",
@@ -333,7 +306,7 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
         else:
             spec.data_kwargs.update(tokenizer_sample_mb=1.0)
         spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
-        spec.steps, spec.budget_s, spec.val_every, spec.limit_val_batches = 6, 2.0, 3, 2
+        spec.steps, spec.val_every, spec.limit_val_batches = 6, 3, 2
     return spec
 
 
@@ -429,27 +402,22 @@ class StudyRecorder(Callback):
 def run_one(
     spec: StudySpec,
     method: str,
-    protocol: str,
     dm,
     *,
-    task: Any = None,
+    task: Any,
     steps: int | None = None,
     max_other_load: float = 0.15,
     wait_quiet_s: float = 0.0,
     extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
-    """Train one (method, protocol) run and return its measurements.
+    """Train ``task`` (a LightningModule) for one run and return its measurements.
 
-    ``task`` trains that LightningModule instead of :func:`build_task`'s (GaLore, the studies' families); the
-    ``comera`` method adds the rank callbacks, its late stage from ``spec.late_start_step``. ``steps`` overrides
+    The ``comera`` method adds the rank callbacks, its late stage from ``spec.late_start_step``. ``steps`` overrides
     ``spec.steps``. ``extra_callbacks`` run after the study's own.
     """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; use one of {PROTOCOLS}")
     spec.check()
     spec = spec if steps is None else replace(spec, steps=steps)
     seed_everything(spec.seed, verbose=False)
-    task = build_task(spec, method) if task is None else task
     at_start = size(task)
     recorder = StudyRecorder()
     rank_cb = RankAdaptation(**spec.rank_kwargs, late_start_step=spec.late_start_step) if method == "comera" else None
@@ -460,8 +428,8 @@ def run_one(
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*`max_epochs` was not set.*")
         trainer = Trainer(
-            accelerator=spec.accelerator,
-            precision=spec.precision,
+            accelerator="cpu",
+            precision="32-true",
             devices=1,
             max_steps=spec.steps,
             max_epochs=-1,
@@ -493,7 +461,6 @@ def run_one(
     steady = steps_s[1:] if len(steps_s) > 2 else steps_s
     result: dict[str, Any] = {
         "method": method,
-        "protocol": protocol,
         "steps": int(trainer.global_step),
         "train_s": recorder.train_s_final,
         "fit_wall_s": fit_wall_s,

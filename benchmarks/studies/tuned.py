@@ -368,6 +368,44 @@ def step_flops(task, batch) -> int:
     return int(counter.get_total_flops())
 
 
+def galore_optimizer(task):
+    """``GaLoreAdamW`` over a decoder task's parameters at its optimiser settings: the blocks' 2-D linear weights
+    (attention and MLP projections) projected at rank d_model / 4, as the GaLore paper's LLaMA runs."""
+    import torch
+
+    from benchmarks import bench_training_step as bts
+
+    o, model = task.optim, task.model
+    targets = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    settings = {"rank": max(1, model.d_model // 4), "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    optimizer = bts.galore_optimizer(list(task.parameters()), targets, o.lr_other, o.weight_decay, settings)
+    if optimizer is None:
+        raise RuntimeError(bts.import_galore()[1])
+    return optimizer
+
+
+def galore_task(kwargs: dict[str, Any]):
+    """The dense decoder task of ``kwargs`` trained by :func:`galore_optimizer`, with its warmup and schedule."""
+    import torch
+
+    from benchmarks.studies.common import with_layer_options
+    from comera_lightning.lit import CausalLM
+    from comera_lightning.lit.base import warmup_decay_factor
+
+    class GaLoreCausalLM(CausalLM):
+        def configure_optimizers(self):
+            o, optimizer = self.optim, galore_optimizer(self)
+            if o.warmup_steps == 0 and o.schedule == "constant":
+                return optimizer
+            total = 1 if o.schedule == "constant" else max(1, int(self.trainer.estimated_stepping_batches))
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: warmup_decay_factor(step, o.warmup_steps, total, o.schedule, o.final_lr_ratio)
+            )
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return GaLoreCausalLM(**with_layer_options(kwargs, tt_linears=False, tt_embeddings=False))
+
+
 def step_memory(task, batch, galore: bool) -> dict[str, int]:
     """Peak bytes of one steady training step (forward, backward, optimiser) of ``task`` (harness.peak_memory):
     float32 weights and AdamW state (GaLore's projected state for ``galore``)."""
@@ -377,9 +415,7 @@ def step_memory(task, batch, galore: bool) -> dict[str, int]:
 
     task.train()
     if galore:
-        from benchmarks.studies import llm as llm_study
-
-        optimizer = llm_study.galore_optimizer(task)
+        optimizer = galore_optimizer(task)
     else:
         from comera_lightning.optim import comera_parameter_groups
 
@@ -416,18 +452,14 @@ def run_job(
     import torch
 
     from benchmarks.studies import common as study
-    from benchmarks.studies import llm as llm_study
     from comera_lightning.callbacks import ScheduledLateStage
 
     job = Job(**job)
     spec = base_spec(task_name, corpus, job.seed, job.steps, quick, overrides)
     dm = study.worker_datamodule(spec, Path(cache_dir))
     kwargs = with_optim(family_kwargs(spec, job.family, knob, ranks), job.lr, job.steps)
-    if job.family == "galore":
-        task = llm_study.build_task(replace(spec, task_kwargs=kwargs), "galore", kwargs)
-    else:
-        torch.manual_seed(job.seed)
-        task = study.task_class(spec.name)(**kwargs)
+    torch.manual_seed(job.seed)
+    task = galore_task(kwargs) if job.family == "galore" else study.task_class(spec.name)(**kwargs)
     comera = job.family in COMERA
     if comera:
         rank = {k: v for k, v in spec.rank_kwargs.items() if k != "target_size_ratio"}
@@ -440,7 +472,7 @@ def run_job(
         spec = replace(spec, rank_kwargs={**rank, "target_compression": job.size, "late_stage": late_stage})
     batch = next(iter(dm.val_dataloader()))  # the same shape as a training batch; leaves the training order alone
     flops_start = step_flops(task, batch)
-    run = study.run_one(spec, "comera" if comera else "dense", "steps", dm, task=task, max_other_load=1.0)
+    run = study.run_one(spec, "comera" if comera else "dense", dm, task=task, max_other_load=1.0)
     flops_end = step_flops(task, batch)
     late = spec.late_start_step if comera else job.steps
     tokens_per_step = int(batch["input_ids"].numel())

@@ -332,7 +332,7 @@ def run_job(job: dict[str, Any], rank: int | None, quick: bool, cache_dir: str) 
     measure_memory = job_.phase == "final" and job_.seed == 0
     memory_start = ts.step_memory(copy.deepcopy(task), batch, False) if measure_memory else None
     meter = flop_meter(batch)
-    run = study.run_one(spec, method, "steps", dm, task=task, max_other_load=1.0, extra_callbacks=[meter])
+    run = study.run_one(spec, method, dm, task=task, max_other_load=1.0, extra_callbacks=[meter])
     tokens_per_step = int(batch["input_ids"].numel())
     curve = [
         [v["step"] * tokens_per_step, v["metrics"]["val/loss"], meter.flops_until(v["step"]), v["train_s"]]

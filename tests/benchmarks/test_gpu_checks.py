@@ -25,10 +25,10 @@ def test_without_cuda_every_check_is_skipped(tmp_path, capsys):
     assert not (tmp_path / "work").exists()
 
 
-def test_bad_budgets_are_refused(tmp_path):
+def test_a_deadline_that_is_no_time_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        gpu_checks.main(["--out", str(tmp_path), "--llm-budget-s", "0"])
-    assert exit_info.value.code == 2
+        gpu_checks.main(["--out", str(tmp_path), "--deadline-s", "0"])
+    assert exit_info.value.code == 2 and "--deadline-s must be a positive number" in capsys.readouterr().err
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -62,7 +62,21 @@ def _fake_compile(default_graphs: int = 4, overhead_error: str | None = None) ->
     return {"eager": run(None, 10.0, 0), "default": run("default", 15.0, default_graphs), "reduce-overhead": overhead}
 
 
-def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, comera_ppl: float) -> None:
+def _fake_width_study(comera_loss: float) -> dict:
+    """A width study timed on the GPU: dense at d 64 (1 s of training, loss 3.0) and d 128 (3 s, 2.5); CoMERA at
+    d 128 trains 2 s, where dense's front reads 2.685 (log-linear in time between its two points)."""
+
+    def final(family: str, width: int, loss: float, flops: int) -> dict:
+        run = {"phase": "final", "seed": 0, "family": family, "width": width, "val_loss": loss, "steps": 10}
+        return {**run, "flops_per_step": [[0, flops]]}
+
+    runs = [final("dense", 64, 3.0, 10), final("dense", 128, 2.5, 20), final("comera", 128, comera_loss, 30)]
+    step_s = {"dense/64/start": 0.1, "dense/128/start": 0.3, "comera/128/start": 0.2}
+    flops = {"dense/64/start": 10, "dense/128/start": 20, "comera/128/start": 30}
+    return {"runs": runs, "clock_alone": {"step_s": step_s, "step_flops": flops}}
+
+
+def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, comera_loss: float) -> None:
     """What the six checks write, trimmed to the fields the summary reads."""
     _write(
         work / "cuda_graphs" / "cuda_graphs.json",
@@ -93,27 +107,18 @@ def _fake_outputs(work: Path, *, step_speedup: float, graphs_speedup: float, com
     for name in gpu_checks.FIT_CHECKS:
         _write(work / name / "fit_check.json", _fake_fit())
     _write(work / "compile" / "compile_check.json", _fake_compile())
-
-    def run(method, ppl):
-        return {
-            "method": method,
-            "tokens": 1000,
-            "train_s": 2.0,
-            "final": {"metrics": {"val/perplexity": ppl}, "compression_ratio": 1.0},
-        }
-
-    _write(work / "llm_60m" / "llm_study.json", {"runs": [run("dense", 30.0), run("comera", comera_ppl)]})
+    _write(work / "width_clock" / "width_stdlib.json", _fake_width_study(comera_loss))
 
 
 def test_summary_judges_every_target(tmp_path):
     work = tmp_path / "work"
-    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_ppl=29.0)
+    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_loss=2.6)
     (work / "fit_resume" / "last.ckpt").write_bytes(b"0" * 1000)  # checkpoints stay out of the archive
     (work / "fsdp2" / "last.ckpt").mkdir()  # FSDP2's checkpoints are folders: left out with their shards
     (work / "fsdp2" / "last.ckpt" / "__0_0.distcp").write_bytes(b"0" * 1000)
     (work / "compile" / "eager" / "log.txt").parent.mkdir(parents=True)
     (work / "compile" / "eager" / "log.txt").write_text("fit log")
-    names = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "llm_60m")
+    names = ("cuda_graphs", "training_step", "fit_resume", "fsdp2", "compile", "width_clock")
     status = {name: {"status": "ok", "wall_s": 1.0} for name in names}
     gpu_checks.write_summary(tmp_path, work, status, {"cuda": "NVIDIA H200"})
     summary = json.loads((tmp_path / "summary.json").read_text())["results"]
@@ -128,7 +133,7 @@ def test_summary_judges_every_target(tmp_path):
     assert "val loss 5.000, 4.900, resumed to step 250" in text
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         names = tar.getnames()
-    for kept in ("llm_60m/llm_study.json", "fit_resume/fit_check.json", "fsdp2/fit_check.json"):
+    for kept in ("width_clock/width_stdlib.json", "fit_resume/fit_check.json", "fsdp2/fit_check.json"):
         assert f"gpu_checks/{kept}" in names
     assert "gpu_checks/compile/compile_check.json" in names and "gpu_checks/compile/eager/log.txt" in names
     assert not any(".ckpt" in name or name.endswith(".distcp") for name in names)
@@ -136,7 +141,7 @@ def test_summary_judges_every_target(tmp_path):
 
 def test_summary_reports_misses_and_missing_checks(tmp_path):
     work = tmp_path / "work"
-    _fake_outputs(work, step_speedup=1.5, graphs_speedup=1.1, comera_ppl=31.0)
+    _fake_outputs(work, step_speedup=1.5, graphs_speedup=1.1, comera_loss=2.8)
     (work / "fit_resume" / "fit_check.json").unlink()
     gpu_checks.write_summary(
         tmp_path,
@@ -167,13 +172,13 @@ def test_failed_checks_never_pass_on_what_they_left(tmp_path):
     a fit that finished before a later one failed); a check not reached is n/a; a compiled fit that failed is
     FAILED beside one that finished."""
     work = tmp_path / "work"
-    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_ppl=29.0)
+    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_loss=2.6)
     _write(work / "compile" / "compile_check.json", _fake_compile(overhead_error="exit 1"))
     status = {
         "fit_resume": {"status": "ok", "wall_s": 50.0},
         "fsdp2": {"status": "timed out", "wall_s": 75.0, "detail": "after 75 s"},
         "compile": {"status": "failed", "wall_s": 90.0, "detail": "exit 1: see compile/log.txt"},
-        "llm_60m": {"status": "not run (deadline)", "wall_s": 0.0},
+        "width_clock": {"status": "not run (deadline)", "wall_s": 0.0},
     }
     gpu_checks.write_summary(tmp_path, work, status, {"cuda": "NVIDIA H100"})
     text = (tmp_path / "summary.md").read_text()
@@ -181,7 +186,7 @@ def test_failed_checks_never_pass_on_what_they_left(tmp_path):
     assert _verdict(text, "FSDP2") == "FAILED (timed out)"
     assert _verdict(text, "Compile (default") == "met"  # it finished before reduce-overhead failed
     assert _verdict(text, "Compile (reduce-overhead") == "FAILED"
-    assert _verdict(text, "llm_60m at") == "n/a"
+    assert _verdict(text, "width study") == "n/a"
     # a compiled fit whose variant is missing altogether (the check stopped before it) is FAILED too
     compiled = _fake_compile()
     del compiled["reduce-overhead"]
@@ -200,7 +205,7 @@ def test_failed_checks_never_pass_on_what_they_left(tmp_path):
 )
 def test_fits_that_did_not_do_their_job_are_missed(tmp_path, fit, graphs, row):
     work = tmp_path / "work"
-    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_ppl=29.0)
+    _fake_outputs(work, step_speedup=2.5, graphs_speedup=1.4, comera_loss=2.6)
     _write(work / ("fsdp2" if row == "FSDP2" else "fit_resume") / "fit_check.json", fit)
     _write(work / "compile" / "compile_check.json", _fake_compile(default_graphs=graphs))
     gpu_checks.write_summary(tmp_path, work, {}, {"cuda": "NVIDIA H100"})
@@ -251,10 +256,10 @@ def test_fit_probe_records_steps_timing_and_the_last_validation(tmp_path):
 
 
 def test_the_checks_run_in_order_within_the_deadline(tmp_path):
-    names = [check.name for check in gpu_checks.checks(tmp_path, dry=False)]
-    assert (*names, gpu_checks.llm_check(tmp_path, False, 75.0).name) == gpu_checks.CHECK_NAMES
-    # the short checks' caps fit the device run's 540 s deadline; the llm check takes what they leave
-    assert sum(check.limit_s for check in gpu_checks.checks(tmp_path, dry=False)) <= 540
+    *short, last = gpu_checks.checks(tmp_path, dry=False)
+    assert (*(check.name for check in short), last.name) == gpu_checks.CHECK_NAMES
+    # the short checks' caps fit the device run's 540 s deadline; the width clock takes what they leave
+    assert sum(check.limit_s for check in short) <= 540
     with pytest.raises(SystemExit) as exit_info:
         gpu_checks.main(["--out", str(tmp_path), "--only", "no_such_check"])
     assert exit_info.value.code == 2
@@ -262,13 +267,13 @@ def test_the_checks_run_in_order_within_the_deadline(tmp_path):
 
 def test_a_failing_check_process_is_reported_failed(tmp_path, monkeypatch):
     """run_checks end to end with stand-in commands: the one that exits 3 is failed in the status and the summary,
-    the checks not named in ``only`` (the llm check) do not run."""
+    the checks not named in ``only`` do not run."""
     ok = [sys.executable, "-c", "print('fine')"]
     fails = [sys.executable, "-c", "raise SystemExit(3)"]
     fake = [gpu_checks.Check("cuda_graphs", [ok], 60), gpu_checks.Check("fsdp2", [ok, fails, ok], 60)]
     monkeypatch.setattr(gpu_checks, "checks", lambda work, dry: fake)
     lines: list[str] = []
-    status = gpu_checks.run_checks(tmp_path, False, 75.0, 540.0, lines.append, only=["cuda_graphs", "fsdp2"])
+    status = gpu_checks.run_checks(tmp_path, False, 540.0, lines.append, only=["cuda_graphs", "fsdp2"])
     assert list(status) == ["cuda_graphs", "fsdp2"]
     assert status["cuda_graphs"]["status"] == "ok" and status["fsdp2"]["status"] == "failed"
     assert "exit 3" in status["fsdp2"]["detail"] and (tmp_path / "work" / "fsdp2" / "log.txt").read_text() == "fine\n"

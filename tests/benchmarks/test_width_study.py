@@ -301,3 +301,22 @@ def test_a_later_seed_is_read_off_its_own_dense_front_where_that_front_reaches()
         "- seed 1: CoMERA (early schedule) against dense at equal active parameters: d 512: 3.600 against 3.500 "
         "(+2.9%).",
     ]  # d 768 is beyond seed 1's dense front (no verdict, left out); seed 0's dense at 9.0 is not read
+
+
+def test_the_clock_refuses_a_gpu_it_does_not_have_and_widths_the_study_did_not_finish(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from benchmarks.studies import width_clock as wc
+
+    run = finished(ws.Job("final", "dense", 64, "standard", 0, 0.01, 10), 3.0, flops_per_step=[[0, 1]])
+    path = tmp_path / "width.json"
+    path.write_text(json.dumps(state_of([run])))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in (
+        (["--device", "cuda"], "torch sees no CUDA device here"),
+        (["--widths", "128"], "no finished final run of seed 0 to time (widths: [128])"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            wc.main(["--out", str(path), *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert json.loads(path.read_text()) == state_of([run])  # nothing written
