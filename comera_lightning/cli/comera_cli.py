@@ -75,14 +75,7 @@ from ..lit.base import ComeraTask
 from ..lit.checks import check_checkpoint_file
 from ..loggers import ResilientMLFlowLogger
 from ..utilities.internals import trainer_callbacks
-from .checkpoints import (
-    EVALUATIONS,
-    FAULT_TOLERANCE_DIR,
-    LATEST,
-    experiment_key,
-    latest_checkpoint,
-    missing_checkpoint_warning,
-)
+from . import checkpoints
 from .configs import gpu_config_warning
 from .console import _interactive_output, _rich_available, comera_sizes, compression_text, quiet_upstream_messages
 from .knobs import apply_rank_adaptation_knobs
@@ -186,15 +179,15 @@ class ComeraCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if subcommand in EVALUATIONS and ckpt_path == LATEST:
+        if subcommand in checkpoints.EVALUATIONS and ckpt_path == checkpoints.LATEST:
             section = self.config[subcommand]
             root = (section.get("trainer") or {}).get("default_root_dir") or "runs"
             try:
-                ckpt_path = section["ckpt_path"] = str(latest_checkpoint(root))
+                ckpt_path = section["ckpt_path"] = str(checkpoints.latest_checkpoint(root))
             except FileNotFoundError as error:
                 parser.error(str(error))
             rank_zero_info(f"comera: --ckpt_path last: {ckpt_path}")
-        warning = missing_checkpoint_warning(subcommand, ckpt_path)
+        warning = checkpoints.missing_checkpoint_warning(subcommand, ckpt_path)
         if warning:
             rank_zero_warn(warning)
         if ckpt_path:
@@ -211,7 +204,8 @@ class ComeraCLI(LightningCLI):
                 dumped = yaml.safe_load(self.parser.dump(self.config, skip_validation=True))["fit"]
                 dumped["config"] = [str(path) for path in fit.get("config") or []]
                 root = fit.get("trainer", {}).get("default_root_dir") or "."
-                fit["fault_tolerance"]["dirpath"] = str(Path(root) / FAULT_TOLERANCE_DIR / experiment_key(dumped))
+                folder = Path(root) / checkpoints.FAULT_TOLERANCE_DIR / checkpoints.experiment_key(dumped)
+                fit["fault_tolerance"]["dirpath"] = str(folder)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
