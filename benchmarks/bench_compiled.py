@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from benchmarks import harness
 from benchmarks.bench_training_step import comera, dense_adamw, explain
-from benchmarks.harness import make_batch, paper_shape, scaling_shape
+from benchmarks.harness import make_batch, paper_shape
 
 DENSE, COMERA = "dense", "CoMERA"
 TARGET = 6.0
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(parser, argv)
     shape = replace(paper_shape(), num_layers=args.layers)
     if args.quick:
-        shape = replace(scaling_shape(64, 1, shape), vocab_size=512, seq_len=16, rank=4, embedding_rank=4)
+        shape = replace(shape, d_model=64, num_heads=1, d_ff=256, num_layers=1, vocab_size=512, seq_len=16, rank=4)
+        shape = replace(shape, embedding_rank=4)
     ids, labels = make_batch(shape, args.batch)
     print(
         f"## compiled step: {shape.num_layers} layers, d_model {shape.d_model}, batch {args.batch} x {shape.seq_len}, "

@@ -1,11 +1,10 @@
-"""Training step of the six-encoder transformer: dense + AdamW vs dense + GaLore vs CoMERA, and how it scales.
+"""Training step of the six-encoder transformer: dense + AdamW vs dense + GaLore vs CoMERA.
 
-Part ``step``: the model of ``configs/mnli_6enc.yaml`` trained four ways (dense+AdamW, dense+GaLore, CoMERA r30 and
-a copy truncated to a quarter), one full step each, timed interleaved at batch 1 and ``--batch``, with peak memory;
-a missed target (CoMERA's step 4x dense's) is explained by a profile. Part ``scaling``: dense vs CoMERA against d_model.
-benchmarks/README.md describes both.
+The model of ``configs/mnli_6enc.yaml`` trained three ways (dense+AdamW, dense+GaLore, CoMERA r30), one full step
+each, timed interleaved at batch 1 and ``--batch``, with peak memory; a missed target (CoMERA's step 4x dense's) is
+explained by a profile. benchmarks/README.md describes it.
 
-    python -m benchmarks.bench_training_step --part step --wait-quiet 60
+    python -m benchmarks.bench_training_step --wait-quiet 60
     python -m benchmarks.bench_training_step --quick               # smoke run, about 1 min
     python -m benchmarks.bench_training_step --device cuda --precision bf16-mixed   # on a GPU: *_cuda_bf16.json
 """
@@ -14,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
@@ -27,14 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks import harness
-from benchmarks.harness import Shape, build_model, make_batch, paper_shape, scaling_shape
+from benchmarks.harness import Shape, build_model, make_batch, paper_shape
 from comera_lightning.models import SequenceClassifier
-from comera_lightning.nn import TTEmbedding, TTLinear, size_report, tt_layers
+from comera_lightning.nn import size_report, tt_layers
 from comera_lightning.optim import comera_parameter_groups
-from comera_lightning.rank_adaptation import objectives, slice_optimizer_state
-from comera_lightning.tt.rank import leading_share, train_parameter_count
+from comera_lightning.rank_adaptation import objectives
 
-DENSE, GALORE, COMERA, QUARTER = "dense+AdamW", "dense+GaLore", "CoMERA r30", "CoMERA 1/4"
+DENSE, GALORE, COMERA = "dense+AdamW", "dense+GaLore", "CoMERA r30"
 GALORE_SETTINGS = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
 GALORE_MISSING = "galore-torch is not installed: `pip install -e .[galore]` (galore-torch==1.0)"
 TARGET_SPEEDUP_VS_DENSE = 4.0
@@ -285,49 +282,6 @@ def comera(
     return comera_candidate(name, model, torch.optim.AdamW(groups), classifier_loss(model, ids, labels, execution))
 
 
-def parameters_after_cut(model: nn.Module, keep: float) -> int:
-    """Trainable parameters ``model`` would have with ``keep`` of every bond (cores, gates, the rest)."""
-    total = 0
-    for _, layer in tt_layers(model):
-        ranks = [1] + [leading_share(r, keep) for r in layer.ranks[1:-1]] + [1]
-        total += train_parameter_count(layer.mode_sizes, ranks) + sum(ranks[1:-1])
-    tt_ids = {id(p) for p in tt_parameters(model)}
-    return total + sum(p.numel() for p in model.parameters() if id(p) not in tt_ids and p.requires_grad)
-
-
-def quarter_keep(model: nn.Module, fraction: float = 0.25) -> tuple[float, str, int]:
-    """``(keep, basis, target)``: the kept share of every bond closest to ``fraction`` of all trainable parameters
-    (basis ``"total"``), or of the TT layers' own when the rest alone exceeds that (``"tt"``)."""
-    total = trainable_parameters(model)
-    tt_total = sum(p.numel() for p in tt_parameters(model))
-    if fraction * total > parameters_after_cut(model, 0.0):
-        basis, target = "total", round(fraction * total)
-    else:
-        basis, target = "tt", total - tt_total + round(fraction * tt_total)
-    best = min(
-        (k / 1000 for k in range(1, 1001)), key=lambda keep: (abs(parameters_after_cut(model, keep) - target), -keep)
-    )
-    return best, basis, target
-
-
-def comera_quarter(
-    base: Candidate, shape: Shape, ids: Tensor, labels: Tensor, execution: Execution = CPU_FP32
-) -> Candidate:
-    """A copy of ``base``'s CoMERA model with its own AdamW, stepped once, then truncated (gates zeroed, masks
-    refreshed, cores cut, state sliced) to about a quarter of its parameters."""
-    model = copy.deepcopy(base.model)
-    cand = comera(shape, ids, labels, model=model, name=QUARTER, execution=execution)
-    keep, basis, target = quarter_keep(model)
-    with torch.no_grad():
-        for _, layer in tt_layers(model):
-            slice_optimizer_state([cand.optimizer], layer.truncate_to_share_(keep))
-    cand.prime()
-    cand.info.update(keep=keep, basis=basis, target_parameters=target, parameters=trainable_parameters(model))
-    cand.info.update(tt_parameters=sum(p.numel() for p in tt_parameters(model)))
-    cand.info.update(ranks={n: layer.ranks for n, layer in tt_layers(model)})
-    return cand
-
-
 # ------------------------------------------------------------------------------------------------------
 # measuring
 
@@ -406,16 +360,14 @@ def explain(comera_profile: dict, other_profile: dict, against: str = DENSE) -> 
 def run_batch(
     shape: Shape, batch: int, refresh_samples: int, seed: int = 0, execution: Execution = CPU_FP32, **timing
 ) -> tuple[dict, dict]:
-    """``(results, candidates)``: all four candidates at one batch size (``timing``: :func:`measure`'s), GaLore's
+    """``(results, candidates)``: all three candidates at one batch size (``timing``: :func:`measure`'s), GaLore's
     refresh step and the TT layers' sizes."""
     ids, labels = make_batch(shape, batch, seed, execution.device)
     t0 = time.perf_counter()
-    base = comera(shape, ids, labels, seed, execution=execution)
     cands = [
         dense_adamw(shape, ids, labels, seed, execution=execution),
         dense_galore(shape, ids, labels, seed, execution=execution),
-        base,
-        comera_quarter(base, shape, ids, labels, execution=execution),
+        comera(shape, ids, labels, seed, execution=execution),
     ]
     print(f"  built and primed {len(cands)} candidates in {time.perf_counter() - t0:.0f} s")
     timing, entries = measure(cands, (ids, labels), seed=seed, **timing)
@@ -458,9 +410,6 @@ def finish_batch(res: dict, svd_extra_s: float | None) -> None:
         "memory dense/CoMERA": harness.ratio(mem[DENSE], mem[COMERA]),
         "time GaLore(amortised)/CoMERA": harness.ratio(step[GALORE], step[COMERA]),
         "memory GaLore/CoMERA": harness.ratio(mem[GALORE], mem[COMERA]),
-        "time CoMERA/CoMERA-1/4": harness.ratio(step[COMERA], step[QUARTER]),
-        "memory CoMERA/CoMERA-1/4": harness.ratio(mem[COMERA], mem[QUARTER]),
-        "parameters CoMERA-1/4/CoMERA": cands[QUARTER]["parameters"] / cands[COMERA]["parameters"],
     }
 
 
@@ -480,29 +429,16 @@ def verdicts(results: dict[int, dict], realistic: int) -> list[dict]:
     return [{"target": t, "batch": b, "measured": m, "met": None if m is None else met(m)} for t, b, m, met in measured]
 
 
-def quarter_note(cands: dict) -> str:
-    """How CoMERA 1/4 was cut, and what its parameter count is a quarter of; GaLore's projector storage."""
-    q, c, g = cands[QUARTER], cands[COMERA], cands[GALORE]
-    other = c["size_report"]["other_parameters"]
-    what = (
-        "of all trainable parameters"
-        if q["basis"] == "total"
-        else f"of the TT layers' parameters (cores + gates: {c['parameters'] - other:,} -> {q['tt_parameters']:,}); a "
-        f"quarter of all {c['parameters']:,} is out of reach, {other:,} of them are in layers truncation does not "
-        f"touch (dense pooler, position embeddings, biases, norms)"
+def galore_note(galore: dict) -> str:
+    """What GaLore's projection refresh costs and its projectors hold (empty when it was skipped)."""
+    if galore["skipped"]:
+        return ""
+    return (
+        f"\n\ndense+GaLore: projection refresh (SVD) costs {harness.ms(galore.get('refresh_extra_s') or 0.0)} ms extra "
+        f"once per {galore['settings']['update_proj_gap']} steps; its projectors hold "
+        f"{harness.mib(galore['projector_storage_bytes'])} MiB of storage for {harness.mib(galore['projector_bytes'])} "
+        f"MiB of matrices (galore-torch keeps slices of the SVD factors), counted under 'other'."
     )
-    note = (
-        f"\n\nCoMERA 1/4 keeps {q['keep']:.1%} of every bond: {q['parameters']:,} trainable parameters "
-        f"({q['parameters'] / c['parameters']:.3f} of CoMERA r30), aimed at a quarter {what}."
-    )
-    if not g["skipped"]:
-        note += (
-            f"\n\ndense+GaLore: projection refresh (SVD) costs {harness.ms(g.get('refresh_extra_s') or 0.0)} ms extra "
-            f"once per {g['settings']['update_proj_gap']} steps; its projectors hold "
-            f"{harness.mib(g['projector_storage_bytes'])} MiB of storage for {harness.mib(g['projector_bytes'])} MiB "
-            f"of matrices (galore-torch keeps slices of the SVD factors), counted under 'other'."
-        )
-    return note
 
 
 CUDA_HEADER = "CUDA peak MiB (all resident; + this step)"
@@ -546,7 +482,7 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
             f"### batch {batch} x {res['tokens_per_step'] // batch} tokens "
             f"(rounds clean/total: {res['timing']['rounds_clean']}/{res['timing']['rounds_total']})\n\n"
             + harness.table(headers, [_step_row(n, e, cuda) for n, e in res["candidates"].items()])
-            + quarter_note(res["candidates"])
+            + galore_note(res["candidates"][GALORE])
         )
     ratio = lambda x: "skipped" if x is None else harness.times(x)  # noqa: E731
     keys = list(next(iter(results.values()))["ratios"])
@@ -556,15 +492,6 @@ def step_tables(results: dict[int, dict], checks: list[dict]) -> str:
     checked = [[c["target"], ratio(c["measured"]), verdict[c["met"]]] for c in checks]
     parts.append(harness.table("target|measured|verdict", checked))
     return "\n\n".join(parts)
-
-
-def _time_memory_figure(width: float, time_label: str, step_s: Callable[[dict], float], draw, title: str):
-    """Two panels, step time (ms) and peak memory (MiB, MemTracker): ``draw(ax, label, value of an entry)``."""
-    fig, axes = harness.new_figure(2, width, 4.2)
-    draw(axes[0], time_label, lambda e: step_s(e) * 1e3)
-    draw(axes[1], "peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)
-    fig.suptitle(title)
-    return fig
 
 
 def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU_FP32):
@@ -582,12 +509,15 @@ def plot_step(results: dict[int, dict], shape: Shape, execution: Execution = CPU
         f"{shape.num_layers}-encoder transformer (d_model {shape.d_model}, seq {shape.seq_len}, "
         f"vocab {shape.vocab_size}), {execution.describe()}"
     )
-    step_s = lambda e: e.get("amortised_s", e["median_s"])  # noqa: E731
-    return _time_memory_figure(6.5, "training step (ms, median; GaLore amortised)", step_s, draw, title)
+    fig, axes = harness.new_figure(2, 6.5, 4.2)
+    draw(axes[0], "training step (ms, median; GaLore amortised)", lambda e: e.get("amortised_s", e["median_s"]) * 1e3)
+    draw(axes[1], "peak memory (MiB, MemTracker)", lambda e: e["memory"]["total"] / 2**20)
+    fig.suptitle(title)
+    return fig
 
 
-def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], execution: Execution = CPU_FP32) -> dict:
-    """Every batch of the step part, profiles where a target is missed (or always); returns the JSON payload."""
+def run_batches(args: argparse.Namespace, shape: Shape, batches: list[int], execution: Execution = CPU_FP32) -> dict:
+    """Every batch, profiles where a target is missed (or always); returns the JSON payload."""
     results: dict[int, dict] = {}
     svd_extra = None
     profiles: dict[str, dict] = {}
@@ -619,111 +549,17 @@ def run_step_part(args: argparse.Namespace, shape: Shape, batches: list[int], ex
 
 
 # ------------------------------------------------------------------------------------------------------
-# scaling
-
-
-def _modes(model: nn.Module) -> dict:
-    """The TT layers' modes and ranks, one entry per layer shape (other shapes than the paper's get automatic ones)."""
-    out = {}
-    for name, layer in tt_layers(model):
-        short = name.split(".")[-1] if "layers." in name else name
-        if isinstance(layer, TTLinear):
-            modes = {"in_modes": layer.in_modes, "out_modes": layer.out_modes}
-            out.setdefault(f"{short} {layer.in_features}x{layer.out_features}", {**modes, "ranks": layer.ranks})
-        elif isinstance(layer, TTEmbedding):
-            modes = {"vocab_modes": layer.vocab_modes, "dim_modes": layer.dim_modes}
-            out.setdefault(short, {**modes, "ranks": layer.ranks})
-    return out
-
-
-def run_scaling(
-    base: Shape, d_models: Sequence[int], num_layers: int, batch: int, seed=0, execution=CPU_FP32, **timing
-) -> list[dict]:
-    """Dense + AdamW vs CoMERA r30 at every ``d_model``: interleaved step time and peak memory (:func:`measure`)."""
-    rows = []
-    for d in d_models:
-        shape = scaling_shape(d, num_layers, base)
-        ids, labels = make_batch(shape, batch, seed, execution.device)
-        cands = [
-            dense_adamw(shape, ids, labels, seed, execution),
-            comera(shape, ids, labels, seed, execution=execution),
-        ]
-        clock, entries = measure(cands, (ids, labels), seed=seed, min_sample_s=0.5, **timing)
-        for entry in entries.values():
-            entry["tokens_per_s"] = batch * shape.seq_len / entry["median_s"]
-        total = {n: e["memory"]["total"] for n, e in entries.items()}
-        ratios = {"time dense/CoMERA": clock.ratio(DENSE, COMERA), "memory dense/CoMERA": total[DENSE] / total[COMERA]}
-        row = {"d_model": d, "shape": shape.__dict__, "batch": batch, "timing": clock.summary()}
-        rows.append({**row, "modes": _modes(cands[1].model), "candidates": entries, **ratios})
-        dense_ms, comera_ms = harness.ms(clock.median(DENSE)), harness.ms(clock.median(COMERA))
-        print(f"  d_model {d}: dense {dense_ms} ms, CoMERA {comera_ms} ms ({clock.noise_cell()})")
-    return rows
-
-
-def scaling_table(rows: list[dict]) -> str:
-    """Markdown table of the scaling part (with the CUDA allocator's peaks for a run on CUDA)."""
-    cuda = _has_cuda(e for r in rows for e in r["candidates"].values())
-    body = []
-    for r in rows:
-        d, c = r["candidates"][DENSE], r["candidates"][COMERA]
-        cells = [r["d_model"], *(f"{e['parameters']:,}" for e in (d, c)), *(harness.ms(e["median_s"]) for e in (d, c))]
-        cells += [harness.times(r["time dense/CoMERA"]), *(harness.mib(e["memory"]["total"]) for e in (d, c))]
-        cells += [harness.times(r["memory dense/CoMERA"]), *([_cuda_cell(d), _cuda_cell(c)] if cuda else [])]
-        body.append([*cells, f"{r['timing']['rounds_clean']}/{r['timing']['rounds_total']}"])
-    headers = (
-        "d_model|dense params|CoMERA params|dense step ms|CoMERA step ms|time dense/CoMERA|dense peak MiB"
-        "|CoMERA peak MiB|memory dense/CoMERA"
-        + (f"|dense {CUDA_HEADER}|CoMERA {CUDA_HEADER}" if cuda else "")
-        + "|rounds"
-    )
-    return harness.table(headers, body)
-
-
-def plot_scaling(rows: list[dict], execution: Execution = CPU_FP32):
-    """Two log-log panels: step time and peak memory against d_model, dense and CoMERA."""
-    ds = [r["d_model"] for r in rows]
-
-    def draw(ax, label, value):
-        for name, marker in ((DENSE, "o"), (COMERA, "s")):
-            ax.plot(ds, [value(r["candidates"][name]) for r in rows], marker=marker, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ds, [str(d) for d in ds])
-        harness.label_axes(ax, "d_model (heads d/64, d_ff 4d)", label, ylog=True)
-
-    shape = rows[0]["shape"]
-    title = (
-        f"{shape['num_layers']} layers, batch {rows[0]['batch']} x {shape['seq_len']}, vocab {shape['vocab_size']}, "
-        f"{execution.describe()}"
-    )
-    return _time_memory_figure(5.5, "training step (ms, median)", lambda e: e["median_s"], draw, title)
-
-
-# ------------------------------------------------------------------------------------------------------
 # command line
 
 
-def _d_models(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 64 or v % 64 for v in values):
-        raise argparse.ArgumentTypeError(f"d_model values must be positive multiples of 64, e.g. 256,512; got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the shared options and the parts' own."""
+    """The command line: the shared options and the step's own."""
     quick, positive = harness.Quick, harness.positive_int
     parser = harness.bench_parser(__doc__, repeats=(2, 3))
     add = parser.add_argument
-    add("--part", choices=["step", "scaling", "all"], default="all", help="step: the paper's shapes; scaling: d_model")
     add("--min-total-s", type=float, default=quick(0.0, 40.0), help="clean timed seconds per candidate and batch (40)")
-    add("--batch", type=positive, default=quick(4, 32), help="step: the realistic batch (32 sequences, quick 4)")
-    add("--layers", type=positive, default=quick(1, None), help="step: encoder layers (default the config's 6)")
-    add("--d-models", type=_d_models, default=quick([256, 512], [256, 512, 1024, 2048]), help="scaling: d_model values")
-    add("--scaling-layers", type=positive, default=quick(1, 2), help="scaling: layers (default 2)")
-    add("--scaling-batch", type=positive, default=quick(2, 8), help="scaling: sequences (default 8)")
+    add("--batch", type=positive, default=quick(4, 32), help="the realistic batch (32 sequences, quick 4)")
+    add("--layers", type=positive, default=quick(1, None), help="encoder layers (default the config's 6)")
     add("--refresh-samples", type=int, default=quick(1, 2), help="GaLore refresh steps timed at batch 1 (0 skips)")
     profile = "profile CoMERA against dense (realistic batch) and GaLore (batch 1); auto: where a target is missed"
     add("--profile", choices=["auto", "always", "never"], default="auto", help=profile)
@@ -734,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen parts, print the tables and verdicts, write JSON and PNGs; returns 0."""
+    """Run the step comparison, print the tables and verdicts, write JSON and the PNG; returns 0."""
     parser = build_parser()
     args = harness.parse(parser, argv)
     if args.refresh_samples < 0:
@@ -754,29 +590,17 @@ def main(argv: list[str] | None = None) -> int:
     settings["cuda_device"] = torch.cuda.get_device_name() if execution.device == "cuda" else None
     settings.update(float32_matmul_precision=torch.get_float32_matmul_precision(), argv=argv or sys.argv[1:])
     started = time.perf_counter()
-    if args.part in ("step", "all"):
-        shape = replace(paper, num_layers=args.layers or paper.num_layers)
-        batches = [1] if args.batch == 1 else [1, args.batch]
-        where = f"{shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, batches {batches}"
-        print(f"## training step: {where}, {args.repeats} rounds, {execution.describe()}", flush=True)
-        payload = run_step_part(args, shape, batches, execution)
-        step_settings = {**settings, "shape": shape.__dict__, "batches": batches, "galore": GALORE_SETTINGS}
-        harness.emit(
-            args.out_dir / f"training_step{stem}.json",
-            {"machine": harness.machine_info(), "settings": step_settings, **payload},
-            fig=plot_step(payload["results"], shape, execution),
-        )
-    if args.part in ("scaling", "all"):
-        where = f"d_model {args.d_models}, {args.scaling_layers} layers, batch {args.scaling_batch} x {paper.seq_len}"
-        print(f"\n## scaling: {where}, {args.repeats} rounds, {execution.describe()}", flush=True)
-        timing = harness.timing_options(args)
-        rows = run_scaling(paper, args.d_models, args.scaling_layers, args.scaling_batch, execution=execution, **timing)
-        print("\n" + scaling_table(rows))
-        harness.emit(
-            args.out_dir / f"training_scaling{stem}.json",
-            {"machine": harness.machine_info(), "rows": rows, "settings": settings},
-            fig=plot_scaling(rows, execution),
-        )
+    shape = replace(paper, num_layers=args.layers or paper.num_layers)
+    batches = [1] if args.batch == 1 else [1, args.batch]
+    where = f"{shape.num_layers} layers, d_model {shape.d_model}, seq {shape.seq_len}, batches {batches}"
+    print(f"## training step: {where}, {args.repeats} rounds, {execution.describe()}", flush=True)
+    payload = run_batches(args, shape, batches, execution)
+    settings.update(shape=shape.__dict__, batches=batches, galore=GALORE_SETTINGS)
+    harness.emit(
+        args.out_dir / f"training_step{stem}.json",
+        {"machine": harness.machine_info(), "settings": settings, **payload},
+        fig=plot_step(payload["results"], shape, execution),
+    )
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 

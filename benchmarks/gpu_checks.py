@@ -2,7 +2,7 @@
 every check (a run cut off still returns what it finished):
 
 1. ``cuda_graphs``: ``bench_cuda_graphs --quick``, fp32 and bf16-mixed: identity, speed-up at batch 1 and 32;
-2. ``training_step``: ``bench_training_step --part step`` in bf16-mixed on CUDA, with allocator peaks and profiles;
+2. ``training_step``: ``bench_training_step`` in bf16-mixed on CUDA, with allocator peaks and profiles;
 3. ``fit_resume``: a bf16 ``comera fit`` of the quickstart with the tuned study's early late stage that truncates, has
    a finite validation loss and resumes from its last checkpoint;
 4. ``fsdp2``: the same under ``callbacks/fsdp2.yaml`` (one GPU), resumed from its distributed checkpoint folder;
@@ -85,7 +85,7 @@ def checks(work: Path, dry: bool) -> list[Check]:
     # the quickstart size only: launch-bound, where graphs matter (the base size would take minutes)
     cuda_graphs = _python("bench_cuda_graphs --quick", "--out-dir", str(work / "cuda_graphs"))
     cuda_graphs += ["--backend", "replay"] if dry else ["--repeats", "3"]
-    step = _python("bench_training_step --part step --precision bf16-mixed --profile always")
+    step = _python("bench_training_step --precision bf16-mixed --profile always")
     step += ["--out-dir", str(work / "training_step")]
     step += ["--quick"] if dry else ["--device", "cuda", "--min-total-s", "5"]
     dry_flag = ["--cpu-dry-run"] if dry else []

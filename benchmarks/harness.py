@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -380,13 +380,6 @@ def paper_shape(config: Path = PAPER_CONFIG) -> Shape:
     model = parsed["model"]["init_args"]
     values = {**model, **model["layer_config"], **model["optim"], "seq_len": parsed["data"]["init_args"]["seq_len"]}
     return Shape(**{f.name: values[f.name] for f in fields(Shape) if f.name in values})
-
-
-def scaling_shape(d_model: int, num_layers: int, base: Shape) -> Shape:
-    """``base`` resized to ``d_model`` with heads ``d_model / 64`` and ``d_ff = 4 d_model``."""
-    if d_model < 64 or d_model % 64:
-        raise ValueError(f"d_model must be a positive multiple of 64 (heads of 64), got {d_model}")
-    return replace(base, d_model=d_model, num_heads=d_model // 64, d_ff=4 * d_model, num_layers=num_layers)
 
 
 def build_model(shape: Shape, tt: bool, seed: int = 0, device: str = "cpu", task: str = "classifier") -> nn.Module:

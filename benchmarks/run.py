@@ -24,24 +24,17 @@ from benchmarks import harness
 
 
 class Comparison(NamedTuple):
-    """A comparison: its module (``benchmarks.<script>``), what it measures, the arguments it always gets."""
+    """A comparison: its module (``benchmarks.<script>``) and what it measures."""
 
     script: str
     what: str
-    fixed_args: tuple[str, ...] = ()
 
 
 COMPARISONS: dict[str, Comparison] = {
     "step": Comparison(
         "bench_training_step",
-        "training step of the six-encoder transformer: dense+AdamW vs dense+GaLore vs CoMERA (rank 30, and "
-        "truncated to 1/4), batch 1 and 32: time, tokens/s, peak memory",
-        ("--part", "step"),
-    ),
-    "scaling": Comparison(
-        "bench_training_step",
-        "step time and peak memory against d_model (256..2048), dense vs CoMERA",
-        ("--part", "scaling"),
+        "training step of the six-encoder transformer: dense+AdamW vs dense+GaLore vs CoMERA (rank 30), batch 1 and "
+        "32: time, tokens/s, peak memory",
     ),
     "planner": Comparison(
         "bench_tt_linear",
@@ -78,7 +71,7 @@ def run_one(name: str, args: list[str]) -> tuple[int, str]:
             sys.__stdout__.flush()
 
     with contextlib.redirect_stdout(_Tee()):
-        code = module.main([*comparison.fixed_args, *args])
+        code = module.main(args)
     return int(code or 0), captured.getvalue()
 
 
@@ -94,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.list or args.comparison is None:
         for name, comparison in COMPARISONS.items():
-            command = f"python -m benchmarks.{comparison.script} {' '.join(comparison.fixed_args)}"
+            command = f"python -m benchmarks.{comparison.script}"
             print(f"{name:17s} {command}\n{'':17s} {comparison.what}")
         return 0 if args.list else 2
     if args.comparison == "all" and rest:

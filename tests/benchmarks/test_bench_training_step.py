@@ -56,13 +56,6 @@ def test_paper_shape_is_the_configs_six_encoder_model():
     assert "pooler" not in shape.dense_layers and "classifier" in shape.dense_layers
 
 
-def test_scaling_shape_and_its_validation():
-    shape = harness.scaling_shape(512, 2, TINY)
-    assert (shape.d_model, shape.num_heads, shape.d_ff, shape.num_layers) == (512, 8, 2048, 2)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        harness.scaling_shape(100, 2, TINY)
-
-
 def test_every_candidate_has_the_models_default_packed_dropout(batch):
     shape = replace(TINY, dropout=0.1)
     for cand in (bts.dense_adamw(shape, *batch), bts.comera(shape, *batch)):
@@ -116,44 +109,6 @@ def test_galore_missing_is_skipped_with_the_install_command(batch, monkeypatch):
     monkeypatch.setitem(sys.modules, "galore_torch", None)  # makes `import galore_torch` raise ImportError
     cand = bts.dense_galore(TINY, *batch)
     assert cand.skipped and "pip install -e .[galore]" in cand.skipped and cand.step is None
-
-
-def test_quarter_has_a_quarter_of_the_parameters_and_consistent_optimizer_state(batch):
-    ids, labels = batch
-    base = bts.comera(TINY, ids, labels)
-    quarter = bts.comera_quarter(base, TINY, ids, labels)
-    assert quarter.info["basis"] == "total"
-    assert quarter.parameters / base.parameters == pytest.approx(0.25, abs=0.02)
-    assert (
-        quarter.info["parameters"] == quarter.parameters == bts.parameters_after_cut(base.model, quarter.info["keep"])
-    )
-    assert base.model is not quarter.model and base.parameters == bts.trainable_parameters(base.model)
-    for _, layer in tt_layers(quarter.model):
-        assert all(bool(m.all()) for m in layer.rank_masks), "after truncation every remaining slice is active"
-    for group in quarter.optimizer.param_groups:
-        for p in group["params"]:
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert quarter.optimizer.state[p][key].shape == p.shape
-    assert math.isfinite(float(quarter.step()))
-
-
-def test_quarter_falls_back_to_the_tt_parameters_when_the_rest_is_too_big(batch):
-    ids, labels = batch
-    shape = harness.Shape(
-        vocab_size=300,
-        d_model=64,
-        num_heads=2,
-        d_ff=256,
-        num_layers=1,
-        seq_len=16,
-        dropout=0.0,
-        dense_layers="position|token_type|pooler|classifier|fc1|fc2",
-    )
-    base = bts.comera(shape, ids, labels)
-    quarter = bts.comera_quarter(base, shape, ids, labels)
-    assert quarter.info["basis"] == "tt"
-    tt_before = sum(p.numel() for _, layer in tt_layers(base.model) for p in [*layer.cores, *layer.gates])
-    assert quarter.info["tt_parameters"] / tt_before == pytest.approx(0.25, abs=0.03)
 
 
 def test_rank_adaptation_work_adds_the_penalty_gradient_and_refreshes_masks(batch):
@@ -295,8 +250,6 @@ def test_main_bf16_mixed_on_the_cpu_records_it_and_trains(tmp_path, monkeypatch,
         bts.main(
             [
                 "--quick",
-                "--part",
-                "step",
                 "--precision",
                 "bf16-mixed",
                 "--batch",
@@ -359,12 +312,6 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
             "always",
             "--min-total-s",
             "0",
-            "--d-models",
-            "64",
-            "--scaling-layers",
-            "1",
-            "--scaling-batch",
-            "1",
             "--max-other-load",
             "1",
             "--out-dir",
@@ -377,7 +324,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     step = json.loads((tmp_path / "training_step.json").read_text())
     assert set(step["results"]) == {"1", "2"}
     res = step["results"]["2"]
-    assert set(res["candidates"]) == {bts.DENSE, bts.GALORE, bts.COMERA, bts.QUARTER}
+    assert set(res["candidates"]) == {bts.DENSE, bts.GALORE, bts.COMERA}
     for name, entry in res["candidates"].items():
         if entry.get("skipped"):
             continue
@@ -392,11 +339,7 @@ def test_main_writes_tables_json_and_plots(tmp_path, monkeypatch, capsys):
     assert profiles["1"]["against"] == (bts.GALORE if _galore_available() else bts.DENSE)
     assert all(p["comera"]["top"] and p["other"]["top"] and "cap the speedup" in p["why"] for p in profiles.values())
     assert step["machine"]["torch"] == torch.__version__
-    scaling = json.loads((tmp_path / "training_scaling.json").read_text())
-    assert [r["d_model"] for r in scaling["rows"]] == [64]
-    assert all(r["modes"] for r in scaling["rows"])
-    for png in ("training_step.png", "training_scaling.png"):
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "training_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -406,8 +349,6 @@ def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     assert (
         bts.main(
             [
-                "--part",
-                "step",
                 "--batch",
                 "1",
                 "--repeats",
@@ -429,16 +370,14 @@ def test_main_reports_skipped_galore(tmp_path, monkeypatch, capsys):
     step = json.loads((tmp_path / "training_step.json").read_text())
     assert "pip install" in step["results"]["1"]["candidates"][bts.GALORE]["skipped"]
     assert step["results"]["1"]["ratios"]["memory GaLore/CoMERA"] is None
-    assert not (tmp_path / "training_scaling.json").exists()
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--part", "bogus"], "invalid choice"),
+        (["--profile", "bogus"], "invalid choice"),
         (["--batch", "0"], "positive integer"),
         (["--batch", "many"], "positive integer"),
-        (["--d-models", "100"], "multiples of 64"),
     ],
 )
 def test_bad_arguments_fail_clearly(argv, message, capsys):
