@@ -142,7 +142,7 @@ def _fit(size: Size, steps: int, precision: str, device: str, graphs: Any | None
     return module, start, timer
 
 
-def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
+def _update_difference(a, b, start_b) -> tuple[float, float, str]:
     """(||theta_a - theta_b|| / ||theta_b - theta_b_start|| over all parameters, largest absolute parameter
     difference, its tensor). A global norm: parameters of zero true gradient (the attention key bias) get Adam
     updates of rounding noise that no two runs share. Tensors truncated on the way count in the numerator only."""
@@ -164,9 +164,9 @@ def _update_difference(a, b, start_a, start_b) -> tuple[float, float, str]:
 def compare_training(size: Size, steps: int, precision: str, device: str, backend: str = "cuda") -> dict:
     """Train eagerly and with CudaGraphs from the same seed; return differences, counters and loop step times."""
     graphs = CudaGraphs(backend=backend, warmup_steps=3)
-    captured, start_c, timer_c = _fit(size, steps, precision, device, graphs)
+    captured, _, timer_c = _fit(size, steps, precision, device, graphs)
     eager, start_e, timer_e = _fit(size, steps, precision, device, None)
-    update_rel, max_abs, worst = _update_difference(captured, eager, start_c, start_e)
+    update_rel, max_abs, worst = _update_difference(captured, eager, start_e)
     losses_c, losses_e = timer_c.losses, timer_e.losses
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_c, losses_e, strict=True))
     tol, update_tol = TOLERANCE[precision], UPDATE_TOLERANCE[precision]
@@ -234,33 +234,29 @@ def time_steps(size: Size, precision: str, batch: int, **timing) -> dict:
     }
 
 
-def report(identity: list[dict], timings: list[dict], on_gpu: bool) -> str:
-    """The markdown table: per size, precision and timed batch, step times and speed-up (GPU), then the identity
-    check (run at the size's own batch, which the Lightning-loop ratio is also measured at) and re-captures."""
+def report(identity: list[dict], timings: list[dict]) -> str:
+    """Markdown: per precision, the identity check (with the Lightning loop's step ratio on a GPU), then per precision
+    and batch the bare step's times, speed-up and peak memory (GPU only)."""
     rows = []
-    for check in identity:
-        loop, tol, own_batch = check["loop_step_s"], check["tolerance"], check["batch"]
-        timed = [t for t in timings if (t["size"], t["precision"]) == (check["size"], check["precision"])]
-        identical = "yes" if check["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})"
-        tail = [f"{check['update_rel_diff']:.1e} / {check['loss_rel_diff']:.1e}", identical]
-        tail += [f"{check['graphs']['captures']} / {check['graphs']['invalidations']}"]
-        for t in sorted(timed, key=lambda t: t["batch"]) or [None]:
-            in_loop = on_gpu and loop["graphs"] > 0 and (t is None or t["batch"] == own_batch)
-            cells = [check["size"], check["precision"], t["batch"] if t else own_batch]
-            if t:
-                median, paired = t["timing"]["median_s"], t["paired_speedups"]
-                cells += [harness.ms(median["eager"]), harness.ms(median["graphs"]), harness.times(t["speedup"])]
-                cells += [f"{min(paired):.2f}-{max(paired):.2f}"]
-            else:
-                cells += ["-"] * 4
-            cells.append(harness.times(loop["eager"] / loop["graphs"]) if in_loop else "-")
-            cells.append(" / ".join(harness.mib(t["peak_memory_bytes"][k]) for k in ("eager", "graphs")) if t else "-")
-            rows.append([*cells, *tail, t["noise"] if t else "-"])
-    headers = (
-        "size|precision|batch|eager step|graphed step|speed-up|paired range|in Lightning loop|peak mem eager / graphs"
-        "|update / loss rel diff (own batch)|identical|captures / re-captures|clean rounds"
-    )
-    return harness.table(headers, rows)
+    for c in identity:
+        tol, loop, graphs = c["tolerance"], c["loop_step_s"], c["graphs"]
+        identical = "yes" if c["identical"] else f"NO (tol {tol['update_rel']:g} / {tol['loss_rel']:g})"
+        timed = c["backend"] == "cuda" and loop["graphs"] > 0
+        cells = [c["precision"], f"{c['update_rel_diff']:.1e} / {c['loss_rel_diff']:.1e}", identical]
+        cells += [f"{graphs['captures']} / {graphs['invalidations']}"]
+        rows.append([*cells, harness.times(loop["eager"] / loop["graphs"]) if timed else "-"])
+    headers = "precision|update / loss rel diff|identical|captures / re-captures|in Lightning loop"
+    tables = [harness.table(headers, rows)]
+    rows = []
+    for t in timings:
+        median, paired, peak = t["timing"]["median_s"], t["paired_speedups"], t["peak_memory_bytes"]
+        cells = [t["precision"], t["batch"], harness.ms(median["eager"]), harness.ms(median["graphs"])]
+        cells += [harness.times(t["speedup"]), f"{min(paired):.2f}-{max(paired):.2f}"]
+        rows.append([*cells, f"{harness.mib(peak['eager'])} / {harness.mib(peak['graphs'])}", t["noise"]])
+    if rows:
+        headers = "precision|batch|eager step|graphed step|speed-up|paired range|peak mem eager / graphs|clean rounds"
+        tables.append(harness.table(headers, rows))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in sorted({1, size.batch}) if on_gpu else []:
             timings.append(time_steps(size, precision, batch, **harness.timing_options(args)))
     print(f"CUDA graphs vs eager ({args.backend} backend, {args.steps} steps per identity run)\n")
-    print(report(identity, timings, on_gpu))
+    print(report(identity, timings))
     settings = {"steps": args.steps, "precision": args.precision, "backend": args.backend, "repeats": args.repeats}
     settings.update(size=asdict(size), tolerance=TOLERANCE)
     payload = {"skipped": False, "machine": harness.machine_info(), "settings": settings, "identity": identity}

@@ -80,11 +80,6 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def tt_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The TT layers' cores and gates."""
-    return [p for _, layer in tt_layers(model) for p in [*layer.cores, *layer.gates]]
-
-
 # ------------------------------------------------------------------------------------------------------
 # candidates: one training setup each
 
@@ -378,8 +373,6 @@ def run_batch(
             entries[c.name]["refresh"] = time_galore_refresh(c, refresh_samples)
         if tt_layers(c.model):
             entries[c.name]["size_report"] = size_report(c.model).as_dict()
-        else:
-            entries[c.name]["tt_parameters"] = 0
     paired = {f"{a.name}/{b.name}": timing.paired_ratios(a.name, b.name) for a in live for b in live if a is not b}
     noise = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in paired.items()}
     results = {"batch": batch, "tokens_per_step": batch * shape.seq_len, "timing": timing.summary()}

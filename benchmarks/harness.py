@@ -539,11 +539,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def verdict(measured: float | None, target: float, higher_is_better: bool = True) -> str:
-    """'met' / 'MISSED' of a measured value against a target ('n/a' when nothing was measured)."""
+def verdict(measured: float | None, target: float) -> str:
+    """'met' / 'MISSED' of a measured value against the least it should reach ('n/a' when nothing was measured)."""
     if measured is None:
         return "n/a"
-    return "met" if (measured >= target if higher_is_better else measured <= target) else "MISSED"
+    return "met" if measured >= target else "MISSED"
 
 
 def table(headers: str | Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -4,7 +4,7 @@ Every run trains one model from the study's seed on the study's datamodule, prep
 the same batches in the same order (samplers and MLM masks depend on the data seed only), for ``spec.steps``
 optimiser steps. The training clock (:class:`StudyRecorder`) counts everything a training step costs and leaves the
 validation passes out; ``/proc/stat`` gives the CPU other processes took during each run. The studies' tasks come
-from :func:`study_spec`: the decoder of a CausalLM config (:func:`spec_from_config`) or the quickstart's masked LM
+from :func:`study_spec`: the decoder of ``configs/llm_cpu.yaml`` (:func:`lm_spec`) or the quickstart's masked LM
 (:func:`mlm_spec`), on a corpus of Python sources. :func:`run_pool` runs a study's jobs on worker processes, asking its
 plan again after each one; :func:`worker_datamodule` keeps a worker's data for its next run.
 """
@@ -50,10 +50,8 @@ class StudySpec:
 
     ``task_kwargs`` go to the task's LightningModule (each method sets ``tt_linears``/``tt_embeddings``),
     ``data_kwargs`` to its datamodule, ``rank_kwargs`` to ``RankAdaptation`` (the late stage starts at
-    ``late_fraction`` of the run). ``metric`` is the headline validation metric, ``secondary`` a second one. Every
-    run trains on the CPU in float32. ``datamodule`` names a datamodule of ``comera_lightning.data`` other than the
-    task's (a config's ``TextLMDataModule``); ``grad_clip`` clips the gradients' global norm (the Trainer's
-    ``gradient_clip_val``; None: no clipping).
+    ``late_fraction`` of the run). Every run trains on the CPU in float32. ``grad_clip`` clips the gradients'
+    global norm (the Trainer's ``gradient_clip_val``; None: no clipping).
     """
 
     name: str
@@ -63,12 +61,8 @@ class StudySpec:
     steps: int
     val_every: int
     limit_val_batches: int | None
-    metric: str
-    secondary: str
-    higher_is_better: bool = True
     late_fraction: float = 0.5
     seed: int = 0
-    datamodule: str | None = None
     grad_clip: float | None = None
 
     def check(self) -> None:
@@ -121,7 +115,7 @@ def build_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     """The study's datamodule, prepared and set up once (every run then reads the very same tensors)."""
     import comera_lightning.data as data
 
-    cls = getattr(data, spec.datamodule or TASKS[spec.name][1])
+    cls = getattr(data, TASKS[spec.name][1])
     dm = cls(**spec.data_kwargs, cache_dir=str(cache_dir), seed=spec.seed)
     dm.prepare_data()
     dm.setup("fit")
@@ -133,7 +127,7 @@ _DATAMODULES: dict[str, Any] = {}
 
 def worker_datamodule(spec: StudySpec, cache_dir: Path = DEFAULT_CACHE):
     """:func:`build_datamodule` of ``spec``, kept for a worker process's next run on the same data (one at a time)."""
-    data = [spec.name, spec.datamodule, spec.seed, spec.data_kwargs, str(cache_dir)]
+    data = [spec.name, spec.seed, spec.data_kwargs, str(cache_dir)]
     key = json.dumps(data, sort_keys=True, default=str)
     if key not in _DATAMODULES:
         _DATAMODULES.clear()
@@ -209,9 +203,6 @@ def mlm_spec(quick: bool = False) -> StudySpec:
         steps=2000,
         val_every=200,
         limit_val_batches=16,
-        metric="val/mlm_accuracy",
-        secondary="val/loss",
-        higher_is_better=True,
         late_fraction=0.4,
     )
     if quick:
@@ -245,7 +236,7 @@ def study_spec(
     the full-width model at ``d_model`` (the head width and the FFN's ratio to d_model kept)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; use one of {tuple(TASKS)}")
-    spec = spec_from_config(quick=quick) if task == "lm" else mlm_spec(quick)
+    spec = lm_spec(quick) if task == "lm" else mlm_spec(quick)
     spec = replace(spec, seed=seed, steps=spec.steps if steps is None else steps)
     if d_model is not None:
         if d_model < 1:
@@ -256,9 +247,10 @@ def study_spec(
     return spec
 
 
-def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
-    """The study of a CausalLM config: its model, data and RankAdaptation settings (``quick``: a tiny version)."""
-    config = yaml.safe_load(Path(path).read_text())
+def lm_spec(quick: bool = False) -> StudySpec:
+    """The decoder study: ``configs/llm_cpu.yaml``'s model, data and RankAdaptation settings (``quick``: a tiny
+    version)."""
+    config = yaml.safe_load(CONFIG.read_text())
     task = {k: v for k, v in config["model"]["init_args"].items() if not k.startswith("generate_")}
     rank = next(c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("RankAdaptation"))
     trainer = config["trainer"]
@@ -271,7 +263,6 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
     if isinstance(rank.get("late_stage"), dict):  # a policy object in the config: build it as the CLI would
         module, _, name = rank["late_stage"]["class_path"].rpartition(".")
         rank["late_stage"] = getattr(importlib.import_module(module), name)(**rank["late_stage"].get("init_args", {}))
-    datamodule = config["data"]["class_path"].rsplit(".", 1)[-1]
     spec = StudySpec(
         "lm",
         task,
@@ -280,11 +271,7 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
         steps=steps,
         val_every=int(trainer["val_check_interval"]),
         limit_val_batches=trainer.get("limit_val_batches"),
-        metric="val/perplexity",
-        secondary="val/loss",
-        higher_is_better=False,
         late_fraction=late_fraction,
-        datamodule=datamodule,
     )
     if quick:
         layer = {**spec.task_kwargs.get("layer_config", {}), "rank": 8, "embedding_rank": 8, "min_features": 16}
@@ -300,11 +287,7 @@ def spec_from_config(path: Path = CONFIG, quick: bool = False) -> StudySpec:
             layer_config=layer,
             optim={**spec.task_kwargs.get("optim", {}), "warmup_steps": 2},
         )
-        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8)
-        if datamodule == "CodeLMDataModule":
-            spec.data_kwargs.update(max_files=30, max_sequences=400)
-        else:
-            spec.data_kwargs.update(tokenizer_sample_mb=1.0)
+        spec.data_kwargs.update(vocab_size=512, seq_len=32, batch_size=8, max_files=30, max_sequences=400)
         spec.rank_kwargs.update(truncate_every_n_steps=3, target_compression=None, target_size_ratio=0.5)
         spec.steps, spec.val_every, spec.limit_val_batches = 6, 3, 2
     return spec

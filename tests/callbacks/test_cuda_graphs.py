@@ -465,3 +465,30 @@ def _truncate_half(model):
         layer.gates[0][: layer.gates[0].numel() // 2] = 0.0
     layer.refresh_masks_()
     return layer.truncate_()
+
+
+def test_benchmark_report_renders_a_gpu_runs_identity_and_timing():
+    from benchmarks import bench_cuda_graphs
+
+    check = {
+        "precision": "bf16-mixed",
+        "backend": "cuda",
+        "identical": False,
+        "update_rel_diff": 0.2,
+        "loss_rel_diff": 0.01,
+        "tolerance": {"update_rel": 0.05, "loss_rel": 0.02},
+        "graphs": {"captures": 2, "invalidations": 1},
+        "loop_step_s": {"eager": 0.03, "graphs": 0.02},
+    }
+    timing = {
+        "precision": "bf16-mixed",
+        "batch": 1,
+        "speedup": 1.5,
+        "paired_speedups": [1.4, 1.6],
+        "timing": {"median_s": {"eager": 0.003, "graphs": 0.002}},
+        "peak_memory_bytes": {"eager": 2**20, "graphs": 2**21},
+        "noise": "5/5",
+    }
+    text = bench_cuda_graphs.report([check], [timing])
+    assert "| bf16-mixed | 2.0e-01 / 1.0e-02 | NO (tol 0.05 / 0.02) | 2 / 1 | 1.50x |" in text
+    assert "| bf16-mixed | 1 | 3.00 | 2.00 | 1.50x | 1.40-1.60 | 1.00 / 2.00 | 5/5 |" in text

@@ -1,4 +1,10 @@
-"""The per-core parameterisation (``mup``): fan-ins, init scales, rate multipliers, and the coordinate check."""
+"""The per-core parameterisation (``mup``): fan-ins, init scales, rate multipliers, and the coordinate check.
+
+The coordinate check asks whether a layer's output, and its change in a step, keep their size as the model widens: a
+``width -> 4 width -> width`` MLP of TT layers (rank width / 8) or low-rank ``A B`` layers (rank width / 4) trains a
+few AdamW steps on a fixed batch. Flat rows keep muP's promise; a row that grows with the width is a rate that has to
+shrink as the model widens. ``python -m tests.tt.test_parameterization`` prints the table in docs/parameterization.md.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from comera_lightning.tt import init_cores, tt_to_dense, ttm_to_dense
 from comera_lightning.tt.parameterization import MUP_BASE_FAN_IN, core_fan_ins, mup_init_stds, mup_lr_scales
 
 F64 = torch.float64
+WIDTHS = (128, 256, 512, 1024)
+KINDS = ("tt", "low-rank")
 
 
 def rms(t: torch.Tensor) -> float:
@@ -144,3 +152,65 @@ def test_layer_config_and_tensorize_build_mup_layers():
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
     tensorize(model, rank=8, parameterization="mup")
     assert [m.parameterization for m in model if isinstance(m, TTLinear)] == ["mup", "mup"]
+
+
+def coordinate_check(parameterization: str, kind: str, width: int, lr: float = 1e-2) -> dict[str, float]:
+    """RMS of the hidden and output activations at init and of their change after 3 AdamW steps at ``lr``."""
+    torch.manual_seed(0)
+    low_rank = kind == "low-rank"
+    rank = width // 4 if low_rank else width // 8
+    up_modes = {"in_modes": [width], "out_modes": [4 * width]} if low_rank else {}
+    down_modes = {"in_modes": [4 * width], "out_modes": [width]} if low_rank else {}
+    up = TTLinear(width, 4 * width, rank, parameterization=parameterization, **up_modes)
+    down = TTLinear(4 * width, width, rank, parameterization=parameterization, **down_modes)
+    model = nn.Sequential(up, nn.GELU(), down)
+    x, target = torch.randn(256, width), torch.randn(256, width)
+    optimizer = torch.optim.AdamW(comera_parameter_groups(model, lr, lr, lr), weight_decay=0.0)
+    with torch.no_grad():
+        hidden0, out0 = up(x), model(x)
+    for _ in range(3):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), target).backward()
+        optimizer.step()
+    with torch.no_grad():
+        hidden1, out1 = up(x), model(x)
+    changes = {"hidden_change": rms(hidden1 - hidden0), "output_change": rms(out1 - out0)}
+    return {"hidden": rms(hidden0), "output": rms(out0), **changes}
+
+
+def spread(values: list[float]) -> float:
+    return max(values) / min(values)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_coordinate_check_is_flat_within_2x_from_width_128_to_1024_under_mup(kind):
+    rows = [coordinate_check("mup", kind, w) for w in WIDTHS]
+    for key in ("hidden", "output", "hidden_change", "output_change"):
+        values = [r[key] for r in rows]
+        assert spread(values) < 2.0, (key, values)
+        assert min(values) > 0.1, (key, values)  # Theta(1): flat, not flat because it vanished
+
+
+def test_under_the_standard_parameterisation_the_low_rank_update_grows_with_the_width():
+    changes = [coordinate_check("standard", "low-rank", w)["output_change"] for w in WIDTHS]
+    assert changes == sorted(changes) and spread(changes) > 4.0, changes
+
+
+def coordinate_table() -> str:
+    """The markdown table of every (parameterisation, layer kind, quantity) across the widths, with its spread."""
+    widths = " | ".join(f"d {w}" for w in WIDTHS)
+    lines = [f"| parameterisation | layers | RMS of | {widths} | largest / smallest |"]
+    lines.append("|---" * (4 + len(WIDTHS)) + "|")
+    torch.set_num_threads(1)
+    for parameterization in ("standard", "mup"):
+        for kind in KINDS:
+            checks = [coordinate_check(parameterization, kind, w) for w in WIDTHS]
+            for key in ("output", "hidden_change", "output_change"):
+                values = [c[key] for c in checks]
+                cells = [parameterization, kind, key.replace("_", " "), *(f"{v:.3f}" for v in values)]
+                lines.append("| " + " | ".join([*cells, f"{spread(values):.2f}x"]) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(coordinate_table())
