@@ -424,7 +424,7 @@ def summary_markdown(results: dict[str, Any], status: dict[str, dict], machine: 
     width_rows = results.get("width_comera_at_equal_time") or []
     wins = [r["wins"] for r in width_rows if r["wins"] is not None]  # None: outside dense's range, not judged
     width = "n/a" if not wins else "met" if any(wins) else "MISSED"
-    width_measured = "; ".join(f"d {r['width']}: {r['loss']:.3f} against {r['dense']}" for r in width_rows) or "-"
+    width_measured = "; ".join(width_report.beside_dense(r["width"], r["loss"], r["dense"]) for r in width_rows) or "-"
     fit_what = "ranks shrink, truncations, val loss finite, the checkpoint"
     keys = ("step_speedup_dense_over_comera", "memory_galore_over_comera_batch1", "cuda_graphs_speedup_batch1")
     step, memory, graphs = (results.get(k) for k in keys)
