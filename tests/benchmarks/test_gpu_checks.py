@@ -128,7 +128,7 @@ def test_summary_judges_every_target(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "NVIDIA H200" in text and text.count("| met |") == 8 and "MISSED" not in text and "FAILED" not in text
     assert "aten::mm 40 %" in text  # the profile travels with the summary
-    assert "| d 128: 2.600 against 2.685 (-3.2%) | met |" in text  # CoMERA read against dense's front in time
+    assert "| d 128: 2.600 against 2.685 (-3.1%) | met |" in text  # CoMERA read against dense's front in time
     # the compiled fits' steps/s as ratios to the eager fit of the same run
     assert "1.50x eager's steps/s" in text and "2.50x eager's steps/s" in text
     assert "val loss 5.000, 4.900, resumed to step 250" in text
